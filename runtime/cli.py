@@ -1,6 +1,11 @@
-"""`strata-run`: generate from a strata-setup config."""
+"""`strata-run`: generate from a strata-setup config (PRODUCT.md). Streams text, then a one-line stats summary;
+`--json` prints one JSON object instead. Exit 0 ok, 1 failure of the work, 2 bad usage or input."""
 
 from __future__ import annotations
+
+import json
+import sys
+import traceback
 
 import typer
 
@@ -15,13 +20,73 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _fail(msg: str, code: int, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    typer.echo(f"strata-run: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _summary(stats: dict) -> str:
+    apw = stats.get("accepted_per_window") or []
+    mean = (sum(apw) / len(apw)) if apw else 0.0
+    return (f"[{stats['drafter']} on {stats['device']}] prompt {stats['prompt_tokens']} tok, "
+            f"generated {stats['generated_tokens']} tok in {stats['decode_s']:.2f} s "
+            f"({stats['decode_tok_s']:.1f} tok/s), windows {stats['windows']}, "
+            f"accepted {stats['accepted']}/{stats['proposed']} ({mean:.2f} per window)")
+
+
 @app.command()
 def run(
+    config: str = typer.Option(None, "--config", help="strata-setup config (TOML)."),
+    prompt: str = typer.Option(None, "--prompt", help="Prompt text."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed."),
+    block: int = typer.Option(None, "--block", help="Verify window width (overrides the config)."),
+    spec_min_p: float = typer.Option(None, "--spec-min-p", help="Draft confidence floor (overrides the config)."),
+    no_draft: bool = typer.Option(False, "--no-draft", help="Run the target alone."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, stats)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Generate text with speculative decoding."""
-    typer.echo("strata-run: the engine is not built yet.")
-    raise typer.Exit(1)
+    if not config:
+        _fail("--config is required (the file strata-setup wrote); pass --config PATH.", 2, False)
+    if prompt is None:
+        _fail("--prompt is required; pass --prompt TEXT.", 2, False)
+    if max_new_tokens < 0:
+        _fail(f"--max-new-tokens must be >= 0, got {max_new_tokens}.", 2, False)
+    if block is not None and block < 1:
+        _fail(f"--block must be >= 1, got {block}.", 2, False)
+    if spec_min_p is not None and not 0 <= spec_min_p <= 1:
+        _fail(f"--spec-min-p must be between 0 and 1, got {spec_min_p}.", 2, False)
+    try:
+        from runtime.engine import Engine, SamplingParams
+
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        engine = Engine.from_config(config, **({"block": block} if block is not None else {}))
+        stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        res = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, block=block,
+                              spec_min_p=spec_min_p, draft=not no_draft, on_text=stream)
+    except typer.Exit:
+        raise
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        _fail(str(e), 2, debug)
+    except MemoryError:
+        _fail("out of memory; lower the context or the expert cache slots in the config.", 1, debug)
+    except Exception as e:  # the work failed (CUDA OOM, I/O, ...): one sentence, traceback only with --debug
+        name = type(e).__name__
+        if "OutOfMemory" in name:
+            _fail("out of GPU memory; lower the context or the expert cache slots in the config.", 1, debug)
+        _fail(f"generation failed: {name}: {e}", 1, debug)
+    if as_json:
+        typer.echo(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
+    else:
+        sys.stdout.write("\n")
+        typer.echo(_summary(res.stats), err=True)
 
 
 def main() -> None:

@@ -1,8 +1,18 @@
-"""`strata-setup`: the typer application (the wizard and its subcommands hang off this)."""
+"""`strata-setup`: the typer application — the wizard (interactive or scripted) and its subcommands.
+
+Exit codes (PRODUCT.md): 0 success, 1 the work failed, 2 bad usage or input; 130 when the user pressed Ctrl-C.
+Errors are one sentence on stderr; `--debug` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
 import typer
+from rich.console import Console
 
 from runtime.version import __version__
 
@@ -13,6 +23,12 @@ app = typer.Typer(
     add_completion=False,
 )
 
+FLAGS_HINT = (
+    "strata-setup needs a terminal to ask questions; pass --yes to take the recommended answers "
+    "(with any of --target, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
+    "--calibrate/--no-calibrate, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
+)
+
 
 def _version(value: bool) -> None:
     if value:
@@ -20,14 +36,230 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+# Seams the tests replace: the machine, the other areas' functions, and whether a person is at the terminal.
+def get_hardware():
+    from setup_wizard.hardware import detect
+    from setup_wizard.plan import strata_home
+
+    return detect(strata_home())
+
+
+def get_services(json_out: bool = False):
+    from setup_wizard.plan import RealServices
+
+    return RealServices(console=Console(stderr=True) if json_out else None)
+
+
+def is_interactive() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _fail(message: str, code: int, debug: bool, exc: BaseException | None = None) -> None:
+    if debug and exc is not None:
+        raise exc
+    Console(stderr=True).print(f"[red]Error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _error_code(exc: BaseException) -> int | None:
+    """2 for bad input, 1 for a failed step, None for anything unexpected."""
+    from setup_wizard.budget import BudgetError
+    from setup_wizard.config import ConfigError
+    from setup_wizard.plan import StepError, UsageError
+
+    if isinstance(exc, UsageError | ConfigError | BudgetError):
+        return 2
+    if isinstance(exc, StepError):
+        return 1
+    for mod, name, code in (("setup_wizard.catalog", "CatalogError", 2), ("calibrate.key", "CalibrationConfigError", 2),
+                            ("runtime.dflash2_contract", "ContractError", 2)):
+        cls = getattr(sys.modules.get(mod), name, None)
+        if cls is not None and isinstance(exc, cls):
+            return code
+    if isinstance(exc, OSError):
+        return 1
+    return None
+
+
 @app.callback(invoke_without_command=True)
 def main_callback(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="No questions: take the recommended answer for the rest."),
+    target: str | None = typer.Option(None, help="Catalog name or a local model folder."),
+    drafter: str | None = typer.Option(None, help="mtp | dflash2 | none (default: mtp when the target has a head)."),
+    dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
+    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help="bf16 | q8_0 | q5_0 | q4_0."),
+    context: int | None = typer.Option(None, help="Context length in tokens (default: recommended from the budget)."),
+    vram_reserve_mib: int | None = typer.Option(None, "--vram-reserve-mib", help="Memory to keep free, MiB."),
+    calibrate: bool | None = typer.Option(None, "--calibrate/--no-calibrate", help="Calibrate now (default yes)."),
+    offline: bool = typer.Option(False, "--offline", help="Use only what is already downloaded and verified."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and budget; write nothing."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (progress goes to stderr)."),
+    config_out: Path | None = typer.Option(None, "--config-out", help="Where to write the config."),
+    answers: Path | None = typer.Option(None, "--answers", help="Answer the questions from a TOML file."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """The wizard runs when no subcommand is given."""
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
+    """Without a subcommand: the setup wizard (interactive with a terminal, scripted with --yes)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from setup_wizard import plan as P
+
+    flags = P.Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
+                      context=context, vram_reserve_mib=vram_reserve_mib, calibrate=calibrate, offline=offline,
+                      config_out=config_out)
+    try:
+        choices = P.merge_choices(P.load_answers(answers), flags) if answers else flags
+        choices.validate()
+        scripted = yes or answers is not None
+        if not scripted and not is_interactive():
+            _fail(FLAGS_HINT, 2, False)
+        run_setup(choices, interactive=not scripted, dry_run=dry_run, json_out=json_out)
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        Console(stderr=True).print("\nCancelled; nothing half-written. Run strata-setup again to continue.")
+        raise typer.Exit(130) from None
+    except Exception as exc:  # one sentence, the right code
+        code = _error_code(exc)
+        if code is None:
+            _fail(f"Unexpected error: {exc} (rerun with --debug for details).", 1, debug, exc)
+        _fail(str(exc), code, debug, exc)
+
+
+def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
+              output: Any = None) -> int:
+    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run command."""
+    from setup_wizard import plan as P
+    from setup_wizard import wizard as W
+
+    out = Console(stderr=True) if json_out else Console()
+    hw = get_hardware()
+    services = get_services(json_out) if json_out else get_services()
+    if interactive:
+        choices = W.ask(choices, hw, services, input=input, output=output)
+    plan = P.resolve(choices, hw, services)
+    if json_out and dry_run:
+        print(json.dumps({"dry_run": True, "plan": plan.to_dict()}, indent=2))
+        return 0
+    W.show_plan(plan, out)
+    if plan.budget is not None and not plan.budget.fits:
+        raise P.StepError(plan.budget.reason)
+    if dry_run:
+        out.print("[dim]Dry run: nothing was downloaded, converted or written.[/dim]")
+        return 0
+    if interactive and not W.confirm(input=input, output=output):
+        out.print("Nothing was changed.")
+        return 0
+
+    def report(step: str, status: str) -> None:
+        if status == "start":
+            out.print(f"[cyan]…[/cyan] {step}")
+        elif status == "skipped":
+            out.print(f"[green]✓[/green] {step} [dim](already done, verified)[/dim]")
+        else:
+            out.print(f"[green]✓[/green] {step}")
+
+    result = P.execute(plan, services, report=report)
+    if plan.budget is None or plan.budget.table() != result.budget.table():
+        out.print(W.budget_table(result.budget))  # known only now (after the download) or changed
+    cmd = result.run_command()
+    if json_out:
+        print(json.dumps({"config": str(result.config_path), "run": cmd, "plan": plan.to_dict(),
+                          "budget": result.budget.to_dict(), "steps": result.steps}, indent=2))
+    else:
+        out.print(f"\nConfig written to [bold]{result.config_path}[/bold]. Generate with:\n", soft_wrap=True)
+        out.print(f"  {cmd}", highlight=False, soft_wrap=True)
+    return 0
+
+
+@app.command("budget")
+def budget_cmd(
+    config: Path = typer.Option(..., "--config", help="A config written by strata-setup."),
+    json_out: bool = typer.Option(False, "--json", help="Print the budget as JSON."),
+    update: bool = typer.Option(False, "--update", help="Write the recomputed budget into the config."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Recompute the memory budget of a setup on this machine and print it."""
+    from setup_wizard import wizard as W
+    from setup_wizard.config import load_config, stale_reasons, write_config
+    from setup_wizard.plan import budget_for_doc
+
+    try:
+        doc = load_config(config)
+        stale = stale_reasons(doc)
+        if stale:
+            _fail(f"The config {config} is stale: {stale[0]}; rerun strata-setup.", 2, False)
+        budget = budget_for_doc(doc, get_hardware())
+        if update:
+            mem = doc.setdefault("memory", {})
+            mem.update({"expert_cache_slots": budget.expert_cache_slots, "total_experts": budget.total_experts,
+                        "expert_bytes": budget.expert_bytes, "budget": budget.table()})
+            write_config(config, doc)
+    except typer.Exit:
+        raise
+    except Exception as exc:
+        code = _error_code(exc)
+        _fail(str(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
+    if json_out:
+        print(json.dumps({"config": str(config), **budget.to_dict()}, indent=2))
+    else:
+        Console().print(W.budget_table(budget))
+        for note in budget.notes:
+            Console().print(f"[dim]{note}[/dim]")
+        if not budget.fits:
+            Console().print(f"[red]{budget.reason}[/red]")
+    if not budget.fits:
+        raise typer.Exit(1)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    config: Path = typer.Option(..., "--config", help="A config written by strata-setup."),
+    force: bool = typer.Option(False, "--force", help="Measure again even when a result with this key exists."),
+    max_seconds: float | None = typer.Option(None, "--max-seconds", help="Time budget for the sweep."),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Calibrate block size and spec_min_p for a setup and write the result into its config."""
+    from setup_wizard.config import load_config, stale_reasons, write_config
+    from setup_wizard.plan import apply_calibration
+
+    try:
+        doc = load_config(config)
+        if max_seconds is not None and max_seconds <= 0:
+            _fail(f"--max-seconds must be positive, not {max_seconds}.", 2, False)
+        if doc["drafter"]["kind"] == "none":
+            _fail("This setup has no drafter, so there is nothing to calibrate.", 2, False)
+        stale = stale_reasons(doc)
+        if stale:
+            _fail(f"The config {config} is stale: {stale[0]}; rerun strata-setup.", 2, False)
+        results = get_services().calibrate(Path(config), force=force, max_seconds=max_seconds)
+        apply_calibration(doc, results)
+        write_config(config, doc)
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        Console(stderr=True).print("\nCancelled; the config was not changed.")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        code = _error_code(exc)
+        _fail(str(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
+    spec = doc["speculative"]
+    if json_out:
+        print(json.dumps({"config": str(config), "speculative": spec, "calibration": doc.get("calibration")},
+                         indent=2, default=str))
+    else:
+        Console().print(f"block {spec['block']}, spec_min_p {spec['spec_min_p']} ({spec['source']}); "
+                        f"written to {config}")
+
+
+# --- artifact area: the model manager and the converter register here (owned by the artifact engineer) ---
+from setup_wizard.models_cli import convert_cmd, models_app  # noqa: E402
+
+app.add_typer(models_app, name="models")
+app.command("convert")(convert_cmd)
+# --- end artifact area ---
 
 
 def main() -> None:

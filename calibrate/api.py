@@ -1,0 +1,258 @@
+"""The calibration entry points the wizard calls: `calibrate_for_config` (keyed, stored, reused) and
+`calibrate_engine` (one measured search on an engine you already have).
+
+    from calibrate.api import calibrate_for_config
+    res = calibrate_for_config(config_dict)          # -> CalibrationResult
+    config["speculative"].update(block=res.block, spec_min_p=res.spec_min_p, source=res.source)
+    config["calibration"] = res.to_dict()
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from calibrate.fixtures import (
+    NEW_TOKENS,
+    TASKS,
+    EncodedPrompt,
+    encode_prompts,
+    load_prompts,
+    prompt_set_sha256,
+)
+from calibrate.key import CalibrationConfigError, CalibrationKey, drafter_kind, key_for_config
+from calibrate.report import progress_bar, stderr_console, summary_lines, sweep_table
+from calibrate.results import CalibrationResult, ResultStore
+from calibrate.search import FLOORS, Arm, Plan, RunOutcome, Search, SearchResult, candidate_arms
+
+DEFAULT_MAX_SECONDS = 110.0       # the issue's bar: the bundled pack calibrates in under two minutes on a GPU
+METHOD = "coarse-to-fine + successive halving, head-to-head confirmation, 3% bar"
+
+
+@dataclass
+class EngineSettings:
+    """What calibration needs to know about the engine's drafter."""
+
+    kind: str
+    max_block: int
+    default: Arm           # what the runtime uses when uncalibrated
+    current: Arm | None    # what the config says now (a candidate too)
+    default_from: str      # where `default` was read from
+
+
+class EngineRunner:
+    """Adapts `Engine.generate` to the search's `Runner`: greedy, fixed new tokens, token ids in, stats out."""
+
+    def __init__(self, engine: Any, prompts: dict[str, EncodedPrompt], new_tokens: int) -> None:
+        self.engine = engine
+        self.prompts = prompts
+        self.new_tokens = new_tokens
+        self.sampling = _greedy()
+
+    def __call__(self, arm: Arm | None, task: str) -> RunOutcome:
+        # no stop tokens: every run generates exactly `new_tokens`, so runs and arms are comparable
+        kw: dict[str, Any] = {"max_new_tokens": self.new_tokens, "stop_ids": set()}
+        if self.sampling is not None:
+            kw["sampling"] = self.sampling
+        if arm is None:
+            kw["draft"] = False
+        else:
+            kw.update(draft=True, block=arm.block, spec_min_p=arm.spec_min_p)
+        res = self.engine.generate(list(self.prompts[task].ids), **kw)
+        st = res.stats
+        n = len(res.token_ids)
+        decode_s = float(st.get("decode_s") or 0.0)
+        tok_s = float(st.get("decode_tok_s") or (n / decode_s if decode_s > 0 else 0.0))
+        return RunOutcome(token_ids=list(res.token_ids), tok_s=tok_s, decode_s=decode_s,
+                          accepted=int(st.get("accepted", 0) or 0), proposed=int(st.get("proposed", 0) or 0),
+                          windows=int(st.get("windows", 0) or 0))
+
+
+def _greedy() -> Any:
+    try:
+        from runtime.engine import SamplingParams
+    except ImportError:       # the engine's own default is greedy
+        return None
+    return SamplingParams(temperature=0.0)
+
+
+def _first(*vals: Any) -> Any:
+    return next((v for v in vals if v is not None), None)
+
+
+def engine_settings(engine: Any, config: dict[str, Any] | None = None) -> EngineSettings:
+    """The drafter's block range and the uncalibrated default (block, floor) to beat.
+
+    The default is, in order: what the engine exposes (`default_block`/`default_spec_min_p` on the engine or its
+    drafter); the config's `[speculative]` when its source is "default" (what setup writes before calibrating);
+    the default an earlier calibration recorded in `[calibration]` (so a forced rerun beats the same default);
+    the runtime's own fallbacks (MTP: `runtime.engine.MTP_DEFAULT_BLOCK`, DFlash2: the trained block size; floor 0,
+    which is what the engine uses when given none)."""
+    spec = (config or {}).get("speculative") or {}
+    drafter = getattr(engine, "drafter", None)
+    kind = str(_first(getattr(drafter, "kind", None), getattr(engine, "drafter_kind", None),
+                      ((config or {}).get("drafter") or {}).get("kind"), "none"))
+    max_block = _first(getattr(drafter, "max_block", None), getattr(engine, "max_block", None))
+    if drafter is None or max_block is None:
+        return EngineSettings(kind, 1, Arm(1, 0.0), None, "no drafter")
+    max_block = int(max_block)
+    eb = _first(getattr(engine, "default_block", None), getattr(drafter, "default_block", None))
+    ep = _first(getattr(engine, "default_spec_min_p", None), getattr(drafter, "default_spec_min_p", None))
+    if eb is not None and ep is not None:
+        block, floor, src = int(eb), float(ep), "engine"
+    elif spec.get("source", "default") == "default" and spec.get("block") is not None \
+            and spec.get("spec_min_p") is not None:
+        block, floor, src = int(spec["block"]), float(spec["spec_min_p"]), "config (uncalibrated)"
+    elif (prev := _previous_default(config or {})) is not None:
+        block, floor, src = prev[0], prev[1], "config (previous calibration)"
+    else:
+        block, floor, src = _runtime_default_block(kind, max_block), 0.0, "runtime fallback"
+    block = min(max(block, 2), max_block)
+    current = None
+    if spec.get("block") is not None and spec.get("spec_min_p") is not None:
+        current = Arm(min(max(int(spec["block"]), 2), max_block), round(float(spec["spec_min_p"]), 6))
+    return EngineSettings(kind, max_block, Arm(block, round(floor, 6)), current, src)
+
+
+def _previous_default(config: dict[str, Any]) -> tuple[int, float] | None:
+    cal = config.get("calibration") or {}
+    for table in (cal, cal.get("results") or {}):
+        d = table.get("default") if isinstance(table, dict) else None
+        if isinstance(d, dict) and d.get("block") is not None and d.get("spec_min_p") is not None:
+            return int(d["block"]), float(d["spec_min_p"])
+    return None
+
+
+def _runtime_default_block(kind: str, max_block: int) -> int:
+    if kind == "mtp":
+        try:
+            from runtime.engine import MTP_DEFAULT_BLOCK
+        except ImportError:
+            return min(4, max_block)
+        return int(MTP_DEFAULT_BLOCK)
+    return max_block
+
+
+def candidate_grid(es: EngineSettings, floors: tuple[float, ...] = FLOORS) -> list[Arm]:
+    """Blocks 2..max_block x (the floors + the current and default floors), plus the default and current arms."""
+    extra = [es.default] + ([es.current] if es.current else [])
+    return candidate_arms(es.max_block, [*floors, *(a.spec_min_p for a in extra)], extra)
+
+
+def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, prompts: dict[str, str] | None = None,
+                     new_tokens: int = NEW_TOKENS, max_seconds: float | None = DEFAULT_MAX_SECONDS,
+                     plan: Plan | None = None, floors: tuple[float, ...] = FLOORS,
+                     clock: Callable[[], float] = time.perf_counter, progress: Any = None,
+                     context: int | None = None) -> tuple[SearchResult, dict[str, Any]]:
+    """Run the measured search on `engine`; returns the search result and facts for the record."""
+    es = engine_settings(engine, config)
+    if es.max_block < 2:
+        raise CalibrationConfigError("this engine has no drafter: there is nothing to calibrate.")
+    texts = prompts if prompts is not None else load_prompts()
+    if context is None:
+        context = _first(((config or {}).get("memory") or {}).get("context"),
+                         getattr(getattr(engine, "kv", None), "capacity", None))
+    enc = encode_prompts(engine.tokenizer, texts, context=int(context) if context else None,
+                         new_tokens=new_tokens, max_block=es.max_block)
+    grid = candidate_grid(es, floors)
+
+    tasks = [t for t in TASKS if t in enc] + [t for t in enc if t not in TASKS]
+    runner = EngineRunner(engine, enc, new_tokens)
+    search = Search(runner, tasks, grid, es.default, max_seconds=max_seconds,
+                    plan=plan, clock=clock, progress=progress)
+    result = search.run()
+    facts = {
+        "drafter_kind": es.kind, "max_block": es.max_block, "default_from": es.default_from,
+        "current": es.current.to_dict() if es.current else None, "new_tokens": new_tokens,
+        "floors": sorted({a.spec_min_p for a in grid}), "method": METHOD, "prompt_set_sha256": prompt_set_sha256(texts),
+        "prompts": {t: {"tokens": len(e.ids), "full_tokens": e.full_tokens, "truncated": e.truncated}
+                    for t, e in enc.items()},
+        "references": search.refs,      # not stored: the target-only ids, for a later grid on the same engine
+        "_runner": runner,
+    }
+    return result, facts
+
+
+def _load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    p = Path(config)
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CalibrationConfigError(f"cannot read the config {p} ({e.strerror}); check the path.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CalibrationConfigError(f"the config {p} is not valid TOML ({e}); fix it or re-run strata-setup.") from None
+
+
+def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = None, force: bool = False,
+                         max_seconds: float | None = DEFAULT_MAX_SECONDS, progress: bool = True,
+                         store_dir: str | Path | None = None, device: tuple[str, int] | None = None,
+                         prompts: dict[str, str] | None = None, new_tokens: int = NEW_TOKENS,
+                         plan: Plan | None = None, clock: Callable[[], float] = time.perf_counter,
+                         console: Any = None) -> CalibrationResult:
+    """Calibrate (block, spec_min_p) for a strata-setup config on this machine, or reuse the stored result.
+
+    Raises `CalibrationConfigError` (bad input, exit 2) and `calibrate.search.LosslessError` (a runtime bug: an
+    arm changed greedy output, exit 1). `progress=False` prints nothing (for `--json`).
+    """
+    cfg = _load_config(config)
+    source = config if not isinstance(config, dict) else cfg     # a path: relative paths resolve against it
+    kind = drafter_kind(cfg)
+    if kind == "none":
+        return CalibrationResult(block=None, spec_min_p=None, source="default", decision="nothing_to_calibrate",
+                                 reason="the config has no drafter (kind none): there is nothing to calibrate.")
+    key = key_for_config(cfg, device=device)
+    store = ResultStore(store_dir)
+    console = console or stderr_console()
+    if not force:
+        rec = store.load(key)
+        if rec is not None:
+            res = CalibrationResult.from_record(key, rec, reused=True, path=str(store.path_for(key)))
+            if progress:
+                for line in summary_lines(res):
+                    console.print(line)
+            return res
+    t0 = time.perf_counter()
+    if engine is None:
+        from runtime.engine import Engine
+
+        engine = Engine.from_config(source)
+    build_s = time.perf_counter() - t0
+    with progress_bar(console, enabled=progress) as bar:
+        sr, facts = calibrate_engine(engine, config=cfg, prompts=prompts, new_tokens=new_tokens,
+                                     max_seconds=max_seconds, plan=plan, clock=clock, progress=bar,
+                                     context=key.context)
+    facts["engine_build_s"] = round(build_s, 3)
+    facts["total_s"] = round(time.perf_counter() - t0, 3)
+    res = result_from_search(key, sr, facts)
+    if res.source == "calibrated":
+        res.path = str(store.save(key, res.record))
+    if progress:
+        console.print(sweep_table(res.record, sr.tasks))
+        for line in summary_lines(res):
+            console.print(line)
+    return res
+
+
+def result_from_search(key: CalibrationKey | None, sr: SearchResult, facts: dict[str, Any]) -> CalibrationResult:
+    """The stored record and the result object for one finished search."""
+    body = sr.to_dict()
+    decided = sr.decision in ("winner", "kept_default", "default_is_best")
+    facts = {k: v for k, v in facts.items() if k != "references" and not k.startswith("_")}
+    record = {**body, **facts, "source": "calibrated" if decided else "default",
+              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    return CalibrationResult(block=sr.chosen.block, spec_min_p=sr.chosen.spec_min_p, source=record["source"],
+                             decision=sr.decision, reason=sr.reason, reused=False, key=key, record=record)
+
+
+def calibrate_config(config: dict[str, Any] | str | Path, *, force: bool = False, max_seconds: float | None = None,
+                     progress: bool = True, **kw: Any) -> dict[str, Any]:
+    """The wizard's entry point: `calibrate_for_config(...).to_dict()` (None budget = the default budget)."""
+    budget = DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds
+    return calibrate_for_config(config, force=force, max_seconds=budget, progress=progress, **kw).to_dict()

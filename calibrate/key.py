@@ -1,0 +1,140 @@
+"""The calibration key (PRODUCT.md): a stored result is reused only when every field matches.
+
+`(device name and memory, target sha256, drafter kind, drafter artifact sha256, quantization, context, runtime
+version)`. The device is the live machine (not what an old config says), so a config copied to another machine
+is recalibrated there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from runtime.version import __version__ as RUNTIME_VERSION
+
+
+class CalibrationConfigError(ValueError):
+    """The config lacks something the calibration key needs (one sentence; exit code 2)."""
+
+
+@dataclass(frozen=True)
+class CalibrationKey:
+    device_name: str
+    device_total_mib: int
+    target_sha256: str
+    drafter_kind: str
+    drafter_sha256: str
+    quantization: str
+    context: int
+    runtime_version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CalibrationKey:
+        try:
+            return cls(device_name=str(d["device_name"]), device_total_mib=int(d["device_total_mib"]),
+                       target_sha256=str(d["target_sha256"]), drafter_kind=str(d["drafter_kind"]),
+                       drafter_sha256=str(d["drafter_sha256"]), quantization=str(d["quantization"]),
+                       context=int(d["context"]), runtime_version=str(d["runtime_version"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationConfigError(f"a calibration key is incomplete or malformed ({e}).") from None
+
+    @property
+    def digest(self) -> str:
+        """A stable file name for the key: sha256 of its canonical JSON (the stored record repeats the key)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def current_device(device_type: str | None = None) -> tuple[str, int]:
+    """(name, total MiB) of the device calibration runs on: CUDA device 0, or this CPU and its RAM."""
+    import torch
+
+    want_cuda = device_type in (None, "cuda", "gpu") and torch.cuda.is_available()
+    if want_cuda:      # the same numbers setup_wizard.hardware reports (mem_get_info total)
+        props = torch.cuda.get_device_properties(0)
+        try:
+            total = int(torch.cuda.mem_get_info(0)[1])
+        except RuntimeError:
+            total = int(props.total_memory)
+        return str(props.name), total // 2**20
+    return _cpu_name(), _ram_mib()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
+
+
+def _ram_mib() -> int:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 // 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20)
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _table(config: dict[str, Any], name: str) -> dict[str, Any]:
+    t = config.get(name) or {}
+    if not isinstance(t, dict):
+        raise CalibrationConfigError(f"the config's [{name}] is not a table; re-run strata-setup to rewrite it.")
+    return t
+
+
+def drafter_kind(config: dict[str, Any]) -> str:
+    """The config's drafter kind: "mtp", "dflash2" or "none"."""
+    kind = str(_table(config, "drafter").get("kind", "none") or "none").lower()
+    if kind not in ("mtp", "dflash2", "none"):
+        raise CalibrationConfigError(f"the config's drafter kind '{kind}' is not one of mtp, dflash2, none.")
+    return kind
+
+
+def key_for_config(config: dict[str, Any], *, device: tuple[str, int] | None = None) -> CalibrationKey:
+    """The calibration key of a strata-setup config on this machine (`device` overrides the probe, for tests)."""
+    target = _table(config, "target")
+    drafter = _table(config, "drafter")
+    memory = _table(config, "memory")
+    kind = drafter_kind(config)
+    tsha = str(target.get("sha256") or "")
+    if not tsha:
+        raise CalibrationConfigError("the config has no [target] sha256; re-run strata-setup to record it.")
+    dsha = str(drafter.get("sha256") or "")
+    quant = str(drafter.get("quantization") or "")
+    if kind == "mtp":          # the MTP head lives inside the target checkpoint and is stored as the target is
+        dsha = dsha or tsha
+        quant = quant or "native"
+    elif kind == "dflash2" and not dsha:
+        raise CalibrationConfigError("the config has no [drafter] sha256 for the DFlash2 artifact; "
+                                     "re-run strata-setup to record it.")
+    elif kind == "dflash2" and not quant:
+        raise CalibrationConfigError("the config has no [drafter] quantization for the DFlash2 artifact; "
+                                     "re-run strata-setup to record it.")
+    try:
+        context = int(memory.get("context"))
+    except (TypeError, ValueError):
+        raise CalibrationConfigError("the config has no valid [memory] context; re-run strata-setup.") from None
+    if device is None:
+        dev = _table(config, "device")
+        device = current_device(str(dev.get("type")) if dev.get("type") else None)
+    return CalibrationKey(device_name=device[0], device_total_mib=int(device[1]), target_sha256=tsha,
+                          drafter_kind=kind, drafter_sha256=dsha if kind != "none" else "",
+                          quantization=quant if kind != "none" else "", context=context,
+                          runtime_version=RUNTIME_VERSION)

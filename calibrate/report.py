@@ -1,0 +1,94 @@
+"""Rich output for calibration: a progress bar while measuring and a table of the sweep afterwards.
+
+Everything goes to stderr so that `--json` on stdout stays one clean JSON object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+@contextmanager
+def progress_bar(console: Console | None = None, enabled: bool = True) -> Iterator[Any]:
+    """Yields a `(message, done, planned)` callback that drives a rich progress bar (or does nothing)."""
+    if not enabled:
+        yield None
+        return
+    console = console or stderr_console()
+    with Progress(TextColumn("[bold]calibrating[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=False) as prog:
+        tid = prog.add_task("", total=1)
+
+        def update(message: str, done: int, planned: int) -> None:
+            prog.update(tid, completed=done, total=max(planned, done, 1), description=message)
+
+        yield update
+
+
+def _fmt(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def sweep_table(record: dict[str, Any], tasks: Sequence[str], *, title: str = "calibration sweep (decode tok/s)",
+                grid: dict[str, Any] | None = None) -> Table:
+    """One row per measured arm: per-task medians, geomean, acceptance, repeats; the default and choice marked."""
+    t = Table(title=title, show_lines=False, pad_edge=False, collapse_padding=True)
+    t.add_column("", no_wrap=True)
+    t.add_column("blk", justify="right")
+    t.add_column("p", justify="right")
+    for task in tasks:
+        t.add_column(task, justify="right")
+    t.add_column("geo", justify="right", style="bold")
+    t.add_column("acc", justify="right")
+    t.add_column("n", justify="right")
+    t.add_column("stage", no_wrap=True)
+    if grid is not None:
+        t.add_column("grid", justify="right")
+    chosen = record.get("settings") or {}
+    default = record.get("default") or {}
+    rows = sorted(record.get("arms", []), key=lambda r: -(r.get("geomean_tok_s") or 0.0))
+    for r in rows:
+        is_chosen = r["block"] == chosen.get("block") and r["spec_min_p"] == chosen.get("spec_min_p")
+        is_default = r["block"] == default.get("block") and r["spec_min_p"] == default.get("spec_min_p")
+        mark = ("*" if is_chosen else "") + ("d" if is_default else "")
+        acc, prop = r.get("accepted", 0), r.get("proposed", 0)
+        cells = [mark, str(r["block"]), f"{r['spec_min_p']:g}"]
+        cells += [_fmt((r.get("per_task_tok_s") or {}).get(task), 1) for task in tasks]
+        cells += [_fmt(r.get("geomean_tok_s"), 1), f"{acc / prop:.2f}" if prop else "-", str(r.get("repeats", 0)),
+                  r.get("phase", "")]
+        if grid is not None:
+            cells.append(_fmt(grid.get(f"{r['block']}/{r['spec_min_p']:g}"), 1))
+        t.add_row(*cells, style="green" if is_chosen else None)
+    t.caption = "tok/s medians per task, geo = geometric mean, acc = accepted/proposed, n = repeats; * chosen, d default"
+    return t
+
+
+def summary_lines(result: Any) -> list[str]:
+    """Plain sentences for the end of a run: what was chosen and why."""
+    if result.block is None:
+        return [result.reason]
+    lines = [f"block={result.block} spec_min_p={result.spec_min_p:g} ({result.decision}): {result.reason}"]
+    sec = result.record.get("seconds")
+    tgt = result.record.get("target_only_geomean_tok_s")
+    geo = result.record.get("geomean_tok_s")
+    if tgt and geo and geo < tgt:
+        lines.append(f"note: the target alone decoded faster ({tgt:.1f} vs {geo:.1f} tok/s geomean); this drafter "
+                     f"does not pay off here (try --no-draft or another drafter)")
+    if result.reused:
+        lines.append(f"reused the stored calibration from {result.record.get('date', '?')} ({result.path}); "
+                     f"pass --force to measure again")
+    elif sec is not None:
+        build = result.record.get("engine_build_s")
+        extra = f", plus {build:.1f} s to load the engine" if build else ""
+        lines.append(f"calibration took {sec:.1f} s (budget {result.record.get('budget_s')} s{extra})")
+    return lines

@@ -1,0 +1,277 @@
+"""Load a DFlash2 drafter (HF folder or converted GGUF) and wrap it as a `runtime.drafter.Drafter`.
+
+    drafter = load_dflash2_drafter(path, target_model, device=None, dtype=None, context=4096)
+
+`path`: a Hugging Face folder (config.json + model.safetensors, ARTIFACTS §2) or a `.gguf` file written by the
+converter (ARTIFACTS §4). BF16 tensors keep their bits (widened to `dtype` for compute); Q8_0/Q5_0/Q4_0 backbone
+matrices stay as ggml blocks in a `QuantLinear` (dequantized per call). The target's `embed_tokens` and `lm_head`
+are shared, never copied. Every problem with the file or the pairing raises `ContractError` (one sentence).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from runtime.dflash2_contract import (
+    ContractError,
+    DFlash2Geometry,
+    check_inventory,
+    expected_tensors,
+    gguf_to_hf,
+)
+from runtime.drafter import Proposal
+from runtime.models.dflash2 import ContextCache, DFlash2Model, Rotary, argmax_walk, select_walk
+from runtime.quant import QuantFormatError, QuantLinear
+from runtime.sampling import SamplingParams
+
+__all__ = ["DFlash2Drafter", "load_dflash2_drafter", "read_dflash2"]
+
+_QTYPES = {"Q8_0": "q8_0", "Q5_0": "q5_0", "Q4_0": "q4_0"}
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+
+def read_dflash2(path: str | Path) -> tuple[DFlash2Geometry, str, dict[str, tuple[str, Any]]]:
+    """Read and check a drafter file without building modules: (geometry, layout "v2"|"v1", tensors) where
+    tensors maps HF name -> ("BF16", torch.bfloat16 tensor in HF shape) or (qtype, uint8 blocks [rows, bytes])."""
+    p = Path(path)
+    if p.is_dir():
+        return _read_hf(p)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return _read_gguf(p)
+    if p.is_file() and p.name.endswith(".safetensors"):
+        return _read_hf(p.parent, p)
+    raise ContractError(f"{p} is neither a drafter folder (config.json + model.safetensors) nor a .gguf file.")
+
+
+def _read_hf(folder: Path, single: Path | None = None) -> tuple[DFlash2Geometry, str, dict]:
+    from safetensors import safe_open
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ContractError(f"{folder} has no config.json; point to a DFlash2 drafter folder.")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ContractError(f"{cfg_path} is not valid JSON ({e}).") from None
+    geom = DFlash2Geometry.from_config(cfg)
+    files = [single] if single is not None else _safetensors_files(folder)
+    handles = []
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    where: dict[str, Any] = {}
+    for f in files:
+        try:
+            h = safe_open(str(f), "pt")
+        except Exception as e:  # safetensors raises its own error types for a corrupt header
+            raise ContractError(f"{f} is not a readable safetensors file ({e}).") from None
+        handles.append(h)
+        for name in h.keys():
+            if name in found:
+                raise ContractError(f"tensor {name!r} appears twice in the drafter's safetensors files.")
+            sl = h.get_slice(name)
+            found[name] = (tuple(sl.get_shape()), str(sl.get_dtype()).upper())
+            where[name] = h
+    layout = check_inventory(found, geom, allow_v1=True)
+    tensors = {name: ("BF16", where[name].get_tensor(name)) for name in found}
+    return geom, layout, tensors
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ContractError(f"{index} is not a valid safetensors index (no weight_map).") from None
+        out = []
+        for s in shards:
+            if not isinstance(s, str) or "/" in s or "\\" in s or s.startswith(".."):
+                raise ContractError(f"{index} names a shard outside the folder ({s!r}).")
+            if not (folder / s).is_file():
+                raise ContractError(f"shard {s} listed in {index.name} is missing from {folder}.")
+            out.append(folder / s)
+        return out
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ContractError(f"{folder} has no model.safetensors; point to a DFlash2 drafter folder.")
+
+
+def _read_gguf(path: Path) -> tuple[DFlash2Geometry, str, dict]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises ValueError / struct errors on a damaged file
+        raise ContractError(f"{path} is not a readable GGUF file ({e}).") from None
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    geom = DFlash2Geometry.from_gguf_metadata(meta)
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    raw: dict[str, Any] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        found[name] = (shape, t.tensor_type.name)
+        raw[name] = t
+    layout = check_inventory(found, geom, allow_v1=True, allow_quantized=True)
+    tensors: dict[str, tuple[str, Any]] = {}
+    for name, t in raw.items():
+        shape, dtype = found[name]
+        data = np.array(t.data, copy=True)   # off the read-only memory map
+        if dtype == "BF16":
+            tensors[name] = ("BF16", torch.from_numpy(data.view(np.uint16).view(np.int16))
+                             .view(torch.bfloat16).reshape(shape))
+        else:
+            tensors[name] = (dtype, torch.from_numpy(data.reshape(shape[0], -1)))
+    return geom, layout, tensors
+
+
+# ----------------------------------------------------------------------------------------------------- building
+
+def _check_finite(name: str, kind: str, t: Tensor) -> None:
+    if kind == "BF16":
+        flat = t.reshape(-1)
+        step = 1 << 24      # chunks keep the temporary mask small for the official 221M-element fc.weight
+        ok = all(bool(torch.isfinite(flat[i:i + step]).all()) for i in range(0, flat.numel(), step))
+    else:
+        # a block's values are d * integer, so they are finite exactly when the f16 scale d of every block is
+        size = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}[kind]
+        d = t.reshape(-1, size)[:, :2].contiguous().view(torch.float16)
+        ok = bool(torch.isfinite(d).all())
+    if not ok:
+        raise ContractError(f"drafter tensor {name!r} holds non-finite values (NaN or Inf); the file is damaged.")
+
+
+def _check_pairing(geom: DFlash2Geometry, target: nn.Module) -> None:
+    cfg = target.cfg
+    if geom.hidden_size != cfg.hidden_size:
+        raise ContractError(
+            f"drafter hidden_size {geom.hidden_size} does not match the target's {cfg.hidden_size}; "
+            "choose a drafter made for this target.")
+    if geom.vocab_size != cfg.vocab_size:
+        raise ContractError(
+            f"drafter vocab_size {geom.vocab_size} does not match the target's {cfg.vocab_size}; "
+            "choose a drafter made for this target.")
+    n = cfg.num_hidden_layers
+    bad = [i for i in geom.target_layer_ids if i >= n]
+    if bad:
+        raise ContractError(
+            f"drafter taps target layers {bad} but the target has only {n} layers; "
+            "choose a drafter made for this target.")
+    if geom.num_target_layers is not None and geom.num_target_layers != n:
+        raise ContractError(
+            f"drafter was made for a target with {geom.num_target_layers} layers, this target has {n}; "
+            "choose a drafter made for this target.")
+
+
+def build_model(geom: DFlash2Geometry, layout: str, tensors: dict[str, tuple[str, Any]], *,
+                device: torch.device, dtype: torch.dtype) -> DFlash2Model:
+    """Modules from checked tensors: floats widened/cast to `dtype`, quantized matrices as `QuantLinear`."""
+    with torch.device("meta"):
+        model = DFlash2Model(geom, v1=layout == "v1")
+    for name, (kind, t) in tensors.items():
+        _check_finite(name, kind, t)
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if kind == "BF16":
+            setattr(mod, attr, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+        else:
+            in_features = expected_tensors(geom, v1=layout == "v1")[name][0][1]
+            try:
+                q = QuantLinear.from_blocks(t, _QTYPES[kind], in_features).to(device)
+            except QuantFormatError as e:
+                raise ContractError(f"drafter tensor {name!r} cannot be read as {kind} blocks ({e}).") from None
+            parent, _, child = owner.rpartition(".")
+            setattr(model.get_submodule(parent), child, q)
+    model.rotary = Rotary(geom).to(device)
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:  # check_inventory makes this unreachable; kept as a guard against a contract/module drift
+        raise ContractError(f"drafter tensor {left[0]!r} was not loaded.")
+    return model.eval().requires_grad_(False)
+
+
+def load_dflash2_drafter(path: str | Path, target_model: nn.Module, *, device: torch.device | str | None = None,
+                         dtype: torch.dtype | None = None, context: int = 4096) -> DFlash2Drafter:
+    """Load and validate a DFlash2 drafter for `target_model` (a `Qwen3MoeModel`); see the module docstring.
+
+    device defaults to the target's lm_head device; dtype to fp32 on CPU and BF16 on CUDA (compute and draft KV).
+    `context` is the draft KV capacity in positions (the engine's context length).
+    """
+    head_w = target_model.lm_head.weight
+    dev = torch.device(device) if device is not None else head_w.device
+    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    geom, layout, tensors = read_dflash2(path)
+    _check_pairing(geom, target_model)
+    model = build_model(geom, layout, tensors, device=dev, dtype=dt)
+    return DFlash2Drafter(model, target_model.model.embed_tokens, target_model.lm_head, context=context,
+                          kv_dtype=dt)
+
+
+# ----------------------------------------------------------------------------------------------------- drafter
+
+class DFlash2Drafter:
+    """The Drafter protocol over a `DFlash2Model`: `observe` appends committed taps to the private context KV;
+    `propose` drafts one window [anchor, mask...] and walks the selector (argmax rows for the v1 layout)."""
+
+    kind = "dflash2"
+
+    def __init__(self, model: DFlash2Model, embed: nn.Module, lm_head: nn.Module, *, context: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        self.model = model
+        self.geom = model.geom
+        self._shared = (embed, lm_head)   # a tuple: not registered, never copied or moved
+        self.max_block = self.geom.block_size
+        self.tap_layers = tuple(self.geom.target_layer_ids)
+        dev = model.norm.weight.device
+        self.cache = ContextCache(model, context, device=dev, dtype=kv_dtype or model.dtype)
+        self.logits_buf = torch.zeros(self.max_block, self.geom.vocab_size, dtype=torch.float32, device=dev)
+
+    @property
+    def layout(self) -> str:
+        return "v1" if self.model.v1 else "v2"
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+
+    def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None:
+        if taps is None:
+            raise ValueError("the DFlash2 drafter needs the target's tap features; pass taps for its tap_layers.")
+        self.cache.append(self.model, taps.reshape(-1, taps.shape[-1]), start)
+
+    @torch.no_grad()
+    def propose(self, anchor: int, pos: int, n: int, *, min_p: float = 0.0, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        n = min(int(n), self.max_block - 1)
+        dev = self.logits_buf.device
+        sampled = sampling is not None and not sampling.greedy
+        if n <= 0:
+            return Proposal(tokens=torch.zeros(0, dtype=torch.long, device=dev),
+                            q=torch.zeros(0, self.geom.vocab_size, device=dev) if sampled else None,
+                            confidence=torch.zeros(0, device=dev))
+        if pos != self.cache.length:
+            raise RuntimeError(
+                f"DFlash2 drafter asked to draft at position {pos}, its context holds {self.cache.length} positions.")
+        embed, lm_head = self._shared
+        hs = self.model.draft_hidden(int(anchor), pos, n + 1, self.cache, embed.weight)
+        logits = self.logits_buf[:n]
+        logits.copy_(self.model.compute_logits(hs, lm_head))
+        if self.model.candidate_selector is None:
+            walk = argmax_walk(logits, min_p=min_p, sampling=sampling if sampled else None, generator=generator)
+        else:
+            walk = select_walk(self.model.candidate_selector, hs, logits, int(anchor), min_p=min_p,
+                               temperature=sampling.temperature if sampled else 0.0, generator=generator)
+        return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence)
+
+    def memory_report(self) -> dict[str, int]:
+        """Persistent buffers by budget name: drafter weights (as stored), draft context KV, drafter logits."""
+        w = sum(t.numel() * t.element_size()
+                for t in list(self.model.parameters()) + list(self.model.buffers(recurse=True))
+                if t is not self.model.rotary.inv_freq)
+        return {"drafter_weights": w, "drafter_kv": self.cache.nbytes,
+                "logits": self.logits_buf.numel() * self.logits_buf.element_size()}

@@ -1,0 +1,231 @@
+"""The runtime's public API: an engine built from a target folder (or a strata-setup config) that generates text
+with speculative decoding and reports its memory by name (docs/INTERFACES.md)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.drafter import MTPDrafter
+from runtime.experts import ExpertCache
+from runtime.kv import KVCache
+from runtime.loading import LoadError, default_dtype, load_target, load_tokenizer
+from runtime.memory import NAMES, buffers_bytes, target_dense_bytes
+from runtime.sampling import SamplingParams
+from runtime.speculative import generate_ids
+
+__all__ = ["Engine", "EngineConfigError", "GenerateResult", "SamplingParams"]
+
+DRAFTERS = ("none", "mtp", "dflash2")
+MTP_MAX_BLOCK = 16
+MTP_DEFAULT_BLOCK = 4
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+class EngineConfigError(ValueError):
+    """A config or argument the engine cannot use (bad input: one clear sentence)."""
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype(x: str | torch.dtype | None) -> torch.dtype | None:
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    if x not in _DTYPES:
+        raise EngineConfigError(f"unknown dtype {x!r}; use one of {', '.join(sorted(_DTYPES))}.")
+    return _DTYPES[x]
+
+
+def _device(x: str | torch.device | None) -> torch.device:
+    if x is None or x == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(x)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineConfigError("the config asks for a CUDA device but none is available; set device type to cpu.")
+    return dev
+
+
+def _stop_ids(folder: Path, cfg_eos: list[int]) -> set[int]:
+    ids = set(cfg_eos)
+    gc = folder / "generation_config.json"
+    if gc.is_file():
+        try:
+            eos = json.loads(gc.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            eos = None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+class Engine:
+    def __init__(self, *, model, tokenizer, kv: KVCache, drafter, drafter_kind: str, experts: ExpertCache,
+                 device: torch.device, block: int, spec_min_p: float, stop_ids: set[int], target_dir: Path,
+                 prefill_chunk: int = 512) -> None:
+        self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
+        self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
+        self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
+        self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
+        rows = drafter.max_block if drafter is not None else 1
+        self.logits_buf = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------------------------------------ building
+    @classmethod
+    def build(cls, target_dir: str | Path, drafter_kind: str = "none", drafter_path: str | Path | None = None,
+              device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
+              expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
+              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512) -> Engine:
+        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU."""
+        if drafter_kind not in DRAFTERS:
+            raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(DRAFTERS)}.")
+        if int(context) < 2:
+            raise EngineConfigError(f"context must be at least 2 tokens, got {context}.")
+        if block is not None and int(block) < 1:
+            raise EngineConfigError(f"block must be >= 1, got {block}.")
+        if spec_min_p is not None and not 0 <= float(spec_min_p) <= 1:
+            raise EngineConfigError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
+        dev = _device(device)
+        dt = _dtype(dtype) or default_dtype(dev)
+        kdt = _dtype(kv_dtype) or dt
+        target_dir = Path(target_dir).expanduser()
+        model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
+        tokenizer = load_tokenizer(target_dir)
+        experts = ExpertCache(model, dev, expert_slots)
+        experts.place(model)
+        cfg = model.cfg
+        kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
+        drafter = None
+        if drafter_kind == "mtp":
+            if model.mtp is None:
+                raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
+            drafter = MTPDrafter(model, int(context), max_block=max(MTP_MAX_BLOCK, int(block or 0)), kv_dtype=kdt)
+            block = MTP_DEFAULT_BLOCK if block is None else block
+        elif drafter_kind == "dflash2":
+            if drafter_path is None:
+                raise EngineConfigError("a dflash2 drafter needs its artifact path (drafter.path in the config).")
+            from runtime.dflash2_loading import load_dflash2_drafter
+
+            drafter = load_dflash2_drafter(Path(drafter_path).expanduser(), model, device=dev, dtype=dt,
+                                           context=int(context))
+            block = drafter.max_block if block is None else block
+        else:
+            block = 1
+        return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
+                   experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p or 0.0),
+                   stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
+                   prefill_chunk=prefill_chunk)
+
+    @classmethod
+    def from_config(cls, config: str | Path | dict, **overrides: Any) -> Engine:
+        """Build from a strata-setup config (TOML schema 1, or its dict). Relative paths are relative to the file."""
+        base = Path.cwd()
+        if isinstance(config, dict):
+            doc = config
+        else:
+            p = Path(config).expanduser()
+            if not p.is_file():
+                raise EngineConfigError(f"config file {p} does not exist; run strata-setup first or pass --config.")
+            try:
+                doc = tomllib.loads(p.read_text())
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise EngineConfigError(f"config file {p} is not valid TOML ({e}).") from e
+            base = p.parent
+        if doc.get("schema", 1) != 1:
+            raise EngineConfigError(f"config schema {doc.get('schema')!r} is not supported; this runtime reads schema 1.")
+        tgt, dra = doc.get("target") or {}, doc.get("drafter") or {}
+        spec, mem, devt = doc.get("speculative") or {}, doc.get("memory") or {}, doc.get("device") or {}
+        if "path" not in tgt:
+            raise EngineConfigError("config has no [target] path; re-run strata-setup.")
+
+        def resolve(x: str | None) -> Path | None:
+            if x is None:
+                return None
+            q = Path(x).expanduser()
+            return q if q.is_absolute() else base / q
+
+        kind = dra.get("kind", "none")
+        args: dict[str, Any] = dict(
+            target_dir=resolve(tgt["path"]), drafter_kind=kind,
+            drafter_path=resolve(dra.get("path")) if kind != "none" else None,
+            device=devt.get("type"), dtype=devt.get("dtype"), context=int(mem.get("context", 4096)),
+            expert_slots=mem.get("expert_cache_slots"), block=spec.get("block"), spec_min_p=spec.get("spec_min_p"),
+            kv_dtype=mem.get("kv_dtype"),
+        )
+        args.update(overrides)
+        return cls.build(**args)
+
+    # ------------------------------------------------------------------------------------------------ running
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+                 block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
+                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does."""
+        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise EngineConfigError("the prompt is empty after tokenization; give some text.")
+        use = self.drafter if (draft and self.drafter is not None) else None
+        blk = int(block if block is not None else self.block) if use is not None else 1
+        mp = float(spec_min_p if spec_min_p is not None else self.spec_min_p)
+        out: list[int] = []
+        shown = [""]
+
+        def on_tokens(new: list[int]) -> None:
+            out.extend(new)
+            if on_text is None:
+                return
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                return                       # wait for the rest of a multi-byte character
+            if text.startswith(shown[0]):
+                on_text(text[len(shown[0]):])
+            shown[0] = text
+
+        self.experts.reset_counters()
+        res = generate_ids(self.model, self.kv, ids, drafter=use, max_new_tokens=max_new_tokens,
+                           sampling=sampling, block=blk, spec_min_p=mp,
+                           stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
+                           prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf)
+        text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
+            on_text(text[len(shown[0]):])
+        stats = dict(res.stats)
+        stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
+                     stop_reason=res.stop_reason, expert_cache=self.experts.stats())
+        return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
+
+    # ------------------------------------------------------------------------------------------------ reporting
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return f"cpu ({platform.machine() or 'unknown'})"
+
+    def memory_report(self) -> dict[str, int]:
+        """Persistent buffers by name (bytes), measured on the real tensors."""
+        rep = dict.fromkeys(NAMES, 0)
+        rep["target_dense_weights"] = target_dense_bytes(self.model)
+        rep["expert_cache"] = self.experts.resident_nbytes
+        rep["target_kv"] = self.kv.nbytes
+        rep["logits"] = self.logits_buf.numel() * self.logits_buf.element_size()
+        rep["scratch"] = buffers_bytes(self.model)
+        if self.drafter is not None:
+            if hasattr(self.drafter, "memory_report"):
+                for k, v in self.drafter.memory_report().items():
+                    rep[k] = rep.get(k, 0) + int(v)
+            elif isinstance(self.drafter, torch.nn.Module):
+                rep["drafter_weights"] += sum(p.numel() * p.element_size() for p in self.drafter.parameters())
+        return rep

@@ -1,0 +1,86 @@
+"""Expert cache: a fixed number of routed-expert slots on the device; the rest are served from CPU memory.
+
+Policy (simple and static, so memory is exactly what the budget says): the slots are spread evenly over the MoE
+layers and, within a layer, go to the lowest expert ids (a calibrated routing histogram can later choose them).
+A non-resident expert is computed on the CPU: its rows are copied to the host, run through the CPU copy of the
+expert, and the result is copied back (no weight traffic, only activations). On a machine without a GPU every
+expert is resident. Hits (resident) and misses (CPU-served) are counted per expert call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from runtime.models.qwen3_moe import SparseMoe
+
+
+def _nbytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+class ExpertCache:
+    def __init__(self, model: nn.Module, device: torch.device, slots: int | None = None,
+                 enforce_on_cpu: bool = False) -> None:
+        """slots=None: all resident. On a CPU device the limit is ignored (everything is in RAM anyway) unless
+        `enforce_on_cpu` (tests: exercises the CPU-served path and the counters without a GPU)."""
+        self.device = device
+        self.blocks: dict[int, SparseMoe] = {
+            i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoe)
+        }
+        n_exp = next(iter(self.blocks.values())).n_exp if self.blocks else 0
+        self.total = n_exp * len(self.blocks)
+        if slots is not None and slots < 0:
+            raise ValueError(f"expert_slots must be >= 0, got {slots}.")
+        if (device.type != "cuda" and not enforce_on_cpu) or slots is None or slots >= self.total:
+            slots = self.total
+        self.slots = slots
+        self.resident: set[tuple[int, int]] = set()
+        layers = sorted(self.blocks)
+        for j, li in enumerate(layers):
+            share = slots // len(layers) + (1 if j < slots % len(layers) else 0)
+            self.resident.update((li, e) for e in range(min(share, n_exp)))
+        self.hits = 0
+        self.misses = 0
+        for blk in self.blocks.values():
+            blk.runner = self.run
+
+    def place(self, model: nn.Module) -> None:
+        """Move the model to the device, leaving non-resident experts in CPU memory."""
+        offloaded = {id(p) for li, blk in self.blocks.items() for e, ex in enumerate(blk.experts)
+                     if (li, e) not in self.resident for p in ex.parameters()}
+        for p in model.parameters():
+            if id(p) not in offloaded:
+                p.data = p.data.to(self.device)
+        for mod in model.modules():
+            for name, b in list(mod.named_buffers(recurse=False)):
+                setattr(mod, name, b.to(self.device))
+
+    def run(self, layer: int, e: int, rows: Tensor) -> Tensor:
+        expert = self.blocks[layer].experts[e]
+        if (layer, e) in self.resident:
+            self.hits += 1
+            return expert(rows)
+        self.misses += 1
+        w = expert.gate_proj.weight
+        y = expert(rows.to(w.device, w.dtype))
+        return y.to(rows.device, rows.dtype)
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes of the expert weights held in device slots (on CPU-only machines: all experts)."""
+        return sum(_nbytes(self.blocks[li].experts[e]) for li, e in self.resident)
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one routed expert (the budget's unit)."""
+        blk = next(iter(self.blocks.values()), None)
+        return _nbytes(blk.experts[0]) if blk is not None else 0
+
+    def stats(self) -> dict[str, int | float]:
+        calls = self.hits + self.misses
+        return {"slots": self.slots, "experts": self.total, "hits": self.hits, "misses": self.misses,
+                "hit_rate": (self.hits / calls) if calls else 1.0}
+
+    def reset_counters(self) -> None:
+        self.hits = self.misses = 0

@@ -1,0 +1,393 @@
+"""Qwen3-MoE target: the project's single definition of the architecture (training and inference).
+
+Semantics follow transformers' `Qwen3MoeForCausalLM` (ARTIFACTS.md §1); parameter names are the on-disk Hub names
+so `load_state_dict` takes a checkpoint as is. The plain forward (no cache) works under autograd; passing a
+`KVCache` turns it into the inference path (static cache, appends at `kv.length`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class ConfigError(ValueError):
+    """A config.json that this runtime cannot run (one clear sentence)."""
+
+
+@dataclass
+class Qwen3MoeConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_params: dict[str, Any] = field(default_factory=dict)
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    mtp_layers: int = 0          # 0 or 1: an MTP head (`mtp.*`) is present
+    mtp_sparse: bool = True      # the MTP decoder layer is MoE (else dense)
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Qwen3MoeConfig:
+        """Read a Hub config.json dict (transformers 4.x or 5.x spelling)."""
+        mt = d.get("model_type", "qwen3_moe")
+        if mt not in ("qwen3_moe",):
+            raise ConfigError(f"config.json has model_type {mt!r}; this runtime runs qwen3_moe targets only.")
+        need = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}; it is not a complete qwen3_moe config.")
+        if d.get("use_sliding_window"):
+            raise ConfigError("config.json enables use_sliding_window, which this runtime does not support.")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json uses hidden_act {act!r}; only silu is supported.")
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+        rp = dict(d.get("rope_parameters") or {})
+        rs = d.get("rope_scaling") or {}
+        rp = {**rs, **rp}
+        theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+        rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
+        if rtype not in ("default", "linear", "yarn"):
+            raise ConfigError(f"config.json asks for rope type {rtype!r}; supported: default, linear, yarn.")
+        if float(rp.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError("config.json sets partial_rotary_factor != 1, which qwen3_moe does not use.")
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        n_mtp = int(d.get("num_nextn_predict_layers", d.get("mtp_num_hidden_layers", 0)) or 0)
+        if n_mtp > 1:
+            raise ConfigError(f"config.json asks for {n_mtp} MTP layers; this runtime supports one.")
+        n_exp = int(d.get("num_experts", d.get("num_local_experts", 0)) or 0)
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d.get("intermediate_size", 0)),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_type=rtype,
+            rope_params=rp,
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            num_experts=n_exp,
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 1)),
+            moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=[int(i) for i in (d.get("mlp_only_layers") or [])],
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            hidden_act=act,
+            mtp_layers=n_mtp,
+            mtp_sparse=bool(d.get("mtp_sparse", n_exp > 0)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_list,
+        )
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """transformers' rule: MoE unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+# ----------------------------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dt)
+
+
+def rope_inv_freq(cfg: Qwen3MoeConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies and cos/sin scale, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+    dim, base, rp = cfg.head_dim, cfg.rope_theta, cfg.rope_params
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if cfg.rope_type == "default":
+        return inv, 1.0
+    if cfg.rope_type == "linear":
+        return inv / float(rp["factor"]), 1.0
+    # yarn
+    factor = rp.get("factor")
+    orig = int(rp.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    if factor is None:
+        factor = cfg.max_position_embeddings / orig
+    factor = float(factor)
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    att = rp.get("attention_factor")
+    if att is None:
+        ms, msa = rp.get("mscale"), rp.get("mscale_all_dim")
+        att = float(mscale(factor, ms) / mscale(factor, msa)) if (ms and msa) else mscale(factor)
+    beta_fast = rp.get("beta_fast") or 32
+    beta_slow = rp.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(att)
+
+
+class Rotary(nn.Module):
+    """cos/sin for absolute positions (no persistent state: the buffer is recomputed from the config)."""
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        inv, self.scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, hd]; cos/sin [B or 1, T, hd]."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, b = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=b)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.scale = self.hd**-0.5
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+        """cache = (k_buf [B, nkv, S, hd], v_buf, start): write rows at start.., attend over 0..start+T-1."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=self.nkv != self.nh)
+        else:
+            kb, vb, start = cache
+            end = start + T
+            kb[:, :, start:end] = k.to(kb.dtype)
+            vb[:, :, start:end] = v.to(vb.dtype)
+            keys, vals = kb[:, :, :end].to(q.dtype), vb[:, :, :end].to(q.dtype)
+            mask = None
+            if T > 1:
+                rows = torch.arange(start, end, device=x.device)[:, None]
+                mask = torch.arange(end, device=x.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.nkv != self.nh)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: the dense layers and each routed expert."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoe(nn.Module):
+    """Router softmax (fp32) → top-k → optional renormalisation → weighted sum of SiLU experts.
+
+    `runner`, when set (runtime/experts.py), computes one expert on a set of rows wherever that expert lives;
+    otherwise the experts are called in place.
+    """
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.top_k, self.n_exp, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
+        self.layer_idx = -1
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), idx
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.route(x)
+        out = torch.zeros_like(x)
+        # group (row, slot) pairs by expert with one sort and one host sync (the counts)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_exp).tolist()
+        tok_all, slot_all = order // self.top_k, order % self.top_k
+        off = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok, slot = tok_all[off:off + c], slot_all[off:off + c]
+            off += c
+            rows = x[tok]
+            y = self.runner(self.layer_idx, e, rows) if self.runner is not None else self.experts[e](rows)
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, sparse: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SparseMoe(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------------- the model
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor | None        # [B, T, V] (or the last `logits_to_keep` rows; None when logits_to_keep < 0)
+    hidden: Tensor               # [B, T, H] after the final norm (MTP's g)
+    taps: Tensor | None          # [B, T, len(taps)*H]: outputs of decoder layers `taps`, in that order
+
+
+class Backbone(nn.Module):
+    """`model.*`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.is_sparse(i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoe):
+                layer.mlp.layer_idx = i
+
+
+class Qwen3MoeModel(nn.Module):
+    """`Qwen3MoeForCausalLM` with Hub parameter names; `mtp` (an `MTPHead`) when the config has one."""
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+        self.mtp = None
+        if cfg.mtp_layers:
+            from runtime.models.mtp import MTPHead
+
+            self.mtp = MTPHead(cfg)
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, kv=None, taps: tuple[int, ...] = (),
+                logits_to_keep: int = 0) -> TargetOutput:
+        """Full-sequence causal forward (training) or, with `kv` (a `runtime.kv.KVCache`), an inference chunk
+        appended at `kv.length` (the cache's length advances by T; roll back with `kv.rollback`).
+
+        logits_to_keep: 0 = logits for all rows, n > 0 = the last n rows, -1 = none.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}.")
+        B, T = input_ids.shape
+        start = 0 if kv is None else kv.length
+        if kv is not None:
+            if B != kv.batch:
+                raise ValueError(f"batch {B} does not match the KV cache batch {kv.batch}.")
+            if start + T > kv.capacity:
+                raise ValueError(f"{start + T} positions exceed the KV cache capacity {kv.capacity}; raise the context.")
+        if positions is None:
+            positions = torch.arange(start, start + T, device=input_ids.device)[None]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        wanted = {t: j for j, t in enumerate(taps)}
+        tap_out: list[Tensor | None] = [None] * len(taps)
+        for i, layer in enumerate(self.model.layers):
+            cache = None if kv is None else (kv.k[i], kv.v[i], start)
+            x = layer(x, cos, sin, cache)
+            if i in wanted:
+                tap_out[wanted[i]] = x
+        if kv is not None:
+            kv.length = start + T
+        hidden = self.model.norm(x)
+        logits = None
+        if logits_to_keep >= 0:
+            h = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+            logits = self.lm_head(h)
+        tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
+        return TargetOutput(logits=logits, hidden=hidden, taps=tap_t)
+
+    def mtp_logits(self, input_ids: Tensor, hidden: Tensor) -> Tensor:
+        """Teacher-forced MTP over whole sequences (training): row p-1 of the result is the MTP step at
+        position p (embed(x[p]) with g[p-1]) and predicts x[p+1]. Returns [B, T-1, V]."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (config num_nextn_predict_layers is 0).")
+        T = input_ids.shape[1]
+        pos = torch.arange(1, T, device=input_ids.device)[None]
+        h = self.mtp(self.model.embed_tokens(input_ids[:, 1:]), hidden[:, :-1], pos, self.rotary)
+        return self.lm_head(h)

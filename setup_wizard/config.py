@@ -1,0 +1,216 @@
+"""The strata-setup config (TOML, `schema = 1`): build, write atomically, merge user keys, load, check staleness.
+
+Tables (docs/INTERFACES.md): `[target]`, `[drafter]`, `[speculative]`, `[memory]` + `[memory.budget]`, `[device]`,
+`[calibration]` (+ `key`, `results`). `strata-run` ignores keys it does not know, and a rerun of strata-setup keeps
+keys a user added (anything outside the keys below).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import shutil
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+SCHEMA = 1
+
+# The keys strata-setup writes, per table. A key not listed here is the user's and survives a rerun; a table
+# marked None is replaced as a whole (its contents are all ours).
+OWNED: dict[str, set[str] | None] = {
+    "": {"schema", "created_by", "target", "drafter", "speculative", "memory", "device", "calibration"},
+    "target": {"name", "path", "sha256", "source", "revision", "files", "has_mtp"},
+    "target.files": None,
+    "drafter": {"kind", "head", "path", "sha256", "size", "quantization", "source_sha256", "source_path"},
+    "speculative": {"block", "spec_min_p", "source", "block_source", "spec_min_p_source"},
+    "memory": {"context", "kv_dtype", "dtype", "reserve_mib", "expert_cache_slots", "total_experts",
+               "expert_bytes", "budget", "fits"},
+    "memory.budget": None,
+    "device": {"type", "name", "total_mib", "free_mib", "capability", "dtype"},
+    "calibration": None,  # the calibration area's record (calibrate.api), replaced as a whole
+}
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message is one sentence saying what to do (exit code 2)."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def manifest_sha256(files: Mapping[str, Mapping[str, Any]]) -> str:
+    """One hash for a folder artifact: sha256 of the sorted lines `path<TAB>sha256<TAB>size`. The target's
+    `sha256` (and so the calibration key) changes when any of its files does."""
+    lines = "".join(f"{p}\t{files[p]['sha256']}\t{int(files[p]['size'])}\n" for p in sorted(files))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _drop_none(value: Any) -> Any:
+    """TOML has no null: leave such keys out."""
+    if isinstance(value, Mapping):
+        return {str(k): _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_drop_none(v) for v in value if v is not None]
+    return value
+
+
+def merge_user_keys(old: Mapping[str, Any], new: Mapping[str, Any], _table: str = "") -> dict[str, Any]:
+    """`new` with every key of `old` that strata-setup does not own carried over (recursively)."""
+    out = copy.deepcopy(dict(new))
+    owned = OWNED.get(_table, set())
+    if owned is None:
+        return out
+    for key, value in old.items():
+        sub = f"{_table}.{key}" if _table else key
+        if key not in owned:
+            out.setdefault(key, copy.deepcopy(value))
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_user_keys(value, out[key], sub)
+    return out
+
+
+def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = True) -> Path:
+    """Atomic write: temp file in the same folder, fsync, re-parse to verify, keep the old file as `.bak`, rename.
+    An interruption at any point leaves either the old config or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = _drop_none(doc)
+    if keep_user_keys and path.exists():
+        try:
+            old = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+            old = {}
+        doc = merge_user_keys(old, doc)
+    text = tomli_w.dumps(doc)
+    if tomllib.loads(text) != doc:  # pragma: no cover - tomli_w round-trips what it accepts
+        raise ConfigError("The config did not survive a TOML round trip; this is a bug, please report it.")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            bak = path.with_name(path.name + ".bak")
+            fd2, tmp_bak = tempfile.mkstemp(prefix=f".{bak.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd2)
+            shutil.copyfile(path, tmp_bak)
+            os.replace(tmp_bak, bak)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """Read and validate the shape of a config; ConfigError (one sentence) when it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"No config at {path}; run strata-setup to create one, or pass the right --config path.")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"The config {path} is not valid TOML ({exc}); fix it or rerun strata-setup.") from None
+    schema = doc.get("schema")
+    if schema != SCHEMA:
+        raise ConfigError(
+            f"The config {path} has schema {schema!r}, but this version reads schema {SCHEMA}; rerun strata-setup."
+        )
+    for table, keys in (("target", ("path",)), ("drafter", ("kind",)), ("memory", ("context",))):
+        t = doc.get(table)
+        if not isinstance(t, dict):
+            raise ConfigError(f"The config {path} has no [{table}] table; rerun strata-setup to rewrite it.")
+        for k in keys:
+            if k not in t:
+                raise ConfigError(f"The config {path} has no '{table}.{k}'; rerun strata-setup to rewrite it.")
+    if doc["drafter"]["kind"] not in ("mtp", "dflash2", "none"):
+        raise ConfigError(f"The config {path} names an unknown drafter kind {doc['drafter']['kind']!r}; "
+                          "use mtp, dflash2 or none.")
+    return doc
+
+
+def stale_reasons(doc: Mapping[str, Any], *, deep: bool = False) -> list[str]:
+    """Why the artifacts a config names can no longer be trusted: missing, size changed, or (with `deep`) sha256
+    changed. Empty when everything is where the config says. Sizes are cheap; hashing multi-GB files is not."""
+    reasons: list[str] = []
+    target = doc.get("target", {})
+    tpath = Path(target.get("path", ""))
+    if not tpath.exists():
+        reasons.append(f"the target folder {tpath} is missing")
+    else:
+        for rel, meta in (target.get("files") or {}).items():
+            f = tpath / rel
+            if not f.is_file():
+                reasons.append(f"the target file {f} is missing")
+            elif f.stat().st_size != int(meta.get("size", -1)):
+                reasons.append(f"the target file {f} changed size")
+            elif deep and sha256_file(f) != meta.get("sha256"):
+                reasons.append(f"the target file {f} changed (sha256 differs)")
+    drafter = doc.get("drafter", {})
+    if drafter.get("kind") == "dflash2":
+        dpath = Path(drafter.get("path", ""))
+        if not dpath.is_file():
+            reasons.append(f"the DFlash2 drafter {dpath} is missing")
+        elif "size" in drafter and dpath.stat().st_size != int(drafter["size"]):
+            reasons.append(f"the DFlash2 drafter {dpath} changed size")
+        elif deep and drafter.get("sha256") and sha256_file(dpath) != drafter["sha256"]:
+            reasons.append(f"the DFlash2 drafter {dpath} changed (sha256 differs)")
+    return reasons
+
+
+def calibration_key(
+    *,
+    device_name: str,
+    device_total_mib: int,
+    target_sha256: str,
+    drafter_kind: str,
+    drafter_sha256: str,
+    quantization: str,
+    context: int,
+    runtime_version: str,
+) -> dict[str, Any]:
+    """PRODUCT.md: a stored calibration is reused only when every field matches."""
+    return {
+        "device_name": device_name,
+        "device_total_mib": int(device_total_mib),
+        "target_sha256": target_sha256,
+        "drafter_kind": drafter_kind,
+        "drafter_sha256": drafter_sha256,
+        "quantization": quantization,
+        "context": int(context),
+        "runtime_version": runtime_version,
+    }

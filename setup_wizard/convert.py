@@ -1,0 +1,395 @@
+"""DFlash2 checkpoint (config.json + BF16 safetensors) -> GGUF v3 (ARTIFACTS.md §4), and the converted-artifact cache.
+
+The source is validated before anything is written: config.json through `DFlash2Geometry`, the tensor table (names,
+shapes, BF16) through `check_inventory`, and, for a quantized output, every backbone row length against the 32-value
+block. The file is then written tensor by tensor (the safetensors data is memory-mapped; one tensor is in memory at
+a time) to a temporary name; every tensor is checked finite as it is read. The temporary file is read back with
+`gguf.GGUFReader` (metadata, tensor table, types, sizes) and only then renamed. Any error removes the temporary
+file: nothing is left behind.
+
+Backbone matrices (36 for L = 5) are quantized with `runtime.quant.quantize` (byte-identical to gguf-py); the norm,
+convolution and selector tensors keep their BF16 bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime import quant as Q
+from runtime.dflash2_contract import (
+    ALIGNMENT,
+    ARCH,
+    KEY_ALIGNMENT,
+    KEY_ARCHITECTURE,
+    KEY_CONVERTER_VERSION,
+    KEY_FILE_TYPE,
+    KEY_QUANTIZATION,
+    KEY_SOURCE_REPO,
+    KEY_SOURCE_REVISION,
+    KEY_SOURCE_SHA256,
+    ContractError,
+    DFlash2Geometry,
+    check_inventory,
+    expected_tensors,
+    hf_to_gguf,
+    write_gguf_metadata,
+)
+from setup_wizard.catalog import CatalogError, safe_join
+from setup_wizard.store import Store, check_disk_space, manifest_sha256, now_iso, sha256_file
+
+CONVERTER_VERSION = "1"
+QUANTS = ("bf16", "q8_0", "q5_0", "q4_0")
+_MAX_HEADER = 100 * 1024 * 1024
+_ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1,
+              "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+class ConvertError(OSError):
+    """The conversion could not be completed or verified (I/O, read-back mismatch); exit code 1."""
+
+
+@dataclass(frozen=True)
+class Converted:
+    path: Path
+    sha256: str
+    size: int
+    quant: str
+    source_sha256: str
+    converter_version: str = CONVERTER_VERSION
+    reused: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading the source
+
+@dataclass(frozen=True)
+class _TensorRef:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int       # absolute byte offset in file
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header dict without __metadata__, data start offset); ContractError for a malformed file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ContractError(f"{path.name} is too small to be a safetensors file.")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ContractError(f"{path.name} has a safetensors header length of {n} bytes, which does not fit the "
+                                f"file; it is not a valid safetensors file.")
+        try:
+            hdr = json.loads(f.read(n))
+        except ValueError:
+            raise ContractError(f"{path.name} has a safetensors header that is not JSON.") from None
+    if not isinstance(hdr, dict):
+        raise ContractError(f"{path.name} has a safetensors header that is not a JSON object.")
+    hdr.pop("__metadata__", None)
+    return hdr, 8 + n
+
+
+def _tensor_refs(files: list[Path], weight_map: Mapping[str, str] | None) -> dict[str, _TensorRef]:
+    refs: dict[str, _TensorRef] = {}
+    for p in files:
+        hdr, start = read_safetensors_header(p)
+        data_len = p.stat().st_size - start
+        for name, info in hdr.items():
+            try:
+                dtype = str(info["dtype"])
+                shape = tuple(int(s) for s in info["shape"])
+                b, e = (int(v) for v in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ContractError(f"{p.name}: tensor {name!r} has a malformed header entry.") from None
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if dtype in _ST_DTYPES and (e - b != count * _ST_DTYPES[dtype] or not 0 <= b <= e <= data_len):
+                raise ContractError(f"{p.name}: tensor {name!r} has data offsets that do not match its shape or "
+                                    f"the file size (a truncated or corrupt file).")
+            if name in refs:
+                raise ContractError(f"tensor {name!r} appears in two shards ({refs[name].file.name}, {p.name}).")
+            if weight_map is not None and weight_map.get(name) not in (None, p.name):
+                raise ContractError(f"tensor {name!r} is in {p.name} but the index says {weight_map[name]}.")
+            refs[name] = _TensorRef(p, dtype, shape, start + b, e - b)
+    return refs
+
+
+def locate_source(src: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
+    """(config.json, safetensors files, weight map) for a folder or a single .safetensors file (config beside it)."""
+    src = Path(src)
+    if src.is_file():
+        if not src.name.endswith(".safetensors"):
+            raise ContractError(f"{src} is not a .safetensors file or a checkpoint folder.")
+        folder, files, wmap = src.parent, [src], None
+    elif src.is_dir():
+        folder = src
+        index = src / "model.safetensors.index.json"
+        if (src / "model.safetensors").is_file():
+            files, wmap = [src / "model.safetensors"], None
+        elif index.is_file():
+            try:
+                wmap = dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+            except (ValueError, KeyError, TypeError):
+                raise ContractError(f"{index} is not a valid safetensors index.") from None
+            try:
+                files = [safe_join(src, rel, "index shard") for rel in sorted(set(wmap.values()))]
+            except CatalogError as exc:
+                raise ContractError(str(exc)) from None
+            for f in files:
+                if not f.is_file():
+                    raise ContractError(f"shard {f.name} named by {index.name} is missing.")
+        else:
+            raise ContractError(f"{src} holds no model.safetensors (or model.safetensors.index.json).")
+    else:
+        raise ContractError(f"{src} does not exist; pass a DFlash2 checkpoint folder or its .safetensors file.")
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise ContractError(f"{folder} has no config.json next to the weights; a DFlash2 checkpoint needs it.")
+    return cfg, files, wmap
+
+
+def source_sha256(files: list[Path]) -> str:
+    """sha256 of the source safetensors (for shards: the manifest hash of the shards' hashes)."""
+    if len(files) == 1:
+        return sha256_file(files[0])
+    return manifest_sha256({f.name: {"sha256": sha256_file(f), "size": f.stat().st_size} for f in files})
+
+
+@dataclass(frozen=True)
+class Source:
+    config_path: Path
+    files: list[Path]
+    geom: DFlash2Geometry
+    tensors: dict[str, _TensorRef]
+    kinds: dict[str, str]
+
+
+def validate_source(src: Path, quant: str) -> Source:
+    """Everything that can be checked without reading the weights; ContractError (one sentence) otherwise."""
+    quant = _check_quant(quant)
+    cfg, files, wmap = locate_source(src)
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ContractError(f"{cfg} is not readable JSON ({exc}).") from None
+    geom = DFlash2Geometry.from_config(config)
+    refs = _tensor_refs(files, wmap)
+    check_inventory({n: (r.shape, r.dtype) for n, r in refs.items()}, geom)
+    kinds = {n: k for n, (_, k) in expected_tensors(geom).items()}
+    if quant != "bf16":
+        for name, ref in refs.items():
+            if kinds[name] == "backbone" and ref.shape[-1] % Q.BLOCK:
+                raise ContractError(f"tensor {name!r} has rows of {ref.shape[-1]} values, not a multiple of 32, so it "
+                                    f"cannot be stored as {quant}; convert with --quant bf16.")
+    return Source(cfg, files, geom, refs, kinds)
+
+
+def _check_quant(quant: str) -> str:
+    q = str(quant).lower()
+    if q not in QUANTS:
+        raise ContractError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}.")
+    return q
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+def _bf16_bits(ref: _TensorRef) -> np.ndarray:
+    mm = np.memmap(ref.file, dtype=np.uint16, mode="r", offset=ref.offset, shape=(ref.nbytes // 2,))
+    return np.array(mm).reshape(ref.shape)
+
+
+def _plan(src: Source, quant: str) -> list[tuple[str, str, str, tuple[int, ...], int]]:
+    """(hf name, gguf name, qtype, hf shape, nbytes) in file order (sorted by GGUF name for a stable layout)."""
+    out = []
+    for name, ref in src.tensors.items():
+        qt = quant if src.kinds[name] == "backbone" else "bf16"
+        rows = int(np.prod(ref.shape[:-1], dtype=np.int64)) if len(ref.shape) > 1 else 1
+        nbytes = rows * Q.row_bytes(ref.shape[-1], qt)
+        out.append((name, hf_to_gguf(name), qt, ref.shape, nbytes))
+    return sorted(out, key=lambda t: _gguf_order(t[1]))
+
+
+def _gguf_order(gname: str) -> tuple:
+    if gname.startswith("blk."):
+        i, _, rest = gname[4:].partition(".")
+        return (1, int(i), rest)
+    return (0 if gname in ("fc.weight", "hidden_norm.weight") else 2, 0, gname)
+
+
+def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo: str = "", source_revision: str = "",
+                    source_sha: str | None = None, on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
+    """Convert a DFlash2 checkpoint to GGUF at `out` (atomically). ContractError for a bad source (nothing written),
+    ConvertError when writing or the read-back check fails."""
+    import gguf
+
+    quant = _check_quant(quant)
+    src = Path(src)
+    out = Path(out)
+    source = validate_source(src, quant)
+    sha = source_sha or source_sha256(source.files)
+    plan = _plan(source, quant)
+    total = sum(nb for *_, nb in plan)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    check_disk_space(Store(out.parent), total + (1 << 20), out.parent, f"the converted {quant} file")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        w = gguf.GGUFWriter(tmp, ARCH)
+        w.add_file_type(Q.FILE_TYPE[quant])
+        w.add_custom_alignment(ALIGNMENT)
+        write_gguf_metadata(w, source.geom)
+        w.add_string(KEY_SOURCE_REPO, source_repo or "")
+        w.add_string(KEY_SOURCE_REVISION, source_revision or "")
+        w.add_string(KEY_SOURCE_SHA256, sha)
+        w.add_string(KEY_QUANTIZATION, quant)
+        w.add_string(KEY_CONVERTER_VERSION, CONVERTER_VERSION)
+        for _name, gname, qt, shape, nbytes in plan:
+            byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
+            w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,
+                              raw_dtype=gguf.GGMLQuantizationType(Q.GGML_TYPE[qt]))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, (name, _gname, qt, shape, nbytes) in enumerate(plan):
+            bits = _bf16_bits(source.tensors[name])
+            if ((bits & 0x7F80) == 0x7F80).any():
+                raise ContractError(f"tensor {name!r} holds NaN or infinite values; the checkpoint is damaged.")
+            if qt == "bf16":
+                data = bits.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+            else:
+                data = Q.quantize_bf16(bits.reshape(-1, shape[-1]), qt)
+            assert data.nbytes == nbytes
+            w.write_tensor_data(np.ascontiguousarray(data))
+            del bits, data
+            if on_tensor:
+                on_tensor(name, i + 1, len(plan))
+        w.close()
+        problems = check_gguf(tmp, source.geom, quant, sha)
+        if problems:
+            raise ConvertError(f"The converted file failed its read-back check ({problems[0]}); nothing was kept.")
+        digest = sha256_file(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            w.close()  # type: ignore[possibly-undefined]
+        except Exception:
+            pass
+        tmp.unlink(missing_ok=True)
+        raise
+    return Converted(out, digest, size, quant, sha)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading back
+
+def read_gguf_fields(reader: Any) -> dict[str, Any]:
+    """GGUF metadata as plain Python values."""
+    out: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        try:
+            out[key] = f.contents()
+        except Exception:  # pragma: no cover - exotic field types
+            continue
+    return out
+
+
+def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha: str | None) -> list[str]:
+    """Problems with a converted file (empty = good): header keys, tensor table (names, types, shapes), sizes.
+    With `geom` None the geometry is taken from the file's own metadata."""
+    import gguf
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        return [f"{path.name} cannot be read as GGUF ({type(exc).__name__}: {exc})"]
+    meta = read_gguf_fields(reader)
+    want = {KEY_ARCHITECTURE: ARCH, KEY_QUANTIZATION: quant, KEY_CONVERTER_VERSION: CONVERTER_VERSION,
+            KEY_FILE_TYPE: Q.FILE_TYPE[quant], KEY_ALIGNMENT: ALIGNMENT}
+    if source_sha is not None:
+        want[KEY_SOURCE_SHA256] = source_sha
+    problems = [f"metadata {k} is {meta.get(k)!r}, expected {v!r}" for k, v in want.items() if meta.get(k) != v]
+    if problems:
+        return problems
+    try:
+        file_geom = DFlash2Geometry.from_gguf_metadata(meta)
+    except ContractError as exc:
+        return [str(exc)]
+    if geom is not None and (file_geom.hidden_size, file_geom.num_layers, file_geom.vocab_size) != (
+            geom.hidden_size, geom.num_layers, geom.vocab_size):
+        return ["dflash2 geometry in the file differs from the source config"]
+    expected = {hf_to_gguf(n): (shape, kind) for n, (shape, kind) in expected_tensors(geom or file_geom).items()}
+    size = path.stat().st_size
+    seen = set()
+    for t in reader.tensors:
+        if t.name not in expected:
+            problems.append(f"unexpected tensor {t.name}")
+            continue
+        seen.add(t.name)
+        shape, kind = expected[t.name]
+        qt = quant if kind == "backbone" else "bf16"
+        hf_shape = tuple(int(d) for d in reversed(list(t.shape)))
+        if hf_shape != shape:
+            problems.append(f"tensor {t.name} has shape {list(hf_shape)}, expected {list(shape)}")
+        if int(t.tensor_type) != Q.GGML_TYPE[qt]:
+            problems.append(f"tensor {t.name} has type {t.tensor_type.name}, expected {qt}")
+        rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+        if int(t.n_bytes) != rows * Q.row_bytes(shape[-1], qt) or int(t.data_offset) + int(t.n_bytes) > size:
+            problems.append(f"tensor {t.name} has the wrong byte size or runs past the end of the file")
+    missing = set(expected) - seen
+    if missing:
+        problems.append(f"missing tensor {sorted(missing)[0]}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the artifact cache
+
+def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *, source_name: str = "",
+                     source_repo: str = "", source_revision: str = "", source_sha: str | None = None,
+                     on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
+    """The converted artifact for (source sha256, quant, converter version): reused from the store after its
+    metadata, tensor table and sizes check out, else (re)built. Returns where it is."""
+    store = store or Store()
+    quant = _check_quant(quant)
+    source = validate_source(Path(src), quant)
+    sha = source_sha or source_sha256(source.files)
+    d = store.converted_dir(sha, quant, CONVERTER_VERSION)
+    gg = d / "model.gguf"
+    m = store.read_manifest(d)
+    if m and m.get("verified") and gg.is_file() and gg.stat().st_size == m.get("size"):
+        if not check_gguf(gg, source.geom, quant, sha):
+            return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
+    store.invalidate(d)
+    res = convert_dflash2(src, quant, gg, source_repo=source_repo, source_revision=source_revision, source_sha=sha,
+                          on_tensor=on_tensor)
+    store.write_manifest(d, {"kind": "converted", "file": "model.gguf", "quant": quant, "source_sha256": sha,
+                             "name": f"{source_name or sha[:12]}:{quant}", "source_name": source_name,
+                             "source_repo": source_repo, "source_revision": source_revision,
+                             "source_path": str(Path(src).resolve()), "converter_version": CONVERTER_VERSION,
+                             "sha256": res.sha256, "size": res.size, "verified": True, "verified_at": now_iso()})
+    return res
+
+
+def gguf_tensor_bytes(path: Path) -> dict[str, bytes]:
+    """name -> raw bytes of every tensor (tests and debugging)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return {t.name: bytes(np.asarray(t.data).tobytes()) for t in r.tensors}
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()

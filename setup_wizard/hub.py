@@ -1,0 +1,399 @@
+"""Verified downloads of pinned catalog entries into the store.
+
+`hf` entries go through huggingface_hub's own pieces: `hf_hub_url` (honours HF_ENDPOINT), `get_hf_file_metadata`
+(HEAD: size, commit), `http_get` (its session, retries, and Range resume within a run), `build_hf_headers`
+(HF_TOKEN), `HfApi.parse_safetensors_file_metadata` (ranged read of a safetensors header). Around them we add what
+the library does not do: sha256 computed while the bytes are written (the file is never read twice), a `.part` file
+that a later run resumes with a Range request (re-hashing the bytes already there), a disk-space check, rich progress
+bars, a header check of DFlash2 weights against the contract *before* they are downloaded, and an atomic rename
+into the store once size and sha256 match the catalog. `bundled` entries are copied from the package folder through
+the same hashing and checks. Offline (HF_HUB_OFFLINE or `offline=True`) serves only what the store has verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, bundled_root, load_catalog, safe_join
+from setup_wizard.store import (
+    PART_SUFFIX,
+    Store,
+    StoreError,
+    check_disk_space,
+    manifest_sha256,
+    now_iso,
+)
+
+
+class DownloadError(OSError):
+    """A download or its verification failed (network, missing file, checksum); exit code 1."""
+
+
+class ChecksumError(DownloadError):
+    """A file's bytes do not match the catalog's sha256 or size; nothing of it is kept."""
+
+
+class HeaderCheckError(DownloadError):
+    """The remote safetensors header breaks the DFlash2 contract; the weights were not downloaded."""
+
+
+class UnpinnedError(CatalogError):
+    """The entry has no full pin, so it is never downloaded (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A verified catalog entry in the store."""
+
+    name: str
+    kind: str
+    path: Path                                  # the folder holding the files
+    revision: str
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)   # rel path -> {sha256, size}
+    sha256: str = ""                            # manifest hash over the files (store.manifest_sha256)
+    size: int = 0
+    reused: bool = False                        # True when nothing had to be fetched
+
+
+def _is_true(v: str | None) -> bool:
+    return (v or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hf_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now, as huggingface_hub reads it."""
+    return _is_true(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
+
+
+def hf_endpoint() -> str:
+    """HF_ENDPOINT read now (huggingface_hub reads it once at import; tests and users may set it later)."""
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def _revision_dir(entry: CatalogEntry) -> str:
+    return entry.revision or ("sha-" + manifest_sha256(_files_of(entry))[:16])
+
+
+def _files_of(entry: CatalogEntry) -> dict[str, dict[str, Any]]:
+    return {f.path: {"sha256": f.sha256, "size": f.size} for f in entry.files}
+
+
+def entry_dir(entry: CatalogEntry, store: Store) -> Path:
+    if entry.repo is None:
+        raise UnpinnedError(entry.unpinned_message())
+    return store.download_dir(entry.repo, _revision_dir(entry), entry.source)
+
+
+def verified_entry(entry: CatalogEntry, store: Store | None = None, *, rehash: bool = False) -> Pulled | None:
+    """The entry as already verified in the store (files present with the pinned sizes), else None."""
+    store = store or Store()
+    if not entry.pinned:
+        return None
+    d = entry_dir(entry, store)
+    m = store.read_manifest(d)
+    files = _files_of(entry)
+    if not m or not m.get("verified") or m.get("files") != files:
+        return None
+    if store.verify_files(d, files, rehash=rehash):
+        return None
+    return Pulled(entry.name, entry.kind, d, _revision_dir(entry), files, manifest_sha256(files), entry.size, True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hashing writer + progress
+
+class _HashingWriter:
+    """A file object for `http_get`: hashes every byte written and advances a progress bar."""
+
+    def __init__(self, f: BinaryIO, hasher: Any, on_bytes: Callable[[int], None]) -> None:
+        self._f, self.hasher, self._on = f, hasher, on_bytes
+
+    def write(self, data: bytes) -> int:
+        self.hasher.update(data)
+        self._on(len(data))
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self._f.seek(pos, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        pos = self._f.tell() if size is None else size
+        if pos != 0:
+            raise DownloadError("the server restarted a resumed download at an unexpected offset; retry.")
+        self.hasher = hashlib.sha256()  # the server ignored our Range: everything comes again from byte 0
+        self._on(-1)
+        return self._f.truncate(0)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _progress(console: Console | None, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=console or Console(stderr=True), disable=not enabled, transient=False)
+
+
+def _hash_existing(path: Path, hasher: Any, limit: int) -> int:
+    """Feed the bytes already in a .part file to the hasher (the resume point); returns how many."""
+    n = 0
+    with open(path, "rb") as f:
+        while n < limit and (block := f.read(min(1 << 22, limit - n))):
+            hasher.update(block)
+            n += len(block)
+    return n
+
+
+def _finish_file(part: Path, final: Path, rel: str, got_sha: str, want: Mapping[str, Any], name: str) -> None:
+    size = part.stat().st_size
+    if size != int(want["size"]) or got_sha != want["sha256"]:
+        part.unlink(missing_ok=True)
+        what = (f"has {size} bytes instead of {want['size']}" if size != int(want["size"])
+                else f"has sha256 {got_sha}, but the catalog pins {want['sha256']}")
+        raise ChecksumError(f"Downloaded file {rel} of {name} {what}; it was discarded. Retry with "
+                            f"`strata-setup models pull {name}`; if it fails again the source or the pin is wrong.")
+    os.replace(part, final)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf
+
+def _hub_error(exc: Exception, entry: CatalogEntry, rel: str | None) -> DownloadError:
+    from huggingface_hub import errors as E
+
+    ep = hf_endpoint()
+    where = f"{entry.repo}@{entry.revision}"
+    if isinstance(exc, E.RevisionNotFoundError):
+        return DownloadError(f"The Hub at {ep} has no revision {entry.revision} of {entry.repo} (entry "
+                             f"{entry.name}); check the catalog pin or HF_ENDPOINT.")
+    if isinstance(exc, E.EntryNotFoundError | E.RemoteEntryNotFoundError):
+        return DownloadError(f"The Hub at {ep} has no file {rel} in {where} (entry {entry.name}); check the "
+                             f"catalog entry's file list.")
+    if isinstance(exc, E.GatedRepoError):
+        return DownloadError(f"{entry.repo} is gated on {ep}; accept its terms on the Hub and set HF_TOKEN.")
+    if isinstance(exc, E.RepositoryNotFoundError):
+        return DownloadError(f"The Hub at {ep} has no repository {entry.repo} (or it is private: set HF_TOKEN).")
+    if isinstance(exc, E.HfHubHTTPError):
+        return DownloadError(f"The Hub at {ep} refused {rel or entry.repo} of {where}: "
+                             f"{str(exc).splitlines()[0]}; retry later.")
+    return DownloadError(f"Cannot download {rel or entry.repo} of {where} from {ep} ({type(exc).__name__}: "
+                         f"{exc}); check the network and retry, or use --offline with models already in the store.")
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    from huggingface_hub import errors as E
+
+    errs: list[type[BaseException]] = [E.HfHubHTTPError, ConnectionError, TimeoutError]
+    for mod in ("httpx", "requests"):
+        try:
+            m = __import__(mod)
+            errs.append(m.HTTPError if mod == "httpx" else m.RequestException)
+        except (ImportError, AttributeError):
+            pass
+    try:
+        import httpx2  # huggingface_hub 2.x's vendored-name client
+
+        errs.append(httpx2.HTTPError)
+    except (ImportError, AttributeError):
+        pass
+    return tuple(errs)
+
+
+def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path, progress: Progress) -> None:
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    final = safe_join(dest, rel, f"{entry.name} file")
+    part = final.with_name(final.name + PART_SUFFIX)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    url = hf_hub_url(entry.repo, rel, revision=entry.revision, endpoint=hf_endpoint())
+    headers = build_hf_headers()
+    try:
+        meta = get_hf_file_metadata(url, headers=headers)
+    except _network_errors() as exc:
+        raise _hub_error(exc, entry, rel) from None
+    if meta.size is not None and meta.size != int(want["size"]):
+        raise ChecksumError(f"The Hub reports {meta.size} bytes for {rel} of {entry.name}, but the catalog pins "
+                            f"{want['size']}; the file was not downloaded (the pin or the repository is wrong).")
+    if meta.commit_hash and meta.commit_hash != entry.revision:
+        raise DownloadError(f"The Hub served {rel} of {entry.name} from commit {meta.commit_hash}, not the pinned "
+                            f"{entry.revision}; refusing it.")
+    hasher = hashlib.sha256()
+    resume = 0
+    if part.exists():
+        resume = part.stat().st_size
+        if resume > int(want["size"]):
+            part.unlink()
+            resume = 0
+        else:
+            resume = _hash_existing(part, hasher, resume)
+    task = progress.add_task(f"{entry.name}/{rel}", total=int(want["size"]), completed=resume)
+
+    def on_bytes(n: int) -> None:
+        if n < 0:
+            progress.reset(task, total=int(want["size"]))
+        else:
+            progress.update(task, advance=n)
+
+    with open(part, "ab") as f:
+        w = _HashingWriter(f, hasher, on_bytes)
+        try:
+            http_get(meta.location or url, w, resume_size=resume, headers=headers, expected_size=int(want["size"]),
+                     displayed_filename=rel)
+        except _network_errors() + (OSError,) as exc:
+            w.flush()
+            if isinstance(exc, DownloadError):
+                raise
+            kept = part.stat().st_size if part.exists() else 0
+            err = _hub_error(exc, entry, rel)
+            raise DownloadError(f"{err} ({kept} bytes kept in {part.name}; the next pull resumes from there).") \
+                from None
+        hasher = w.hasher
+    _finish_file(part, final, rel, hasher.hexdigest(), want, entry.name)
+
+
+def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
+    """Ranged read of each safetensors header; ContractError -> HeaderCheckError, before any weight is fetched."""
+    from huggingface_hub import HfApi
+
+    from runtime.dflash2_contract import ContractError, DFlash2Geometry, check_inventory
+
+    weights = [f.path for f in entry.files if f.path.endswith(".safetensors")]
+    if not weights:
+        raise HeaderCheckError(f"Entry {entry.name} lists no .safetensors weights; a DFlash2 head needs them.")
+    try:
+        geom = DFlash2Geometry.from_config(json.loads(config_path.read_text(encoding="utf-8")))
+    except (ContractError, ValueError) as exc:
+        raise HeaderCheckError(f"Refusing {entry.name}: its config.json breaks the DFlash2 contract ({exc}).") \
+            from None
+    api = HfApi(endpoint=hf_endpoint())
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for rel in weights:
+        try:
+            meta = api.parse_safetensors_file_metadata(entry.repo, rel, revision=entry.revision)
+        except _network_errors() as exc:
+            raise _hub_error(exc, entry, rel) from None
+        except Exception as exc:  # SafetensorsParsingError and friends
+            raise HeaderCheckError(f"Refusing {entry.name}: the header of {rel} cannot be read ({exc}).") from None
+        for name, info in meta.tensors.items():
+            found[name] = (tuple(int(s) for s in info.shape), str(info.dtype))
+    try:
+        check_inventory(found, geom)
+    except ContractError as exc:
+        raise HeaderCheckError(f"Refusing {entry.name} without downloading its weights: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bundled
+
+def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path, progress: Progress,
+                       root: Path) -> None:
+    src_dir = safe_join(root, entry.repo or "", f"{entry.name} bundled folder")
+    src = safe_join(src_dir, rel, f"{entry.name} file")
+    if not src.is_file():
+        raise DownloadError(f"The bundled file {rel} of {entry.name} is missing from {src_dir}; reinstall "
+                            f"strata-setup.")
+    final = safe_join(dest, rel, f"{entry.name} file")
+    part = final.with_name(final.name + PART_SUFFIX)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    hasher = hashlib.sha256()
+    task = progress.add_task(f"{entry.name}/{rel}", total=int(want["size"]))
+    with open(src, "rb") as fi, open(part, "wb") as fo:
+        while block := fi.read(1 << 22):
+            hasher.update(block)
+            fo.write(block)
+            progress.update(task, advance=len(block))
+    _finish_file(part, final, rel, hasher.hexdigest(), want, entry.name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the entry point
+
+def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: bool | None = None,
+                   console: Console | None = None, progress: bool = True,
+                   bundled_dir: Path | None = None) -> Pulled:
+    """Make `entry` present and verified in the store; returns where. Raises UnpinnedError (exit 2),
+    DownloadError / ChecksumError / HeaderCheckError / StoreError (exit 1)."""
+    store = store or Store()
+    if not entry.pinned:
+        raise UnpinnedError(entry.unpinned_message())
+    have = verified_entry(entry, store)
+    if have is not None:
+        return have
+    offline = hf_offline() if offline is None else offline
+    if offline and entry.source == "hf":
+        raise DownloadError(f"{entry.name} is not in the store and offline mode is on (--offline or HF_HUB_OFFLINE); "
+                            f"run `strata-setup models pull {entry.name}` once with network access.")
+    dest = entry_dir(entry, store)
+    files = _files_of(entry)
+    store.invalidate(dest)  # whatever was there is not verified for this pin any more
+    # Files left under their final name by an interrupted run passed their check then, but the folder has no
+    # verified manifest now (it may have failed `models verify`), so they are hashed again before being kept.
+    missing = [rel for rel in files if store.verify_files(dest, {rel: files[rel]}, rehash=True)]
+    part_bytes = 0
+    for rel in missing:
+        p = safe_join(dest, rel, f"{entry.name} file")
+        pp = p.with_name(p.name + PART_SUFFIX)
+        part_bytes += pp.stat().st_size if pp.exists() else 0
+        if p.exists():
+            p.unlink()  # present but wrong: never used
+    need = sum(int(files[r]["size"]) for r in missing) - part_bytes
+    check_disk_space(store, max(need, 0), dest, f"{entry.name}")
+    # small files first (config.json), so a DFlash2 head's header can be checked before its weights move
+    order = sorted(missing, key=lambda r: (r.endswith(".safetensors"), files[r]["size"], r))
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    hf_bars_were_off = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        with _progress(console, progress) as bars:
+            header_checked = False
+            for rel in order:
+                if entry.source == "bundled":
+                    _copy_bundled_file(entry, rel, files[rel], dest, bars, bundled_dir or bundled_root())
+                    continue
+                if entry.kind == "dflash2" and rel.endswith(".safetensors") and not header_checked:
+                    cfg = dest / "config.json"
+                    if not cfg.is_file():
+                        raise HeaderCheckError(f"Entry {entry.name} does not list config.json; a DFlash2 head "
+                                               f"needs it.")
+                    check_remote_header(entry, cfg)
+                    header_checked = True
+                _fetch_hf_file(entry, rel, files[rel], dest, bars)
+    finally:
+        if not hf_bars_were_off:
+            enable_progress_bars()
+    problems = store.verify_files(dest, files, rehash=False)
+    if problems:
+        raise StoreError(f"{entry.name} is incomplete after download ({problems[0]}); retry the pull.")
+    doc = {"kind": "download", "name": entry.name, "entry_kind": entry.kind, "source": entry.source,
+           "repo": entry.repo, "revision": entry.revision, "files": files, "size": entry.size,
+           "sha256": manifest_sha256(files), "verified": True, "verified_at": now_iso()}
+    store.write_manifest(dest, doc)
+    return Pulled(entry.name, entry.kind, dest, _revision_dir(entry), files, doc["sha256"], entry.size, False)
+
+
+def pull(name: str, *, store: Store | None = None, catalog: Catalog | None = None, offline: bool | None = None,
+         console: Console | None = None, progress: bool = True) -> Pulled:
+    """Download and verify one catalog entry by name (and nothing else)."""
+    cat = catalog or load_catalog()
+    return download_entry(cat.get(name), store, offline=offline, console=console, progress=progress)

@@ -1,0 +1,337 @@
+"""`strata-setup models list|show|pull|verify|rm|gc` and `strata-setup convert`: typer commands over plain functions.
+
+The functions (`list_models`, `show_model`, `verify_models`, `remove_models`, `collect_garbage`, plus
+`hub.pull` / `hub.download_entry` / `convert.convert_to_store` / `convert.convert_dflash2`) return plain data; the
+commands print it as a rich table or, with `--json`, one JSON object. Exit codes: 0 ok, 1 the work failed
+(network, checksum, disk), 2 bad input (unknown name, unpinned entry, a checkpoint that breaks the contract, removing
+what a config uses without --force).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, load_catalog
+from setup_wizard.store import Store, StoreItem
+
+models_app = typer.Typer(name="models", help="Manage the local model store (catalog entries, downloads, "
+                                              "converted drafters).", no_args_is_help=True, add_completion=False)
+
+
+class InUseError(CatalogError):
+    """Removing something a config uses (exit code 2; pass --force)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plain functions
+
+def _fmt_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _entry_state(entry: CatalogEntry, store: Store) -> tuple[str, StoreItem | None]:
+    from setup_wizard.hub import entry_dir, verified_entry
+
+    if not entry.pinned:
+        return "unpinned", None
+    d = entry_dir(entry, store)
+    m = store.read_manifest(d)
+    item = StoreItem(d, m) if m else None
+    if verified_entry(entry, store) is not None:
+        return "verified", item
+    if m and m.get("verify_failed"):
+        return "failed", item
+    if d.exists():
+        return "partial", item
+    return "not downloaded", None
+
+
+def list_models(store: Store | None = None, catalog: Catalog | None = None) -> list[dict[str, Any]]:
+    """Catalog entries (with their store state) and every store item, with the configs that use it."""
+    store = store or Store()
+    cat = catalog or load_catalog()
+    refs = store.references()
+    rows: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for e in cat:
+        state, item = _entry_state(e, store)
+        if item is not None:
+            seen.add(item.path.resolve())
+        rows.append({"name": e.name, "kind": e.kind, "quant": "bf16" if e.kind == "dflash2" else "-",
+                     "source": e.source, "repo": e.repo, "revision": e.revision, "pinned": e.pinned,
+                     "size": e.size, "state": state, "path": str(item.path) if item else None,
+                     "used_by": [str(c) for c in store.used_by(item, refs)] if item else [],
+                     "default": e.default, "fits": list(e.fits), "description": e.description})
+    for it in store.items():
+        if it.path.resolve() in seen:
+            continue
+        m = it.manifest
+        rows.append({"name": it.name, "kind": "dflash2-gguf" if it.kind == "converted" else m.get("entry_kind", "?"),
+                     "quant": m.get("quant", "-"), "source": "converted" if it.kind == "converted" else
+                     m.get("source", "?"), "repo": m.get("source_repo") or m.get("repo"),
+                     "revision": m.get("source_revision") or m.get("revision"), "pinned": True, "size": it.size,
+                     "state": "verified" if it.verified else ("failed" if m.get("verify_failed") else "unverified"),
+                     "path": str(it.artifact_path), "used_by": [str(c) for c in store.used_by(it, refs)],
+                     "default": False, "fits": [], "description": ""})
+    return rows
+
+
+def show_model(name: str, store: Store | None = None, catalog: Catalog | None = None) -> dict[str, Any]:
+    store = store or Store()
+    cat = catalog or load_catalog()
+    if name in cat:
+        e = cat.get(name)
+        state, item = _entry_state(e, store)
+        doc = e.to_dict()
+        doc.update({"state": state, "path": str(item.path) if item else None,
+                    "used_by": [str(c) for c in store.used_by(item)] if item else []})
+        doc["converted"] = [{"path": str(it.artifact_path), "quant": it.manifest.get("quant"),
+                             "sha256": it.manifest.get("sha256"), "size": it.size}
+                            for it in store.items() if it.kind == "converted" and it.manifest.get("source_name") == name]
+        if not e.pinned:
+            doc["note"] = e.unpinned_message()
+        return doc
+    for it in store.items():
+        if it.name == name:
+            return {"name": it.name, "kind": it.kind, "path": str(it.artifact_path), "manifest": it.manifest,
+                    "used_by": [str(c) for c in store.used_by(it)]}
+    raise CatalogError(f"{name!r} is neither a catalog entry nor an item in the store; see `strata-setup models "
+                       f"list`.")
+
+
+def _select(name: str | None, store: Store, cat: Catalog) -> list[StoreItem]:
+    items = list(store.items())
+    if name is None:
+        return items
+    out = [it for it in items if it.name == name or it.manifest.get("name") == name
+           or it.manifest.get("source_name") == name]
+    if not out:
+        if name in cat:
+            return []
+        raise CatalogError(f"{name!r} is neither a catalog entry nor an item in the store; see `strata-setup "
+                           f"models list`.")
+    return out
+
+
+def verify_models(name: str | None = None, store: Store | None = None,
+                  catalog: Catalog | None = None) -> list[dict[str, Any]]:
+    """Re-hash store items (all, or those of `name`); a failed item is marked so nothing uses it."""
+    store = store or Store()
+    cat = catalog or load_catalog()
+    res = []
+    for it in _select(name, store, cat):
+        problems = store.verify_item(it)
+        if problems:
+            doc = dict(it.manifest)
+            doc.update({"verified": False, "verify_failed": problems[0]})
+            if not it.manifest.get("corrupt"):
+                store.write_manifest(it.path, doc)
+        res.append({"name": it.name, "path": str(it.artifact_path), "ok": not problems, "problems": problems})
+    return res
+
+
+def remove_models(name: str, *, force: bool = False, store: Store | None = None,
+                  catalog: Catalog | None = None) -> list[dict[str, Any]]:
+    """Remove the store items of `name` (an entry's download and its converted files, or one item by name)."""
+    store = store or Store()
+    cat = catalog or load_catalog()
+    items = _select(name, store, cat)
+    refs = store.references()
+    users = {str(it.path): [str(c) for c in store.used_by(it, refs)] for it in items}
+    busy = [(it, users[str(it.path)]) for it in items if users[str(it.path)]]
+    if busy and not force:
+        it, cfgs = busy[0]
+        raise InUseError(f"{it.name} is used by {', '.join(cfgs)}; remove those configs first, or pass --force.")
+    for it in items:
+        store.remove(it)
+    return [{"name": it.name, "path": str(it.path), "size": it.size, "used_by": users[str(it.path)]} for it in items]
+
+
+def collect_garbage(*, dry_run: bool = False, store: Store | None = None) -> dict[str, Any]:
+    """Remove store items no config references, and leftover partial/temporary files."""
+    store = store or Store()
+    refs = store.references()
+    items = [it for it in store.items() if not store.used_by(it, refs)]
+    leftovers = store.leftovers()
+    freed = sum(it.size for it in items) + sum(p.stat().st_size for p in leftovers if p.exists())
+    if not dry_run:
+        for it in items:
+            store.remove(it)
+        for p in leftovers:
+            p.unlink(missing_ok=True)
+    return {"dry_run": dry_run, "removed": [{"name": it.name, "path": str(it.path), "size": it.size} for it in items],
+            "leftovers": [str(p) for p in leftovers], "freed_bytes": freed}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# commands
+
+def _code(exc: BaseException) -> int | None:
+    from runtime.dflash2_contract import ContractError
+
+    if isinstance(exc, CatalogError | ContractError):
+        return 2
+    if isinstance(exc, OSError):
+        return 1
+    return None
+
+
+def _run(fn: Callable[[], Any], debug: bool) -> Any:
+    try:
+        return fn()
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        Console(stderr=True).print("\nCancelled; nothing incomplete was left visible. Run the command again to "
+                                   "continue (downloads resume).")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if debug:
+            raise
+        code = _code(exc)
+        msg = str(exc) if code else f"Unexpected error: {exc} (rerun with --debug for details)."
+        Console(stderr=True).print(f"[red]Error:[/red] {msg}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code or 1) from None
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, default=str))
+
+
+JSON = typer.Option(False, "--json", help="Print one JSON object.")
+DEBUG = typer.Option(False, "--debug", help="Show tracebacks.")
+
+
+@models_app.command("list")
+def list_cmd(json_out: bool = JSON, debug: bool = DEBUG) -> None:
+    """Catalog entries and store items: kind, quant, size, pinned revision, verified state, configs using them."""
+    rows = _run(list_models, debug)
+    if json_out:
+        return _print_json({"models": rows})
+    t = Table(title="Models")
+    for c in ("name", "kind", "quant", "size", "revision", "state", "used by"):
+        t.add_column(c)
+    for r in rows:
+        rev = (r["revision"] or "")[:12] if r["pinned"] else "unpinned"
+        name = r["name"] + (" (default)" if r["default"] else "")
+        t.add_row(name, r["kind"], r["quant"], _fmt_size(r["size"]) if r["size"] else "-", rev, r["state"],
+                  ", ".join(Path(c).name for c in r["used_by"]) or "-")
+    Console().print(t)
+
+
+@models_app.command("show")
+def show_cmd(name: str = typer.Argument(..., help="Catalog entry or store item name."), json_out: bool = JSON,
+             debug: bool = DEBUG) -> None:
+    """Everything known about one model: pins, files, store state, converted artifacts, configs using it."""
+    doc = _run(lambda: show_model(name), debug)
+    if json_out:
+        return _print_json(doc)
+    c = Console()
+    for k, v in doc.items():
+        if k == "files" and v:
+            c.print("files:")
+            for f in v:
+                c.print(f"  {f['path']}  {_fmt_size(f['size'])}  sha256 {f['sha256']}")
+        elif k != "files":
+            c.print(f"{k}: {v}", highlight=False)
+
+
+@models_app.command("pull")
+def pull_cmd(name: str = typer.Argument(..., help="Catalog entry to download and verify."),
+             offline: bool = typer.Option(False, "--offline", help="Use only what the store already verified."),
+             json_out: bool = JSON, debug: bool = DEBUG) -> None:
+    """Download and verify one catalog entry (and nothing else)."""
+    from setup_wizard.hub import pull
+
+    res = _run(lambda: pull(name, offline=offline or None, console=Console(stderr=True)), debug)
+    doc = {"name": res.name, "path": str(res.path), "revision": res.revision, "sha256": res.sha256,
+           "size": res.size, "reused": res.reused, "files": res.files}
+    if json_out:
+        return _print_json(doc)
+    Console().print(f"{res.name}: {'already verified' if res.reused else 'downloaded and verified'} in {res.path}")
+
+
+@models_app.command("verify")
+def verify_cmd(name: str | None = typer.Argument(None, help="Only this entry/item (default: everything)."),
+               json_out: bool = JSON, debug: bool = DEBUG) -> None:
+    """Re-hash what the store holds; exit 1 when anything fails (it is then marked and never used)."""
+    res = _run(lambda: verify_models(name), debug)
+    if json_out:
+        _print_json({"results": res, "ok": all(r["ok"] for r in res)})
+    else:
+        c = Console()
+        if not res:
+            c.print("Nothing in the store to verify.")
+        for r in res:
+            c.print(f"{'[green]ok[/green]' if r['ok'] else '[red]FAILED[/red]'}  {r['name']}  {r['path']}"
+                    + ("" if r["ok"] else f"  ({r['problems'][0]}; pull it again)"), highlight=False)
+    if not all(r["ok"] for r in res):
+        raise typer.Exit(1)
+
+
+@models_app.command("rm")
+def rm_cmd(name: str = typer.Argument(..., help="Entry or item name."),
+           force: bool = typer.Option(False, "--force", help="Remove even what a config uses."),
+           json_out: bool = JSON, debug: bool = DEBUG) -> None:
+    """Remove a model from the store (refuses what a config uses unless --force)."""
+    res = _run(lambda: remove_models(name, force=force), debug)
+    if json_out:
+        return _print_json({"removed": res})
+    Console().print("\n".join(f"removed {r['name']} ({_fmt_size(r['size'])}) {r['path']}" for r in res)
+                    or f"{name} has nothing in the store.")
+
+
+@models_app.command("gc")
+def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed."),
+           json_out: bool = JSON, debug: bool = DEBUG) -> None:
+    """Remove store items that no config references, and leftover partial downloads."""
+    res = _run(lambda: collect_garbage(dry_run=dry_run), debug)
+    if json_out:
+        return _print_json(res)
+    verb = "would remove" if dry_run else "removed"
+    c = Console()
+    for r in res["removed"]:
+        c.print(f"{verb} {r['name']} ({_fmt_size(r['size'])}) {r['path']}", highlight=False)
+    for p in res["leftovers"]:
+        c.print(f"{verb} leftover {p}", highlight=False)
+    c.print(f"{'would free' if dry_run else 'freed'} {_fmt_size(res['freed_bytes'])}")
+
+
+def convert_cmd(
+    src: Path = typer.Argument(..., help="DFlash2 checkpoint folder or its .safetensors file (config.json beside)."),
+    quant: str = typer.Option(..., "--quant", help="bf16 | q8_0 | q5_0 | q4_0 (backbone matrices)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output .gguf path."),
+    source_repo: str = typer.Option("", "--source-repo", help="Recorded as strata.source.repo."),
+    source_revision: str = typer.Option("", "--source-revision", help="Recorded as strata.source.revision."),
+    json_out: bool = JSON,
+    debug: bool = DEBUG,
+) -> None:
+    """Convert a DFlash2 checkpoint to GGUF (validated, streamed, verified by reading it back)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from setup_wizard.convert import convert_dflash2
+
+    def work():
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=Console(stderr=True), transient=True) as p:
+            task = p.add_task(f"converting to {quant}", total=None)
+            return convert_dflash2(src, quant, out, source_repo=source_repo, source_revision=source_revision,
+                                   on_tensor=lambda n, i, tot: p.update(task, completed=i, total=tot))
+
+    res = _run(work, debug)
+    doc = {"path": str(res.path), "sha256": res.sha256, "size": res.size, "quant": res.quant,
+           "source_sha256": res.source_sha256, "converter_version": res.converter_version}
+    if json_out:
+        return _print_json(doc)
+    Console().print(f"wrote {res.path} ({_fmt_size(res.size)}, {res.quant}), sha256 {res.sha256}", highlight=False)

@@ -1,0 +1,236 @@
+"""The interactive questions (questionary) → `Choices`, and the summary the user confirms.
+
+Only asks and calls: every answer lands in `plan.Choices`, and `plan.resolve` makes the recommendations, so
+the scripted path (`--yes`, `--answers`) and this one produce the same plan. Questions already answered by a
+flag are not asked. `input`/`output` are passed through to prompt_toolkit so tests can drive the flow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import questionary
+from rich.console import Console
+from rich.table import Table
+
+from setup_wizard import plan as P
+from setup_wizard.budget import MIB, Budget
+from setup_wizard.hardware import Hardware
+
+LOCAL = "__local__"
+QUANT_LABELS = {
+    "bf16": "BF16 — original weights, most accurate (recommended)",
+    "q8_0": "Q8_0 — about half the memory, near-identical drafts",
+    "q4_0": "Q4_0 — about a quarter of the memory, leaves the most room for experts",
+    "q5_0": "Q5_0 — between Q8_0 and Q4_0",
+}
+
+
+def _ask(question: questionary.Question) -> Any:
+    """unsafe_ask: Ctrl-C raises KeyboardInterrupt (the caller writes nothing and exits)."""
+    return question.unsafe_ask()
+
+
+def _size(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / MIB:.1f} MiB"
+
+
+def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = None,
+        output: Any = None) -> P.Choices:
+    """Ask what the flags left open, in the issue's order: target, drafter, DFlash2 head and quantization, context,
+    reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
+    io = {"input": input, "output": output}
+    ans = replace(choices)
+
+    if ans.target is None:
+        options = services.targets()
+        rec, why = P.recommended_target(options) if options else (None, "")
+        items = []
+        # what is here first, then the bundled pack, then what can be downloaded; unpinned entries last
+        options = sorted(options, key=lambda o: (not (o.available and o.source != "bundled"),
+                                                 o.source != "bundled", not o.pinned))
+        for o in options:
+            state = "here" if o.available else (f"download {_size(o.size_bytes)}" if o.size_bytes else "download")
+            if not o.pinned:
+                state = "not pinned: cannot download"
+            label = f"{o.name}  ({o.source}, {state})" + (f" — {o.description}" if o.description else "")
+            items.append(questionary.Choice(label, value=o.name, disabled=None if o.pinned or o.available
+                                            else "not pinned"))
+        items.append(questionary.Choice("A local model folder…", value=LOCAL))
+        default = rec.name if rec and (rec.pinned or rec.available) else LOCAL
+        picked = _ask(questionary.select(
+            "Which model do you want to run?", choices=items, default=default,
+            instruction=f"(recommended: {default} — {why})" if default != LOCAL else None, **io))
+        if picked == default and rec is not None and picked != LOCAL:
+            ans.notes["target"] = why
+        if picked == LOCAL:
+            picked = _ask(questionary.path(
+                "Folder with config.json, safetensors and tokenizer.json:", only_directories=True,
+                validate=lambda s: (Path(s).expanduser() / "config.json").is_file() or "No config.json there.",
+                **io))
+            picked = str(Path(picked).expanduser().resolve())
+        ans.target = picked
+
+    # what the plan would recommend from here on (also validates the target)
+    draft = P.resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
+    target = draft.target
+    heads = services.heads(target.name) if target.source != "local" else []
+
+    if ans.drafter is None and not (ans.dflash2_head or ans.dflash2_quant):
+        items = [
+            questionary.Choice("MTP — the target's own draft head (default, well tested)", value="mtp",
+                               disabled=None if target.has_mtp is not False else "this target has no MTP head"),
+            questionary.Choice("DFlash2 — block-diffusion drafter (experimental)", value="dflash2",
+                               disabled=None if heads else "no DFlash2 head fits this target"),
+            questionary.Choice("None — run the target alone", value="none"),
+        ]
+        ans.drafter = _ask(questionary.select(
+            "Which speculative drafter?", choices=items, default=draft.drafter,
+            instruction=f"(recommended: {draft.drafter} — {draft.why.get('drafter', '')})", **io))
+        _note(ans, "drafter", ans.drafter == draft.drafter, draft.why)
+    elif ans.drafter is None:
+        ans.drafter = "dflash2"
+
+    if ans.drafter == "dflash2":
+        if ans.dflash2_head is None:
+            if not heads:
+                raise P.UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
+                                   "local folder.")
+            default = next((h.name for h in heads if h.default), heads[0].name)
+            items = [questionary.Choice(
+                f"{h.name}" + (" (official, default)" if h.default else "") + (f" — {h.description}"
+                                                                                if h.description else ""),
+                value=h.name, disabled=None if h.pinned or h.local_path else "not pinned") for h in heads]
+            ans.dflash2_head = _ask(questionary.select(
+                "Which DFlash2 head?", choices=items, default=default,
+                instruction="(recommended: the official head)", **io))
+            if ans.dflash2_head == default:
+                ans.notes["dflash2_head"] = "the official head (catalog default)"
+        if ans.dflash2_quant is None:
+            items = [questionary.Choice(QUANT_LABELS[q], value=q) for q in ("bf16", "q8_0", "q4_0")]
+            ans.dflash2_quant = _ask(questionary.select(
+                "DFlash2 weight format (converted locally to GGUF)?", choices=items, default="bf16",
+                instruction="(Q5_0 is available with --dflash2-quant q5_0)", **io))
+            if ans.dflash2_quant == "bf16":
+                ans.notes["dflash2_quant"] = "original weights; Q8_0/Q4_0 save memory"
+
+    if ans.context is None:
+        rec = P.resolve(ans, hw, services)  # recommended with the default (or given) reserve
+        limit = _model_limit(rec)
+        text = _ask(questionary.text(
+            "Context length in tokens?", default=str(rec.context),
+            instruction=f"(recommended {rec.context}: {rec.why.get('context', '')})",
+            validate=lambda s: _valid_int(s, 1, limit), **io))
+        ans.context = int(text)
+        _note(ans, "context", ans.context == rec.context, rec.why)
+    if ans.vram_reserve_mib is None:
+        rec = P.resolve(ans, hw, services)
+        where = "GPU memory" if hw.device_type == "cuda" else "RAM"
+        text = _ask(questionary.text(
+            f"Memory to keep free for other programs, in MiB ({where})?", default=str(rec.reserve_mib),
+            instruction=f"(recommended {rec.reserve_mib}: {rec.why.get('vram_reserve_mib', '')})",
+            validate=lambda s: _valid_int(s, 0, hw.total_bytes // MIB - 1), **io))
+        ans.vram_reserve_mib = int(text)
+        _note(ans, "vram_reserve_mib", ans.vram_reserve_mib == rec.reserve_mib, rec.why)
+
+    if ans.calibrate is None:
+        if ans.drafter == "none":
+            ans.calibrate = False
+        else:
+            ans.calibrate = bool(_ask(questionary.confirm(
+                "Calibrate the block size and confidence floor on this machine now? (takes a minute or two)",
+                default=True, **io)))
+            if ans.calibrate:
+                ans.notes["calibrate"] = "measures the best block and floor here"
+    return ans
+
+
+def _note(ans: P.Choices, key: str, took_default: bool, why: dict[str, str]) -> None:
+    if took_default and why.get(key):
+        ans.notes[key] = why[key]
+
+
+def _model_limit(plan: P.Plan) -> int | None:
+    """The target's max_position_embeddings when its config is here (else no upper bound yet)."""
+    if plan.target.local_path is None:
+        return None
+    try:
+        return P.target_geometry(plan.target.local_path).max_position
+    except P.UsageError:
+        return None
+
+
+def _valid_int(s: str, lo: int, hi: int | None) -> bool | str:
+    try:
+        v = int(s.strip())
+    except ValueError:
+        return "Please type a whole number."
+    if v < lo:
+        return f"Please type a number of at least {lo}."
+    if hi is not None and v > hi:
+        return f"Please type a number of at most {hi}."
+    return True
+
+
+def confirm(*, input: Any = None, output: Any = None) -> bool:
+    return bool(_ask(questionary.confirm("Go ahead?", default=True, input=input, output=output)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rendering (shared with `strata-setup budget` and `--dry-run`)
+
+
+def budget_table(budget: Budget, title: str = "Memory budget") -> Table:
+    where = "GPU" if budget.device_type == "cuda" else "RAM"
+    t = Table(title=f"{title} ({where}: {_size(budget.available_bytes)} available of {_size(budget.total_bytes)})")
+    t.add_column("item")
+    t.add_column("MiB", justify="right")
+    t.add_column("bytes", justify="right")
+    for name, n in budget.table().items():
+        label = name
+        if name == "expert_cache":
+            label = (f"expert_cache ({budget.expert_cache_slots} of {budget.total_experts} experts × "
+                     f"{budget.expert_bytes / MIB:.2f} MiB)")
+        t.add_row(label, f"{n / MIB:,.1f}", f"{n:,}")
+    used = budget.fixed_bytes + budget.expert_cache_bytes
+    t.add_section()
+    t.add_row("total", f"{used / MIB:,.1f}", f"{used:,}")
+    t.add_row("left over", f"{max(budget.remaining_bytes, 0) / MIB:,.1f}", f"{max(budget.remaining_bytes, 0):,}")
+    return t
+
+
+def summary_table(plan: P.Plan) -> Table:
+    t = Table(title="Setup plan", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value", overflow="fold")
+    t.add_column("why", style="dim")
+    t.add_row("device", plan.hardware.describe(), "; ".join(plan.hardware.notes))
+    t.add_row("target", f"{plan.target.name} ({plan.target.source})", plan.why.get("target", ""))
+    t.add_row("drafter", plan.drafter, plan.why.get("drafter", ""))
+    if plan.drafter == "dflash2" and plan.head:
+        t.add_row("DFlash2 head", plan.head.name, plan.why.get("dflash2_head", ""))
+        t.add_row("quantization", plan.quant or "", plan.why.get("dflash2_quant", ""))
+    t.add_row("context", f"{plan.context} tokens", plan.why.get("context", ""))
+    t.add_row("reserve", f"{plan.reserve_mib} MiB", plan.why.get("vram_reserve_mib", ""))
+    t.add_row("calibrate", "yes" if plan.calibrate else "no", plan.why.get("calibrate", ""))
+    dl = plan.download_bytes()
+    t.add_row("download", _size(dl) if dl else "nothing", f"{_size(plan.hardware.disk_free_bytes)} free on disk")
+    t.add_row("steps", "\n".join(plan.steps()), "")
+    t.add_row("config", str(plan.config_path), "")
+    return t
+
+
+def show_plan(plan: P.Plan, console: Console) -> None:
+    console.print(summary_table(plan))
+    if plan.budget is not None:
+        console.print(budget_table(plan.budget))
+        for note in plan.budget.notes:
+            console.print(f"[dim]{note}[/dim]")
+        if not plan.budget.fits:
+            console.print(f"[red]{plan.budget.reason}[/red]")
+    else:
+        console.print("[dim]The memory budget is computed once the model is downloaded.[/dim]")

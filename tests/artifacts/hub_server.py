@@ -1,0 +1,140 @@
+"""A loopback Hugging Face Hub emulator for tests: 127.0.0.1, a random port, one thread running http.server.
+
+It speaks the part of the Hub protocol that huggingface_hub's real download path uses:
+HEAD/GET `/{org}/{name}/resolve/{revision}/{path}` with `ETag`, `X-Repo-Commit`, `Content-Length`,
+`Accept-Ranges` and Range requests (206 + `Content-Range`), and 404s carrying `X-Error-Code` (`RepoNotFound`,
+`RevisionNotFound`, `EntryNotFound`) so the client raises its own typed errors.
+
+Fault injection: `tamper[(repo, path)] = bytes` serves other bytes of the same size; `drop[(repo, path)] = n`
+sends the full Content-Length, then only n bytes, then closes the connection (once, on the first GET
+without a Range header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+_RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+class FakeHub:
+    def __init__(self) -> None:
+        self.repos: dict[str, dict[str, dict[str, bytes]]] = {}   # repo -> revision -> path -> bytes
+        self.tamper: dict[tuple[str, str], bytes] = {}
+        self.drop: dict[tuple[str, str], int] = {}
+        self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header)
+        self.auth: list[str | None] = []                           # Authorization header of every request
+        self._lock = threading.Lock()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_HEAD(self) -> None:
+                hub._serve(self, head=True)
+
+            def do_GET(self) -> None:
+                hub._serve(self, head=False)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def add(self, repo: str, revision: str, files: dict[str, bytes]) -> None:
+        self.repos.setdefault(repo, {})[revision] = dict(files)
+
+    def start(self) -> FakeHub:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def gets(self, path: str) -> list[str | None]:
+        """Range headers of the GETs made for a file path (None = whole file)."""
+        return [r for m, p, r in self.log if m == "GET" and p.endswith("/" + path)]
+
+    # -- serving ---------------------------------------------------------------------------------------------------
+    def _error(self, h: BaseHTTPRequestHandler, code: int, err: str, msg: str) -> None:
+        body = msg.encode()
+        h.send_response(code)
+        h.send_header("X-Error-Code", err)
+        h.send_header("X-Error-Message", msg)
+        h.send_header("Content-Type", "text/plain")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(body)
+
+    def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        path = unquote(h.path.split("?", 1)[0])
+        rng = h.headers.get("Range")
+        with self._lock:
+            self.log.append((h.command, path, rng))
+            self.auth.append(h.headers.get("Authorization"))
+        m = _RESOLVE.match(path)
+        if not m:
+            return self._error(h, 404, "RepoNotFound", "not found")
+        repo, rev, rel = m["repo"], m["rev"], m["path"]
+        if repo not in self.repos:
+            return self._error(h, 404, "RepoNotFound", "Repository not found")
+        if rev not in self.repos[repo]:
+            return self._error(h, 404, "RevisionNotFound", "Invalid rev id: " + rev)
+        files = self.repos[repo][rev]
+        if rel not in files:
+            return self._error(h, 404, "EntryNotFound", f"{rel} does not exist at {rev}")
+        data = self.tamper.get((repo, rel), files[rel])
+        etag = hashlib.sha256(files[rel]).hexdigest()
+        total = len(data)
+        start, end, status = 0, total - 1, 200
+        if rng and not head:
+            r = _RANGE.match(rng.strip())
+            if r is None:
+                return self._error(h, 416, "RangeNotSatisfiable", "bad range")
+            a, b = r.groups()
+            if a == "":
+                start, end = max(total - int(b), 0), total - 1
+            else:
+                start, end = int(a), min(int(b) if b else total - 1, total - 1)
+            if start >= total:
+                h.send_response(416)
+                h.send_header("Content-Range", f"bytes */{total}")
+                h.send_header("Content-Length", "0")
+                h.end_headers()
+                return
+            status = 206
+        body = data[start:end + 1]
+        h.send_response(status)
+        h.send_header("ETag", f'"{etag}"')
+        h.send_header("X-Repo-Commit", rev)
+        h.send_header("Accept-Ranges", "bytes")
+        h.send_header("Content-Type", "application/octet-stream")
+        h.send_header("Content-Length", str(len(body)))
+        if status == 206:
+            h.send_header("Content-Range", f"bytes {start}-{end}/{total}")
+        h.end_headers()
+        if head:
+            return
+        cut = self.drop.pop((repo, rel), None) if rng is None else None  # only a whole-file GET is cut
+        if cut is not None and cut < len(body):
+            h.wfile.write(body[:cut])
+            h.wfile.flush()
+            h.close_connection = True
+            import socket
+
+            try:
+                h.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        h.wfile.write(body)

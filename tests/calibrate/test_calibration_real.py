@@ -1,0 +1,111 @@
+"""A real calibration on CPU: tiny random targets with a DFlash2 and an MTP drafter, built from a config by the
+runtime's own `Engine.from_config`, every arm checked against target-only greedy output, a small time budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from calibrate.api import calibrate_for_config
+from calibrate.fixtures import TASKS
+from calibrate.search import Plan
+from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
+from tests.runtime.tiny import make_tiny_target
+
+DEV = ("cpu: test", 1024)
+SMALL = Plan(halving=(), confirm_repeats=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy 2-core box makes OpenMP spin badly (timings x100)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calib")
+    target = make_tiny_target(root, vocab=64, hidden=32, layers=3, mtp=True)
+    head = write_hf_drafter(root / "dflash2", drafter_config(hidden=32, inter=64, vocab=64, heads=2, kv_heads=1,
+                                                             head_dim=16, taps=(0, 2), num_target_layers=3,
+                                                             block_size=4, top_k=4, rank=16), seed=4)
+    return target, head
+
+
+def config(target, head, kind: str) -> dict:
+    doc = {
+        "schema": 1,
+        "target": {"path": str(target), "sha256": "1" * 64},
+        "drafter": {"kind": kind, "path": str(head if kind == "dflash2" else target), "sha256": "2" * 64,
+                    "quantization": "bf16"},
+        "speculative": {"block": 3, "spec_min_p": 0.5, "source": "default"},
+        "memory": {"context": 128},
+        "device": {"type": "cpu"},
+    }
+    return doc
+
+
+def test_real_dflash2_calibration_on_cpu(models, tmp_path):
+    target, head = models
+    res = calibrate_for_config(config(target, head, "dflash2"), store_dir=tmp_path, device=DEV, new_tokens=4,
+                               plan=SMALL, max_seconds=60, progress=False)
+    rec = res.record
+    assert res.source == "calibrated" and not res.reused
+    assert 2 <= res.block <= 4 and res.spec_min_p in (0.0, 0.3, 0.5, 0.7)
+    assert rec["max_block"] == 4 and rec["drafter_kind"] == "dflash2"
+    assert rec["default"]["block"] == 3 and rec["default"]["spec_min_p"] == 0.5     # the config's uncalibrated
+    assert rec["grid_size"] == 12
+    assert len(rec["arms"]) == 12                       # blocks 2..4 are all ladder rungs: every arm measured
+    assert all(a["geomean_tok_s"] > 0 for a in rec["arms"])
+    assert all(a["proposed"] > 0 for a in rec["arms"] if a["spec_min_p"] == 0)     # floor 0 always proposes
+    assert set(rec["per_task_tok_s"]) == set(TASKS)
+    # the shipped prompts were cut (keeping their tails) to fit the 128-token context
+    assert all(p["tokens"] <= 128 - 4 - 4 - 1 for p in rec["prompts"].values())
+    assert rec["prompts"]["long"]["truncated"] and rec["prompts"]["long"]["full_tokens"] > 2048
+    stored = json.loads(open(res.path).read())
+    assert stored["settings"] == {"block": res.block, "spec_min_p": res.spec_min_p}
+    again = calibrate_for_config(config(target, head, "dflash2"), store_dir=tmp_path, device=DEV, progress=False)
+    assert again.reused and (again.block, again.spec_min_p) == (res.block, res.spec_min_p)
+
+
+def test_real_mtp_calibration_honours_a_small_budget(models, tmp_path):
+    target, head = models
+    budget = 1.5
+    res = calibrate_for_config(config(target, head, "mtp"), store_dir=tmp_path, device=DEV, new_tokens=6,
+                               plan=SMALL, max_seconds=budget, progress=False)
+    rec = res.record
+    assert rec["max_block"] == 16 and rec["grid_size"] == 60
+    assert rec["seconds"] <= budget + 0.3               # the budget holds (estimates are per run, conservative)
+    if not rec["budget_hit"]:                           # a fast machine: then the whole coarse ladder was measured
+        assert len(rec["arms"]) >= 28
+    assert res.block is not None and 2 <= res.block <= 16
+    if res.decision == "budget":
+        assert (res.block, res.spec_min_p) == (3, 0.5) and res.source == "default" and res.path is None
+
+
+def test_calibration_grid_bench_runs_on_cpu(models, tmp_path, capsys):
+    import tomli_w
+
+    from bench.calibration_grid import main
+
+    target, head = models
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(tomli_w.dumps(config(target, head, "dflash2")))
+    out = tmp_path / "grid.json"
+    rc = main(["--config", str(cfg), "--device", "cpu", "--new-tokens", "4", "--grid-repeats", "1", "--quick",
+               "--max-seconds", "60", "--out", str(out)])
+    assert rc == 0
+    verdict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == verdict
+    assert len(doc["grid"]["arms"]) == 12 and all(a["repeats"] == 1 for a in doc["grid"]["arms"])
+    best = max(a["geomean_tok_s"] for a in doc["grid"]["arms"])
+    assert verdict["best_grid_geomean_tok_s"] == best
+    assert verdict["chosen_over_best"] == pytest.approx(verdict["chosen_grid_geomean_tok_s"] / best, abs=2e-3)
+    assert verdict["within_3pct"] == (verdict["chosen_over_best"] >= 0.97)
+    assert verdict["calibration_seconds"] > 0 and verdict["grid_timed_runs"] == 12 * 4

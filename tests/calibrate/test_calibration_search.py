@@ -1,0 +1,234 @@
+"""The calibration search against a deterministic fake engine whose speed is a known function of the settings."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from calibrate.api import calibrate_engine
+from calibrate.search import Arm, LosslessError, Plan, block_ladder, candidate_arms
+from tests.calibrate.calib_fakes import FAKE_PROMPTS, TASKS, FakeClock, FakeEngine, bowl_speed
+
+
+def run(engine: FakeEngine, clock: FakeClock, **kw):
+    kw.setdefault("max_seconds", None)
+    return calibrate_engine(engine, prompts=FAKE_PROMPTS, new_tokens=32, clock=clock, **kw)[0]
+
+
+def flat_with_bump(bump_arm: tuple[int, float], factor: float, base: float = 100.0):
+    """Every arm decodes at `base`, one arm at base * factor."""
+    def speed(block: int, p: float, task: str) -> float:
+        return base * factor if (block, p) == bump_arm else base
+    return speed
+
+
+@pytest.mark.parametrize("best", [(5, 0.3), (2, 0.0), (8, 0.7), (7, 0.5)])
+def test_finds_the_optimum_and_beats_the_default(best):
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(*best), clock, max_block=8)
+    sr = run(eng, clock)
+    assert (sr.chosen.block, sr.chosen.spec_min_p) == best
+    assert sr.decision == "winner" and sr.winner == sr.chosen
+    assert sr.default == Arm(4, 0.5)              # read from the engine's default_block / default_spec_min_p
+    assert sr.gain is not None and sr.gain > 0.03
+    d = sr.to_dict()
+    assert d["settings"] == {"block": best[0], "spec_min_p": best[1]}
+    assert d["default"]["block"] == 4 and d["winner"]["block"] == best[0]
+    assert set(d["per_task_tok_s"]) == set(TASKS) and d["proposed"] > 0
+
+
+def test_finds_the_optimum_with_noise():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(6, 0.3), clock, max_block=16, noise=0.02)
+    sr = run(eng, clock)
+    true = bowl_speed(6, 0.3)
+    best = max(true(b, p, "code") for b, p in itertools.product(range(2, 17), (0.0, 0.3, 0.5, 0.7)))
+    assert true(sr.chosen.block, sr.chosen.spec_min_p, "code") >= 0.97 * best
+
+
+@pytest.mark.parametrize("factor,decision", [(1.02, "kept_default"), (1.029, "kept_default"), (1.05, "winner")])
+def test_three_percent_rule(factor, decision):
+    clock = FakeClock()
+    eng = FakeEngine(flat_with_bump((6, 0.7), factor), clock, max_block=8)
+    sr = run(eng, clock)
+    assert sr.winner == Arm(6, 0.7)               # the sweep finds the bump...
+    assert sr.decision == decision                # ...but only a >3% head-to-head gain replaces the default
+    assert sr.chosen == (Arm(6, 0.7) if decision == "winner" else Arm(4, 0.5))
+    assert sr.gain == pytest.approx(factor - 1, abs=1e-9)
+    assert "3%" in sr.reason
+    # both arms were measured head to head, alternating which one runs first
+    conf = [s for s in sr.samples if s.phase == "confirm"]
+    assert {s.arm for s in conf} == {Arm(6, 0.7), Arm(4, 0.5)}
+    firsts = [conf[i].arm for i in range(0, len(conf), 2)]
+    assert len(set(firsts)) == 2
+
+
+def test_default_is_best_needs_no_confirmation():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(4, 0.5), clock, max_block=8)
+    sr = run(eng, clock)
+    assert sr.decision == "default_is_best" and sr.chosen == Arm(4, 0.5)
+    assert not [s for s in sr.samples if s.phase == "confirm"]
+
+
+def test_prunes_the_grid():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=16)
+    sr = run(eng, clock)
+    grid = candidate_arms(16, extra=[Arm(4, 0.5)])
+    assert sr.grid_size == len(grid) == 60
+    measured = sr.measured_arms()
+    assert len(measured) <= 34                    # 7 ladder blocks x 4 floors + the refined neighbours
+    assert {a.block for a in measured} >= set(block_ladder(2, 16))
+    spec_timed = sr.timed_runs()
+    assert spec_timed < len(grid) * len(TASKS) * 1.0    # fewer timed runs than ONE pass over the whole grid
+    # repeats go to the leaders: the chosen arm has more samples than a pruned one
+    st = sr.arms
+    assert st[sr.chosen].repeats() >= 3
+    assert min(st[a].repeats() for a in measured) == 1
+    # every measured arm ran every task (median per task, geomean across tasks)
+    assert all(set(st[a].samples) == set(TASKS) for a in measured)
+
+
+def test_interleaved_order():
+    """Within a chunk of arms, one task runs every arm back to back (so drift hits every arm alike), the arm order
+    rotates between tasks, and every coarse arm runs every task exactly once."""
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8)
+    sr = run(eng, clock, plan=Plan(chunk=8))
+    coarse = [s for s in sr.samples if s.phase == "coarse"]
+    groups = [list(g) for _, g in itertools.groupby(coarse, key=lambda s: s.task)]
+    assert [g[0].task for g in groups] == list(TASKS) * (len(groups) // len(TASKS))
+    assert all(len({s.arm for s in g}) == len(g) <= 8 for g in groups)
+    for i in range(0, len(groups), len(TASKS)):          # one chunk: the same arms on every task, rotated
+        chunk = groups[i:i + len(TASKS)]
+        assert all(sorted(s.arm for s in g) == sorted(s.arm for s in chunk[0]) for g in chunk)
+        assert chunk[0][0].arm != chunk[1][0].arm
+    arms = {s.arm for s in coarse}
+    assert len(coarse) == len(arms) * len(TASKS) == 20 * len(TASKS)
+
+
+def test_warmup_runs_are_not_timed_and_references_come_first():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8)
+    sr = run(eng, clock)
+    assert [s.phase for s in sr.samples[:8]] == ["reference"] * 8
+    assert all(s.arm is None for s in sr.samples[:8])
+    warm = [s for s in sr.samples if s.phase == "warmup"]
+    assert warm and not any(s.timed for s in warm)
+    assert {s.arm.block for s in warm} >= set(block_ladder(2, 8))
+    assert all(s.arm not in sr.arms or s not in sum(sr.arms[s.arm].samples.values(), []) for s in warm)
+
+
+@pytest.mark.parametrize("budget", [0.5, 3.0, 8.0, 15.0, 25.0, 40.0])
+def test_honours_the_time_budget(budget):
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8)
+    unlimited = run(FakeEngine(bowl_speed(5, 0.3), FakeClock(), max_block=8), FakeClock())
+    sr = run(eng, clock, max_seconds=budget)
+    first = sr.samples[0].wall_s
+    if budget < first:      # the first target-only run is the one run that starts without an estimate
+        assert len(sr.samples) == 1 and sr.decision == "budget"
+        return
+    assert clock.t - 1000.0 <= budget + 1e-9
+    assert sr.seconds <= budget + 1e-9
+    if budget < unlimited.seconds:
+        assert sr.budget_hit
+    if sr.decision == "budget":
+        assert sr.chosen == sr.default          # never a choice that was not confirmed
+    if sr.decision == "winner":
+        assert sr.gain > 0.03
+
+
+def test_budget_too_small_for_anything_keeps_the_default():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, prefill_s=1.0)
+    sr = run(eng, clock, max_seconds=2.0)
+    assert sr.decision == "budget" and sr.chosen == Arm(4, 0.5) and "budget" in sr.reason
+    assert clock.t - 1000.0 <= 2.0
+
+
+def test_generous_budget_matches_unlimited():
+    a = run(FakeEngine(bowl_speed(5, 0.3), c1 := FakeClock(), max_block=8), c1)
+    b = run(FakeEngine(bowl_speed(5, 0.3), c2 := FakeClock(), max_block=8), c2, max_seconds=10_000)
+    assert a.chosen == b.chosen and len(a.samples) == len(b.samples) and not b.budget_hit
+
+
+@pytest.mark.parametrize("broken", [(4, 0.5, "code"), (6, 0.3, "long"), (2, 0.7, "math")])
+def test_a_non_lossless_arm_fails_loudly(broken):
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, broken=broken)
+    with pytest.raises(LosslessError) as e:
+        run(eng, clock)
+    msg = str(e.value)
+    assert f"block={broken[0]} spec_min_p={broken[1]:g}" in msg
+    assert f"'{broken[2]}' prompt" in msg and "generated token 3" in msg and "runtime bug" in msg
+
+
+def test_a_nondeterministic_target_is_reported():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8)
+    orig = eng.generate
+    n = {"k": 0}
+
+    def flaky(prompt, **kw):
+        res = orig(prompt, **kw)
+        if not kw.get("draft", True):
+            n["k"] += 1
+            if n["k"] == 2:
+                res.token_ids[0] += 1
+        return res
+
+    eng.generate = flaky
+    with pytest.raises(LosslessError, match="target alone gave two different greedy outputs"):
+        run(eng, clock)
+
+
+def test_candidates_include_current_and_default():
+    arms = candidate_arms(4, extra=[Arm(3, 0.45), Arm(9, 0.5)])
+    assert Arm(3, 0.45) in arms and Arm(9, 0.5) not in arms
+    assert {a.block for a in arms} == {2, 3, 4} and {a.spec_min_p for a in arms} == {0.0, 0.3, 0.45, 0.5, 0.7}
+    assert candidate_arms(1) == []
+    assert block_ladder(2, 16) == [2, 3, 4, 6, 8, 12, 16] and block_ladder(2, 7) == [2, 3, 4, 6, 7]
+
+
+def test_plan_knobs_change_the_work():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8)
+    sr = run(eng, clock, plan=Plan(halving=(), confirm_repeats=1, warmup=False))
+    assert not [s for s in sr.samples if s.phase in ("halving", "warmup")]
+    assert len([s for s in sr.samples if s.phase == "confirm"]) == 2 * len(TASKS)
+
+
+def test_current_floor_is_crossed_with_every_block():
+    from calibrate.api import candidate_grid, engine_settings
+
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=6)
+    cfg = {"speculative": {"block": 3, "spec_min_p": 0.45, "source": "user"}}
+    es = engine_settings(eng, cfg)
+    assert es.current == Arm(3, 0.45) and es.default == Arm(4, 0.5) and es.default_from == "engine"
+    grid = candidate_grid(es)
+    assert {a for a in grid if a.spec_min_p == 0.45} == {Arm(b, 0.45) for b in range(2, 7)}
+    assert len(grid) == 5 * 5
+
+
+def test_default_comes_from_engine_then_uncalibrated_config_then_runtime():
+    from types import SimpleNamespace
+
+    from calibrate.api import engine_settings
+
+    bare = SimpleNamespace(drafter=SimpleNamespace(kind="dflash2", max_block=8))
+    uncal = {"speculative": {"block": 3, "spec_min_p": 0.5, "source": "default"}}
+    cal = {"speculative": {"block": 6, "spec_min_p": 0.7, "source": "calibrated"}}
+    assert engine_settings(bare, uncal).default == Arm(3, 0.5)
+    es = engine_settings(bare, cal)
+    assert es.default == Arm(8, 0.0) and es.default_from == "runtime fallback" and es.current == Arm(6, 0.7)
+    # after a calibration the wizard keeps our table under [calibration.results]: a forced rerun beats the same default
+    recal = {**cal, "calibration": {"results": {"default": {"block": 3, "spec_min_p": 0.5}}}}
+    assert engine_settings(bare, recal).default == Arm(3, 0.5)
+    mtp = SimpleNamespace(drafter=SimpleNamespace(kind="mtp", max_block=16))
+    assert engine_settings(mtp, cal).default == Arm(4, 0.0)        # runtime.engine.MTP_DEFAULT_BLOCK
+    none = SimpleNamespace(drafter=None)
+    assert engine_settings(none, {}).max_block == 1

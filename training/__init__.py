@@ -1,0 +1,1 @@
+"""Recipe that builds the bundled strata-nano pack (see training/README.md)."""
