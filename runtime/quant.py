@@ -124,7 +124,6 @@ def _reference_blocks(blocks: np.ndarray, q: str) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------------- fast path
 
-_HALF_DOWN_BITS = int(_HALF_DOWN.view(np.int32))
 # Blocks per chunk: 8192 x 32 values = 1 MiB of float32, so a chunk and its work buffers stay in L2 between passes.
 _CHUNK_BLOCKS = 8192
 
@@ -164,9 +163,8 @@ def _quantize_chunk(b: np.ndarray, out: np.ndarray, q: str, work: dict[str, torc
     if q == "q8_0":
         # round half away from zero: add 0.49999997 carrying the value's sign; the cast then truncates
         s = work["s"][:nb]
-        torch.bitwise_and(v.view(torch.int32), -(1 << 31), out=s)
-        s.bitwise_or_(_HALF_DOWN_BITS)
-        v.add_(s.view(torch.float32))
+        torch.copysign(work["h"], v, out=s)
+        v.add_(s)
         tout[:, 2:].view(torch.int8).copy_(v)
     else:
         bias, top = (8.5, 15) if q == "q4_0" else (16.5, 31)
@@ -181,10 +179,9 @@ def _quantize_chunk(b: np.ndarray, out: np.ndarray, q: str, work: dict[str, torc
             out[:, 2:6] = np.packbits(qv.numpy() >> 4, axis=-1, bitorder="little")
             qv.bitwise_and_(0x0F)
             torch.add(q3[:, 0], q3[:, 1], alpha=16, out=tout[:, 6:])
-    with np.errstate(all="ignore"):
-        out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)  # huge d -> inf, as gguf-py
-    bad = ~np.isfinite(id_)
-    if bad.any():
+    tout[:, :2].copy_(torch.from_numpy(d).to(torch.float16).view(torch.uint8).view(nb, 2))  # huge d -> inf, as gguf-py
+    if not np.isfinite(id_).all():
+        bad = ~np.isfinite(id_)
         idx = np.flatnonzero(bad)
         out[idx] = _reference_blocks(np.ascontiguousarray(b[idx]), q)
 
@@ -252,7 +249,7 @@ def _quantize_span(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) 
     """One worker's share: its chunks in order, with its own work buffers."""
     nb = blocks.shape[0]
     step = min(nb, _CHUNK_BLOCKS)
-    work = {"v": torch.empty(step, BLOCK), "s": torch.empty(step, BLOCK, dtype=torch.int32),
+    work = {"v": torch.empty(step, BLOCK), "s": torch.empty(step, BLOCK), "h": torch.tensor(float(_HALF_DOWN)),
             "q": torch.empty(step, BLOCK, dtype=torch.uint8)}
     if bf16:
         work["x"] = torch.empty(step, BLOCK)

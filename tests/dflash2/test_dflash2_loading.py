@@ -247,3 +247,17 @@ def test_official_shape_ratios_small(tmp_path):
     assert torch.equal(res[0][1], res[1][1]) and torch.equal(res[0][0].tokens, res[1][0].tokens)
     assert bool((res[0][1].abs() <= 20.0).all())
     assert not torch.equal(res[0][1], res[2][1])                 # Q4_0 really is another set of weights
+
+
+@pytest.mark.parametrize("quant", ["bf16", "q4_0"])
+def test_files_from_the_real_converter_load_identically(target, hf_folder, tmp_path, quant):
+    """`strata-setup convert` output (setup_wizard/convert.py) loads and drafts exactly like the HF folder (BF16)
+    or like the test-side GGUF writer (quantized: both must hold gguf-py's bytes)."""
+    from setup_wizard.convert import convert_dflash2
+
+    conv = convert_dflash2(hf_folder, quant, tmp_path / f"conv-{quant}.gguf").path
+    ref = hf_folder if quant == "bf16" else write_gguf_drafter(tmp_path / "ref.gguf", hf_folder, quant=quant)
+    a = load_dflash2_drafter(conv, target, context=CTX)
+    b = load_dflash2_drafter(ref, target, context=CTX)
+    for (pa, la), (pb, lb) in zip(run_windows(a), run_windows(b), strict=True):
+        assert torch.equal(la, lb) and torch.equal(pa.tokens, pb.tokens)
