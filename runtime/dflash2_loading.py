@@ -11,6 +11,8 @@ are shared, never copied. Every problem with the file or the pairing raises `Con
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +39,10 @@ _QTYPES = {"Q8_0": "q8_0", "Q5_0": "q5_0", "Q4_0": "q4_0"}
 
 # ----------------------------------------------------------------------------------------------------- reading
 
-def read_dflash2(path: str | Path) -> tuple[DFlash2Geometry, str, dict[str, tuple[str, Any]]]:
+def read_dflash2(path: str | Path) -> tuple[DFlash2Geometry, str, dict[str, tuple[str, Callable[[], Tensor]]]]:
     """Read and check a drafter file without building modules: (geometry, layout "v2"|"v1", tensors) where
-    tensors maps HF name -> ("BF16", torch.bfloat16 tensor in HF shape) or (qtype, uint8 blocks [rows, bytes])."""
+    tensors maps HF name -> (dtype, load) and load() gives a torch.bfloat16 tensor in HF shape ("BF16") or the
+    uint8 blocks [rows, row_bytes] ("Q8_0"/"Q5_0"/"Q4_0"). Loading is lazy so that one tensor at a time is copied."""
     p = Path(path)
     if p.is_dir():
         return _read_hf(p)
@@ -78,7 +81,7 @@ def _read_hf(folder: Path, single: Path | None = None) -> tuple[DFlash2Geometry,
             found[name] = (tuple(sl.get_shape()), str(sl.get_dtype()).upper())
             where[name] = h
     layout = check_inventory(found, geom, allow_v1=True)
-    tensors = {name: ("BF16", where[name].get_tensor(name)) for name in found}
+    tensors = {name: ("BF16", partial(where[name].get_tensor, name)) for name in found}
     return geom, layout, tensors
 
 
@@ -120,16 +123,15 @@ def _read_gguf(path: Path) -> tuple[DFlash2Geometry, str, dict]:
         found[name] = (shape, t.tensor_type.name)
         raw[name] = t
     layout = check_inventory(found, geom, allow_v1=True, allow_quantized=True)
-    tensors: dict[str, tuple[str, Any]] = {}
-    for name, t in raw.items():
-        shape, dtype = found[name]
-        data = np.array(t.data, copy=True)   # off the read-only memory map
-        if dtype == "BF16":
-            tensors[name] = ("BF16", torch.from_numpy(data.view(np.uint16).view(np.int16))
-                             .view(torch.bfloat16).reshape(shape))
-        else:
-            tensors[name] = (dtype, torch.from_numpy(data.reshape(shape[0], -1)))
+    tensors = {name: (found[name][1], partial(_gguf_tensor, raw[name], *found[name])) for name in raw}
     return geom, layout, tensors
+
+
+def _gguf_tensor(t: Any, shape: tuple[int, ...], dtype: str) -> Tensor:
+    data = np.array(t.data, copy=True)   # off the read-only memory map
+    if dtype == "BF16":
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(data.reshape(shape[0], -1))
 
 
 # ----------------------------------------------------------------------------------------------------- building
@@ -170,12 +172,14 @@ def _check_pairing(geom: DFlash2Geometry, target: nn.Module) -> None:
             "choose a drafter made for this target.")
 
 
-def build_model(geom: DFlash2Geometry, layout: str, tensors: dict[str, tuple[str, Any]], *,
+def build_model(geom: DFlash2Geometry, layout: str, tensors: dict[str, tuple[str, Callable[[], Tensor]]], *,
                 device: torch.device, dtype: torch.dtype) -> DFlash2Model:
-    """Modules from checked tensors: floats widened/cast to `dtype`, quantized matrices as `QuantLinear`."""
+    """Modules from checked tensors (`read_dflash2`'s loaders, one tensor in memory at a time): floats cast to
+    `dtype`, quantized matrices kept as blocks in a `QuantLinear`."""
     with torch.device("meta"):
         model = DFlash2Model(geom, v1=layout == "v1")
-    for name, (kind, t) in tensors.items():
+    for name, (kind, load) in tensors.items():
+        t = load()
         _check_finite(name, kind, t)
         owner, _, attr = name.rpartition(".")
         mod = model.get_submodule(owner)

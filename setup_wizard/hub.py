@@ -237,6 +237,10 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
     if meta.commit_hash and meta.commit_hash != entry.revision:
         raise DownloadError(f"The Hub served {rel} of {entry.name} from commit {meta.commit_hash}, not the pinned "
                             f"{entry.revision}; refusing it.")
+    location = meta.location or url
+    if _origin(location) != _origin(url):
+        # an LFS blob on a CDN: the token stays on the Hub (as hf_hub_download does)
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     hasher = hashlib.sha256()
     resume = 0
     if part.exists():
@@ -257,7 +261,7 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
     with open(part, "ab") as f:
         w = _HashingWriter(f, hasher, on_bytes)
         try:
-            http_get(meta.location or url, w, resume_size=resume, headers=headers, expected_size=int(want["size"]),
+            http_get(location, w, resume_size=resume, headers=headers, expected_size=int(want["size"]),
                      displayed_filename=rel)
         except _network_errors() + (OSError,) as exc:
             w.flush()
@@ -269,6 +273,13 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
                 from None
         hasher = w.hasher
     _finish_file(part, final, rel, hasher.hexdigest(), want, entry.name)
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    return (u.scheme, (u.hostname or "").lower(), u.port or {"http": 80, "https": 443}.get(u.scheme))
 
 
 def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:

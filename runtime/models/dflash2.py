@@ -401,39 +401,45 @@ class Walk:
 def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: int, *, min_p: float = 0.0,
                 temperature: float = 0.0, generator: torch.Generator | None = None) -> Walk:
     """ARTIFACTS §2 step 6 for one window: hs [R, H], logits [R, V]. Rows are walked in order with prev = anchor;
-    greedy takes argmax(score), sampling draws from softmax(score / T) and keeps that row as q. The walk stops
-    before the first row whose confidence is below `min_p` (that row dropped)."""
+    greedy takes argmax(score), sampling draws from softmax(score / T) and keeps that row as q. The result stops
+    before the first row whose confidence is below `min_p` (that row dropped).
+
+    The walk stays on the device (no host sync per row): all rows are walked, then cut once at the floor. Later
+    rows never change earlier ones, so the kept rows are exactly those of a walk that stopped at the floor."""
     R, V = logits.shape
-    unary, cand = torch.topk(logits.float(), selector.top_k, dim=-1)
-    hp = selector.hidden_projection(hs).float()
-    succ = selector.successor_codebook
-    prev = torch.tensor(anchor, dtype=torch.long, device=logits.device)
-    toks: list[Tensor] = []
-    confs: list[Tensor] = []
-    qs: list[Tensor] = []
-    for r in range(R):
-        a = selector.predecessor_codebook[prev].float() * hp[r]
-        score = unary[r] + succ[cand[r]].float() @ a
-        p1 = torch.softmax(score, dim=-1)
-        if temperature > 0:
-            q = torch.softmax(score / temperature, dim=-1)
-            idx = torch.multinomial(q, 1, generator=generator)[0]
-        else:
-            q, idx = None, torch.argmax(score)
-        conf = p1[idx]
-        if min_p > 0 and float(conf) < min_p:
-            break
-        prev = cand[r, idx]
-        toks.append(prev)
-        confs.append(conf)
-        if q is not None:
-            qs.append(torch.zeros(V, dtype=torch.float32, device=logits.device).scatter(0, cand[r], q))
     dev = logits.device
-    return Walk(
-        tokens=torch.stack(toks) if toks else torch.zeros(0, dtype=torch.long, device=dev),
-        confidence=torch.stack(confs).float() if confs else torch.zeros(0, device=dev),
-        q=(torch.stack(qs) if qs else torch.zeros(0, V, device=dev)) if temperature > 0 else None,
-    )
+    unary, cand = torch.topk(logits.float(), selector.top_k, dim=-1)          # [R, k]
+    hp = selector.hidden_projection(hs).float()                                # [R, r]
+    succ = selector.successor_codebook[cand].float()                           # [R, k, r]
+    pred = selector.predecessor_codebook
+    prev = torch.tensor(anchor, dtype=torch.long, device=dev)
+    toks: list[Tensor] = []
+    scores: list[Tensor] = []
+    for r in range(R):
+        score = unary[r] + succ[r] @ (pred[prev].float() * hp[r])
+        if temperature > 0:
+            idx = torch.multinomial(torch.softmax(score / temperature, dim=-1), 1, generator=generator)[0]
+        else:
+            idx = torch.argmax(score)
+        prev = cand[r, idx]
+        toks.append(idx)
+        scores.append(score)
+    if R == 0:
+        return Walk(tokens=torch.zeros(0, dtype=torch.long, device=dev), confidence=torch.zeros(0, device=dev),
+                    q=torch.zeros(0, V, device=dev) if temperature > 0 else None)
+    idx = torch.stack(toks)                                                    # [R] index into the candidates
+    score = torch.stack(scores)                                                # [R, k]
+    conf = torch.softmax(score, dim=-1).gather(-1, idx[:, None])[:, 0]
+    tokens = cand.gather(-1, idx[:, None])[:, 0]
+    q = None
+    if temperature > 0:
+        q = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter(-1, cand, torch.softmax(score / temperature, -1))
+    m = R
+    if min_p > 0:
+        low = (conf < min_p).nonzero()
+        if len(low):
+            m = int(low[0, 0])
+    return Walk(tokens=tokens[:m], confidence=conf[:m], q=None if q is None else q[:m])
 
 
 @torch.no_grad()

@@ -5,6 +5,10 @@ HEAD/GET `/{org}/{name}/resolve/{revision}/{path}` with `ETag`, `X-Repo-Commit`,
 `Accept-Ranges` and Range requests (206 + `Content-Range`), and 404s carrying `X-Error-Code` (`RepoNotFound`,
 `RevisionNotFound`, `EntryNotFound`) so the client raises its own typed errors.
 
+Large-file storage like the Hub's: `.safetensors` files (`lfs_suffixes`) answer the resolve URL with a 302 to a
+"CDN" on another host name (`localhost` instead of `127.0.0.1`) carrying `X-Linked-Size` / `X-Linked-Etag`, so the
+client takes the metadata from the redirect and fetches the bytes from the CDN URL, as it does on the real Hub.
+
 Fault injection: `tamper[(repo, path)] = bytes` serves other bytes of the same size; `drop[(repo, path)] = n`
 sends the full Content-Length, then only n bytes, then closes the connection (once, on the first GET
 without a Range header).
@@ -19,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_CDN = re.compile(r"^/cdn/(?P<org>[^/]+)/(?P<name>[^/]+)/(?P<rev>[^/]+)/(?P<path>.+)$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -27,8 +32,10 @@ class FakeHub:
         self.repos: dict[str, dict[str, dict[str, bytes]]] = {}   # repo -> revision -> path -> bytes
         self.tamper: dict[tuple[str, str], bytes] = {}
         self.drop: dict[tuple[str, str], int] = {}
-        self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header)
-        self.auth: list[str | None] = []                           # Authorization header of every request
+        self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header), bytes served
+        self.redirects: list[str] = []                             # resolve paths answered with a 302
+        self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
+        self.auth: list[tuple[str, str | None]] = []               # (path, Authorization header) of every request
         self._lock = threading.Lock()
         hub = self
 
@@ -47,6 +54,7 @@ class FakeHub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.cdn_url = f"http://localhost:{self.server.server_address[1]}/cdn"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def add(self, repo: str, revision: str, files: dict[str, bytes]) -> None:
@@ -79,13 +87,16 @@ class FakeHub:
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(h.path.split("?", 1)[0])
         rng = h.headers.get("Range")
-        with self._lock:
-            self.log.append((h.command, path, rng))
-            self.auth.append(h.headers.get("Authorization"))
+        cdn = _CDN.match(path)
         m = _RESOLVE.match(path)
-        if not m:
+        with self._lock:
+            self.auth.append((path, h.headers.get("Authorization")))
+        if cdn:
+            repo, rev, rel = f"{cdn['org']}/{cdn['name']}", cdn["rev"], cdn["path"]
+        elif m:
+            repo, rev, rel = m["repo"], m["rev"], m["path"]
+        else:
             return self._error(h, 404, "RepoNotFound", "not found")
-        repo, rev, rel = m["repo"], m["rev"], m["path"]
         if repo not in self.repos:
             return self._error(h, 404, "RepoNotFound", "Repository not found")
         if rev not in self.repos[repo]:
@@ -96,6 +107,20 @@ class FakeHub:
         data = self.tamper.get((repo, rel), files[rel])
         etag = hashlib.sha256(files[rel]).hexdigest()
         total = len(data)
+        if m and rel.endswith(self.lfs_suffixes):  # LFS: metadata on the redirect, bytes from the CDN
+            with self._lock:
+                self.redirects.append(path)
+            h.send_response(302)
+            h.send_header("Location", f"{self.cdn_url}/{repo}/{rev}/{rel}")
+            h.send_header("X-Linked-Size", str(total))
+            h.send_header("X-Linked-Etag", f'"{etag}"')
+            h.send_header("ETag", '"pointer-etag"')
+            h.send_header("X-Repo-Commit", rev)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        with self._lock:
+            self.log.append((h.command, path, rng))
         start, end, status = 0, total - 1, 200
         if rng and not head:
             r = _RANGE.match(rng.strip())

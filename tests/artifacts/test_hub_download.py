@@ -168,7 +168,11 @@ def test_bundled_source_goes_through_the_same_checks(tmp_path, home):
 def test_hf_token_is_sent(tiny_repo, hub, home, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_test_token_123")
     _pull()
-    assert hub.auth and all(a == "Bearer hf_test_token_123" for a in hub.auth)
+    hub_side = [a for p, a in hub.auth if not p.startswith("/cdn/")]
+    cdn_side = [a for p, a in hub.auth if p.startswith("/cdn/")]
+    assert hub_side and all(a == "Bearer hf_test_token_123" for a in hub_side)
+    assert cdn_side and all(a is None for a in cdn_side)  # the token never leaves the Hub for the CDN
+    assert hub.redirects  # the weights came the LFS way: 302 from resolve to the CDN
 
 
 def test_disk_space_is_checked_before_any_byte_moves(tiny_repo, hub, home, monkeypatch):
