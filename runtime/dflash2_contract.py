@@ -18,7 +18,8 @@ Choices where ARTIFACTS.md is silent (reference: z-lab/dflash `dflash/model.py`)
 - `rope_theta` is read from `rope_theta`, else `rope_parameters.rope_theta` (transformers 5 style), else 10000.
   Rope types "default" and "linear" are supported; any other is refused.
 - Sliding windows: `layer_types[i] == "sliding_attention"` gives layer i the window `sliding_window`; without
-  `layer_types`, every layer is full attention. In the block, a sliding window is two-sided unless causal, as in the
+  `layer_types`, transformers' Qwen3Config rule (sliding from `max_window_layers`, default 28, on, when
+  `use_sliding_window`), so z-lab's v1 configs with `use_sliding_window: true` and 6 layers are full attention. In the block, a sliding window is two-sided unless causal, as in the
   reference's `_attention_mask`. GGUF has one window for all layers, so mixed layer types cannot be converted.
 - The v1 layout (plain z-lab DFlash) is the same inventory without the convolution and selector tensors.
 """
@@ -214,7 +215,10 @@ class DFlash2Geometry:
             use_sliding = get("use_sliding_window", True)
             layer_types = get("layer_types")
             if layer_types is None:
-                layer_types = ("full_attention",) * num_layers
+                # transformers' Qwen3Config: sliding from layer max_window_layers (default 28) on, when enabled
+                mwl = _int(get("max_window_layers", 28), "max_window_layers")
+                layer_types = tuple("sliding_attention" if use_sliding and sliding and i >= mwl else "full_attention"
+                                    for i in range(num_layers))
             if not use_sliding:
                 # transformers' Qwen3Config: use_sliding_window=False switches the window off everywhere.
                 layer_types, sliding = ("full_attention",) * num_layers, None

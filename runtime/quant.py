@@ -236,17 +236,28 @@ def _workers() -> int:
 
 
 def _pool() -> ThreadPoolExecutor:
-    """Worker threads that run torch on one intra-op thread each (set once per thread, at its start)."""
+    """Worker threads for `_quantize_span`."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=max(4, _workers()), thread_name_prefix="strata-quant",
-                                       initializer=torch.set_num_threads, initargs=(1,))
+            _POOL = ThreadPoolExecutor(max_workers=max(4, _workers()), thread_name_prefix="strata-quant")
         return _POOL
 
 
 def _quantize_span(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> None:
-    """One worker's share: its chunks in order, with its own work buffers."""
+    """One worker's share: its chunks in order, with its own work buffers, torch on one intra-op thread.
+
+    `torch.get_num_threads()` first runs this thread's lazy OpenMP set-up; the old count is put back after, which
+    also restores torch's process-wide default that `set_num_threads` touches (threads started later read it)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _quantize_span_1(blocks, oblocks, q, bf16)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _quantize_span_1(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> None:
     nb = blocks.shape[0]
     step = min(nb, _CHUNK_BLOCKS)
     work = {"v": torch.empty(step, BLOCK), "s": torch.empty(step, BLOCK), "h": torch.tensor(float(_HALF_DOWN)),
@@ -282,12 +293,7 @@ def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
         for f in futs:
             f.result()
     else:
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _quantize_span(blocks, oblocks, q, bf16)
-        finally:
-            torch.set_num_threads(prev)
+        _quantize_span(blocks, oblocks, q, bf16)
     return out.reshape(*lead, rb)
 
 

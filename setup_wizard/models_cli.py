@@ -259,7 +259,8 @@ def pull_cmd(name: str = typer.Argument(..., help="Catalog entry to download and
            "size": res.size, "reused": res.reused, "files": res.files}
     if json_out:
         return _print_json(doc)
-    Console().print(f"{res.name}: {'already verified' if res.reused else 'downloaded and verified'} in {res.path}")
+    Console().print(f"{res.name}: {'already verified' if res.reused else 'downloaded and verified'} in {res.path}",
+                    soft_wrap=True)
 
 
 @models_app.command("verify")
@@ -334,4 +335,5 @@ def convert_cmd(
            "source_sha256": res.source_sha256, "converter_version": res.converter_version}
     if json_out:
         return _print_json(doc)
-    Console().print(f"wrote {res.path} ({_fmt_size(res.size)}, {res.quant}), sha256 {res.sha256}", highlight=False)
+    Console().print(f"wrote {res.path} ({_fmt_size(res.size)}, {res.quant}), sha256 {res.sha256}", highlight=False,
+                    soft_wrap=True)

@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppl-tokens", type=int, default=32768)
     ap.add_argument("--quant", action="append", default=None, help="converted heads to measure (default q4_0)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (more only help on an idle machine)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
     if not (args.bundled / TARGET / "config.json").is_file():
         print(f"{args.bundled} holds no {TARGET} folder; pass --bundled with the pack's folder.", file=sys.stderr)
         return 2

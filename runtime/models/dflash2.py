@@ -274,12 +274,13 @@ class DFlash2Model(nn.Module):
     # -- training ----------------------------------------------------------------------------------------------
     def forward(self, ctx_taps: Tensor, ctx_positions: Tensor, block_ids: Tensor, block_positions: Tensor, *,
                 embed: nn.Module | Tensor, lm_head: nn.Module | None, ctx_lengths: Tensor | None = None,
-                ctx_mask: Tensor | None = None) -> DraftOutput:
+                ctx_mask: Tensor | None = None, ctx_index: Tensor | None = None) -> DraftOutput:
         """A batch of B windows under autograd.
 
         ctx_taps [B or 1, C, T*H]: raw target taps of context positions (one shared context may serve all
-        windows: pass batch 1 and a per-window `ctx_lengths` or `ctx_mask`). ctx_positions [B or 1, C] or [C]:
-        their absolute positions. block_ids [B, W]: the anchor then mask tokens (or anything, for training
+        windows: pass batch 1 and a per-window `ctx_lengths` or `ctx_mask`), or [S, C, T*H] with `ctx_index` [B]
+        (window b uses context row ctx_index[b]: fc and the context K/V are computed once per sequence, not once
+        per window). ctx_positions [B or 1 or S, C] or [C]: their absolute positions. block_ids [B, W]: the anchor then mask tokens (or anything, for training
         variants). block_positions [B, W] or [W]: absolute positions (P..P+W-1). ctx_lengths [B]: window b sees
         context rows 0..ctx_lengths[b]-1; ctx_mask [B, C] bool: True where a context row is visible (use one).
         lm_head None skips the logits (compute them later with `compute_logits`).
@@ -302,6 +303,11 @@ class DFlash2Model(nn.Module):
         c = self.context_features(ctx_taps)
         ccos, csin = self.rotary(ctx_positions, c.dtype)
         ctx = [layer.self_attn.kv(c, ccos, csin) for layer in self.layers]
+        if ctx_index is not None:
+            idx = ctx_index.to(dev)
+            ctx = [(k[idx], v[idx]) for k, v in ctx]
+            if ctx_positions.shape[0] > 1:
+                ctx_positions = ctx_positions[idx]
         k_pos = torch.cat([ctx_positions.expand(B, C), block_positions], dim=1)
         x = self.block_input(block_ids, embed)
         h = self._run_layers(x, block_positions, ctx, k_pos, k_valid)

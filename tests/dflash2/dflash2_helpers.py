@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -23,6 +24,17 @@ from runtime.dflash2_contract import (
     hf_to_gguf,
     write_gguf_metadata,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Import into a test module to run it with one intra-op thread (restored afterwards): tiny models are faster
+    so, and immune to OpenMP spin-wait collapse on a busy machine (measured: the e2e module took 5 minutes with 2
+    threads under load, 15 s with one). Not a conftest.py: several `conftest` modules in rootdir mode collide."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def drafter_config(*, hidden: int = 64, inter: int = 96, layers: int = 2, heads: int = 2, kv_heads: int = 1,

@@ -161,3 +161,20 @@ def test_gguf_metadata_round_trip():
     mixed = {**OFFICIAL, "layer_types": ["sliding_attention"] * 4 + ["full_attention"]}
     with pytest.raises(ContractError, match="mixes sliding and full"):
         gguf_metadata(DFlash2Geometry.from_config(mixed))
+
+
+def test_v1_style_config_without_layer_types():
+    """z-lab v1 configs: block_size at top level, use_sliding_window without layer_types (Qwen3Config rule)."""
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": 3072, "num_hidden_layers": 6, "vocab_size": 248320,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9216,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000},
+        "use_sliding_window": True, "sliding_window": 4096, "block_size": 16,
+        "dflash_config": {"mask_token_id": 248077, "target_layer_ids": [1, 7, 14, 20, 26, 32, 39, 45]},
+    }
+    g = DFlash2Geometry.from_config(cfg)
+    assert g.block_size == 16 and g.rope_theta == 1e7 and not g.is_causal
+    assert all(g.layer_window(i) is None for i in range(6))
+    g2 = DFlash2Geometry.from_config({**cfg, "max_window_layers": 4})
+    assert [g2.layer_window(i) for i in range(6)] == [None] * 4 + [4096] * 2
+    assert len(expected_tensors(g, v1=True)) == tensor_count(6, v1=True)

@@ -13,6 +13,7 @@ from runtime.engine import Engine
 from runtime.sampling import SamplingParams
 from tests.dflash2.dflash2_helpers import (
     drafter_config,
+    one_thread,  # noqa: F401  (autouse fixture)
     train_on_sequence,
     write_gguf_drafter,
     write_hf_drafter,

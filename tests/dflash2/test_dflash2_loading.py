@@ -17,6 +17,7 @@ from runtime.quant import QuantLinear, dequantize_torch
 from runtime.sampling import SamplingParams
 from tests.dflash2.dflash2_helpers import (
     drafter_config,
+    one_thread,  # noqa: F401  (autouse fixture)
     random_drafter_state,
     tiny_target,
     write_gguf_drafter,

@@ -10,7 +10,11 @@ import torch.nn.functional as F
 
 from runtime.dflash2_contract import DFlash2Geometry
 from runtime.models.dflash2 import ContextCache, DFlash2Model, GroupedDynamicCausalConv, select_walk
-from tests.dflash2.dflash2_helpers import drafter_config, random_drafter_state
+from tests.dflash2.dflash2_helpers import (
+    drafter_config,
+    one_thread,  # noqa: F401  (autouse fixture)
+    random_drafter_state,
+)
 
 
 def make_model(seed: int = 0, v1: bool = False, **kw) -> DFlash2Model:
@@ -255,6 +259,12 @@ def test_training_forward_matches_inference_and_trains():
         ctx[b, :a], mask[b, :a] = taps[:a], True
     out2 = model(ctx, torch.arange(S), ids, positions, embed=embed, lm_head=head, ctx_mask=mask)
     torch.testing.assert_close(out2.logits, out.logits, rtol=1e-5, atol=1e-5)
+    # two sequences, windows pointing at their sequence with ctx_index (context K/V computed once per sequence)
+    seqs = torch.stack([torch.randn(S, 2 * 64), taps])
+    out3 = model(seqs, torch.arange(S), ids, positions, embed=embed, lm_head=head,
+                 ctx_lengths=torch.tensor(anchors), ctx_index=torch.tensor([1, 0, 1]))
+    torch.testing.assert_close(out3.logits[[0, 2]], out.logits[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out3.logits[1], out.logits[1])
     # autograd: a loss on logits + selector scores reaches every kind of parameter
     model.train()
     out = model(taps[None], torch.arange(S), ids, positions, embed=embed, lm_head=head,

@@ -12,7 +12,12 @@ import torch
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
-from tests.dflash2.dflash2_helpers import drafter_config, train_on_sequence, write_hf_drafter
+from tests.dflash2.dflash2_helpers import (
+    drafter_config,
+    one_thread,  # noqa: F401  (autouse fixture)
+    train_on_sequence,
+    write_hf_drafter,
+)
 from tests.runtime.tiny import make_tiny_target
 
 T = 0.12          # peaked target distributions, so the fitted drafter is often right

@@ -1,0 +1,283 @@
+"""Triton kernels for the CUDA fast path (optional: everything here has a plain-torch equivalent elsewhere).
+
+Three jobs, each one launch and each *row-invariant* (a row's result depends only on that row's inputs, never on
+how many other rows share the launch or where the row sits in it: fixed tiles, no split-K, fixed loop order), so a
+one-row decode and a k-row verify of the same token give the same bits in BF16:
+
+- `moe_grouped`: the routed experts of a window grouped by expert. The (token, slot) pairs are sorted by expert; the
+  first pair of each expert (the "leader") reads that expert's weights once and multiplies every row routed to it;
+  the other programs exit at once. Gate/up matmul + SiLU gating in one kernel, down matmul (scaled by the routing
+  weight) in a second, the per-token sum of the top-k rows in a third. Shape-static: graph-capturable.
+- `attention` (+ `kv_write`): one query row against the static KV cache up to that row's own position, read from a
+  device tensor (no host sync, no padding of the cache span); a program per (row, kv head) serves the whole GQA
+  group, so K/V are read once per row. Rows with position -1 are padding: nothing is written or read.
+- `quant_linear`: y = x @ dequant(W)^T with W as ggml Q8_0/Q5_0/Q4_0 blocks, dequantized in registers (no BF16 copy
+  of the matrix anywhere in memory).
+
+Tests run them on CPU under TRITON_INTERPRET=1 (float32/float16 there: the interpreter has no bfloat16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the callers use their torch paths
+    HAVE_TRITON = False
+
+QCODE = {"q8_0": (0, 34), "q5_0": (1, 22), "q4_0": (2, 18)}
+
+
+def available(t: Tensor) -> bool:
+    """True when the Triton path can run on tensor `t` (CUDA with Triton, or the CPU interpreter in tests)."""
+    import os
+
+    return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if HAVE_TRITON:
+
+    # ------------------------------------------------------------------------------------------------ MoE
+    @triton.jit
+    def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, w_ptr, h_ptr, NP, E, I, K,
+                       stride_xm, stride_we, stride_wn, stride_hm,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        i = tl.program_id(0)
+        nb = tl.program_id(1)
+        e = tl.load(se_ptr + i)
+        prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
+        lead = (e < E) & (e != prev)
+        kend = lead.to(tl.int32) * K     # non-leaders run no iterations and store nothing
+        r = i + tl.arange(0, BM)
+        rin = r < NP
+        rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e) & lead
+        tok = tl.load(tok_ptr + r, mask=rmask, other=0)
+        n = nb * BN + tl.arange(0, BN)
+        nm = n < I
+        e64 = e.to(tl.int64)
+        accg = tl.zeros((BM, BN), dtype=tl.float32)
+        accu = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, kend, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < K
+            a = tl.load(x_ptr + tok[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            wb = w_ptr + e64 * stride_we + kk[:, None]
+            bg = tl.load(wb + n[None, :] * stride_wn, mask=nm[None, :] & km[:, None], other=0.0)
+            bu = tl.load(wb + (n[None, :] + I) * stride_wn, mask=nm[None, :] & km[:, None], other=0.0)
+            accg += tl.dot(a, bg)
+            accu += tl.dot(a, bu)
+        act = accg * tl.sigmoid(accg) * accu
+        tl.store(h_ptr + r[:, None] * stride_hm + n[None, :], act.to(h_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nm[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, d_ptr, y_ptr, NP, E, N, K,
+                         stride_hm, stride_de, stride_dn, stride_ym,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        i = tl.program_id(0)
+        nb = tl.program_id(1)
+        e = tl.load(se_ptr + i)
+        prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
+        lead = (e < E) & (e != prev)
+        kend = lead.to(tl.int32) * K
+        r = i + tl.arange(0, BM)
+        rin = r < NP
+        rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e) & lead
+        dst = tl.load(ord_ptr + r, mask=rmask, other=0)
+        wt = tl.load(wt_ptr + dst, mask=rmask, other=0.0).to(tl.float32)
+        n = nb * BN + tl.arange(0, BN)
+        nm = n < N
+        e64 = e.to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, kend, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < K
+            a = tl.load(h_ptr + r[:, None] * stride_hm + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            b = tl.load(d_ptr + e64 * stride_de + n[None, :] * stride_dn + kk[:, None],
+                        mask=nm[None, :] & km[:, None], other=0.0)
+            acc += tl.dot(a, b)
+        tl.store(y_ptr + dst[:, None] * stride_ym + n[None, :], acc * wt[:, None], mask=rmask[:, None] & nm[None, :])
+
+    @triton.jit
+    def _moe_sum_kernel(y_ptr, idx_ptr, o_ptr, E, N, stride_ym, stride_om, TOPK: tl.constexpr, BN: tl.constexpr):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < N
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            ok = tl.load(idx_ptr + t * TOPK + j) < E
+            acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + n, mask=nm & ok, other=0.0)
+        tl.store(o_ptr + t * stride_om + n, acc.to(o_ptr.dtype.element_ty), mask=nm)
+
+    # ------------------------------------------------------------------------------------------ attention
+    @triton.jit
+    def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, stride_kw, stride_kh, stride_ch, stride_cs,
+                         HD: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(pos_ptr + row)
+        d = tl.arange(0, HD)
+        m = (d < HD) & (pos >= 0)
+        src = row * stride_kw + h * stride_kh + d
+        dst = h * stride_ch + pos.to(tl.int64) * stride_cs + d
+        tl.store(kc_ptr + dst, tl.load(k_ptr + src, mask=m), mask=m)
+        tl.store(vc_ptr + dst, tl.load(v_ptr + src, mask=m), mask=m)
+
+    @triton.jit
+    def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
+                     stride_qw, stride_qh, stride_ch, stride_cs, stride_ow, stride_oh,
+                     G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        pos = tl.load(pos_ptr + row)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        gm = g < G
+        heads = kvh * G + g
+        q = tl.load(q_ptr + row * stride_qw + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+        m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((GP,), dtype=tl.float32)
+        acc = tl.zeros((GP, HD), dtype=tl.float32)
+        base = kvh.to(tl.int64) * stride_ch
+        for s0 in range(0, pos + 1, BS):
+            s = s0 + tl.arange(0, BS)
+            sm = s <= pos
+            off = base + s[:, None].to(tl.int64) * stride_cs + d[None, :]
+            k = tl.load(k_ptr + off, mask=sm[:, None], other=0.0)
+            v = tl.load(v_ptr + off, mask=sm[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.where(sm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + row * stride_ow + heads[:, None] * stride_oh + d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+
+    # ------------------------------------------------------------------------------------ quantized linear
+    @triton.jit
+    def _qlinear_kernel(x_ptr, b_ptr, o_ptr, M, N, NBLK, stride_xm, stride_bn, stride_om,
+                        QT: tl.constexpr, BSZ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        pm = tl.program_id(0)
+        pn = tl.program_id(1)
+        rm = pm * BM + tl.arange(0, BM)
+        n = pn * BN + tl.arange(0, BN)
+        mm = rm < M
+        nm = n < N
+        j = tl.arange(0, 16)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        rowp = b_ptr + n.to(tl.int64) * stride_bn
+        for kb in range(0, NBLK):
+            blk = rowp + kb * BSZ
+            b0 = tl.load(blk, mask=nm, other=0).to(tl.uint16)
+            b1 = tl.load(blk + 1, mask=nm, other=0).to(tl.uint16)
+            dsc = (b0 | (b1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+            if QT == 0:
+                lo = tl.load(blk[:, None] + 2 + j[None, :], mask=nm[:, None], other=0).to(tl.int8, bitcast=True)
+                hi = tl.load(blk[:, None] + 18 + j[None, :], mask=nm[:, None], other=0).to(tl.int8, bitcast=True)
+                qlo = lo.to(tl.float32)
+                qhi = hi.to(tl.float32)
+            elif QT == 2:
+                qs = tl.load(blk[:, None] + 2 + j[None, :], mask=nm[:, None], other=0).to(tl.int32)
+                qlo = ((qs & 15) - 8).to(tl.float32)
+                qhi = ((qs >> 4) - 8).to(tl.float32)
+            else:
+                h0 = tl.load(blk + 2, mask=nm, other=0).to(tl.int32)
+                h1 = tl.load(blk + 3, mask=nm, other=0).to(tl.int32)
+                h2 = tl.load(blk + 4, mask=nm, other=0).to(tl.int32)
+                h3 = tl.load(blk + 5, mask=nm, other=0).to(tl.int32)
+                qh = h0 | (h1 << 8) | (h2 << 16) | (h3 << 24)
+                qs = tl.load(blk[:, None] + 6 + j[None, :], mask=nm[:, None], other=0).to(tl.int32)
+                blo = (qh[:, None] >> j[None, :]) & 1
+                bhi = (qh[:, None] >> (j[None, :] + 16)) & 1
+                qlo = (((qs & 15) | (blo << 4)) - 16).to(tl.float32)
+                qhi = (((qs >> 4) | (bhi << 4)) - 16).to(tl.float32)
+            xa = tl.load(x_ptr + rm[:, None] * stride_xm + kb * 32 + j[None, :], mask=mm[:, None], other=0.0)
+            xb = tl.load(x_ptr + rm[:, None] * stride_xm + kb * 32 + 16 + j[None, :], mask=mm[:, None], other=0.0)
+            wlo = (qlo * dsc[:, None]).to(xa.dtype)
+            whi = (qhi * dsc[:, None]).to(xa.dtype)
+            acc += tl.dot(xa, tl.trans(wlo))
+            acc += tl.dot(xb, tl.trans(whi))
+        tl.store(o_ptr + rm[:, None] * stride_om + n[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=mm[:, None] & nm[None, :])
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """x [T, H]; idx [T, k] expert ids (an id >= E marks a padded row: it uses no expert and gets 0); w [T, k]
+    routing weights; gate_up [E, 2I, H] (gate rows then up rows, transformers' layout); down [E, H, I] -> [T, H]."""
+    T, H = x.shape
+    k = idx.shape[1]
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    NP = T * k
+    flat = idx.reshape(-1)
+    se, order = torch.sort(flat, stable=True)
+    se = se.to(torch.int32).contiguous()
+    order = order.to(torch.int32).contiguous()
+    tok = torch.div(order, k, rounding_mode="floor").contiguous()
+    x = x.contiguous()
+    BM = _pow2(T)
+    h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
+    BN, BK = 64, 64
+    _moe_up_kernel[(NP, triton.cdiv(inter, BN))](
+        x, tok, se, gate_up, h, NP, E, inter, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+    y = torch.empty(NP, H, dtype=torch.float32, device=x.device)
+    wf = w.reshape(-1).contiguous()
+    _moe_down_kernel[(NP, triton.cdiv(H, BN))](
+        h, se, order, wf, down, y, NP, E, H, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    BS = 256
+    _moe_sum_kernel[(T, triton.cdiv(H, BS))](y, flat.to(torch.int32).contiguous(), out, E, H, y.stride(0),
+                                               out.stride(0), TOPK=k, BN=BS)
+    return out
+
+
+def kv_write(k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pos: Tensor) -> None:
+    """k, v [W, nkv, hd] -> cache kc, vc [nkv, S, hd] at rows `pos` [W] (rows with pos < 0 are skipped)."""
+    W, nkv, hd = k.shape
+    k, v = k.contiguous(), v.contiguous()
+    _kv_write_kernel[(W, nkv)](k, v, kc, vc, pos, k.stride(0), k.stride(1), kc.stride(0), kc.stride(1), HD=hd)
+
+
+def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float) -> Tensor:
+    """q [W, nh, hd] against cache kc, vc [nkv, S, hd]; row r sees cache rows 0..pos[r] (pos < 0: zeros)."""
+    W, nh, hd = q.shape
+    nkv = kc.shape[0]
+    G = nh // nkv
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    BS = 64 if hd <= 64 else 32
+    _attn_kernel[(W, nkv)](q, kc, vc, pos, o, float(scale), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+                           o.stride(0), o.stride(1), G=G, GP=_pow2(G), HD=hd, BS=BS, num_warps=4, num_stages=2)
+    return o
+
+
+def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Tensor:
+    """x [..., K] @ dequant(blocks [N, K/32 * block_bytes])^T -> [..., N] in x's dtype."""
+    code, bsz = QCODE[qtype]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features).contiguous()
+    M = x2.shape[0]
+    N = blocks.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    BM = 16 if M <= 16 else 32
+    BN = 64
+    _qlinear_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        x2, blocks, out, M, N, in_features // 32, x2.stride(0), blocks.stride(0), out.stride(0),
+        QT=code, BSZ=bsz, BM=BM, BN=BN, num_warps=4, num_stages=2)
+    return out.reshape(*lead, N)

@@ -1,0 +1,90 @@
+"""Run the Triton kernels under TRITON_INTERPRET=1 (CPU) against plain torch; exits 0 when all agree.
+
+Run by tests/runtime/test_kernels_interpret.py in a subprocess (the interpreter must be chosen before triton loads).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from runtime import kernels  # noqa: E402
+from runtime.quant import QuantLinear  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_moe(dt: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, k = 5, 64, 32, 6, 2
+    x = torch.randn(T, H, generator=g).to(dt)
+    gu = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dt)
+    dn = (torch.randn(E, H, I, generator=g) * 0.1).to(dt)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    idx[2, 0] = idx[1, 0]          # several rows share an expert
+    idx[3] = E                     # a padded row: no expert
+    w = torch.rand(T, k, generator=g).to(dt)
+    out = kernels.moe_grouped(x, idx, w, gu, dn)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = int(idx[t, j])
+            if e >= E:
+                continue
+            gt, up = (x[t].float() @ gu[e].float().t()).chunk(2)
+            ref[t] += float(w[t, j]) * ((F.silu(gt) * up) @ dn[e].float().t())
+    assert rel(out, ref) < 3e-3, rel(out, ref)
+    assert float(out[3].abs().max()) == 0.0
+    # row invariance: row 0 alone gives the same bits as inside the window
+    one = kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
+    assert torch.equal(one[0], out[0])
+
+
+def check_attention(dt: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    nh, nkv, hd, S, W = 4, 2, 16, 80, 4
+    kc = torch.randn(nkv, S, hd, generator=g).to(dt)
+    vc = torch.randn(nkv, S, hd, generator=g).to(dt)
+    kn = torch.randn(W, nkv, hd, generator=g).to(dt)
+    vn = torch.randn(W, nkv, hd, generator=g).to(dt)
+    pos = torch.tensor([70, 71, 72, -1], dtype=torch.int32)
+    kernels.kv_write(kn, vn, kc, vc, pos)
+    assert torch.equal(kc[:, 71], kn[1]) and torch.equal(vc[:, 72], vn[2])
+    q = torch.randn(W, nh, hd, generator=g).to(dt)
+    o = kernels.attention(q, kc, vc, pos, hd ** -0.5)
+    for r in range(3):
+        p = int(pos[r])
+        kk = kc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
+        vv = vc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
+        att = torch.softmax((q[r].float()[:, None] @ kk.transpose(1, 2))[:, 0] * hd ** -0.5, -1)
+        ref = (att[:, None] @ vv)[:, 0]
+        assert rel(o[r], ref) < 3e-3, rel(o[r], ref)
+    assert float(o[3].abs().max()) == 0.0
+
+
+def check_quant(dt: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    for qt in ("q8_0", "q5_0", "q4_0"):
+        w = torch.randn(40, 96, generator=g)
+        ql = QuantLinear.from_float(w, qt)
+        x = torch.randn(3, 96, generator=g).to(dt)
+        ref = x.float() @ ql.dequantized_weight().t()
+        out = kernels.quant_linear(x, ql.blocks, qt, 96)
+        assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
+
+
+if __name__ == "__main__":
+    for dt in (torch.float32, torch.float16):
+        check_moe(dt)
+        check_attention(dt)
+        check_quant(dt)
+    print("kernels ok")
