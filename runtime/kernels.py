@@ -44,15 +44,15 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------------------------------------ MoE
     @triton.jit
-    def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, w_ptr, h_ptr, NP, E, I, K,
+    def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, w_ptr, h_ptr, NP, E: tl.constexpr, I, K: tl.constexpr,
                        stride_xm, stride_we, stride_wn, stride_hm,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.load(se_ptr + i)
-        prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
+        e = tl.max(tl.load(se_ptr + i + tl.arange(0, 1)), 0)     # a 0-d scalar (also in the interpreter)
+        prev = tl.max(tl.load(se_ptr + i - 1 + tl.arange(0, 1), mask=i > 0, other=-1), 0)
         lead = (e < E) & (e != prev)
-        kend = lead.to(tl.int32) * K     # non-leaders run no iterations and store nothing
+        kend = lead.to(tl.int32) * K       # non-leaders run no iterations
         r = i + tl.arange(0, BM)
         rin = r < NP
         rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e) & lead
@@ -76,13 +76,13 @@ if HAVE_TRITON:
                  mask=rmask[:, None] & nm[None, :])
 
     @triton.jit
-    def _moe_down_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, d_ptr, y_ptr, NP, E, N, K,
+    def _moe_down_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, d_ptr, y_ptr, NP, E: tl.constexpr, N, K: tl.constexpr,
                          stride_hm, stride_de, stride_dn, stride_ym,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.load(se_ptr + i)
-        prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
+        e = tl.max(tl.load(se_ptr + i + tl.arange(0, 1)), 0)
+        prev = tl.max(tl.load(se_ptr + i - 1 + tl.arange(0, 1), mask=i > 0, other=-1), 0)
         lead = (e < E) & (e != prev)
         kend = lead.to(tl.int32) * K
         r = i + tl.arange(0, BM)
@@ -134,7 +134,7 @@ if HAVE_TRITON:
                      G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
-        pos = tl.load(pos_ptr + row)
+        pos = tl.max(tl.load(pos_ptr + row + tl.arange(0, 1)), 0)
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
         gm = g < G
@@ -153,8 +153,9 @@ if HAVE_TRITON:
             sc = tl.dot(q, tl.trans(k)) * scale
             sc = tl.where(sm[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # fully masked so far: keep zeros, no NaN
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -165,7 +166,7 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------------------------ quantized linear
     @triton.jit
-    def _qlinear_kernel(x_ptr, b_ptr, o_ptr, M, N, NBLK, stride_xm, stride_bn, stride_om,
+    def _qlinear_kernel(x_ptr, b_ptr, o_ptr, M, N, NBLK: tl.constexpr, stride_xm, stride_bn, stride_om,
                         QT: tl.constexpr, BSZ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         pm = tl.program_id(0)
         pn = tl.program_id(1)
