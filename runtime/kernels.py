@@ -49,8 +49,8 @@ if HAVE_TRITON:
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.max(tl.load(se_ptr + i + tl.arange(0, 1)), 0)     # a 0-d scalar (also in the interpreter)
-        prev = tl.max(tl.load(se_ptr + i - 1 + tl.arange(0, 1), mask=i > 0, other=-1), 0)
+        e = tl.load(se_ptr + i)
+        prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
         lead = (e < E) & (e != prev)
         kend = lead.to(tl.int32) * K       # non-leaders run no iterations
         r = i + tl.arange(0, BM)
@@ -81,8 +81,8 @@ if HAVE_TRITON:
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0)
         nb = tl.program_id(1)
-        e = tl.max(tl.load(se_ptr + i + tl.arange(0, 1)), 0)
-        prev = tl.max(tl.load(se_ptr + i - 1 + tl.arange(0, 1), mask=i > 0, other=-1), 0)
+        e = tl.load(se_ptr + i)
+        prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
         lead = (e < E) & (e != prev)
         kend = lead.to(tl.int32) * K
         r = i + tl.arange(0, BM)
@@ -134,7 +134,7 @@ if HAVE_TRITON:
                      G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
-        pos = tl.max(tl.load(pos_ptr + row + tl.arange(0, 1)), 0)
+        pos = tl.load(pos_ptr + row)
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
         gm = g < G

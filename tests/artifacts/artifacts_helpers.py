@@ -12,6 +12,9 @@ from safetensors.torch import save_file
 
 from runtime.dflash2_contract import DFlash2Geometry, expected_tensors
 
+REPO = "tiny-org/tiny-dflash2"
+REV = "0123456789abcdef0123456789abcdef01234567"
+
 TINY_CONFIG = {
     "architectures": ["DFlash2DraftModel"],
     "hidden_size": 64,

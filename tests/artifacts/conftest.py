@@ -9,11 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from artifacts_helpers import file_pins, toml_catalog, write_checkpoint  # noqa: E402
+from artifacts_helpers import REPO, REV, file_pins, toml_catalog, write_checkpoint  # noqa: E402,F401
 from hub_server import FakeHub  # noqa: E402
-
-REPO = "tiny-org/tiny-dflash2"
-REV = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture()

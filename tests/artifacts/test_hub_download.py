@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from conftest import REPO, REV
+from artifacts_helpers import REPO, REV
 
 from setup_wizard.catalog import load_catalog
 from setup_wizard.hub import ChecksumError, DownloadError, HeaderCheckError, UnpinnedError, pull

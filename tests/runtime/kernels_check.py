@@ -12,8 +12,22 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from triton.runtime import interpreter as _interp  # noqa: E402
+
+# The interpreter holds loaded scalars as 1-element arrays and then cannot use them as loop bounds (int() of a
+# 1-d array); compiled Triton has no such limit. Index them by their single element instead.
+_orig_patch = _interp._patch_lang_tensor
+
+
+def _patch_tensor(tensor, scope):
+    _orig_patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+
+_interp._patch_lang_tensor = _patch_tensor
 
 from runtime import kernels  # noqa: E402
 from runtime.quant import QuantLinear  # noqa: E402
