@@ -76,8 +76,10 @@ def _stop_ids(folder: Path, cfg_eos: list[int]) -> set[int]:
 class Engine:
     def __init__(self, *, model, tokenizer, kv: KVCache, drafter, drafter_kind: str, experts: ExpertCache,
                  device: torch.device, block: int, spec_min_p: float, stop_ids: set[int], target_dir: Path,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
+        self.graphs = graphs
+        self.step = None   # runtime.static_step.StaticStep on CUDA, built at the first generate
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
@@ -89,7 +91,7 @@ class Engine:
     def build(cls, target_dir: str | Path, drafter_kind: str = "none", drafter_path: str | Path | None = None,
               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
-              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512) -> Engine:
+              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True) -> Engine:
         """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU."""
         if drafter_kind not in DRAFTERS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(DRAFTERS)}.")
@@ -128,7 +130,7 @@ class Engine:
         return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p or 0.0),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, graphs=graphs)
 
     @classmethod
     def from_config(cls, config: str | Path | dict, **overrides: Any) -> Engine:
@@ -198,7 +200,8 @@ class Engine:
         res = generate_ids(self.model, self.kv, ids, drafter=use, max_new_tokens=max_new_tokens,
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
-                           prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf)
+                           prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
+                           step=self.static_step())
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
             on_text(text[len(shown[0]):])
@@ -206,6 +209,19 @@ class Engine:
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
+
+    def static_step(self):
+        """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every
+        window, target-only decoding included, so greedy output is the same with and without drafting in BF16
+        (runtime/static_step.py says why). None on CPU (the plain forward; fp32 there)."""
+        if self.device.type != "cuda":
+            return None
+        if self.step is None:
+            from runtime.static_step import StaticStep
+
+            width = self.drafter.max_block if self.drafter is not None else 1
+            self.step = StaticStep(self.model, self.kv, width, graph=self.graphs)
+        return self.step
 
     # ------------------------------------------------------------------------------------------------ reporting
     @property

@@ -55,6 +55,14 @@ class ExpertCache:
         for mod in model.modules():
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
+        if self.device.type == "cuda":
+            # layers whose experts are all resident: stacked, for the grouped Triton kernel (same bytes)
+            for li, blk in self.blocks.items():
+                if all((li, e) in self.resident for e in range(blk.n_exp)):
+                    blk.stack_experts()
+            mtp = getattr(model, "mtp", None)
+            if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
+                mtp.layers[0].mlp.stack_experts()     # drafter weights, always on the device
 
     def run(self, layer: int, e: int, rows: Tensor) -> Tensor:
         expert = self.blocks[layer].experts[e]

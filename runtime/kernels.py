@@ -31,20 +31,21 @@ except ImportError:  # CPU-only installs: the callers use their torch paths
     HAVE_TRITON = False
 
 QCODE = {"q8_0": (0, 34), "q5_0": (1, 22), "q4_0": (2, 18)}
+ENABLED = True   # benchmarks switch the kernels off to measure the plain-torch path ("before")
 
 
 def available(t: Tensor) -> bool:
     """True when the Triton path can run on tensor `t` (CUDA with Triton, or the CPU interpreter in tests)."""
     import os
 
-    return HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return ENABLED and HAVE_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if HAVE_TRITON:
 
     # ------------------------------------------------------------------------------------------------ MoE
     @triton.jit
-    def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, w_ptr, h_ptr, NP, E: tl.constexpr, I, K: tl.constexpr,
+    def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, w_ptr, h_ptr, NP, E: tl.constexpr, NI, K: tl.constexpr,
                        stride_xm, stride_we, stride_wn, stride_hm,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         i = tl.program_id(0)
@@ -58,7 +59,7 @@ if HAVE_TRITON:
         rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e) & lead
         tok = tl.load(tok_ptr + r, mask=rmask, other=0)
         n = nb * BN + tl.arange(0, BN)
-        nm = n < I
+        nm = n < NI
         e64 = e.to(tl.int64)
         accg = tl.zeros((BM, BN), dtype=tl.float32)
         accu = tl.zeros((BM, BN), dtype=tl.float32)
@@ -68,7 +69,7 @@ if HAVE_TRITON:
             a = tl.load(x_ptr + tok[:, None] * stride_xm + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
             wb = w_ptr + e64 * stride_we + kk[:, None]
             bg = tl.load(wb + n[None, :] * stride_wn, mask=nm[None, :] & km[:, None], other=0.0)
-            bu = tl.load(wb + (n[None, :] + I) * stride_wn, mask=nm[None, :] & km[:, None], other=0.0)
+            bu = tl.load(wb + (n[None, :] + NI) * stride_wn, mask=nm[None, :] & km[:, None], other=0.0)
             accg += tl.dot(a, bg)
             accu += tl.dot(a, bu)
         act = accg * tl.sigmoid(accg) * accu
@@ -282,3 +283,184 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Ten
         x2, blocks, out, M, N, in_features // 32, x2.stride(0), blocks.stride(0), out.stride(0),
         QT=code, BSZ=bsz, BM=BM, BN=BN, num_warps=4, num_stages=2)
     return out.reshape(*lead, N)
+
+
+# ------------------------------------------------------------------------------------------------ fused decode ops
+# The fixed-width step (runtime/static_step.py) runs a layer as 11 launches: rmsnorm, QKV matmul, q/k norm + RoPE +
+# cache write, attention, o matmul, add + rmsnorm, router matmul, route (softmax, top-k, grouping by expert), expert
+# up, expert down, top-k sum + residual. Rounding follows the torch modules (BF16 products rounded where they are).
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, H, eps, stride_x, stride_y,
+                        HAS_D: tl.constexpr, BH: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.arange(0, BH)
+        m = c < H
+        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0)
+        if HAS_D:
+            x = (x.to(tl.float32) + tl.load(d_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)).to(
+                x_ptr.dtype.element_ty)
+            tl.store(xo_ptr + r * stride_x + c, x, mask=m)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        y = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qkv_post_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, eps, rscale,
+                         stride_qkv, stride_q, stride_ch, stride_cs,
+                         NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr):
+        row = tl.program_id(0)
+        h = tl.program_id(1)                     # 0..NH-1: q heads, NH..NH+NKV-1: k (and v) heads
+        pos = tl.load(pos_ptr + row)
+        d = tl.arange(0, HD)
+        dp = (d + HD // 2) % HD
+        f = tl.maximum(pos, 0).to(tl.float32) * tl.load(inv_ptr + d % (HD // 2))
+        dt = q_ptr.dtype.element_ty
+        cos = (tl.cos(f) * rscale).to(dt).to(tl.float32)
+        sin = (tl.sin(f) * rscale).to(dt).to(tl.float32)
+        is_q = h < NH
+        hk = h - NH
+        col = tl.where(is_q, h * HD, (NH + hk) * HD)
+        base = qkv_ptr + row * stride_qkv + col
+        x = tl.load(base + d).to(tl.float32)
+        xp = tl.load(base + dp).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HD + eps)
+        wq = tl.load(qw_ptr + d).to(tl.float32)
+        wqp = tl.load(qw_ptr + dp).to(tl.float32)
+        wk = tl.load(kw_ptr + d).to(tl.float32)
+        wkp = tl.load(kw_ptr + dp).to(tl.float32)
+        w = tl.where(is_q, wq, wk)
+        wp = tl.where(is_q, wqp, wkp)
+        xn = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xpn = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+        rot = tl.where(d < HD // 2, -xpn, xpn)
+        out = ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+        tl.store(q_ptr + row * stride_q + h * HD + d, out, mask=(d < HD) & is_q)
+        cm = (d < HD) & (h >= NH) & (pos >= 0)
+        dst = hk.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs + d
+        tl.store(kc_ptr + dst, out, mask=cm)
+        v = tl.load(qkv_ptr + row * stride_qkv + (NH + NKV + hk) * HD + d, mask=cm, other=0.0)
+        tl.store(vc_ptr + dst, v, mask=cm)
+
+    @triton.jit
+    def _route_kernel(lg_ptr, pos_ptr, idx_ptr, w_ptr, se_ptr, ord_ptr, tok_ptr, W, stride_lg,
+                      E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                      WP: tl.constexpr, NPP: tl.constexpr, NORM: tl.constexpr):
+        rows = tl.arange(0, WP)
+        rm = rows < W
+        cols = tl.arange(0, EP)
+        cm = cols < E
+        lg = tl.load(lg_ptr + rows[:, None] * stride_lg + cols[None, :], mask=rm[:, None] & cm[None, :],
+                     other=float("-inf")).to(tl.float32)
+        mx = tl.max(lg, 1)
+        mx = tl.where(rm, mx, 0.0)
+        p = tl.exp(lg - mx[:, None])
+        s = tl.sum(p, 1)
+        s = tl.where(rm, s, 1.0)
+        p = p / s[:, None]
+        valid = rm & (tl.load(pos_ptr + rows, mask=rm, other=-1) >= 0)
+        kc = tl.arange(0, KP)
+        wt = tl.zeros((WP, KP), dtype=tl.float32)
+        it = tl.zeros((WP, KP), dtype=tl.int32)
+        for j in tl.static_range(TOPK):
+            m = tl.max(p, 1)
+            a = tl.min(tl.where(p == m[:, None], cols[None, :], EP), 1)
+            wt = tl.where(kc[None, :] == j, m[:, None], wt)
+            it = tl.where(kc[None, :] == j, a[:, None], it)
+            p = tl.where(cols[None, :] == a[:, None], -1.0, p)
+        if NORM:
+            wt = wt / tl.sum(tl.where(kc[None, :] < TOPK, wt, 0.0), 1)[:, None]
+        it = tl.where(valid[:, None], it, E)      # padded rows use no expert
+        km = rm[:, None] & (kc[None, :] < TOPK)
+        tl.store(idx_ptr + rows[:, None] * TOPK + kc[None, :], it, mask=km)
+        tl.store(w_ptr + rows[:, None] * TOPK + kc[None, :], wt, mask=km)
+        tl.debug_barrier()
+        NP = W * TOPK
+        pr = tl.arange(0, NPP)
+        pm = pr < NP
+        e = tl.load(idx_ptr + pr, mask=pm, other=E + 1)
+        before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (pr[None, :] < pr[:, None]))
+        rank = tl.sum(before.to(tl.int32), 1)
+        tl.store(se_ptr + rank, e, mask=pm)
+        tl.store(ord_ptr + rank, pr, mask=pm)
+        tl.store(tok_ptr + rank, pr // TOPK, mask=pm)
+
+    @triton.jit
+    def _moe_sum_res_kernel(y_ptr, idx_ptr, x_ptr, o_ptr, E, N, stride_ym, stride_x, TOPK: tl.constexpr,
+                            BN: tl.constexpr):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < N
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            ok = tl.load(idx_ptr + t * TOPK + j) < E
+            acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + n, mask=nm & ok, other=0.0)
+        dt = o_ptr.dtype.element_ty
+        x = tl.load(x_ptr + t * stride_x + n, mask=nm, other=0.0).to(tl.float32)
+        tl.store(o_ptr + t * stride_x + n, (x + acc.to(dt).to(tl.float32)).to(dt), mask=nm)
+
+
+def rmsnorm(x: Tensor, w: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(x + delta, RMSNorm(x + delta) * w) for x [M, H] (delta None: x unchanged). Row-invariant."""
+    M, H = x.shape
+    y = torch.empty_like(x)
+    xo = torch.empty_like(x) if delta is not None else x
+    _rmsnorm_kernel[(M,)](x, delta if delta is not None else x, w, xo, y, H, float(eps), x.stride(0), y.stride(0),
+                          HAS_D=delta is not None, BH=triton.next_power_of_2(H))
+    return xo, y
+
+
+def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale: float, pos: Tensor,
+             kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float) -> Tensor:
+    """qkv [W, (nh+2nkv)*hd] -> q [W, nh, hd] (q_norm + RoPE); k (k_norm + RoPE) and v written to the cache."""
+    W = qkv.shape[0]
+    q = torch.empty(W, nh, hd, dtype=qkv.dtype, device=qkv.device)
+    _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, float(eps), float(rope_scale),
+                                    qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), NH=nh, NKV=nkv, HD=hd)
+    return q
+
+
+def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool) -> tuple[Tensor, ...]:
+    """Router logits [W, E] -> (idx [W, k] (E for padded rows), w [W, k] fp32, sorted experts, order, tokens)."""
+    W, E = logits.shape
+    dev = logits.device
+    NP = W * top_k
+    idx = torch.empty(W, top_k, dtype=torch.int32, device=dev)
+    w = torch.empty(W, top_k, dtype=torch.float32, device=dev)
+    se = torch.empty(NP, dtype=torch.int32, device=dev)
+    order = torch.empty(NP, dtype=torch.int32, device=dev)
+    tok = torch.empty(NP, dtype=torch.int32, device=dev)
+    _route_kernel[(1,)](logits, pos, idx, w, se, order, tok, W, logits.stride(0), E=E,
+                        EP=triton.next_power_of_2(E), TOPK=top_k, KP=triton.next_power_of_2(top_k),
+                        WP=max(2, triton.next_power_of_2(W)), NPP=max(2, triton.next_power_of_2(NP)), NORM=norm,
+                        num_warps=4)
+    return idx, w, se, order, tok
+
+
+def moe_routed(x: Tensor, residual: Tensor, idx: Tensor, w: Tensor, se: Tensor, order: Tensor, tok: Tensor,
+               gate_up: Tensor, down: Tensor) -> Tensor:
+    """residual + experts(x) with the routing from `route` (grouped by expert, row-invariant)."""
+    T, H = x.shape
+    k = idx.shape[1]
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    NP = T * k
+    BM = _pow2(T)
+    BN, BK = 64, 64
+    h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
+    _moe_up_kernel[(NP, triton.cdiv(inter, BN))](
+        x, tok, se, gate_up, h, NP, E, inter, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+    y = torch.empty(NP, H, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(NP, triton.cdiv(H, BN))](
+        h, se, order, w, down, y, NP, E, H, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+    out = torch.empty_like(residual)
+    BS = 256
+    _moe_sum_res_kernel[(T, triton.cdiv(H, BS))](y, idx, residual, out, E, H, y.stride(0), residual.stride(0),
+                                                   TOPK=k, BN=BS)
+    return out

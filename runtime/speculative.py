@@ -88,9 +88,12 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                  max_new_tokens: int = 128, sampling: SamplingParams | None = None, block: int = 1,
                  spec_min_p: float = 0.0, stop_ids: set[int] | frozenset[int] = frozenset(),
                  prefill_chunk: int = 512, on_tokens: Callable[[list[int]], None] | None = None,
-                 logits_buf: Tensor | None = None) -> LoopResult:
+                 logits_buf: Tensor | None = None, step=None) -> LoopResult:
     """Generate after `prompt_ids`; the output equals target-only decoding (exactly for greedy, in
-    distribution for sampling) whatever the drafter proposes."""
+    distribution for sampling) whatever the drafter proposes.
+
+    `step` (optional, e.g. `runtime.static_step.StaticStep`): runs every decode/verify window instead of
+    `model(window, kv=kv, taps=taps)`, with the same contract (appends at kv.length, returns a TargetOutput)."""
     sp = sampling or SamplingParams()
     if not prompt_ids:
         raise ValueError("the prompt is empty; give at least one token.")
@@ -159,7 +162,10 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 stats["draft_s"] += time.perf_counter() - ta
             tv = time.perf_counter()
             window = torch.tensor([[anchor] + draft], dtype=torch.long, device=dev)
-            o = model(window, kv=kv, taps=taps)
+            if step is not None and step.accepts(window.shape[1], taps):
+                o = step(window, kv, taps)
+            else:
+                o = model(window, kv=kv, taps=taps)
             logits = o.logits[0]
             if logits_buf is not None and logits.shape[0] <= logits_buf.shape[0]:
                 logits_buf[: logits.shape[0]].copy_(logits)

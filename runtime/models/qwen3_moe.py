@@ -210,6 +210,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd**-0.5
+        self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
+
+    def stack_qkv(self) -> None:
+        """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
+        bytes; parameter names unchanged)."""
+        if self.qkv_weight is not None:
+            return
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        cat = torch.cat([w.data for w in ws], 0)
+        o = 0
+        for w in ws:
+            n = w.shape[0]
+            w.data = cat[o:o + n]
+            o += n
+        self.qkv_weight = cat
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
         """cache = (k_buf [B, nkv, S, hd], v_buf, start): write rows at start.., attend over 0..start+T-1."""
@@ -262,6 +277,32 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
         self.layer_idx = -1
+        # inference only (`stack_experts`): every expert's weights as views into two stacked tensors, transformers'
+        # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
+        self.gate_up: Tensor | None = None
+        self.down: Tensor | None = None
+
+    def stack_experts(self) -> None:
+        """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
+        make each expert's parameters views into them, so the grouped kernel (runtime/kernels.py) reads them."""
+        w0 = self.experts[0].gate_proj.weight
+        inter, hidden = w0.shape
+        gu = torch.empty(self.n_exp, 2 * inter, hidden, dtype=w0.dtype, device=w0.device)
+        dn = torch.empty(self.n_exp, hidden, inter, dtype=w0.dtype, device=w0.device)
+        for e, ex in enumerate(self.experts):
+            gu[e, :inter].copy_(ex.gate_proj.weight.data)
+            gu[e, inter:].copy_(ex.up_proj.weight.data)
+            dn[e].copy_(ex.down_proj.weight.data)
+        self.bind_stacked(gu, dn)
+
+    def bind_stacked(self, gate_up: Tensor, down: Tensor) -> None:
+        """Make the experts' parameters views of `gate_up` [E, 2I, H] and `down` [E, H, I] (shared storage)."""
+        inter = gate_up.shape[1] // 2
+        for e, ex in enumerate(self.experts):
+            ex.gate_proj.weight.data = gate_up[e, :inter]
+            ex.up_proj.weight.data = gate_up[e, inter:]
+            ex.down_proj.weight.data = down[e]
+        self.gate_up, self.down = gate_up, down
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
@@ -274,6 +315,11 @@ class SparseMoe(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, idx = self.route(x)
+        if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
+            from runtime import kernels
+
+            if kernels.available(x):   # experts grouped: each touched expert's weights read once
+                return kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)
         flat = idx.flatten()

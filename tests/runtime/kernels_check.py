@@ -39,10 +39,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_moe(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    T, H, I, E, k = 5, 64, 32, 6, 2
+    T, H, NI, E, k = 5, 64, 32, 6, 2
     x = torch.randn(T, H, generator=g).to(dt)
-    gu = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dt)
-    dn = (torch.randn(E, H, I, generator=g) * 0.1).to(dt)
+    gu = (torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(dt)
+    dn = (torch.randn(E, H, NI, generator=g) * 0.1).to(dt)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     idx[2, 0] = idx[1, 0]          # several rows share an expert
     idx[3] = E                     # a padded row: no expert
@@ -96,9 +96,47 @@ def check_quant(dt: torch.dtype) -> None:
         assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
 
 
+def check_fused_step() -> None:
+    """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32."""
+    import tempfile
+
+    from runtime.kv import KVCache
+    from runtime.loading import load_target
+    from runtime.static_step import StaticStep
+    from tests.runtime.tiny import make_tiny_target
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_target(make_tiny_target(d, seed=5, scale=2.0))
+    for layer in model.model.layers:
+        layer.mlp.stack_experts()
+    c = model.cfg
+
+    def kv() -> KVCache:
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40)
+
+    kv_a, kv_b = kv(), kv()
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    with torch.no_grad():
+        model(prompt, kv=kv_a)
+        model(prompt, kv=kv_b)
+        step = StaticStep(model, kv_b, width=4, graph=False)
+        assert step.fused
+        for win in ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]):
+            w = torch.tensor(win)
+            ref = model(w, kv=kv_a, taps=(1,))
+            got = step(w, kv_b, (1,))
+            assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
+            assert torch.allclose(got.taps, ref.taps, atol=2e-4, rtol=0)
+            kv_a.rollback(kv_a.length - 1)
+            kv_b.rollback(kv_b.length - 1)
+        ka, kb = kv_a.committed()[0], kv_b.committed()[0]
+        assert torch.allclose(ka, kb, atol=1e-5), (ka - kb).abs().max()
+
+
 if __name__ == "__main__":
     for dt in (torch.float32, torch.float16):
         check_moe(dt)
         check_attention(dt)
         check_quant(dt)
+    check_fused_step()
     print("kernels ok")

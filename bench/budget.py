@@ -1,0 +1,135 @@
+"""The wizard's VRAM prediction (setup_wizard.budget) against the measured peak, for contexts 4k-128k and each drafter.
+
+    python bench/budget.py [--contexts 4096,8192,...] [--max-seconds 120]
+
+For each (context, drafter): the budget with the GPU's free memory, the expert slots it chooses, then an engine built
+with those slots, a prompt filling the context (context - 8 tokens) prefilled and 4 tokens decoded, and the peak
+`torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA context is outside it).
+`predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
+cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
+Also the runtime's own `Engine.memory_report()` total (persistent buffers only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import NANO, NANO_DFLASH2, Deadline, machine, print_table, write_json  # noqa: E402
+
+MIB = 1 << 20
+
+
+def inventory(folder: Path) -> dict[str, int]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt", device="cpu") as sf:
+            for k in sf.keys():
+                n = 1
+                for d in sf.get_slice(k).get_shape():
+                    n *= int(d)
+                out[k] = n
+    return out
+
+
+def predict(kind: str, quant: str, context: int, free: int, total: int) -> Any:
+    from setup_wizard import budget as B
+
+    geo = B.TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
+    dgeo = B.DFlash2Geometry.from_config(json.loads((NANO_DFLASH2 / "config.json").read_text())) \
+        if kind == "dflash2" else None
+    block = {"none": 1, "mtp": 16}.get(kind, dgeo.block_size if dgeo else 1)
+    inp = B.BudgetInputs(context=context, block=block, device_type="cuda", available_bytes=free, total_bytes=total,
+                         weight_bytes=2, kv_bytes=2, prefill_chunk=512)
+    return B.compute_budget(geo, kind, inp, dflash2=dgeo, quant=quant)
+
+
+def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str, Any]:
+    from runtime.engine import Engine
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_reserved()
+    eng = Engine.build(NANO, kind, drafter_path=path, device="cuda", context=context, expert_slots=slots)
+    g = torch.Generator().manual_seed(context)
+    ids = torch.randint(2, eng.model.cfg.vocab_size, (context - 8,), generator=g).tolist()
+    res = eng.generate(ids, max_new_tokens=4, stop_ids=set())
+    torch.cuda.synchronize()
+    out = {"peak_reserved": torch.cuda.max_memory_reserved() - before,
+           "peak_allocated": torch.cuda.max_memory_allocated(), "baseline_reserved": before,
+           "memory_report": eng.memory_report(), "generated": len(res.token_ids),
+           "expert_cache": eng.experts.stats()}
+    del eng, res
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--max-seconds", type=float, default=120)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/budget.py needs a CUDA GPU.")
+    deadline = Deadline(args.max_seconds)
+    res: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": []}
+    rows = []
+    with tempfile.TemporaryDirectory() as td:
+        drafters: list[tuple[str, str, str, Path | None]] = [("none", "none", "bf16", None), ("mtp", "mtp", "bf16", None),
+                                                             ("dflash2 bf16", "dflash2", "bf16", NANO_DFLASH2)]
+        try:
+            from setup_wizard.convert import convert_dflash2
+
+            convert_dflash2(NANO_DFLASH2, "q4_0", Path(td) / "q4_0.gguf")
+            drafters.append(("dflash2 q4_0", "dflash2", "q4_0", Path(td) / "q4_0.gguf"))
+        except ImportError as e:
+            print(f"no q4_0 row: {e}", flush=True)
+        for ctx in [int(c) for c in args.contexts.split(",")]:
+            for label, kind, quant, path in drafters:
+                if deadline.over():
+                    res["truncated"] = True
+                    break
+                gc.collect()
+                torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info()
+                b = predict(kind, quant, ctx, free, total)
+                rec: dict[str, Any] = {"context": ctx, "drafter": label, "budget": b.to_dict()}
+                try:
+                    m = measure(kind, path, ctx, b.expert_cache_slots)
+                    rec.update(m)
+                    items = b.table()
+                    pred = sum(v for k, v in items.items() if k not in ("headroom", "reserve"))
+                    rec["predicted"] = pred
+                    rec["error"] = (pred - m["peak_reserved"]) / m["peak_reserved"]
+                    rec["fits"] = m["peak_reserved"] <= pred + items.get("headroom", 0)
+                    rec["report_total"] = sum(m["memory_report"].values())
+                    rows.append([ctx, label, b.expert_cache_slots, pred / MIB, m["peak_reserved"] / MIB,
+                                 100 * rec["error"], rec["fits"], rec["report_total"] / MIB])
+                except torch.OutOfMemoryError as e:
+                    rec["oom"] = str(e)[:300]
+                    rows.append([ctx, label, b.expert_cache_slots, None, None, None, "OOM", None])
+                res["rows"].append(rec)
+                print(f"  ctx {ctx} {label}: " + (f"predicted {rec.get('predicted', 0) / MIB:.1f} MiB, measured "
+                      f"{rec.get('peak_reserved', 0) / MIB:.1f} MiB" if "oom" not in rec else "OOM"), flush=True)
+    print_table(f"VRAM budget vs measured peak, strata-nano on {res['machine'].get('gpu')}",
+                ["context", "drafter", "expert slots", "predicted MiB", "measured MiB", "error %", "fits",
+                 "runtime report MiB"], rows)
+    write_json("budget.json", res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

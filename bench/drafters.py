@@ -1,0 +1,179 @@
+"""Target-only vs MTP vs DFlash2 (BF16, Q8_0, Q5_0, Q4_0) on the bundled pack, on the four calibration task prompts.
+
+    python bench/drafters.py [--new-tokens 128] [--repeats 3] [--max-seconds 120]
+
+For each arm and task: median decode tok/s over repeats, speed-up over target-only, tokens committed per window
+(accepted + 1), draft ms and verify ms per window. The GGUF quantizations are converted from the bundled BF16
+drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped).
+Also the greedy-equality check of ARTIFACTS §3 in BF16 on the GPU: every drafted arm's tokens against target-only
+tokens of the same engine (the fixed-width step: runtime/static_step.py), and, for contrast, the plain eager path
+(no static step: a 1-row decode vs k-row verify in cuBLAS/SDPA) — `eager mismatches` counts prompts that differ there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    NANO,
+    NANO_DFLASH2,
+    Deadline,
+    machine,
+    median,
+    print_table,
+    task_prompts,
+    write_json,
+)
+
+
+def arms(gguf_dir: Path | None) -> list[dict[str, Any]]:
+    out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
+           {"arm": "MTP b4", "kind": "mtp", "path": None, "block": 4, "min_p": 0.0},
+           {"arm": "MTP b6 p.5", "kind": "mtp", "path": None, "block": 6, "min_p": 0.5},
+           {"arm": "DFlash2 bf16", "kind": "dflash2", "path": NANO_DFLASH2, "block": None, "min_p": 0.0}]
+    if gguf_dir is not None:
+        for q in ("q8_0", "q5_0", "q4_0"):
+            out.append({"arm": f"DFlash2 {q}", "kind": "dflash2", "path": gguf_dir / f"{q}.gguf", "block": None,
+                        "min_p": 0.0})
+    return out
+
+
+def convert_ggufs(tmp: Path) -> Path | None:
+    try:
+        import gguf  # noqa: F401
+
+        from setup_wizard.convert import convert_dflash2
+    except ImportError as e:
+        print(f"no GGUF rows: {e}", flush=True)
+        return None
+    for q in ("q8_0", "q5_0", "q4_0"):
+        convert_dflash2(NANO_DFLASH2, q, tmp / f"{q}.gguf")
+    return tmp
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadline) -> dict[str, Any]:
+    from runtime.speculative import generate_ids
+
+    block = arm["block"] if arm["block"] is not None else (eng.drafter.max_block if eng.drafter else 1)
+    draft = arm["kind"] != "none"
+    res: dict[str, Any] = {"block": block, "min_p": arm["min_p"], "tasks": {}}
+    for task, ids in prompts.items():
+        if deadline.over():
+            res["truncated"] = True
+            break
+        kw = dict(max_new_tokens=args.new_tokens, block=block, spec_min_p=arm["min_p"], stop_ids=set())
+        eng.generate(ids, draft=draft, **{**kw, "max_new_tokens": 8})          # warm-up (graph capture)
+        runs = [eng.generate(ids, draft=draft, **kw) for _ in range(args.repeats)]
+        st = [r.stats for r in runs]
+        rec: dict[str, Any] = {
+            "tok_s": median([s["decode_tok_s"] for s in st]),
+            "tok_per_window": median([(s["generated_tokens"] - 1) / max(s["windows"], 1) for s in st]),
+            "draft_ms_per_window": median([1e3 * s["draft_s"] / max(s["windows"], 1) for s in st]),
+            "verify_ms_per_window": median([1e3 * s["verify_s"] / max(s["windows"], 1) for s in st]),
+            "accept_rate": median([s["accepted"] / max(s["proposed"], 1) for s in st]),
+            "tokens": runs[0].token_ids,
+        }
+        if draft:
+            ref = eng.generate(ids, draft=False, **kw).token_ids               # target-only, same engine
+            rec["equal_to_target_only"] = runs[0].token_ids == ref
+            rec["first_diff"] = first_diff(runs[0].token_ids, ref)
+            if args.eager_check and eng.drafter is not None:
+                # the plain path (no fixed-width step, no kernels: the runtime before issue 8): does a k-row
+                # verify flip a near-tie of the 1-row decode there?
+                from runtime import kernels
+
+                kernels.ENABLED = False
+                try:
+                    plain_ref = generate_ids(eng.model, eng.kv, ids, max_new_tokens=args.new_tokens, stop_ids=set())
+                    plain = generate_ids(eng.model, eng.kv, ids, drafter=eng.drafter, block=block,
+                                         spec_min_p=arm["min_p"], max_new_tokens=args.new_tokens, stop_ids=set())
+                finally:
+                    kernels.ENABLED = True
+                rec["eager_equal"] = plain.token_ids == plain_ref.token_ids
+                rec["eager_first_diff"] = first_diff(plain.token_ids, plain_ref.token_ids)
+        res["tasks"][task] = rec
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-seconds", type=float, default=120)
+    ap.add_argument("--no-eager-check", dest="eager_check", action="store_false")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", default="", help="comma-separated substrings of arm names to run (default: all)")
+    args = ap.parse_args(argv)
+    from runtime.engine import Engine
+
+    deadline = Deadline(args.max_seconds)
+    res: dict[str, Any] = {"machine": machine(), "args": vars(args), "arms": {}}
+    if not (NANO / "model.safetensors").is_file():
+        raise SystemExit(f"the bundled pack is missing ({NANO}); nothing to measure.")
+    with tempfile.TemporaryDirectory() as td:
+        gdir = convert_ggufs(Path(td))
+        prompts: dict[str, list[int]] | None = None
+        engines: dict[tuple, Any] = {}
+        wanted = [w for w in args.only.split(",") if w]
+        for arm in arms(gdir):
+            if wanted and arm["arm"] != "target-only" and not any(w in arm["arm"] for w in wanted):
+                continue
+            if deadline.over():
+                break
+            key = (arm["kind"], str(arm["path"]))
+            if key not in engines:
+                engines.clear()
+                gc.collect()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                engines[key] = Engine.build(NANO, arm["kind"], drafter_path=arm["path"], device=args.device,
+                                            context=4096)
+            eng = engines[key]
+            if prompts is None:
+                prompts = {k: eng.tokenizer.encode(v).ids for k, v in task_prompts().items()}
+                res["prompt_tokens"] = {k: len(v) for k, v in prompts.items()}
+            r = run_arm(eng, arm, prompts, args, deadline)
+            if eng.drafter is not None and hasattr(eng.drafter, "memory_report"):
+                r["drafter_memory"] = eng.drafter.memory_report()
+            res["arms"][arm["arm"]] = r
+            print(f"  {arm['arm']}: " + ", ".join(f"{t} {v['tok_s']:.0f} tok/s" for t, v in r["tasks"].items()),
+                  flush=True)
+        engines.clear()
+    base = res["arms"].get("target-only", {}).get("tasks", {})
+    rows = []
+    for name, r in res["arms"].items():
+        for task, v in r["tasks"].items():
+            b = base.get(task, {}).get("tok_s")
+            v["speedup"] = v["tok_s"] / b if b else None
+            same_tgt = (v["tokens"] == base.get(task, {}).get("tokens")) if base.get(task) else None
+            rows.append([name, task, v["tok_s"], v["speedup"], v["tok_per_window"], v["draft_ms_per_window"],
+                         v["verify_ms_per_window"], v.get("equal_to_target_only", "-"), v.get("eager_equal", "-"),
+                         same_tgt])
+    print_table(f"drafters on strata-nano, {res['machine'].get('gpu') or 'cpu'} (medians of {args.repeats}, "
+                f"{args.new_tokens} new tokens, greedy)",
+                ["arm", "task", "tok/s", "x target", "tok/window", "draft ms/win", "verify ms/win",
+                 "== target-only", "eager ==", "== none-engine"], rows)
+    for r in res["arms"].values():
+        for v in r["tasks"].values():
+            v.pop("tokens", None)
+    write_json("drafters.json", res)
+    return res
+
+
+if __name__ == "__main__":
+    main()

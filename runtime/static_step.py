@@ -1,0 +1,208 @@
+"""One fixed-width target step for decode and verify windows, captured once as a CUDA graph.
+
+Why: on a GPU a small model's decode step is dominated by kernel launches (hundreds per step); a CUDA graph replays
+them as one. A graph needs static shapes, so every window runs at one width `W` (a narrower window is padded with
+rows at position -1, which write nothing and read nothing) and attention reads each row's own length from a device
+tensor (runtime/kernels.py), so one graph serves every position and every window size up to W.
+
+Why one width also for the one-token decode: in BF16 a 1-row and a k-row matmul can round differently and flip a
+near-tie, which would break "greedy speculative output == target-only greedy output". At one width every row goes
+through the same kernels with the same shapes, and the Triton kernels (attention, grouped MoE) are row-invariant by
+construction, so a token's logits have the same bits whether it is verified alone or in a window. The engine
+therefore uses W = the drafter's max_block for every window, target-only decoding included.
+
+Without Triton or CUDA (CPU tests) the same step runs eagerly through torch fallbacks (full-capacity masked attention,
+the MoE loop), which checks the padding and position logic against the plain forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from runtime import kernels
+from runtime.kv import KVCache
+from runtime.models.qwen3_moe import SparseMoe, TargetOutput, apply_rope
+
+
+class StaticStep:
+    def __init__(self, model, kv: KVCache, width: int, *, graph: bool = True) -> None:
+        if width < 1:
+            raise ValueError(f"the static step width must be >= 1, got {width}.")
+        self.model, self.kv, self.width = model, kv, int(width)
+        dev = kv.k.device
+        self.ids = torch.zeros(1, self.width, dtype=torch.long, device=dev)
+        self.pos = torch.full((self.width,), -1, dtype=torch.int32, device=dev)
+        p = next(model.parameters())
+        moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
+        self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
+                            and all(m.gate_up is not None for m in moe))
+        cfg = model.cfg
+        # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
+        self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
+                      and cfg.head_dim % 2 == 0)
+        if self.fused:
+            for layer in model.model.layers:
+                layer.self_attn.stack_qkv()
+        self.use_graph = bool(graph) and dev.type == "cuda" and self.use_kernels
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
+        self.replays = 0
+        self.errors: list[str] = []      # fallbacks taken (a kernel or a capture that failed), for the benchmarks
+
+    # ----------------------------------------------------------------------------------------------- the forward
+    def _attend(self, a, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
+        """q [W, nh, hd], k/v [W, nkv, hd] -> [W, nh, hd]: write the window's K/V, attend up to each row's position."""
+        kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]          # [nkv, S, hd]
+        pos = self.pos
+        if self.use_kernels:
+            kernels.kv_write(k, v, kc, vc, pos)
+            return kernels.attention(q, kc, vc, pos, a.scale)
+        valid = pos >= 0
+        idx = pos[valid].long()
+        kc[:, idx] = k[valid].transpose(0, 1).to(kc.dtype)
+        vc[:, idx] = v[valid].transpose(0, 1).to(vc.dtype)
+        S = kc.shape[1]
+        mask = torch.arange(S, device=pos.device)[None, :] <= pos.long()[:, None]
+        mask[:, 0] |= ~valid                                     # padded rows: any finite result
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None].to(q.dtype), vc[None].to(q.dtype),
+                                           attn_mask=mask[None, None], scale=a.scale, enable_gqa=a.nkv != a.nh)
+        return o[0].transpose(0, 1)
+
+    def _forward_fused(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The same step through the fused kernels (runtime/kernels.py): 11 launches a layer."""
+        m = self.model
+        cfg = m.cfg
+        eps = cfg.rms_norm_eps
+        pos = self.pos
+        inv, rscale = m.rotary.inv_freq, m.rotary.scale
+        x = m.model.embed_tokens(self.ids)[0]                    # [W, H]
+        wanted = {t: j for j, t in enumerate(taps)}
+        tap_out: list[Tensor | None] = [None] * len(taps)
+        for i, layer in enumerate(m.model.layers):
+            a = layer.self_attn
+            kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
+            _, h = kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
+            qkv = torch.nn.functional.linear(h, a.qkv_weight)
+            q = kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
+                                 a.hd, eps)
+            o = kernels.attention(q, kc, vc, pos, a.scale)
+            d = a.o_proj(o.reshape(-1, a.nh * a.hd))
+            x, h = kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
+            mlp = layer.mlp
+            idx, w, se, order, tok = kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
+            x = kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
+            if i in wanted:
+                tap_out[wanted[i]] = x
+        _, hidden = kernels.rmsnorm(x, m.model.norm.weight, eps)
+        logits = m.lm_head(hidden).float()
+        tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
+        return logits, hidden, tap_t
+
+    def _forward(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self.fused:
+            return self._forward_fused(taps)
+        return self._forward_layers(taps)
+
+    def _forward_layers(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        m = self.model
+        W = self.width
+        x = m.model.embed_tokens(self.ids)                       # [1, W, H]
+        cos, sin = m.rotary(self.pos.clamp(min=0).long()[None], x.dtype)
+        wanted = {t: j for j, t in enumerate(taps)}
+        tap_out: list[Tensor | None] = [None] * len(taps)
+        for i, layer in enumerate(m.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
+            k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
+            v = a.v_proj(h).view(W, a.nkv, a.hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = self._attend(a, q[0].transpose(0, 1), k[0].transpose(0, 1), v, i)
+            x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
+            h = layer.post_attention_layernorm(x)
+            mlp = layer.mlp
+            if isinstance(mlp, SparseMoe) and self.use_kernels:
+                w, idx = mlp.route(h[0])
+                idx = torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp)   # padded rows use no expert
+                y = kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+            else:
+                y = mlp(h)
+            x = x + y
+            if i in wanted:
+                tap_out[wanted[i]] = x
+        hidden = m.model.norm(x)
+        logits = m.lm_head(hidden).float()
+        tap_t = torch.cat(tap_out, dim=-1)[0] if taps else None  # type: ignore[arg-type]
+        return logits[0], hidden[0], tap_t
+
+    def _capture(self, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        self.pos.fill_(-1)            # warm-up and capture write nothing to the cache
+        self.ids.zero_()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._forward(taps)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = self._forward(taps)
+        return g, out
+
+    def _degrade(self, e: Exception) -> None:
+        """Step down one level (fused -> unfused kernels -> plain torch, no graph) and remember why."""
+        self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+        torch.cuda.synchronize() if self.kv.k.is_cuda else None
+        if self.fused:
+            self.fused = False
+        else:
+            self.use_kernels = self.use_graph = False
+        self.graphs.clear()
+
+    # ------------------------------------------------------------------------------------------------ the API
+    def accepts(self, n: int, taps: tuple[int, ...]) -> bool:
+        return 1 <= n <= self.width
+
+    @torch.no_grad()
+    def __call__(self, window: Tensor, kv: KVCache, taps: tuple[int, ...] = ()) -> TargetOutput:
+        """Same contract as `model(window, kv=kv, taps=taps)`: window [1, T] appended at kv.length."""
+        if kv is not self.kv:
+            raise ValueError("this static step was built for another KV cache.")
+        T = int(window.shape[1])
+        start = kv.length
+        if not 1 <= T <= self.width:
+            raise ValueError(f"window of {T} rows does not fit the static step width {self.width}.")
+        if start + T > kv.capacity:
+            raise ValueError(f"{start + T} positions exceed the KV cache capacity {kv.capacity}; raise the context.")
+        p = torch.full((self.width,), -1, dtype=torch.int32)
+        p[:T] = torch.arange(start, start + T, dtype=torch.int32)
+        self.pos.copy_(p, non_blocking=True)
+        self.ids[:, :T].copy_(window)
+        if T < self.width:
+            self.ids[:, T:].zero_()
+        key = tuple(taps)
+        if self.use_graph and key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(key)
+            except Exception as e:  # a kernel that does not build or a capture that fails: run eagerly instead
+                self._degrade(e)
+            self.pos.copy_(p)
+            self.ids[:, :T].copy_(window)
+            self.ids[:, T:].zero_()
+        if self.use_graph and key in self.graphs:
+            g, out = self.graphs[key]
+            g.replay()
+            self.replays += 1
+        else:
+            try:
+                out = self._forward(key)
+            except Exception as e:
+                if not self.use_kernels:
+                    raise
+                self._degrade(e)
+                out = self._forward(key)
+        logits, hidden, tap_t = out
+        kv.length = start + T
+        return TargetOutput(logits=logits[None, :T], hidden=hidden[None, :T].clone(),
+                            taps=None if tap_t is None else tap_t[None, :T].clone())

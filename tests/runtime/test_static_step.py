@@ -1,0 +1,74 @@
+"""The fixed-width decode/verify step (runtime/static_step.py) computes what the plain forward computes, padded
+windows leave no trace, and greedy speculative decoding through it equals target-only decoding through it.
+On CPU the step runs eagerly through its torch fallbacks; the Triton kernels are checked in the interpreter."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.drafter import MTPDrafter
+from runtime.kv import KVCache
+from runtime.loading import load_target
+from runtime.speculative import generate_ids
+from runtime.static_step import StaticStep
+from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = make_tiny_target(tmp_path_factory.mktemp("static"), seed=3, scale=2.0)
+    return load_target(folder)
+
+
+def _kv(m, cap=64):
+    c = m.cfg
+    return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap)
+
+
+def test_step_matches_plain_forward(model):
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    kv_a, kv_b = _kv(model), _kv(model)
+    with torch.no_grad():
+        model(prompt, kv=kv_a)
+        model(prompt, kv=kv_b)
+        step = StaticStep(model, kv_b, width=4, graph=False)
+        taps = (0, 2)
+        for win in ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]], [[8, 9]]):
+            w = torch.tensor(win)
+            ref = model(w, kv=kv_a, taps=taps)
+            got = step(w, kv_b, taps)
+            assert kv_a.length == kv_b.length
+            assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=0)
+            assert torch.allclose(got.hidden, ref.hidden, atol=1e-4, rtol=0)
+            assert torch.allclose(got.taps, ref.taps, atol=1e-4, rtol=0)
+            kv_a.rollback(kv_a.length - 1)          # as after a rejected last row
+            kv_b.rollback(kv_b.length - 1)
+        ka, va = kv_a.committed()
+        kb, vb = kv_b.committed()
+        assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
+
+
+def test_greedy_speculative_through_step_equals_target_only(model):
+    prompt = [5, 6, 7, 8, 9, 10, 3]
+    kv = _kv(model, 96)
+    step = StaticStep(model, kv, width=4, graph=False)
+    ref = generate_ids(model, kv, prompt, max_new_tokens=20, step=step)
+    plain = generate_ids(model, _kv(model, 96), prompt, max_new_tokens=20)
+    assert ref.token_ids == plain.token_ids
+    for block, min_p in ((2, 0.0), (4, 0.0), (4, 0.3)):
+        out = generate_ids(model, kv, prompt, drafter=MTPDrafter(model, 96, max_block=4), block=block,
+                           spec_min_p=min_p, max_new_tokens=20, step=step)
+        assert out.token_ids == ref.token_ids
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_in_interpreter():
+    script = Path(__file__).with_name("kernels_check.py")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "kernels ok" in r.stdout, r.stderr[-2000:]
