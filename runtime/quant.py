@@ -123,77 +123,207 @@ def _reference_blocks(blocks: np.ndarray, q: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------------- fast path
+#
+# gguf-py (and a naive port) works on [blocks, 32] arrays: every pass is a loop of 32 values per block, and numpy and
+# torch both pay a fixed cost per such short row (reductions, the per-block scale broadcast, the nibble pairs), which
+# dominates. Here each chunk is first transposed in units of 8 values (16 bytes of BF16, 32 of float32) into 4 long
+# rows: row k holds values 8k..8k+7 of every block, block after block ([4, 8n] for n blocks). Every pass then runs
+# over long contiguous rows:
+# - block max / min: elementwise max over the 4 rows, then three halvings over 8 neighbours (strided, still flat);
+#   on BF16 bits directly (int16 order = float order for >= 0; uint16 order finds the largest negative);
+# - the block scale, repeated 8 times, multiplies all 4 rows at once (numpy broadcasts over rows, not within them);
+# - values j and j+16 sit in rows k and k+2 at the same place, so nibble packing is two 64-bit ops on 8 values at a
+#   time, and Q5_0's high bits are one 64-bit multiply per 8 values (row k gives qh byte k);
+# - the packed units go back into the [n, type_size] rows with one strided copy of 8- or 16-byte units.
+# Blocks the fast formulas may not reproduce bit for bit are marked and redone by `_reference_blocks`: non-finite
+# values, a scale with a subnormal or infinite reciprocal, all-zero blocks, and (Q4_0/Q5_0) blocks whose largest
+# positive and negative values tie, where gguf-py's argmax picks the first (about 0.6% of blocks of real weights).
 
-# Blocks per chunk: 8192 x 32 values = 1 MiB of float32, so a chunk and its work buffers stay in L2 between passes.
-_CHUNK_BLOCKS = 8192
+_CHUNK_BLOCKS = 4096  # [4, 8 x 4096] float32 work rows = 512 KiB: a chunk's buffers stay in a core's L2
+_DIV = {"q4_0": np.float32(-8), "q5_0": np.float32(-16)}
+_BIAS = {"q4_0": np.float32(8.5), "q5_0": np.float32(16.5)}
+_TOP = {"q4_0": 15, "q5_0": 31}
+# |m| at least this: d = m / div is a normal float32, so d is exact and 1/d == div/m (one rounding, as gguf-py's)
+_MIN_M = {"q4_0": np.float32(2.0 ** -123), "q5_0": np.float32(2.0 ** -122)}
+_U4, _U56 = np.uint64(4), np.uint64(56)
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_LOW_BITS = np.uint64(0x0101010101010101)
+_GATHER_BITS = np.uint64(0x0102040810204080)  # (w * this) >> 56: bit t of the result = bit 0 of byte t of w
 
 
-def _fix_ties(b: np.ndarray, m: np.ndarray, tie: np.ndarray) -> None:
-    """Where max == -min the signed extreme is whichever comes first in the block (argmax semantics)."""
-    idx = np.flatnonzero(tie)
-    tb = b[idx]
-    m[idx] = np.take_along_axis(tb, np.abs(tb).argmax(axis=1)[:, None], axis=1)[:, 0]
+class _Work:
+    """One worker's chunk buffers (reused across chunks, so nothing is allocated per chunk)."""
+
+    def __init__(self, step: int, bf16: bool) -> None:
+        self.unit = np.dtype("V16") if bf16 else np.dtype("V32")  # 8 values
+        self.t = np.empty((4, step), self.unit)
+        self.v = np.empty((4, 8 * step), np.float32)
+        self.tv = torch.from_numpy(self.v)
+        self.q = np.empty((4, 8 * step), np.int8)
+        self.tq = torch.from_numpy(self.q)
+        self.a = np.empty((4, 8 * step), np.int16 if bf16 else np.float32)  # Q8_0: |x|
+        self.m = np.empty((4, 8 * step), np.int8)  # Q8_0: sign masks
+        rdt = np.int16 if bf16 else np.float32
+        self.r = np.empty((2, 8 * step), rdt)
+        self.f1 = np.empty((2, 4 * step), rdt)
+        self.f2 = np.empty((2, 2 * step), rdt)
+        self.f3 = np.empty((2, step), rdt)
+        self.rep = np.empty(8 * step, np.float32)
+        self.p = np.empty((step, 2), np.uint64)
+        self.h = np.empty((4, step), np.uint64)
 
 
-def _quantize_chunk(b: np.ndarray, out: np.ndarray, q: str, work: dict[str, torch.Tensor],
-                    tb: torch.Tensor | None = None) -> None:
-    """Quantize blocks `b` [nb, 32] float32 into `out` [nb, type_size] uint8 (a view into the result).
+def _fold8(r: np.ndarray, w: _Work, n: int, op: np.ufunc = np.maximum) -> np.ndarray:
+    """[k, 8n] -> [k, n]: `op` over each run of 8 neighbours (one block's values in one row)."""
+    k = r.shape[0]
+    a, b, c = w.f1[:k, :4 * n], w.f2[:k, :2 * n], w.f3[:k, :n]
+    op(r[:, 0::2], r[:, 1::2], out=a)
+    op(a[:, 0::2], a[:, 1::2], out=b)
+    op(b[:, 0::2], b[:, 1::2], out=c)
+    return c
 
-    The same float32 operations, in the same order, as gguf-py. torch does the passes over all values (its
-    reductions along a short last axis and its broadcasts are vectorised, numpy's are not); numpy does the
-    per-block scalars (1/32 of the data)."""
-    nb = b.shape[0]
-    tb = torch.from_numpy(b) if tb is None else tb
-    tout = torch.from_numpy(out)
-    v = work["v"][:nb]
-    with np.errstate(all="ignore"):
-        mx = torch.amax(tb, dim=1).numpy()
-        mn = torch.amin(tb, dim=1).numpy()
-        neg = -mn
-        if q == "q8_0":
-            d = np.abs(np.maximum(mx, neg)) / np.float32(127)  # abs: +0 for all-zero blocks, as gguf-py
-        else:
-            m = np.where(neg > mx, mn, mx)
-            tie = neg == mx  # both ends equally large (incl. all-zero blocks): the first one wins, as argmax does
-            if tie.any():
-                _fix_ties(b, m, tie)
-            d = m / np.float32(-8 if q == "q4_0" else -16)
-        id_ = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    torch.mul(tb, torch.from_numpy(id_)[:, None], out=v)
-    if q == "q8_0":
-        # round half away from zero: add 0.49999997 carrying the value's sign; the cast then truncates
-        s = work["s"][:nb]
-        torch.copysign(work["h"], v, out=s)
-        v.add_(s)
-        tout[:, 2:].view(torch.int8).copy_(v)
+
+def _widen_rows(x: np.ndarray, w: _Work, n: int, bf16: bool) -> np.ndarray:
+    """The float32 values of x (BF16 bits or float32) in the work rows."""
+    v = w.v[:, :8 * n]
+    if bf16:
+        w.tv[:, :8 * n].copy_(torch.from_numpy(x).view(torch.bfloat16))  # exact
     else:
-        bias, top = (8.5, 15) if q == "q4_0" else (16.5, 31)
-        v.add_(bias)  # v >= 0 from here on, so the cast below truncates exactly like np.trunc
-        qv = work["q"][:nb]
-        qv.copy_(v)
-        qv.clamp_(max=top)
-        q3 = qv.view(nb, 2, 16)
-        if q == "q4_0":
-            torch.add(q3[:, 0], q3[:, 1], alpha=16, out=tout[:, 2:])  # lo | hi << 4 (both <= 15)
+        np.copyto(v, x)
+    return v
+
+
+def _repeat8(vals: np.ndarray, w: _Work, n: int) -> np.ndarray:
+    rep = w.rep[:8 * n]
+    np.copyto(rep.reshape(n, 8), vals[:, None])
+    return rep
+
+
+def _q8_chunk(x: np.ndarray, w: _Work, n: int, bf16: bool, amax: np.ndarray, d: np.ndarray,
+              inv: np.ndarray, qs8: np.ndarray) -> None:
+    """Q8_0 of one chunk: q = sign(x) * floor(|x| * id + 0.49999997) (== gguf-py's round half away from zero)."""
+    a = w.a[:, :8 * n]
+    if bf16:
+        np.bitwise_and(x, 0x7FFF, out=a)
+    else:
+        np.bitwise_and(x.view(np.int32), 0x7FFFFFFF, out=a.view(np.int32))
+    r = w.r[:1, :8 * n]
+    np.maximum.reduce(a, axis=0, out=r[0])
+    f = _fold8(r, w, n)[0]
+    if bf16:
+        np.left_shift(f.view(np.uint16), 16, out=amax.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(amax, f)
+    np.divide(amax, np.float32(127), out=d)
+    np.divide(np.float32(1), d, out=inv)
+    v = _widen_rows(a, w, n, bf16)
+    np.multiply(v, _repeat8(inv, w, n), out=v)
+    np.add(v, _HALF_DOWN, out=v)
+    q = w.q[:, :8 * n]
+    w.tq[:, :8 * n].copy_(w.tv[:, :8 * n])  # truncating cast; 0..127
+    sgn = w.m[:, :8 * n]
+    if bf16:
+        np.right_shift(x, 15, out=sgn, casting="unsafe")  # 0 or -1
+    else:
+        np.right_shift(x.view(np.int32), 31, out=sgn, casting="unsafe")
+    np.bitwise_xor(q, sgn, out=q)
+    np.subtract(q, sgn, out=q)  # (q ^ s) - s: negated where s == -1
+    np.copyto(qs8, q.view("V8").T)
+
+
+def _q45_chunk(x: np.ndarray, w: _Work, n: int, q: str, bf16: bool, ext: np.ndarray, c: np.ndarray,
+               ob: np.ndarray) -> None:
+    """Q4_0 / Q5_0 of one chunk. ext [2, n] gets (max, min) per block, c = max + min (its sign picks the extreme)."""
+    r = w.r[:, :8 * n]
+    if bf16:
+        np.maximum.reduce(x, axis=0, out=r[0])  # int16 order: the largest positive (else the largest negative)
+        np.maximum.reduce(x.view(np.uint16), axis=0, out=r[1].view(np.uint16))  # the largest negative (else positive)
+        np.bitwise_xor(r[1], np.int16(-32768), out=r[1])  # uint16 order -> int16 order, so one fold serves both
+        f = _fold8(r, w, n)
+        np.left_shift(f.view(np.uint16), 16, out=ext.view(np.uint32), dtype=np.uint32)
+        np.bitwise_xor(ext[1].view(np.uint32), np.uint32(0x80000000), out=ext[1].view(np.uint32))
+    else:
+        np.maximum.reduce(x, axis=0, out=r[0])
+        np.minimum.reduce(x, axis=0, out=r[1])
+        np.copyto(ext[0], _fold8(r[:1], w, n)[0])
+        np.copyto(ext[1], _fold8(r[1:], w, n, np.minimum)[0])
+    np.add(ext[0], ext[1], out=c)
+    m = np.where(c < 0, ext[1], ext[0])
+    div = _DIV[q]
+    inv = np.divide(div, m, out=m)
+    v = _widen_rows(x, w, n, bf16)
+    np.multiply(v, _repeat8(inv, w, n), out=v)
+    np.add(v, _BIAS[q], out=v)
+    qq = w.q[:, :8 * n]
+    w.tq[:, :8 * n].copy_(w.tv[:, :8 * n])  # truncating cast; v >= 0 here
+    w.tq[:, :8 * n].clamp_(max=_TOP[q])
+    u = qq.view(np.uint64)  # [4, n]: 8 values a word
+    if q == "q5_0":
+        h = w.h[:, :n]
+        np.right_shift(u, _U4, out=h)
+        np.bitwise_and(h, _LOW_BITS, out=h)
+        np.multiply(h, _GATHER_BITS, out=h)
+        np.right_shift(h, _U56, out=h)
+        np.copyto(ob[:, 2:6], h.T, casting="unsafe")
+        np.bitwise_and(u, _LOW_NIBBLES, out=u)
+    p = w.p[:n]
+    np.left_shift(u[2:4], _U4, out=p.T)
+    np.bitwise_or(p.T, u[0:2], out=p.T)  # p [n, 2] = the 16 packed bytes of each block
+    np.copyto(ob[:, -16:].view("V16")[:, 0], p.view("V16")[:, 0])
+
+
+def _quantize_span_1(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> np.ndarray:
+    """Quantize `blocks` [nb, 32] (BF16 bits or float32) into `oblocks` [nb, type_size]; returns the blocks
+    (a bool mask) that `_reference_blocks` must redo."""
+    nb = blocks.shape[0]
+    step = min(nb, _CHUNK_BLOCKS)
+    w = _Work(step, bf16)
+    units = blocks.view(w.unit)  # [nb, 4]
+    with np.errstate(all="ignore"), torch.inference_mode():
+        if q == "q8_0":
+            amax, d, inv = (np.empty(nb, np.float32) for _ in range(3))
+            qs8 = oblocks[:, 2:].view("V8")
+            for s in range(0, nb, step):
+                e = min(nb, s + step)
+                t = w.t[:, :e - s]
+                np.copyto(t, units[s:e].T)
+                x = t.view(np.int16 if bf16 else np.float32)
+                _q8_chunk(x, w, e - s, bf16, amax[s:e], d[s:e], inv[s:e], qs8[s:e])
+            bad = ~np.isfinite(inv)
+            bad |= ~np.isfinite(d)
         else:
-            out[:, 2:6] = np.packbits(qv.numpy() >> 4, axis=-1, bitorder="little")
-            qv.bitwise_and_(0x0F)
-            torch.add(q3[:, 0], q3[:, 1], alpha=16, out=tout[:, 6:])
-    tout[:, :2].copy_(torch.from_numpy(d).to(torch.float16).view(torch.uint8).view(nb, 2))  # huge d -> inf, as gguf-py
-    if not np.isfinite(id_).all():
-        bad = ~np.isfinite(id_)
-        idx = np.flatnonzero(bad)
-        out[idx] = _reference_blocks(np.ascontiguousarray(b[idx]), q)
+            ext = np.empty((2, nb), np.float32)
+            c = np.empty(nb, np.float32)
+            for s in range(0, nb, step):
+                e = min(nb, s + step)
+                t = w.t[:, :e - s]
+                np.copyto(t, units[s:e].T)
+                x = t.view(np.int16 if bf16 else np.float32)
+                _q45_chunk(x, w, e - s, q, bf16, ext[:, s:e], c[s:e], oblocks[s:e])
+            m = np.where(c < 0, ext[1], ext[0])
+            d = m / _DIV[q]
+            bad = ~np.isfinite(c)
+            bad |= c == 0  # a tie between the two ends, or an all-zero block
+            bad |= ~(np.abs(m) >= _MIN_M[q])
+        np.copyto(oblocks[:, :2].view(np.uint16)[:, 0], d.astype(np.float16).view(np.uint16))  # huge d -> inf
+    return bad
+
+
+def _redo_blocks(blocks: np.ndarray, oblocks: np.ndarray, bad: np.ndarray, q: str, bf16: bool) -> None:
+    """Recompute the marked blocks with the line-by-line port of gguf-py."""
+    idx = np.flatnonzero(bad)
+    if idx.size:
+        b = blocks[idx]
+        b = bf16_bits_to_f32(b) if bf16 else np.ascontiguousarray(b)
+        oblocks[idx] = _reference_blocks(b, q)
 
 
 def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     """float32 [rows, cols] (or any shape with the row last) -> uint8 [rows, row_bytes], as gguf-py writes it.
 
-    Byte-identical to `gguf.quants.quantize(x, GGMLQuantizationType[qtype.upper()])`. Works in chunks of 8192
+    Byte-identical to `gguf.quants.quantize(x, GGMLQuantizationType[qtype.upper()])`. Works in chunks of 4096
     blocks with reused work buffers (a few MiB whatever the tensor size), the rows split over up to 4 worker
-    threads. Each worker runs torch on one intra-op thread: OpenMP's spinning teams collapse when the machine is
-    shared, and one thread per chunk keeps it in one core's cache. Rows not a multiple of 32 raise
-    `QuantFormatError`.
+    threads. Rows not a multiple of 32 raise `QuantFormatError`.
     """
     q = _check_qtype(qtype)
     x = np.asarray(x)
@@ -245,34 +375,18 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _quantize_span(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> None:
-    """One worker's share: its chunks in order, with its own work buffers, torch on one intra-op thread.
+    """One worker's share: fast path chunk by chunk, then the reference for the blocks it marked.
 
-    `torch.get_num_threads()` first runs this thread's lazy OpenMP set-up; the old count is put back after, which
-    also restores torch's process-wide default that `set_num_threads` touches (threads started later read it)."""
+    torch (only the BF16 -> float32 widening) runs on one intra-op thread here: the chunks are small and the
+    workers already share the cores. `torch.get_num_threads()` first runs this thread's lazy OpenMP set-up; the old
+    count is put back after, which also restores torch's process-wide default that `set_num_threads` touches."""
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _quantize_span_1(blocks, oblocks, q, bf16)
+        bad = _quantize_span_1(blocks, oblocks, q, bf16)
     finally:
         torch.set_num_threads(prev)
-
-
-def _quantize_span_1(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> None:
-    nb = blocks.shape[0]
-    step = min(nb, _CHUNK_BLOCKS)
-    work = {"v": torch.empty(step, BLOCK), "s": torch.empty(step, BLOCK), "h": torch.tensor(float(_HALF_DOWN)),
-            "q": torch.empty(step, BLOCK, dtype=torch.uint8)}
-    if bf16:
-        work["x"] = torch.empty(step, BLOCK)
-    with torch.inference_mode():
-        for s in range(0, nb, step):
-            chunk = blocks[s:s + step]
-            if bf16:
-                xb = work["x"][:chunk.shape[0]]
-                xb.copy_(torch.from_numpy(chunk).view(torch.bfloat16))  # exact widening, inside the cache
-                _quantize_chunk(xb.numpy(), oblocks[s:s + step], q, work, xb)
-            else:
-                _quantize_chunk(chunk, oblocks[s:s + step], q, work)
+    _redo_blocks(blocks, oblocks, bad, q, bf16)
 
 
 def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
@@ -287,7 +401,7 @@ def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
     oblocks = out.reshape(-1, TYPE_SIZE[q])
     nb = blocks.shape[0]
     n = min(_workers(), -(-nb // _CHUNK_BLOCKS))
-    if n > 1:  # contiguous shares, one per worker; torch and the big numpy loops release the GIL
+    if n > 1:  # contiguous shares, one per worker; numpy's loops and torch's copy release the GIL
         cuts = [nb * i // n for i in range(n + 1)]
         futs = [_pool().submit(_quantize_span, blocks[a:b], oblocks[a:b], q, bf16) for a, b in zip(cuts, cuts[1:], strict=False)]
         for f in futs:

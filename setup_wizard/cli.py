@@ -93,6 +93,8 @@ def main_callback(
     context: int | None = typer.Option(None, help="Context length in tokens (default: recommended from the budget)."),
     vram_reserve_mib: int | None = typer.Option(None, "--vram-reserve-mib", help="Memory to keep free, MiB."),
     calibrate: bool | None = typer.Option(None, "--calibrate/--no-calibrate", help="Calibrate now (default yes)."),
+    calibrate_seconds: float | None = typer.Option(
+        None, "--calibrate-seconds", min=1.0, help="Time budget for calibration in seconds (default 110)."),
     offline: bool = typer.Option(False, "--offline", help="Use only what is already downloaded and verified."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and budget; write nothing."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (progress goes to stderr)."),
@@ -114,7 +116,8 @@ def main_callback(
         scripted = yes or answers is not None
         if not scripted and not is_interactive():
             _fail(FLAGS_HINT, 2, False)
-        run_setup(choices, interactive=not scripted, dry_run=dry_run, json_out=json_out)
+        run_setup(choices, interactive=not scripted, dry_run=dry_run, json_out=json_out,
+                  calibrate_seconds=calibrate_seconds)
     except typer.Exit:
         raise
     except KeyboardInterrupt:
@@ -128,7 +131,7 @@ def main_callback(
 
 
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
-              output: Any = None) -> int:
+              output: Any = None, calibrate_seconds: float | None = None) -> int:
     """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run command."""
     from setup_wizard import plan as P
     from setup_wizard import wizard as W
@@ -160,7 +163,7 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
         else:
             out.print(f"[green]✓[/green] {step}")
 
-    result = P.execute(plan, services, report=report)
+    result = P.execute(plan, services, report=report, max_calibration_seconds=calibrate_seconds)
     if plan.budget is None or plan.budget.table() != result.budget.table():
         out.print(W.budget_table(result.budget))  # known only now (after the download) or changed
     cmd = result.run_command()
