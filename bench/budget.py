@@ -8,6 +8,8 @@ with those slots, a prompt filling the context (context - 8 tokens) prefilled an
 `predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
 cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
 Also the runtime's own `Engine.memory_report()` total (persistent buffers only).
+One warm-up engine runs first: what a process allocates once and keeps (cuBLAS workspaces of the default and the
+graph-capture stream) is reported separately as `process_overhead` and is not in the per-row measurements.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             drafters.append(("dflash2 q4_0", "dflash2", "q4_0", Path(td) / "q4_0.gguf"))
         except ImportError as e:
             print(f"no q4_0 row: {e}", flush=True)
+        measure("none", None, 4096, 1 << 30)          # warm-up: one-time allocations of the process
+        gc.collect()
+        torch.cuda.empty_cache()
+        res["process_overhead"] = torch.cuda.memory_reserved()
+        print(f"  process overhead kept after a warm-up engine: {res['process_overhead'] / MIB:.1f} MiB", flush=True)
         for ctx in [int(c) for c in args.contexts.split(",")]:
             for label, kind, quant, path in drafters:
                 if deadline.over():

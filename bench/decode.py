@@ -145,7 +145,9 @@ def run_ours(model, prompt: list[int], n_new: int, *, graph: bool, capacity: int
     generate_ids(model, kv, prompt, max_new_tokens=4, stop_ids=set(), step=step)        # warm-up / capture
     r = generate_ids(model, kv, prompt, max_new_tokens=n_new, stop_ids=set(), step=step)
     out = {"tok_s": r.stats["decode_tok_s"], "tokens": r.token_ids, "new_tokens": n_new,
-           "graph": bool(step is not None and step.use_graph), "kernels": bool(step is not None and step.use_kernels)}
+           "graph": bool(step is not None and step.use_graph), "kernels": bool(step is not None and step.use_kernels),
+           "fused": bool(step is not None and step.fused), "errors": list(step.errors) if step is not None else [],
+           "moe_tiles": {"up": dict(kernels.MOE_UP), "down": dict(kernels.MOE_DOWN)}}
     del kv, step
     return out
 

@@ -34,6 +34,8 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 
+EAGER_ARMS = ("MTP b4", "DFlash2 bf16")
+
 
 def arms(gguf_dir: Path | None) -> list[dict[str, Any]]:
     out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
@@ -93,16 +95,21 @@ def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadl
             ref = eng.generate(ids, draft=False, **kw).token_ids               # target-only, same engine
             rec["equal_to_target_only"] = runs[0].token_ids == ref
             rec["first_diff"] = first_diff(runs[0].token_ids, ref)
-            if args.eager_check and eng.drafter is not None:
+            if args.eager_check and eng.drafter is not None and task == "code" and arm["arm"] in EAGER_ARMS:
                 # the plain path (no fixed-width step, no kernels: the runtime before issue 8): does a k-row
                 # verify flip a near-tie of the 1-row decode there?
                 from runtime import kernels
 
                 kernels.ENABLED = False
                 try:
-                    plain_ref = generate_ids(eng.model, eng.kv, ids, max_new_tokens=args.new_tokens, stop_ids=set())
-                    plain = generate_ids(eng.model, eng.kv, ids, drafter=eng.drafter, block=block,
-                                         spec_min_p=arm["min_p"], max_new_tokens=args.new_tokens, stop_ids=set())
+                    n_eager = min(args.new_tokens, 48)    # the eager path is slow: a shorter run
+                    plain_ref = generate_ids(eng.model, eng.kv, ids, max_new_tokens=n_eager, stop_ids=set())
+                    graphs, eng.drafter.graphs = eng.drafter.graphs, None
+                    try:
+                        plain = generate_ids(eng.model, eng.kv, ids, drafter=eng.drafter, block=block,
+                                             spec_min_p=arm["min_p"], max_new_tokens=n_eager, stop_ids=set())
+                    finally:
+                        eng.drafter.graphs = graphs
                 finally:
                     kernels.ENABLED = True
                 rec["eager_equal"] = plain.token_ids == plain_ref.token_ids
@@ -150,6 +157,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r = run_arm(eng, arm, prompts, args, deadline)
             if eng.drafter is not None and hasattr(eng.drafter, "memory_report"):
                 r["drafter_memory"] = eng.drafter.memory_report()
+            st = eng.step
+            r["target_step"] = None if st is None else {"width": st.width, "graph": st.use_graph, "fused": st.fused,
+                                                         "errors": st.errors}
+            dg = getattr(eng.drafter, "graphs", None)
+            r["drafter_graphs"] = None if dg is None else {"enabled": dg.enabled, "replays": dg.replays,
+                                                           "errors": dg.errors}
             res["arms"][arm["arm"]] = r
             print(f"  {arm['arm']}: " + ", ".join(f"{t} {v['tok_s']:.0f} tok/s" for t, v in r["tasks"].items()),
                   flush=True)

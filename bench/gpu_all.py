@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer tokens, repeats and contexts")
     a = ap.parse_args()
     t0 = time.monotonic()
-    share = {"checks": 0.08, "decode": 0.40, "drafters": 0.30, "budget": 0.22}
+    share = {"checks": 0.10, "decode": 0.30, "drafters": 0.33, "budget": 0.27}
     if a.quick:
         share = {"checks": 0.12, "decode": 0.50, "drafters": 0.23, "budget": 0.15}
     status = {}
@@ -54,7 +54,8 @@ def main() -> None:
             elif part == "budget":
                 from bench import budget as bb
 
-                bb.main(["--max-seconds", str(budget * 0.85)] + (["--contexts", "4096,32768"] if a.quick else []))
+                bb.main(["--max-seconds", str(budget * 0.85)] + (["--contexts", "4096,32768"] if a.quick else
+                                                          ["--contexts", "4096,131072,32768,8192,65536,16384"]))
             status[part] = f"ok in {time.monotonic() - ts:.0f} s"
         except Exception as e:  # keep going: the other parts still report
             traceback.print_exc()

@@ -162,6 +162,9 @@ def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, promp
     grid = candidate_grid(es, floors)
 
     tasks = [t for t in TASKS if t in enc] + [t for t in enc if t not in TASKS]
+    if plan is None and getattr(getattr(engine, "device", None), "type", "cpu") != "cuda":
+        # no kernels to compile or graphs to capture on the CPU: per-width warm-up runs would only eat the budget
+        plan = Plan(warmup=False)
     runner = EngineRunner(engine, enc, new_tokens)
     search = Search(runner, tasks, grid, es.default, max_seconds=max_seconds,
                     plan=plan, clock=clock, progress=progress)

@@ -231,10 +231,12 @@ class DFlash2Drafter:
         self.geom = model.geom
         self._shared = (embed, lm_head)   # a tuple: not registered, never copied or moved
         self.max_block = self.geom.block_size
+        self.chunk = 512
         self.tap_layers = tuple(self.geom.target_layer_ids)
         dev = model.norm.weight.device
         self.cache = ContextCache(model, context, device=dev, dtype=kv_dtype or model.dtype)
         self.logits_buf = torch.zeros(self.max_block, self.geom.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs = None   # runtime.drafter_graphs.DFlash2Graphs, set by the engine on CUDA (greedy windows)
 
     @property
     def layout(self) -> str:
@@ -246,7 +248,11 @@ class DFlash2Drafter:
     def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None:
         if taps is None:
             raise ValueError("the DFlash2 drafter needs the target's tap features; pass taps for its tap_layers.")
-        self.cache.append(self.model, taps.reshape(-1, taps.shape[-1]), start)
+        rows = taps.reshape(-1, taps.shape[-1])
+        if self.graphs is not None and self.graphs.observe(rows, start):
+            return
+        for s in range(0, max(int(rows.shape[0]), 1), self.chunk):   # chunks: a bounded transient for a long prompt
+            self.cache.append(self.model, rows[s:s + self.chunk], start + s)
 
     @torch.no_grad()
     def propose(self, anchor: int, pos: int, n: int, *, min_p: float = 0.0, sampling: SamplingParams | None = None,
@@ -261,6 +267,10 @@ class DFlash2Drafter:
         if pos != self.cache.length:
             raise RuntimeError(
                 f"DFlash2 drafter asked to draft at position {pos}, its context holds {self.cache.length} positions.")
+        if self.graphs is not None and not sampled:
+            prop = self.graphs.propose(int(anchor), pos, n, min_p)
+            if prop is not None:
+                return prop
         embed, lm_head = self._shared
         hs = self.model.draft_hidden(int(anchor), pos, n + 1, self.cache, embed.weight)
         logits = self.logits_buf[:n]

@@ -61,6 +61,7 @@ class MTPDrafter:
         self.logits_buf = torch.zeros(max_block, cfg.vocab_size, dtype=torch.float32, device=p.device)
         self.last_g: Tensor | None = None
         self.next_pos = 0
+        self.graphs = None   # runtime.drafter_graphs.MTPGraphs, set by the engine on CUDA (greedy windows)
 
     def reset(self) -> None:
         self.kv.reset()
@@ -95,8 +96,9 @@ class MTPDrafter:
         if skip:
             g_prev, toks, first = g_prev[skip:], toks[skip:], first + skip
         toks = toks.to(self.kv.k.device)
-        for s in range(0, int(toks.shape[0]), self.chunk):      # chunked like the target's prefill
-            self._step(toks[s:s + self.chunk], g_prev[s:s + self.chunk], first + s)
+        if self.graphs is None or not self.graphs.observe_rows(toks, g_prev, first):
+            for s in range(0, int(toks.shape[0]), self.chunk):      # chunked like the target's prefill
+                self._step(toks[s:s + self.chunk], g_prev[s:s + self.chunk], first + s)
         self.last_g = hidden[-1].detach()
         self.next_pos = start + n
 
@@ -106,6 +108,10 @@ class MTPDrafter:
         if pos != self.next_pos or self.last_g is None:
             raise RuntimeError(f"MTP drafter asked to draft at position {pos}, it has observed up to {self.next_pos}.")
         n = min(n, self.max_block - 1)
+        if self.graphs is not None and (sampling is None or sampling.greedy):
+            prop = self.graphs.propose(anchor, pos, n, min_p)
+            if prop is not None:
+                return prop
         committed = self.kv.length
         dev = self.kv.k.device
         tok = torch.tensor([anchor], device=dev)

@@ -221,6 +221,11 @@ class Engine:
 
             width = self.drafter.max_block if self.drafter is not None else 1
             self.step = StaticStep(self.model, self.kv, width, graph=self.graphs)
+            if self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
+                from runtime.drafter_graphs import DFlash2Graphs, MTPGraphs
+
+                cls = MTPGraphs if self.drafter_kind == "mtp" else DFlash2Graphs
+                self.drafter.graphs = cls(self.drafter)
         return self.step
 
     # ------------------------------------------------------------------------------------------------ reporting

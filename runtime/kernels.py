@@ -32,6 +32,10 @@ except ImportError:  # CPU-only installs: the callers use their torch paths
 
 QCODE = {"q8_0": (0, 34), "q5_0": (1, 22), "q4_0": (2, 18)}
 ENABLED = True   # benchmarks switch the kernels off to measure the plain-torch path ("before")
+# tile shapes of the two expert kernels (block of outputs BN, reduction step BK, warps, pipeline stages); one choice
+# for every window width keeps the kernels row-invariant. bench/gpu_checks.py times alternatives on the GPU.
+MOE_UP = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
+MOE_DOWN = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 
 def available(t: Tensor) -> bool:
@@ -233,15 +237,14 @@ def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor
     x = x.contiguous()
     BM = _pow2(T)
     h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
-    BN, BK = 64, 64
-    _moe_up_kernel[(NP, triton.cdiv(inter, BN))](
+    _moe_up_kernel[(NP, triton.cdiv(inter, MOE_UP["BN"]))](
         x, tok, se, gate_up, h, NP, E, inter, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+        BM=BM, **MOE_UP)
     y = torch.empty(NP, H, dtype=torch.float32, device=x.device)
     wf = w.reshape(-1).contiguous()
-    _moe_down_kernel[(NP, triton.cdiv(H, BN))](
+    _moe_down_kernel[(NP, triton.cdiv(H, MOE_DOWN["BN"]))](
         h, se, order, wf, down, y, NP, E, H, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+        BM=BM, **MOE_DOWN)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BS = 256
     _moe_sum_kernel[(T, triton.cdiv(H, BS))](y, flat.to(torch.int32).contiguous(), out, E, H, y.stride(0),
@@ -450,15 +453,14 @@ def moe_routed(x: Tensor, residual: Tensor, idx: Tensor, w: Tensor, se: Tensor, 
     inter = two_i // 2
     NP = T * k
     BM = _pow2(T)
-    BN, BK = 64, 64
     h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
-    _moe_up_kernel[(NP, triton.cdiv(inter, BN))](
+    _moe_up_kernel[(NP, triton.cdiv(inter, MOE_UP["BN"]))](
         x, tok, se, gate_up, h, NP, E, inter, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+        BM=BM, **MOE_UP)
     y = torch.empty(NP, H, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(NP, triton.cdiv(H, BN))](
+    _moe_down_kernel[(NP, triton.cdiv(H, MOE_DOWN["BN"]))](
         h, se, order, w, down, y, NP, E, H, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+        BM=BM, **MOE_DOWN)
     out = torch.empty_like(residual)
     BS = 256
     _moe_sum_res_kernel[(T, triton.cdiv(H, BS))](y, idx, residual, out, E, H, y.stride(0), residual.stride(0),

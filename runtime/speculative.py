@@ -34,16 +34,20 @@ def _sync(device: torch.device) -> None:
 
 
 def prefill(model, kv: KVCache, ids: list[int], taps: tuple[int, ...], chunk: int,
-            need_all: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+            need_all: bool, on_chunk: Callable[[Tensor, Tensor, Tensor | None, int], None] | None = None
+            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Run the prompt through the target in chunks. Returns (last-row logits [V], hidden [n, H] or None,
-    taps [n, T*H] or None); hidden/taps of every row are kept only when a drafter needs them."""
+    taps [n, T*H] or None); hidden/taps of every row are kept only when a drafter needs them. `on_chunk(tokens,
+    hidden, taps, start)` instead hands each chunk over as it is made (the whole prompt's rows are never held)."""
     dev = kv.k.device
     hs, ts, last = [], [], None
     for s in range(0, len(ids), chunk):
         part = torch.tensor([ids[s:s + chunk]], dtype=torch.long, device=dev)
         is_last = s + chunk >= len(ids)
         out = model(part, kv=kv, taps=taps, logits_to_keep=1 if is_last else -1)
-        if need_all:
+        if on_chunk is not None:
+            on_chunk(part[0], out.hidden[0], None if out.taps is None else out.taps[0], s)
+        elif need_all:
             hs.append(out.hidden[0])
             if out.taps is not None:
                 ts.append(out.taps[0])
@@ -127,15 +131,22 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     with torch.no_grad():
         kv.reset()
         t0 = time.perf_counter()
-        last, hidden, tap_t = prefill(model, kv, prompt_ids, taps, prefill_chunk, need_all=use_draft)
+        obs_s = [0.0]
+
+        def observe_chunk(tokens: Tensor, hidden: Tensor, tap_rows: Tensor | None, start: int) -> None:
+            ta = time.perf_counter()
+            drafter.observe(tokens, hidden, tap_rows, start)
+            obs_s[0] += time.perf_counter() - ta
+
+        if use_draft:
+            drafter.reset()
+        last, _, _ = prefill(model, kv, prompt_ids, taps, prefill_chunk, need_all=False,
+                             on_chunk=observe_chunk if use_draft else None)
         first = pick(last, sp, gen)
         _sync(dev)
         t1 = time.perf_counter()
-        stats["prefill_s"] = t1 - t0
-        if use_draft:
-            drafter.reset()
-            drafter.observe(torch.tensor(prompt_ids, device=dev), hidden, tap_t, 0)
-            stats["draft_s"] += time.perf_counter() - t1
+        stats["prefill_s"] = t1 - t0 - obs_s[0]
+        stats["draft_s"] += obs_s[0]
         out = [first]
         if on_tokens:
             on_tokens([first])

@@ -137,18 +137,11 @@ class StaticStep:
         return logits[0], hidden[0], tap_t
 
     def _capture(self, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, tuple]:
+        from runtime.drafter_graphs import capture
+
         self.pos.fill_(-1)            # warm-up and capture write nothing to the cache
         self.ids.zero_()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                self._forward(taps)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = self._forward(taps)
-        return g, out
+        return capture(lambda: self._forward(taps))
 
     def _degrade(self, e: Exception) -> None:
         """Step down one level (fused -> unfused kernels -> plain torch, no graph) and remember why."""

@@ -1,0 +1,274 @@
+"""CUDA graphs for the drafters' per-window work (greedy drafting and observing committed rows).
+
+Why: a drafter's window is hundreds of small launches (MTP: one decoder layer per chained step; DFlash2: five
+layers, the selector walk); on a GPU that is launch-bound unless replayed as one graph. Each graph works on static
+buffers: the anchor and position go in through a small host-to-device copy, the context lengths are read on the
+device (DFlash2 attends over its whole context capacity with a mask `position < pos`; MTP uses the row-invariant
+Triton attention with each row's cache slot), and rows past the committed ones write only cache slots past the
+committed length, which nothing reads before they are rewritten. Sampling, the prompt and windows that would run
+past the capacity take the drafters' eager paths. Any failure to build a graph turns the graphs off (recorded in
+`errors`), so the eager path always remains.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime import kernels
+from runtime.drafter import Proposal
+from runtime.models.qwen3_moe import SparseMoe, apply_rope
+
+_STREAM: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """One side stream for every warm-up and capture (cuBLAS keeps a workspace per stream: one, not one each)."""
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = torch.cuda.Stream()
+    return _STREAM
+
+
+def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up twice on the capture stream, then capture it; returns (graph, fn's output tensors)."""
+    s = capture_stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        out = fn()
+    return g, out
+
+
+def _cut(conf: list[float], min_p: float) -> int:
+    if min_p > 0:
+        for i, c in enumerate(conf):
+            if c < min_p:
+                return i
+    return len(conf)
+
+
+class _Graphs:
+    def __init__(self, device: torch.device) -> None:
+        self.dev = device
+        self.scal = torch.zeros(3, dtype=torch.long, device=device)   # anchor, pos, start
+        self.cuda = device.type == "cuda"   # elsewhere (tests) the same functions run eagerly, no graph
+        self.host = torch.zeros(3, dtype=torch.long)
+        if self.cuda:
+            self.host = self.host.pin_memory()
+        self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.enabled = True
+        self.errors: list[str] = []
+        self.replays = 0
+
+    def _set(self, a: int = 0, b: int = 0, c: int = 0) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()     # the pinned buffer may still feed the last copy
+        self.host[0], self.host[1], self.host[2] = a, b, c
+        self.scal.copy_(self.host, non_blocking=self.cuda)
+
+    def _run(self, key: object, fn) -> object | None:
+        if not self.enabled:
+            return None
+        if not self.cuda:
+            return fn()
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = capture(fn)
+            except Exception as e:  # fall back to the eager path for good
+                self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+                self.enabled = False
+                self.graphs.clear()
+                torch.cuda.synchronize()
+                return None
+        g, out = self.graphs[key]
+        g.replay()
+        self.replays += 1
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------- DFlash2
+class DFlash2Graphs(_Graphs):
+    """Greedy drafting (draft forward + selector walk, all rows; the floor cut on the host) and observing up to
+    `max_block` committed rows, for a `runtime.dflash2_loading.DFlash2Drafter`."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter.cache.k.device)
+        self.d = drafter
+        m = drafter.model
+        self.obs_rows = drafter.max_block
+        taps_w = m.fc.in_features
+        self.obs_taps = torch.zeros(self.obs_rows, taps_w, dtype=m.dtype, device=self.dev)
+
+    def _draft(self, width: int) -> tuple[Tensor, Tensor]:
+        d, m, cache = self.d, self.d.model, self.d.cache
+        embed, lm_head = d._shared
+        C = cache.capacity
+        anchor, pos = self.scal[0:1], self.scal[1:2]
+        ar = torch.arange(width, device=self.dev)
+        ids = torch.where(ar == 0, anchor, torch.full_like(ar, m.geom.mask_token_id))[None]
+        q_pos = (pos + ar)[None]
+        ck = torch.arange(C, device=self.dev)
+        k_pos = torch.cat([ck, q_pos[0]])[None]
+        k_valid = torch.cat([ck < pos, torch.ones(width, dtype=torch.bool, device=self.dev)])[None]
+        ctx = [(cache.k[i, None], cache.v[i, None]) for i in range(len(m.layers))]
+        hs = m._run_layers(m.block_input(ids, embed.weight), q_pos, ctx, k_pos, k_valid)[0, 1:]
+        logits = m.compute_logits(hs, lm_head)
+        sel = m.candidate_selector
+        if sel is None:
+            p1 = torch.softmax(logits.float(), dim=-1)
+            toks = torch.argmax(logits, dim=-1)
+            return toks, p1.gather(-1, toks[:, None])[:, 0]
+        unary, cand = torch.topk(logits.float(), sel.top_k, dim=-1)
+        hp = sel.hidden_projection(hs).float()
+        succ = sel.successor_codebook[cand].float()
+        pred = sel.predecessor_codebook
+        prev = anchor
+        idxs, scores = [], []
+        for r in range(width - 1):
+            score = unary[r] + succ[r] @ (pred[prev][0].float() * hp[r])
+            idx = torch.argmax(score)
+            prev = cand[r, idx][None]
+            idxs.append(idx)
+            scores.append(score)
+        idx = torch.stack(idxs)
+        score = torch.stack(scores)
+        conf = torch.softmax(score, dim=-1).gather(-1, idx[:, None])[:, 0]
+        return cand.gather(-1, idx[:, None])[:, 0], conf
+
+    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+        if not self.enabled or pos != self.d.cache.length:
+            return None
+        self._set(anchor, pos)
+        out = self._run(("draft", n + 1), lambda: self._draft(n + 1))
+        if out is None:
+            return None
+        toks, conf = out
+        c = conf.tolist()
+        m = _cut(c, min_p)
+        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+
+    def _observe(self) -> None:
+        m, cache = self.d.model, self.d.cache
+        R = self.obs_rows
+        c = m.context_features(self.obs_taps[None])
+        pos = (self.scal[2:3] + torch.arange(R, device=self.dev))[None]
+        cos, sin = m.rotary(pos, c.dtype)
+        for i, layer in enumerate(m.layers):
+            k, v = layer.self_attn.kv(c, cos, sin)
+            cache.k[i].index_copy_(1, pos[0], k[0].to(cache.k.dtype))
+            cache.v[i].index_copy_(1, pos[0], v[0].to(cache.v.dtype))
+        return None
+
+    def observe(self, taps: Tensor, start: int) -> bool:
+        cache = self.d.cache
+        n = int(taps.shape[0])
+        if not self.enabled or n == 0 or n > self.obs_rows or start > cache.length \
+                or start + self.obs_rows > cache.capacity:
+            return False
+        self.obs_taps[:n].copy_(taps)
+        self._set(0, 0, start)
+        if self._run("observe", self._observe) is None and not self.enabled:
+            return False
+        cache.length = start + n
+        return True
+
+
+# ------------------------------------------------------------------------------------------------------------- MTP
+class MTPGraphs(_Graphs):
+    """Greedy chained drafting of n steps and observing up to `max_block` committed rows for an `MTPDrafter`
+    (needs the Triton kernels: the cached attention reads each row's slot on the device)."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter.kv.k.device)
+        self.d = drafter
+        H = drafter.model.cfg.hidden_size
+        dt = drafter.model.lm_head.weight.dtype
+        self.R = drafter.max_block
+        self.g_in = torch.zeros(1, H, dtype=dt, device=self.dev)
+        self.obs_tok = torch.zeros(self.R, dtype=torch.long, device=self.dev)
+        self.obs_g = torch.zeros(self.R, H, dtype=dt, device=self.dev)
+        self.enabled = kernels.available(drafter.kv.k)
+
+    def _rows(self, tok: Tensor, g: Tensor, p: Tensor, slot: Tensor) -> Tensor:
+        """MTP rows at positions p (cache slots `slot` = p - 1, -1 = padding) -> MTP hidden [W, H]."""
+        model, mtp, kv = self.d.model, self.d.mtp, self.d.kv
+        W = tok.shape[0]
+        emb = model.model.embed_tokens(tok)[None]
+        x = mtp.fc(torch.cat((mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(g[None].to(emb.dtype))), -1))
+        cos, sin = model.rotary(p[None], x.dtype)
+        layer = mtp.layers[0]
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
+        k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
+        v = a.v_proj(h).view(W, a.nkv, a.hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kc, vc = kv.k[0, 0], kv.v[0, 0]
+        kernels.kv_write(k[0].transpose(0, 1), v, kc, vc, slot)
+        o = kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale)
+        x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
+        h = layer.post_attention_layernorm(x)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoe):
+            if mlp.gate_up is None:
+                raise RuntimeError("the MTP layer's experts are not stacked; no graph.")
+            w, idx = mlp.route(h[0])
+            idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
+            y = kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+        else:
+            y = mlp(h)
+        return mtp.norm(x + y)[0]
+
+    def _chain(self, n: int) -> tuple[Tensor, Tensor]:
+        lm_head = self.d.model.lm_head
+        tok, g = self.scal[0:1], self.g_in
+        p = self.scal[1:2]
+        toks, confs = [], []
+        for _ in range(n):
+            h = self._rows(tok, g, p, (p - 1).to(torch.int32))
+            lg = lm_head(h).float()
+            t = torch.argmax(lg, dim=-1)
+            confs.append(torch.softmax(lg, dim=-1).gather(-1, t[:, None])[:, 0])
+            toks.append(t)
+            tok, g, p = t, h, p + 1
+        return torch.cat(toks), torch.cat(confs)
+
+    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+        d = self.d
+        if not self.enabled or n <= 0 or d.last_g is None or d.kv.length != pos - 1 \
+                or pos - 1 + n > d.kv.capacity:
+            return None
+        self._set(anchor, pos)
+        self.g_in.copy_(d.last_g[None])
+        out = self._run(("chain", n), lambda: self._chain(n))
+        if out is None:
+            return None
+        toks, conf = out
+        d.kv.length = pos            # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
+        c = conf.tolist()
+        m = _cut(c, min_p)
+        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+
+    def _observe(self) -> None:
+        R = self.R
+        slot = (self.scal[2:3] - 1 + torch.arange(R, device=self.dev)).to(torch.int32)
+        self._rows(self.obs_tok, self.obs_g, slot.long() + 1, slot)
+
+    def observe_rows(self, toks: Tensor, g_prev: Tensor, first: int) -> bool:
+        """Entries for positions first.. (tokens x[p], hidden g[p-1]); False when the eager path must do it."""
+        kv = self.d.kv
+        n = int(toks.shape[0])
+        if not self.enabled or n == 0 or n > self.R or kv.length != first - 1 or first - 1 + self.R > kv.capacity:
+            return False
+        self.obs_tok[:n].copy_(toks)
+        self.obs_g[:n].copy_(g_prev)
+        self._set(0, 0, first)
+        if self._run("observe", self._observe) is None and not self.enabled:
+            return False
+        kv.length += n
+        return True
