@@ -162,7 +162,7 @@ def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, promp
     grid = candidate_grid(es, floors)
 
     tasks = [t for t in TASKS if t in enc] + [t for t in enc if t not in TASKS]
-    if plan is None and getattr(getattr(engine, "device", None), "type", "cpu") != "cuda":
+    if plan is None and getattr(getattr(engine, "device", None), "type", None) == "cpu":
         # no kernels to compile or graphs to capture on the CPU: per-width warm-up runs would only eat the budget
         plan = Plan(warmup=False)
     runner = EngineRunner(engine, enc, new_tokens)
