@@ -2,14 +2,14 @@
 
     python bench/budget.py [--contexts 4096,8192,...] [--max-seconds 120]
 
-For each (context, drafter): the budget with the GPU's free memory, the expert slots it chooses, then an engine built
-with those slots, a prompt filling the context (context - 8 tokens) prefilled and 4 tokens decoded, and the peak
-`torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA context is outside it).
+For each (context, drafter): the budget with the GPU's free memory, the expert slots it chooses, then, in a fresh
+process (so nothing of an earlier row is counted and the process's one-time allocations, such as cuBLAS workspaces,
+are), an engine built with those slots, a prompt filling the context (context - 8 tokens) prefilled and 4 tokens
+decoded, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA
+context itself is outside it).
 `predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
 cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
 Also the runtime's own `Engine.memory_report()` total (persistent buffers only).
-One warm-up engine runs first: what a process allocates once and keeps (cuBLAS workspaces of the default and the
-graph-capture stream) is reported separately as `process_overhead` and is not in the per-row measurements.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -58,11 +59,9 @@ def predict(kind: str, quant: str, context: int, free: int, total: int) -> Any:
 
 
 def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str, Any]:
+    """One row, in this process (run it in a fresh one: `--row`)."""
     from runtime.engine import Engine
 
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_reserved()
     eng = Engine.build(NANO, kind, drafter_path=path, device="cuda", context=context, expert_slots=slots)
     g = torch.Generator().manual_seed(context)
@@ -73,17 +72,33 @@ def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str,
            "peak_allocated": torch.cuda.max_memory_allocated(), "baseline_reserved": before,
            "memory_report": eng.memory_report(), "generated": len(res.token_ids),
            "expert_cache": eng.experts.stats()}
-    del eng, res
-    gc.collect()
-    torch.cuda.empty_cache()
+    out["step_errors"] = list(eng.step.errors) if eng.step is not None else []
     return out
+
+
+def measure_fresh(kind: str, path: Path | None, context: int, slots: int, timeout: float) -> dict[str, Any]:
+    """`measure` in a fresh Python process (its JSON comes back on the last stdout line)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps([kind, str(path or ""), context, slots])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 5))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr or r.stdout)[-400:]
+        if "OutOfMemoryError" in tail:
+            raise torch.OutOfMemoryError(tail)
+        raise RuntimeError(f"row process failed: {tail}")
+    return json.loads(lines[-1][4:])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--max-seconds", type=float, default=120)
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.row is not None:                      # child: one measurement, printed as JSON
+        kind, path, ctx, slots = json.loads(args.row)
+        print("ROW " + json.dumps(measure(kind, Path(path) if path else None, int(ctx), int(slots))), flush=True)
+        return {}
     if not torch.cuda.is_available():
         raise SystemExit("bench/budget.py needs a CUDA GPU.")
     deadline = Deadline(args.max_seconds)
@@ -99,11 +114,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             drafters.append(("dflash2 q4_0", "dflash2", "q4_0", Path(td) / "q4_0.gguf"))
         except ImportError as e:
             print(f"no q4_0 row: {e}", flush=True)
-        measure("none", None, 4096, 1 << 30)          # warm-up: one-time allocations of the process
-        gc.collect()
-        torch.cuda.empty_cache()
-        res["process_overhead"] = torch.cuda.memory_reserved()
-        print(f"  process overhead kept after a warm-up engine: {res['process_overhead'] / MIB:.1f} MiB", flush=True)
         for ctx in [int(c) for c in args.contexts.split(",")]:
             for label, kind, quant, path in drafters:
                 if deadline.over():
@@ -112,10 +122,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 gc.collect()
                 torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info()
+                free += torch.cuda.memory_reserved()      # what this (parent) process holds is free for the row
                 b = predict(kind, quant, ctx, free, total)
                 rec: dict[str, Any] = {"context": ctx, "drafter": label, "budget": b.to_dict()}
                 try:
-                    m = measure(kind, path, ctx, b.expert_cache_slots)
+                    m = measure_fresh(kind, path, ctx, b.expert_cache_slots, deadline.left())
                     rec.update(m)
                     items = b.table()
                     pred = sum(v for k, v in items.items() if k not in ("headroom", "reserve"))
@@ -125,12 +136,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     rec["report_total"] = sum(m["memory_report"].values())
                     rows.append([ctx, label, b.expert_cache_slots, pred / MIB, m["peak_reserved"] / MIB,
                                  100 * rec["error"], rec["fits"], rec["report_total"] / MIB])
-                except torch.OutOfMemoryError as e:
-                    rec["oom"] = str(e)[:300]
-                    rows.append([ctx, label, b.expert_cache_slots, None, None, None, "OOM", None])
+                except (torch.OutOfMemoryError, RuntimeError, subprocess.TimeoutExpired) as e:
+                    failed = "OOM" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+                    rec["oom" if failed == "OOM" else "failed"] = str(e)[:300]
+                    rows.append([ctx, label, b.expert_cache_slots, None, None, None, failed, None])
                 res["rows"].append(rec)
                 print(f"  ctx {ctx} {label}: " + (f"predicted {rec.get('predicted', 0) / MIB:.1f} MiB, measured "
-                      f"{rec.get('peak_reserved', 0) / MIB:.1f} MiB" if "oom" not in rec else "OOM"), flush=True)
+                      f"{rec.get('peak_reserved', 0) / MIB:.1f} MiB" if "predicted" in rec else "no measurement"),
+                      flush=True)
     print_table(f"VRAM budget vs measured peak, strata-nano on {res['machine'].get('gpu')}",
                 ["context", "drafter", "expert slots", "predicted MiB", "measured MiB", "error %", "fits",
                  "runtime report MiB"], rows)

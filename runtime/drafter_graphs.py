@@ -131,11 +131,11 @@ class DFlash2Graphs(_Graphs):
         idxs, scores = [], []
         for r in range(width - 1):
             score = unary[r] + succ[r] @ (pred[prev][0].float() * hp[r])
-            idx = torch.argmax(score)
-            prev = cand[r, idx][None]
+            idx = torch.argmax(score, dim=0, keepdim=True)            # [1]: a 0-d index would sync (.item())
+            prev = cand[r].index_select(0, idx)
             idxs.append(idx)
             scores.append(score)
-        idx = torch.stack(idxs)
+        idx = torch.cat(idxs)
         score = torch.stack(scores)
         conf = torch.softmax(score, dim=-1).gather(-1, idx[:, None])[:, 0]
         return cand.gather(-1, idx[:, None])[:, 0], conf

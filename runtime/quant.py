@@ -1,12 +1,11 @@
 """Block formats Q8_0 / Q5_0 / Q4_0 and BF16: quantize (numpy), dequantize (numpy and torch), QuantLinear.
 
-`quantize` is byte-identical to `gguf.quants.quantize` (the port of ggml's reference rounding) on the same float32
-input, and faster: it works on cache-sized chunks with reused work buffers, lets torch do the passes over all values
-(vectorised reductions along the 32-value block and broadcasts, which numpy runs as slow short inner loops),
-replaces the per-block `argmax` by a max/min pair (falling back to the exact argmax only for blocks whose two ends
-tie), and rounds half away from zero with one add and a truncating cast. Blocks the fast path cannot reproduce bit
-for bit (non-finite values, scales so small that `1/d` overflows) go through `_reference_blocks`, a line-by-line
-port of gguf-py. Every float32 operation is the one gguf-py does, in the same order; the tests check the bytes.
+`quantize` / `quantize_bf16` are byte-identical to `gguf.quants.quantize` (the port of ggml's reference rounding)
+on the same float32 input, and several times faster: every float32 operation is the one gguf-py does, in the same
+order, but laid out so that each numpy pass runs over long contiguous rows instead of a short loop per 32-value
+block (see "fast path" below). Blocks the fast formulas might not reproduce bit for bit (non-finite values, all-zero
+blocks, scales whose reciprocal is subnormal or infinite) go through `_reference_blocks`, a line-by-line port of
+gguf-py. The tests check the bytes against gguf-py itself.
 
 Layouts (ggml): Q8_0 = f16 d + 32 x int8; Q5_0 = f16 d + u32 high bits + 16 nibble bytes; Q4_0 = f16 d + 16 nibble
 bytes (element j in the low nibble of byte j, element j+16 in the high nibble).
@@ -125,19 +124,23 @@ def _reference_blocks(blocks: np.ndarray, q: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------------- fast path
 #
 # gguf-py (and a naive port) works on [blocks, 32] arrays: every pass is a loop of 32 values per block, and numpy and
-# torch both pay a fixed cost per such short row (reductions, the per-block scale broadcast, the nibble pairs), which
-# dominates. Here each chunk is first transposed in units of 8 values (16 bytes of BF16, 32 of float32) into 4 long
-# rows: row k holds values 8k..8k+7 of every block, block after block ([4, 8n] for n blocks). Every pass then runs
-# over long contiguous rows:
+# torch both pay a fixed cost per such short row (the block max, the per-block scale broadcast, the nibble pairs),
+# which dominates. Here each chunk is first transposed in units of 8 values (16 bytes of BF16, 32 of float32) into 4
+# long rows: row k holds values 8k..8k+7 of every block, block after block ([4, 8n] for n blocks). Every pass then
+# runs over long contiguous rows, in numpy only (mixing in torch ops measured slower: each switch costs):
 # - block max / min: elementwise max over the 4 rows, then three halvings over 8 neighbours (strided, still flat);
 #   on BF16 bits directly (int16 order = float order for >= 0; uint16 order finds the largest negative);
+# - Q4_0/Q5_0 take the larger end m by the sign of max + min (a bit select), and 1/d as div/m (exact: d = m/div is
+#   a power-of-two division, so it is exact for |m| >= _MIN_M and 1/d == div/m has the same single rounding);
 # - the block scale, repeated 8 times, multiplies all 4 rows at once (numpy broadcasts over rows, not within them);
+#   BF16 is widened to float32 inside the chunk (zero-extend, shift), so the weights are read from memory once;
+# - Q8_0 rounds half away from zero as sign(x) * trunc(|x| * id + 0.49999997) (== gguf-py's np_roundf, see
+#   `_HALF_DOWN`), the sign put back with (q ^ s) - s on int8;
 # - values j and j+16 sit in rows k and k+2 at the same place, so nibble packing is two 64-bit ops on 8 values at a
 #   time, and Q5_0's high bits are one 64-bit multiply per 8 values (row k gives qh byte k);
-# - the packed units go back into the [n, type_size] rows with one strided copy of 8- or 16-byte units.
-# Blocks the fast formulas may not reproduce bit for bit are marked and redone by `_reference_blocks`: non-finite
-# values, a scale with a subnormal or infinite reciprocal, all-zero blocks, and (Q4_0/Q5_0) blocks whose largest
-# positive and negative values tie, where gguf-py's argmax picks the first (about 0.6% of blocks of real weights).
+# - the packed blocks go back into the [n, type_size] rows with one strided copy of 8-, 16- or 20-byte units.
+# Blocks whose largest positive and negative values tie (gguf-py's argmax picks the first; about 0.6% of the blocks
+# of real BF16 weights) are written as if the positive end came first, then `_fix_ties` redoes the others.
 
 _CHUNK_BLOCKS = 8192  # [4, 8 x 8192] float32 work rows = 1 MiB: a chunk's buffers stay in a core's L2
 _DIV = {"q4_0": np.float32(-8), "q5_0": np.float32(-16)}
@@ -145,10 +148,10 @@ _BIAS = {"q4_0": np.float32(8.5), "q5_0": np.float32(16.5)}
 _TOP = {"q4_0": 15, "q5_0": 31}
 # |m| at least this: d = m / div is a normal float32, so d is exact and 1/d == div/m (one rounding, as gguf-py's)
 _MIN_M = {"q4_0": np.float32(2.0 ** -123), "q5_0": np.float32(2.0 ** -122)}
-_U4, _U56 = np.uint64(4), np.uint64(56)
+_U4 = np.uint64(4)
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_LOW_BITS = np.uint64(0x0101010101010101)
-_GATHER_BITS = np.uint64(0x0102040810204080)  # (w * this) >> 56: bit t of the result = bit 0 of byte t of w
+_BIT4S = np.uint64(0x1010101010101010)
+_GATHER_BIT4S = np.uint64(0x0010204081020408)  # (w & _BIT4S) * this: bit 56 + t = bit 4 of byte t of w
 
 
 class _Work:
@@ -158,9 +161,8 @@ class _Work:
         self.unit = np.dtype("V16") if bf16 else np.dtype("V32")  # 8 values
         self.t = np.empty((4, step), self.unit)
         self.v = np.empty((4, 8 * step), np.float32)
-        self.tv = torch.from_numpy(self.v)
         self.q = np.empty((4, 8 * step), np.int8)
-        self.tq = torch.from_numpy(self.q)
+        self._top: dict[str, np.ndarray] = {}
         self.a = np.empty((4, 8 * step), np.int16 if bf16 else np.float32)  # Q8_0: |x|
         self.m = np.empty((4, 8 * step), np.int8)  # Q8_0: sign masks
         rdt = np.int16 if bf16 else np.float32
@@ -171,8 +173,30 @@ class _Work:
         self.rep = np.empty(8 * step, np.float32)
         self.inv = np.empty(step, np.float32)
         self.mask = np.empty(step, np.int32)
-        self.p = np.empty((step, 2), np.uint64)
+        self.p = np.empty((step, 3), np.uint64)
+        self.p2 = np.empty((step, 2), np.uint64)
         self.h = np.empty((4, step), np.uint64)
+
+    def top(self, q: str) -> np.ndarray:
+        """The largest code of `q`, as an array shaped like `self.q`."""
+        if q not in self._top:
+            self._top[q] = np.full(self.q.shape, _TOP[q], np.int8)
+        return self._top[q]
+
+
+_LOCAL = threading.local()
+
+
+def _work(bf16: bool) -> _Work:
+    """This thread's chunk buffers (a few MiB), kept between calls: a converter quantizes dozens of tensors, and
+    fresh buffers would page-fault in again every time."""
+    cache = getattr(_LOCAL, "work", None)
+    if cache is None:
+        cache = _LOCAL.work = {}
+    w = cache.get(bf16)
+    if w is None or w.q.shape[1] != 8 * _CHUNK_BLOCKS:
+        w = cache[bf16] = _Work(_CHUNK_BLOCKS, bf16)
+    return w
 
 
 def _fold8(r: np.ndarray, w: _Work, n: int, op: np.ufunc = np.maximum) -> np.ndarray:
@@ -189,7 +213,9 @@ def _widen_rows(x: np.ndarray, w: _Work, n: int, bf16: bool) -> np.ndarray:
     """The float32 values of x (BF16 bits or float32) in the work rows."""
     v = w.v[:, :8 * n]
     if bf16:
-        w.tv[:, :8 * n].copy_(torch.from_numpy(x).view(torch.bfloat16))  # exact
+        vi = v.view(np.uint32)
+        np.copyto(vi, x.view(np.uint16))  # zero-extend, then move the bits up: exact
+        np.left_shift(vi, 16, out=vi)
     else:
         np.copyto(v, x)
     return v
@@ -222,7 +248,7 @@ def _q8_chunk(x: np.ndarray, w: _Work, n: int, bf16: bool, amax: np.ndarray, d: 
     np.multiply(v, _repeat8(inv, w, n), out=v)
     np.add(v, _HALF_DOWN, out=v)
     q = w.q[:, :8 * n]
-    w.tq[:, :8 * n].copy_(w.tv[:, :8 * n])  # truncating cast; 0..127
+    np.copyto(q, v, casting="unsafe")  # truncating cast; 0..127
     sgn = w.m[:, :8 * n]
     if bf16:
         np.right_shift(x, 15, out=sgn, casting="unsafe")  # 0 or -1
@@ -263,31 +289,37 @@ def _q45_chunk(x: np.ndarray, w: _Work, n: int, q: str, bf16: bool, ext: np.ndar
     np.multiply(v, _repeat8(inv, w, n), out=v)
     np.add(v, _BIAS[q], out=v)
     qq = w.q[:, :8 * n]
-    w.tq[:, :8 * n].copy_(w.tv[:, :8 * n])  # truncating cast; v >= 0 here
-    w.tq[:, :8 * n].clamp_(max=_TOP[q])
+    np.copyto(qq, v, casting="unsafe")  # truncating cast; v >= 0 here
+    np.minimum(qq, w.top(q)[:, :8 * n], out=qq)  # (a full array: numpy's loop for a scalar operand is slow)
     u = qq.view(np.uint64)  # [4, n]: 8 values a word
+    # p: a block's bytes after d, in words: Q4_0 [n, 2] the 16 nibble bytes; Q5_0 [n, 3] qh in bytes 4..7, then those
+    p = w.p[:n] if q == "q5_0" else w.p2[:n]
     if q == "q5_0":
         h = w.h[:, :n]
-        np.right_shift(u, _U4, out=h)
-        np.bitwise_and(h, _LOW_BITS, out=h)
-        np.multiply(h, _GATHER_BITS, out=h)
-        np.right_shift(h, _U56, out=h)
-        np.copyto(ob[:, 2:6], h.T, casting="unsafe")
+        np.bitwise_and(u, _BIT4S, out=h)  # the high bit (bit 4) of each code
+        np.multiply(h, _GATHER_BIT4S, out=h)  # row k's 8 high bits gathered in the top byte: qh byte k
+        pb, hb = p.view(np.uint8), h.view(np.uint8)
+        for k in range(4):  # one long strided copy per byte (a 2-D copy would loop over 4 bytes at a time)
+            np.copyto(pb[:, 4 + k], hb[k, 7::8])
         np.bitwise_and(u, _LOW_NIBBLES, out=u)
     np.left_shift(u[2:4], _U4, out=u[2:4])
-    p = w.p[:n]
-    np.bitwise_or(u[0:2], u[2:4], out=p.T)  # p [n, 2] = the 16 packed bytes of each block
-    np.copyto(ob[:, -16:].view("V16")[:, 0], p.view("V16")[:, 0])
+    np.bitwise_or(u[0:2], u[2:4], out=p[:, -2:].T)  # values j and j+16 share byte j
+    unit = "V20" if q == "q5_0" else "V16"
+    np.copyto(ob[:, 2:].view(unit)[:, 0], p.view(np.uint8)[:, p.shape[1] * 8 + 2 - ob.shape[1]:].view(unit)[:, 0])
 
 
-def _quantize_span_1(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> np.ndarray:
-    """Quantize `blocks` [nb, 32] (BF16 bits or float32) into `oblocks` [nb, type_size]; returns the blocks
-    (a bool mask) that `_reference_blocks` must redo."""
+def _quantize_span_1(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool,
+                     ties_ok: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """Quantize `blocks` [nb, 32] (BF16 bits or float32) into `oblocks` [nb, type_size].
+
+    Returns (bad, ties): bool masks of the blocks `_reference_blocks` must redo, and (Q4_0/Q5_0) of the tie blocks,
+    written as if their positive end came first (`_fix_ties` checks that); `ties_ok` says that is known."""
     nb = blocks.shape[0]
     step = min(nb, _CHUNK_BLOCKS)
-    w = _Work(step, bf16)
+    w = _work(bf16)
     units = blocks.view(w.unit)  # [nb, 4]
     d = np.empty(nb, np.float32)
+    ties = None
     with np.errstate(all="ignore"), torch.inference_mode():
         if q == "q8_0":
             amax, inv = np.empty(nb, np.float32), np.empty(nb, np.float32)
@@ -311,13 +343,42 @@ def _quantize_span_1(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool
                 _q45_chunk(x, w, e - s, q, bf16, ext[:, s:e], c[s:e], m[s:e], oblocks[s:e])
             np.divide(m, _DIV[q], out=d)
             bad = ~np.isfinite(c)
-            bad |= c == 0  # a tie between the two ends, or an all-zero block
             np.abs(m, out=m)
-            bad |= ~(m >= _MIN_M[q])
+            bad |= ~(m >= _MIN_M[q])  # all-zero blocks, tiny or non-finite ends
+            if not ties_ok:
+                ties = c == 0  # both ends equally large: gguf-py's argmax takes the first
+                ties &= ~bad
         # d -> float16 into each block's first two bytes (torch's conversion: same bits as numpy's for every finite
         # float32, overflow to inf included, and much faster; non-finite d are redone anyway)
-        torch.from_numpy(oblocks)[:, :2].view(torch.float16)[:, 0].copy_(torch.from_numpy(d))
-    return bad
+        d16 = torch.from_numpy(d).to(torch.float16).numpy().view(np.uint16)
+        np.copyto(oblocks[:, :2].view(np.uint16)[:, 0], d16)
+    return bad, ties
+
+
+def _fix_ties(blocks: np.ndarray, oblocks: np.ndarray, ties: np.ndarray, bad: np.ndarray, q: str, bf16: bool) -> None:
+    """Blocks whose largest positive and negative values are equally large were written with the positive one as
+    the scale's sign; gguf-py uses the one that comes first. Where that is the negative one, quantize the negated
+    block (the same codes: (-x) * (-id) == x * id exactly) and flip the sign of its d. (About 0.6% of the blocks
+    of real BF16 weights tie; this costs a fraction of redoing them with the reference.)"""
+    idx = np.flatnonzero(ties)
+    if not idx.size:
+        return
+    b = blocks[idx]  # [k, 32] BF16 bits or float32
+    if bf16:
+        mx = b.view(np.int16).max(axis=1, keepdims=True).view(np.uint16)  # the positive end's bits
+        first_neg = (b == (mx | np.uint16(0x8000))).argmax(axis=1) < (b == mx).argmax(axis=1)
+    else:
+        mx = b.max(axis=1, keepdims=True)
+        first_neg = (b == -mx).argmax(axis=1) < (b == mx).argmax(axis=1)
+    if not first_neg.any():
+        return
+    idx = idx[first_neg]
+    neg = blocks[idx] ^ np.uint16(0x8000) if bf16 else -blocks[idx]
+    sub = np.empty((idx.size, oblocks.shape[1]), np.uint8)
+    sub_bad, _ = _quantize_span_1(np.ascontiguousarray(neg), sub, q, bf16, ties_ok=True)
+    sub[:, 1] ^= np.uint8(0x80)  # d's sign bit (float16, little-endian)
+    oblocks[idx] = sub
+    bad[idx[sub_bad]] = True  # none expected (same magnitudes as blocks that passed); the reference would decide
 
 
 def _redo_blocks(blocks: np.ndarray, oblocks: np.ndarray, bad: np.ndarray, q: str, bf16: bool) -> None:
@@ -332,8 +393,8 @@ def _redo_blocks(blocks: np.ndarray, oblocks: np.ndarray, bad: np.ndarray, q: st
 def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     """float32 [rows, cols] (or any shape with the row last) -> uint8 [rows, row_bytes], as gguf-py writes it.
 
-    Byte-identical to `gguf.quants.quantize(x, GGMLQuantizationType[qtype.upper()])`. Works in chunks of 4096
-    blocks with reused work buffers (a few MiB whatever the tensor size), the rows split over up to 4 worker
+    Byte-identical to `gguf.quants.quantize(x, GGMLQuantizationType[qtype.upper()])`. Works in chunks of 8192
+    blocks with per-thread work buffers (a few MiB whatever the tensor size), the rows split over `_workers()`
     threads. Rows not a multiple of 32 raise `QuantFormatError`.
     """
     q = _check_qtype(qtype)
@@ -369,11 +430,18 @@ _POOL_LOCK = threading.Lock()
 
 
 def _workers() -> int:
-    """Worker threads: STRATA_QUANT_THREADS, else the CPU count (at most 4)."""
+    """Worker threads: STRATA_QUANT_THREADS, else half the CPUs this process may run on (at most 4).
+
+    Half: the passes are memory-bound, and a second thread on SMT siblings (or on the 2 vCPUs of a small VM, which
+    measured like one core shared) only adds its overhead; on a 2-CPU machine the work stays on the calling thread."""
     env = os.environ.get("STRATA_QUANT_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, min(4, os.cpu_count() or 1))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus // 2))
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -388,13 +456,15 @@ def _pool() -> ThreadPoolExecutor:
 def _quantize_span(blocks: np.ndarray, oblocks: np.ndarray, q: str, bf16: bool) -> None:
     """One worker's share: fast path chunk by chunk, then the reference for the blocks it marked.
 
-    torch (only the BF16 -> float32 widening) runs on one intra-op thread here: the chunks are small and the
-    workers already share the cores. `torch.get_num_threads()` first runs this thread's lazy OpenMP set-up; the old
-    count is put back after, which also restores torch's process-wide default that `set_num_threads` touches."""
+    torch (only d's float16 conversion) runs on one intra-op thread here: the workers already share the cores.
+    `torch.get_num_threads()` first runs this thread's lazy OpenMP set-up; the old count is put back after, which
+    also restores torch's process-wide default that `set_num_threads` touches."""
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        bad = _quantize_span_1(blocks, oblocks, q, bf16)
+        bad, ties = _quantize_span_1(blocks, oblocks, q, bf16)
+        if ties is not None:
+            _fix_ties(blocks, oblocks, ties, bad, q, bf16)
     finally:
         torch.set_num_threads(prev)
     _redo_blocks(blocks, oblocks, bad, q, bf16)
@@ -412,7 +482,7 @@ def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
     oblocks = out.reshape(-1, TYPE_SIZE[q])
     nb = blocks.shape[0]
     n = min(_workers(), -(-nb // _CHUNK_BLOCKS))
-    if n > 1:  # contiguous shares, one per worker; numpy's loops and torch's copy release the GIL
+    if n > 1:  # contiguous shares, one per worker; numpy's loops release the GIL
         cuts = [nb * i // n for i in range(n + 1)]
         futs = [_pool().submit(_quantize_span, blocks[a:b], oblocks[a:b], q, bf16) for a, b in zip(cuts, cuts[1:], strict=False)]
         for f in futs:

@@ -173,3 +173,76 @@ def test_quantlinear_holds_blocks_and_matches_dequantized_weight(q):
     lin2 = QuantLinear(64, 48, q)
     lin2.load_state_dict(sd)
     assert torch.equal(lin2.blocks, lin.blocks)
+
+
+# ------------------------------------------------------------------ fast path internals: chunks, ties, odd inputs
+
+def _edge_matrix(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """BF16 weights with planted ties (either end first), all-zero / -0 blocks and a few huge and tiny blocks."""
+    x = _bf16(rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+    blk = x.reshape(-1, 32)
+    n = blk.shape[0]
+    for i in rng.choice(n, size=n // 5, replace=False):  # ties at +-max, in random order
+        m = np.abs(blk[i]).max()
+        j, k = rng.choice(32, size=2, replace=False)
+        blk[i, j], blk[i, k] = -m, m
+    blk[rng.choice(n, size=3, replace=False)] = 0.0
+    blk[rng.integers(n), 0] = -0.0
+    blk[rng.integers(n)] *= np.float32(1e30)
+    blk[rng.integers(n)] *= np.float32(1e-36)
+    return x
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_many_small_chunks_ties_and_partial_chunks(q_all, threads, monkeypatch):
+    """Chunks of 64 blocks (and a partial last one) per worker, ties in many chunks, buffers reused across calls."""
+    monkeypatch.setattr(quant, "_CHUNK_BLOCKS", 64)
+    monkeypatch.setenv("STRATA_QUANT_THREADS", threads)
+    rng = np.random.default_rng(5)
+    for rows, cols in ((37, 224), (3, 32), (130, 96)):
+        _check(_edge_matrix(rng, rows, cols), q_all)
+
+
+@pytest.fixture(params=QS)
+def q_all(request):
+    return request.param
+
+
+def test_non_finite_blocks_are_redone_exactly(q_all):
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((6, 128), dtype=np.float32)
+    x[0, 3] = np.nan
+    x[1, 40] = np.inf
+    x[2, 70] = -np.inf
+    x[3, :32] = np.inf
+    x[3, 32:64] = -np.nan
+    with np.errstate(all="ignore"):
+        ref = _ref(x, q_all)
+        ours = quantize(x, q_all)
+    assert np.array_equal(ours, ref)
+    bits = f32_to_bf16_bits(x)
+    with np.errstate(all="ignore"):
+        assert np.array_equal(quant.quantize_bf16(bits, q_all), _ref(bf16_bits_to_f32(bits), q_all))
+
+
+def test_negative_end_first_ties_flip_only_the_sign_of_d():
+    """The tie repair path: -m before +m gives d < 0 (codes as for the negated block), +m first gives d > 0."""
+    b = np.linspace(-0.5, 0.5, 32, dtype=np.float32)
+    b[3], b[20] = -1.0, 1.0  # negative end first
+    c = b.copy()
+    c[3], c[20] = 1.0, -1.0  # positive end first
+    x = np.stack([b, c, -b, -c])
+    for q in ("q4_0", "q5_0"):
+        ours = quantize(x, q)
+        assert np.array_equal(ours, _ref(x, q))
+        d = ours[:, :2].copy().view(np.float16)[:, 0]
+        assert d[0] > 0 and d[1] < 0  # d = m / -8: m = -1 -> d > 0
+
+
+def test_leading_dims_and_reuse_across_types():
+    rng = np.random.default_rng(7)
+    x = _bf16(rng.standard_normal((2, 3, 64), dtype=np.float32))
+    for q in QS + QS[::-1]:
+        ours = quantize(x, q)
+        assert ours.shape == (2, 3, quant.row_bytes(64, q))
+        assert np.array_equal(ours.reshape(6, -1), _ref(x.reshape(6, 64), q))

@@ -41,3 +41,20 @@ def test_dflash2_graph_path_equals_eager(setup, which):
         d.graphs = None
         eng.generate(ids, max_new_tokens=30, spec_min_p=min_p, stop_ids=set())
         assert torch.allclose(d.cache.k[:, :, : d.cache.length], k_eager, atol=1e-5)
+
+
+def test_dflash2_graph_functions_make_no_host_reads(setup):
+    """A CUDA graph cannot hold a host read (`.item()`, a 0-d tensor index, `nonzero`): on the meta device every
+    such read raises, so running the captured functions there proves they have none."""
+    target, path = setup[0], setup[1]
+    eng = Engine.build(target, "dflash2", drafter_path=path, device="cpu", context=96)
+    d = eng.drafter
+    g = DFlash2Graphs(d)
+    eng.model.to("meta")
+    d.model.to("meta")
+    d.cache.k, d.cache.v = d.cache.k.to("meta"), d.cache.v.to("meta")
+    g.scal, g.obs_taps, g.dev = g.scal.to("meta"), g.obs_taps.to("meta"), torch.device("meta")
+    with torch.no_grad():
+        toks, conf = g._draft(6)
+        g._observe()
+    assert toks.shape == (5,) and conf.shape == (5,)
