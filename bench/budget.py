@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,8 @@ def inventory(folder: Path) -> dict[str, int]:
     return out
 
 
-def predict(kind: str, quant: str, context: int, free: int, total: int) -> Any:
+def predict(kind: str, quant: str, context: int, free: int, total: int,
+            capability: tuple[int, int] | None = None) -> Any:
     from setup_wizard import budget as B
 
     geo = B.TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
@@ -54,7 +56,8 @@ def predict(kind: str, quant: str, context: int, free: int, total: int) -> Any:
         if kind == "dflash2" else None
     block = {"none": 1, "mtp": 16}.get(kind, dgeo.block_size if dgeo else 1)
     inp = B.BudgetInputs(context=context, block=block, device_type="cuda", available_bytes=free, total_bytes=total,
-                         weight_bytes=2, kv_bytes=2, prefill_chunk=512)
+                         weight_bytes=2, kv_bytes=2, prefill_chunk=512, capability=capability,
+                         cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     return B.compute_budget(geo, kind, inp, dflash2=dgeo, quant=quant)
 
 
@@ -64,6 +67,8 @@ def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str,
 
     before = torch.cuda.memory_reserved()
     eng = Engine.build(NANO, kind, drafter_path=path, device="cuda", context=context, expert_slots=slots)
+    torch.cuda.synchronize()
+    after_build = torch.cuda.memory_reserved() - before
     g = torch.Generator().manual_seed(context)
     ids = torch.randint(2, eng.model.cfg.vocab_size, (context - 8,), generator=g).tolist()
     res = eng.generate(ids, max_new_tokens=4, stop_ids=set())
@@ -71,8 +76,51 @@ def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str,
     out = {"peak_reserved": torch.cuda.max_memory_reserved() - before,
            "peak_allocated": torch.cuda.max_memory_allocated(), "baseline_reserved": before,
            "memory_report": eng.memory_report(), "generated": len(res.token_ids),
-           "expert_cache": eng.experts.stats()}
+           "expert_cache": eng.experts.stats(), "reserved_after_build": after_build,
+           "segments": segments()}
     out["step_errors"] = list(eng.step.errors) if eng.step is not None else []
+    return out
+
+
+def segments() -> list[dict[str, Any]]:
+    """Reserved memory by (stream, pool, segment type): where the reservation went (graph pools have a pool id)."""
+    agg: dict[tuple, dict[str, Any]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = (seg.get("stream", 0), str(seg.get("segment_pool_id", "")), seg.get("segment_type", ""))
+        a = agg.setdefault(key, {"stream": key[0], "pool": key[1], "type": key[2], "segments": 0, "bytes": 0,
+                                 "allocated": 0, "sizes": []})
+        a["segments"] += 1
+        a["bytes"] += seg["total_size"]
+        a["allocated"] += seg.get("allocated_size", 0)
+        a["sizes"].append(seg["total_size"])
+    return list(agg.values())
+
+
+def check_attention() -> dict[str, Any]:
+    """The chunked-prefill attention on this GPU: equal to the boolean-mask path, and its peak extra memory at
+    128k (a [chunk x context] score tensor per head would be ~0.5 GiB; flash needs a few MiB)."""
+    import torch.nn.functional as F
+
+    from runtime.models.qwen3_moe import cached_attention
+
+    out: dict[str, Any] = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for S in (4096 + 512, 131072):
+        q = torch.randn(1, 4, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        new = cached_attention(q, k, v, 0.125)
+        torch.cuda.synchronize()
+        out[f"extra_peak_mib_{S}"] = (torch.cuda.max_memory_allocated() - base) / MIB
+        if S < 10000:
+            mask = torch.arange(S, device="cuda")[None, :] <= torch.arange(S - 512, S, device="cuda")[:, None]
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125,
+                                                 enable_gqa=True)
+            out["max_abs_diff_vs_fp32_mask"] = float((new.float() - ref).abs().max())
+        del q, k, v, new
     return out
 
 
@@ -91,7 +139,8 @@ def measure_fresh(kind: str, path: Path | None, context: int, slots: int, timeou
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--contexts", default="4096,131072,32768,8192",
+                    help="in this order (a timeout loses the last ones)")
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -103,6 +152,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("bench/budget.py needs a CUDA GPU.")
     deadline = Deadline(args.max_seconds)
     res: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": []}
+    cap = tuple(torch.cuda.get_device_capability())
+    try:
+        res["attention_check"] = check_attention()
+    except Exception as e:  # noqa: BLE001 - recorded, the rows still run
+        res["attention_check"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    print(f"  attention check: {res['attention_check']}", flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
     rows = []
     with tempfile.TemporaryDirectory() as td:
         drafters: list[tuple[str, str, str, Path | None]] = [("none", "none", "bf16", None), ("mtp", "mtp", "bf16", None),
@@ -123,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info()
                 free += torch.cuda.memory_reserved()      # what this (parent) process holds is free for the row
-                b = predict(kind, quant, ctx, free, total)
+                b = predict(kind, quant, ctx, free, total, cap)
                 rec: dict[str, Any] = {"context": ctx, "drafter": label, "budget": b.to_dict()}
                 try:
                     m = measure_fresh(kind, path, ctx, b.expert_cache_slots, deadline.left())
@@ -141,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     rec["oom" if failed == "OOM" else "failed"] = str(e)[:300]
                     rows.append([ctx, label, b.expert_cache_slots, None, None, None, failed, None])
                 res["rows"].append(rec)
+                write_json("budget.json", res)          # after every row: a timeout keeps what was measured
                 print(f"  ctx {ctx} {label}: " + (f"predicted {rec.get('predicted', 0) / MIB:.1f} MiB, measured "
                       f"{rec.get('peak_reserved', 0) / MIB:.1f} MiB" if "predicted" in rec else "no measurement"),
                       flush=True)

@@ -4,7 +4,9 @@ Policy (simple and static, so memory is exactly what the budget says): the slots
 layers and, within a layer, go to the lowest expert ids (a calibrated routing histogram can later choose them).
 A non-resident expert is computed on the CPU: its rows are copied to the host, run through the CPU copy of the
 expert, and the result is copied back (no weight traffic, only activations). On a machine without a GPU every
-expert is resident. Hits (resident) and misses (CPU-served) are counted per expert call.
+expert is resident. Hits (resident) and misses (CPU-served) count (token, expert) pairs: rows x top_k per MoE layer.
+The stacked Triton paths (fully resident layers) never tell the host which experts they used, but every real row
+there is a hit, so they report `count_rows(layer, n)` from the host (no sync).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ExpertCache:
         self.misses = 0
         for blk in self.blocks.values():
             blk.runner = self.run
+            blk.counter = self.count_rows
 
     def place(self, model: nn.Module) -> None:
         """Move the model to the device, leaving non-resident experts in CPU memory."""
@@ -67,12 +70,18 @@ class ExpertCache:
     def run(self, layer: int, e: int, rows: Tensor) -> Tensor:
         expert = self.blocks[layer].experts[e]
         if (layer, e) in self.resident:
-            self.hits += 1
+            self.hits += rows.shape[0]
             return expert(rows)
-        self.misses += 1
+        self.misses += rows.shape[0]
         w = expert.gate_proj.weight
         y = expert(rows.to(w.device, w.dtype))
         return y.to(rows.device, rows.dtype)
+
+    def count_rows(self, layer: int, n: int) -> None:
+        """`n` real rows went through layer `layer` on the stacked (all-resident) path: n x top_k hits."""
+        blk = self.blocks.get(layer)
+        if blk is not None:
+            self.hits += int(n) * blk.top_k
 
     @property
     def resident_nbytes(self) -> int:

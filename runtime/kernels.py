@@ -466,3 +466,41 @@ def moe_routed(x: Tensor, residual: Tensor, idx: Tensor, w: Tensor, se: Tensor, 
     _moe_sum_res_kernel[(T, triton.cdiv(H, BS))](y, idx, residual, out, E, H, y.stride(0), residual.stride(0),
                                                    TOPK=k, BN=BS)
     return out
+
+
+# ------------------------------------------------------------------------------------ DFlash2 dynamic convolution
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dyn_conv_kernel(h_ptr, d_ptr, b_ptr, o_ptr, H, NG, stride_h, stride_d, stride_o,
+                         K: tl.constexpr, G: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.arange(0, BH)
+        m = c < H
+        dt = o_ptr.dtype.element_ty
+        acc = tl.zeros((BH,), dtype=tl.float32)
+        for o in tl.static_range(K):
+            ok = t >= o
+            src = tl.maximum(t - o, 0)
+            v = tl.load(h_ptr + src * stride_h + c, mask=m & ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + o * H + c, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(d_ptr + t * stride_d + o * NG + c // G, mask=m, other=0.0).to(tl.float32)
+            acc = (acc + (b * v).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            acc = (acc + (dy * v).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        tl.store(o_ptr + t * stride_o + c, acc.to(dt), mask=m)
+
+
+def dyn_conv(h: Tensor, dyn: Tensor, half: int, base: Tensor, kernel_size: int, group_size: int) -> Tensor:
+    """DFlash2's grouped dynamic causal convolution over one window's rows in one launch (ARTIFACTS §2 step 4):
+    h [W, H]; dyn [W, 2*K*H/G] = kernel_projection(h_in) (the `half` 0 for prepare, 1 for finish); base [K, H].
+    out[t] = Σ_o base[o] * h[t-o] + dyn[t, half, o] * h[t-o], rounded in h's dtype after every product and add,
+    in the order of `GroupedDynamicCausalConv.conv` (so the bits are the module's)."""
+    W, H = h.shape
+    ng = H // group_size
+    h = h.contiguous()
+    base = base.contiguous()
+    d = dyn[:, half * kernel_size * ng:]
+    out = torch.empty_like(h)
+    _dyn_conv_kernel[(W,)](h, d, base, out, H, ng, h.stride(0), dyn.stride(0), out.stride(0), K=kernel_size,
+                           G=group_size, BH=triton.next_power_of_2(H))
+    return out

@@ -196,6 +196,10 @@ class StaticStep:
                 self._degrade(e)
                 out = self._forward(key)
         logits, hidden, tap_t = out
+        if self.use_kernels:      # the kernels bypass SparseMoe.forward: count the T real rows from the host
+            for layer in self.model.model.layers:
+                if isinstance(layer.mlp, SparseMoe) and layer.mlp.counter is not None:
+                    layer.mlp.counter(layer.mlp.layer_idx, T)
         kv.length = start + T
         return TargetOutput(logits=logits[None, :T], hidden=hidden[None, :T].clone(),
                             taps=None if tap_t is None else tap_t[None, :T].clone())

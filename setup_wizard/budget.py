@@ -14,6 +14,12 @@ What is counted (bytes):
 - `logits = block * vocab * 4` for the verify window, the same again for a drafter that makes logits.
 - `scratch`: the largest transient forward (see `scratch_bytes`).
 - `headroom`: elastic growth and allocator slack on a GPU (see `headroom_bytes`); `reserve`: the user's reserve.
+On a GPU three more items make the prediction one of *reserved* memory (`torch.cuda.max_memory_reserved`):
+- `workspace`: cuBLAS workspaces, one per stream that runs matmuls (the default stream and, with CUDA graphs, the
+  capture stream), each `cublas_workspace_bytes(capability)` (torch's default: 32 MiB on sm90, else 8 MiB + 128 KiB).
+- `graph_pool`: the CUDA graphs' private pools (one per captured graph) and the capture stream's warm-up segments.
+- `allocator`: the caching allocator's rounding of every persistent and transient allocation into segments
+  (see `segment_bytes`: 2 MiB segments for requests <= 1 MiB, 20 MiB for < 10 MiB, else rounded up to 2 MiB).
 Then `expert_cache` slots = remaining // bytes of one expert, capped at the number of experts, never negative.
 """
 
@@ -38,9 +44,23 @@ ITEM_ORDER = (
     "drafter_kv",
     "logits",
     "scratch",
+    "workspace",
+    "graph_pool",
+    "allocator",
     "headroom",
     "reserve",
 )
+
+# torch's CUDACachingAllocator (c10/cuda/CUDACachingAllocator.cpp): kMinBlockSize, kSmallSize, kSmallBuffer,
+# kLargeBuffer, kMinLargeAlloc, kRoundLarge
+ALLOC_ROUND = 512
+SMALL_SIZE = 1 * MIB
+SMALL_SEGMENT = 2 * MIB
+LARGE_SEGMENT = 20 * MIB
+MIN_LARGE_ALLOC = 10 * MIB
+ROUND_LARGE = 2 * MIB
+# graphs the drafter's own graph runner captures in a short generation (runtime/drafter_graphs.py): propose, observe
+DRAFTER_GRAPHS = {"none": 0, "mtp": 2, "dflash2": 2}
 
 
 class BudgetError(ValueError):
@@ -273,6 +293,9 @@ class BudgetInputs:
     kv_bytes: int = 2
     prefill_chunk: int = 512
     headroom_bytes: int | None = None  # None: headroom_bytes(device_type, total_bytes)
+    capability: tuple[int, int] | None = None  # CUDA compute capability; None: assume sm90's larger workspace
+    cublas_workspace_config: str | None = None  # the CUBLAS_WORKSPACE_CONFIG value the runtime will see, if any
+    graphs: bool = True  # the runtime captures CUDA graphs (a second stream, graph pools)
 
 
 @dataclass
@@ -329,15 +352,115 @@ def headroom_bytes(device_type: str, total_bytes: int) -> int:
     return int(min(max(total_bytes * 0.02, 64 * MIB), 1024 * MIB))
 
 
-def scratch_bytes(t: TargetGeometry, *, context: int, block: int, prefill_chunk: int, act_bytes: int) -> int:
+def scratch_bytes(t: TargetGeometry, *, context: int, block: int, prefill_chunk: int, act_bytes: int,
+                  flash: bool = False) -> int:
     """The largest transient forward the runtime runs: `rows = max(prefill_chunk, block)` rows through one layer.
-    Attention scores `rows * heads * context * 4` (fp32 softmax) plus the activations of one layer
+    Attention scores `rows * heads * context * 4` (fp32 softmax; none with `flash`, the CUDA path, which keeps only
+    a `rows * heads * 4` log-sum-exp) plus the activations of one layer
     `rows * (4*hidden + (heads + 2*kv_heads)*head_dim + 3*max(intermediate, top_k*moe_intermediate)) * act_bytes`."""
     rows = max(min(prefill_chunk, context), block, 1)
-    scores = rows * t.heads * context * 4
+    scores = rows * t.heads * (4 if flash else context * 4)
     width = 4 * t.hidden + (t.heads + 2 * t.kv_heads) * t.head_dim
     width += 3 * max(t.intermediate, t.top_k * t.moe_intermediate)
     return scores + rows * width * act_bytes
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None = None, config: str | None = None) -> int:
+    """One cuBLAS workspace as torch sizes it (at::cuda `getChosenWorkspaceSize`): `CUBLAS_WORKSPACE_CONFIG`
+    ":SIZE_KiB:COUNT[:SIZE_KiB:COUNT...]" when set (sum of SIZE*COUNT KiB), else 4096 KiB * 8 = 32 MiB on sm90 and
+    4096 KiB * 2 + 16 KiB * 8 elsewhere. Unknown capability: the sm90 size (the larger)."""
+    if config:
+        parts = [p for p in config.split(":") if p]
+        if len(parts) % 2 == 0 and parts and all(p.isdigit() for p in parts):
+            return sum(int(parts[i]) * int(parts[i + 1]) * 1024 for i in range(0, len(parts), 2))
+    if capability is None or tuple(capability) == (9, 0):
+        return 4096 * 1024 * 8
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def alloc_size(n: int) -> int:
+    """A request as the caching allocator rounds it (multiples of 512 B, at least 512 B)."""
+    return max(ALLOC_ROUND, -(-n // ALLOC_ROUND) * ALLOC_ROUND)
+
+
+def segment_bytes(sizes: list[int]) -> int:
+    """Reserved bytes for allocations that are all alive at once, packed the way the caching allocator does:
+    requests <= 1 MiB share 2 MiB segments, requests < 10 MiB share 20 MiB segments (best fit, first the largest),
+    larger ones get their own segment rounded up to 2 MiB."""
+    small = sum(alloc_size(n) for n in sizes if 0 < n <= SMALL_SIZE)
+    total = -(-small // SMALL_SEGMENT) * SMALL_SEGMENT
+    free: list[int] = []
+    for n in sorted((alloc_size(n) for n in sizes if SMALL_SIZE < n < MIN_LARGE_ALLOC), reverse=True):
+        fit = [i for i, f in enumerate(free) if f >= n]
+        if fit:
+            i = min(fit, key=lambda j: free[j])
+            free[i] -= n
+        else:
+            free.append(LARGE_SEGMENT - n)
+            total += LARGE_SEGMENT
+    total += sum(-(-n // ROUND_LARGE) * ROUND_LARGE for n in sizes if n >= MIN_LARGE_ALLOC)
+    return total
+
+
+def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, context: int, block: int,
+                       dflash2: DFlash2Geometry | None = None, quant: str = "bf16") -> list[int]:
+    """Byte sizes of the runtime's persistent tensors one by one (what the allocator is asked for): embeddings,
+    lm_head, each layer's stacked q/k/v, o_proj, norms, router, stacked experts (gate_up, down), K and V caches,
+    logits buffers, the drafter's matrices and its cache. Their sum is close to the exact items; the list is what
+    `segment_bytes` rounds."""
+    h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
+    out = [t.vocab * h * wb] * (1 if t.tie_embeddings else 2) + [h * wb]
+    for i in range(t.layers):
+        sparse = i in t.sparse_layers
+        out += [(q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb, t.head_dim * wb, t.head_dim * wb]
+        if sparse:
+            out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
+                    t.experts * h * t.moe_intermediate * wb]
+        else:
+            out += [t.intermediate * h * wb] * 3
+    out += [t.layers * kv * context * kb] * 2
+    out.append(block * t.vocab * 4)
+    if drafter == "mtp":
+        out += [h * wb] * 3 + [2 * h * h * wb, (q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb]
+        if t.mtp_sparse:
+            out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
+                    t.experts * h * t.moe_intermediate * wb]
+        out += [kv * context * kb] * 2 + [block * t.vocab * 4]
+    elif drafter == "dflash2" and dflash2 is not None:
+        d = dflash2
+        for rows, cols in d.backbone_shapes():
+            out.append(rows * cols * wb if quant == "bf16" else rows * (cols // 32) * QUANT_BLOCK_BYTES[quant])
+        out += [d.selector_rank * d.hidden * wb, d.vocab * d.selector_rank * wb, d.vocab * d.selector_rank * wb]
+        out += [d.layers * d.kv_heads * d.head_dim * context * kb] * 2 + [block * d.vocab * 4]
+    return out
+
+
+def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geometry | None = None) -> list[int]:
+    """The tensors alive at the peak of one prefill chunk of `rows` rows through one target layer (flash attention:
+    no score matrix): residual, normed input, q/k/v (and their roped copies), attention output, router logits
+    (fp32 softmax), the gathered rows of the MoE loop and their expert activations, the MoE output; with DFlash2 the
+    prompt observe of the same rows (its tap concat and one drafter layer)."""
+    h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
+    out = [rows * h * wb] * 4 + [rows * q * wb] * 3 + [rows * kv * wb] * 4
+    out += [rows * t.experts * 4] * 2 + [rows * t.top_k * 8] * 2
+    if t.experts:
+        out += [rows * h * wb] * 2 + [rows * t.moe_intermediate * wb] * 3
+    else:
+        out += [rows * t.intermediate * wb] * 3
+    if dflash2 is not None:
+        d = dflash2
+        out += [rows * d.taps * h * wb, rows * d.hidden * wb * 3, rows * d.intermediate * wb * 3,
+                rows * (d.heads + 2 * d.kv_heads) * d.head_dim * wb]
+    return out
+
+
+def graph_pool_bytes(t: TargetGeometry, drafter: str, width: int, wb: int) -> int:
+    """Each captured graph keeps a private pool of its step's intermediates (width `width` rows), and the warm-up on
+    the capture stream leaves its own segments: one `segment_bytes` of a step's tensors per graph, plus one."""
+    h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
+    step = [width * t.vocab * 4, width * h * wb * 4, width * (q + 2 * kv) * wb * 2, width * t.top_k * 16]
+    n = 1 + DRAFTER_GRAPHS.get(drafter, 0)
+    return (n + 1) * segment_bytes(step)
 
 
 def kv_bytes(layers: int, kv_heads: int, head_dim: int, kv_dtype_bytes: int, context: int) -> int:
@@ -386,9 +509,18 @@ def compute_budget(
     else:
         items["drafter_kv"] = 0
     items["logits"] = block * target.vocab * 4 * (2 if drafter != "none" else 1)
+    cuda = inputs.device_type == "cuda"
     items["scratch"] = scratch_bytes(
-        target, context=ctx, block=block, prefill_chunk=inputs.prefill_chunk, act_bytes=wb
+        target, context=ctx, block=block, prefill_chunk=inputs.prefill_chunk, act_bytes=wb, flash=cuda
     )
+    if cuda:
+        ws = cublas_workspace_bytes(inputs.capability, inputs.cublas_workspace_config)
+        items["workspace"] = ws * (2 if inputs.graphs else 1)
+        items["graph_pool"] = graph_pool_bytes(target, drafter, block, wb) if inputs.graphs else 0
+        rows = max(min(inputs.prefill_chunk, ctx), block, 1)
+        pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant)
+        trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None)
+        items["allocator"] = max(segment_bytes(pers) - sum(pers), 0) + max(segment_bytes(trans) - items["scratch"], 0)
     hr = inputs.headroom_bytes
     items["headroom"] = headroom_bytes(inputs.device_type, inputs.total_bytes) if hr is None else hr
     items["reserve"] = inputs.reserve_bytes

@@ -449,6 +449,36 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
 
 
 @torch.no_grad()
+def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """The greedy selector walk of `select_walk` (no floor cut) as a lattice, without a host read: anchor [1] int64
+    on the device. Every row's score for every predecessor candidate is computed at once (row 0's predecessor is
+    the anchor, row r's are the k candidates of row r-1), the best successor of each predecessor is taken, and the
+    walk is then a chain of R-1 one-element gathers. Returns (tokens [R], confidence [R]).
+
+    Same picks as the sequential walk: each row's scores are the same sums (ties go to the first candidate in
+    both, `argmax`); only the reduction order of the rank-r pair term can differ in the last bit."""
+    R = logits.shape[0]
+    k = selector.top_k
+    unary, cand = torch.topk(logits.float(), k, dim=-1)                        # [R, k]
+    hp = selector.hidden_projection(hs).float()                                # [R, r]
+    succ = selector.successor_codebook[cand].float()                           # [R, k(i), r]
+    prev = torch.cat([anchor.reshape(1, 1).expand(1, k), cand[:-1]], dim=0)    # [R, k(j)]
+    a = selector.predecessor_codebook[prev].float() * hp[:, None, :]           # [R, k(j), r]
+    score = unary[:, None, :] + torch.matmul(a, succ.transpose(1, 2))          # [R, j, i]
+    best = torch.argmax(score, dim=-1)                                         # [R, j]
+    cur = best[0, :1]
+    idxs = [cur]
+    for r in range(1, R):
+        cur = best[r].index_select(0, cur)
+        idxs.append(cur)
+    idx = torch.cat(idxs)                                                      # [R]
+    j = torch.cat([torch.zeros_like(idx[:1]), idx[:-1]])                       # each row's predecessor index
+    row = score.gather(1, j[:, None, None].expand(R, 1, k))[:, 0]             # [R, k]
+    conf = torch.softmax(row, dim=-1).gather(-1, idx[:, None])[:, 0]
+    return cand.gather(-1, idx[:, None])[:, 0], conf
+
+
+@torch.no_grad()
 def argmax_walk(logits: Tensor, *, min_p: float = 0.0, sampling: SamplingParams | None = None,
                 generator: torch.Generator | None = None) -> Walk:
     """The v1 layout (no selector): argmax per row, or a draw from `runtime.sampling.probs` (the target's own

@@ -198,6 +198,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
+def cached_attention(q: Tensor, keys: Tensor, vals: Tensor, scale: float) -> Tensor:
+    """q [B, nh, T, hd] at the last T positions of keys/vals [B, nkv, S, hd]: row i sees keys 0..S-T+i.
+
+    Why not a boolean mask: any explicit mask over the cache prefix rules out the flash kernel and, with GQA, sends
+    SDPA to the math kernel, which materialises [T x S] scores per head (4.4 GB at 128k for a 512-row chunk). The
+    lower-right causal bias is the same mask, but SDPA hands it to the flash (or mem-efficient) kernel without ever
+    building it; where neither applies (CPU) it is materialised once, as before."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, S = q.shape[-2], keys.shape[-2]
+    gqa = keys.shape[1] != q.shape[1]
+    if T == 1:
+        return F.scaled_dot_product_attention(q, keys, vals, scale=scale, enable_gqa=gqa)
+    if T == S:
+        return F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=causal_lower_right(T, S), scale=scale,
+                                          enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
@@ -241,12 +260,7 @@ class Attention(nn.Module):
             kb[:, :, start:end] = k.to(kb.dtype)
             vb[:, :, start:end] = v.to(vb.dtype)
             keys, vals = kb[:, :, :end].to(q.dtype), vb[:, :, :end].to(q.dtype)
-            mask = None
-            if T > 1:
-                rows = torch.arange(start, end, device=x.device)[:, None]
-                mask = torch.arange(end, device=x.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.nkv != self.nh)
+            o = cached_attention(q, keys, vals, self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -276,6 +290,7 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
+        self.counter = None  # set by ExpertCache; callable(layer_idx, n_rows): rows served by the stacked kernels
         self.layer_idx = -1
         # inference only (`stack_experts`): every expert's weights as views into two stacked tensors, transformers'
         # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
@@ -319,6 +334,8 @@ class SparseMoe(nn.Module):
             from runtime import kernels
 
             if kernels.available(x):   # experts grouped: each touched expert's weights read once
+                if self.counter is not None:
+                    self.counter(self.layer_idx, x.shape[0])
                 return kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)

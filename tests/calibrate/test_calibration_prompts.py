@@ -18,7 +18,7 @@ from calibrate.fixtures import (
     prompt_set_sha256,
 )
 
-BUNDLED_TOKENIZER = Path(__file__).resolve().parents[2] / "training" / "data" / "tokenizer.json"
+BUNDLED_TOKENIZER = Path(__file__).resolve().parents[2] / "setup_wizard" / "bundled" / "strata-nano" / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,6 @@ def test_long_prompt_is_over_2k_tokens_with_a_python_bpe(python_bpe):
     _check_counts(python_bpe)
 
 
-@pytest.mark.skipif(not BUNDLED_TOKENIZER.is_file(), reason="the bundled pack's tokenizer is not in this checkout")
 def test_long_prompt_is_over_2k_tokens_with_the_bundled_tokenizer():
     from tokenizers import Tokenizer
 

@@ -156,11 +156,80 @@ def check_mtp_graphs() -> None:
         eng.drafter.graphs = None
 
 
+def check_dyn_conv(dt: torch.dtype) -> None:
+    """The one-launch dynamic convolution equals GroupedDynamicCausalConv's prepare/finish bit for bit."""
+    from runtime.models.dflash2 import GroupedDynamicCausalConv
+
+    g = torch.Generator().manual_seed(3)
+    conv = GroupedDynamicCausalConv(64, 2, 16)
+    with torch.no_grad():
+        conv.base_kernel.copy_(torch.randn(2, 2, 64, generator=g))
+        conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g) * 0.2)
+    conv = conv.to(dt)
+    h, h2 = torch.randn(2, 7, 64, generator=g).to(dt).unbind(0)
+    with torch.no_grad():
+        ref0, d1 = conv.prepare(h[None])
+        ref1 = conv.finish(h2[None], d1)
+        dyn = conv.kernel_projection(h)
+        got0 = kernels.dyn_conv(h, dyn, 0, conv.base_kernel[0], 2, 16)
+        got1 = kernels.dyn_conv(h2, dyn, 1, conv.base_kernel[1], 2, 16)
+    assert torch.equal(got0, ref0[0]), (got0 - ref0[0]).abs().max()
+    assert torch.equal(got1, ref1[0]), (got1 - ref1[0]).abs().max()
+
+
+def check_dflash2_graphs() -> None:
+    """The DFlash2 fast graph path (fused kernels, block K/V in the cache slots, lattice walk) drafts, observes
+    and decodes as the eager path does (fp32: same tokens, same accepted counts, same draft context)."""
+    import tempfile
+
+    from runtime.drafter_graphs import DFlash2Graphs
+    from runtime.engine import Engine
+    from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
+    from tests.runtime.tiny import make_tiny_target
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        target = make_tiny_target(root, vocab=64, hidden=32, layers=3, mtp=False)
+        for v1 in (False, True):
+            cfg = drafter_config(hidden=32, inter=64, vocab=64, heads=2, kv_heads=1, head_dim=16, taps=(0, 2),
+                                 num_target_layers=3, block_size=6, top_k=4, rank=16)
+            path = write_hf_drafter(root / f"dflash2-{v1}", cfg, seed=4, v1=v1)
+            eng = Engine.build(target, "dflash2", drafter_path=path, device="cpu", context=96)
+            ids = eng.tokenizer.encode("hello there, general kenobi").ids
+            dr = eng.drafter
+            for min_p in (0.0, 0.2):
+                dr.graphs = None
+                ref = eng.generate(ids, max_new_tokens=24, spec_min_p=min_p, stop_ids=set())
+                k_ref = dr.cache.k[:, :, : dr.cache.length].clone()
+                v_ref = dr.cache.v[:, :, : dr.cache.length].clone()
+                dr.graphs = DFlash2Graphs(dr)
+                assert dr.graphs.fast
+                got = eng.generate(ids, max_new_tokens=24, spec_min_p=min_p, stop_ids=set())
+                assert dr.graphs.enabled and not dr.graphs.errors, dr.graphs.errors
+                assert dr.graphs.replays == 0   # CPU: the functions ran eagerly, through the fast path
+                assert got.token_ids == ref.token_ids
+                assert (got.stats["accepted"], got.stats["windows"]) == (ref.stats["accepted"], ref.stats["windows"])
+                n = dr.cache.length
+                assert torch.allclose(dr.cache.k[:, :, :n], k_ref, atol=1e-5)
+                assert torch.allclose(dr.cache.v[:, :, :n], v_ref, atol=1e-5)
+                # one proposal, directly: the fast draft against the eager draft at the end state
+                anchor, pos = got.token_ids[-1], n
+                eager = dr.propose(anchor, pos, 5, min_p=0.0) if dr.graphs is None else None
+                graphs, dr.graphs = dr.graphs, None
+                eager = dr.propose(anchor, pos, 5, min_p=0.0)
+                dr.graphs = graphs
+                fast = graphs.propose(anchor, pos, 5, 0.0)
+                assert torch.equal(fast.tokens, eager.tokens), (fast.tokens, eager.tokens)
+                assert torch.allclose(fast.confidence, eager.confidence, atol=1e-5)
+
+
 if __name__ == "__main__":
     for dt in (torch.float32, torch.float16):
         check_moe(dt)
         check_attention(dt)
         check_quant(dt)
+        check_dyn_conv(dt)
+    check_dflash2_graphs()
     check_fused_step()
     check_mtp_graphs()
     print("kernels ok")
