@@ -48,6 +48,8 @@ def run(
     block: int = typer.Option(None, "--block", help="Verify window width (overrides the config)."),
     spec_min_p: float = typer.Option(None, "--spec-min-p", help="Draft confidence floor (overrides the config)."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Run the target alone."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice; 1 is "
+                                "fastest for small models on a busy machine)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, stats)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
@@ -63,8 +65,15 @@ def run(
         _fail(f"--block must be >= 1, got {block}.", 2, False)
     if spec_min_p is not None and not 0 <= spec_min_p <= 1:
         _fail(f"--spec-min-p must be between 0 and 1, got {spec_min_p}.", 2, False)
+    if threads is not None and threads < 1:
+        _fail(f"--threads must be >= 1, got {threads}.", 2, False)
     try:
+        import torch
+
         from runtime.engine import Engine, SamplingParams
+
+        if threads is not None:
+            torch.set_num_threads(threads)
 
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         engine = Engine.from_config(config, **({"block": block} if block is not None else {}))

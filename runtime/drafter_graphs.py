@@ -59,19 +59,30 @@ class _Graphs:
         self.dev = device
         self.scal = torch.zeros(3, dtype=torch.long, device=device)   # anchor, pos, start
         self.cuda = device.type == "cuda"   # elsewhere (tests) the same functions run eagerly, no graph
-        self.host = torch.zeros(3, dtype=torch.long)
+        # a ring of pinned host buffers, each reused only once its last copy is done (an event, not a stream sync:
+        # the host may queue the next graph while the GPU still runs the previous one)
+        self.ring = [torch.zeros(3, dtype=torch.long) for _ in range(4)]
         if self.cuda:
-            self.host = self.host.pin_memory()
+            self.ring = [h.pin_memory() for h in self.ring]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in self.ring]
+        self.used = [False] * len(self.ring)
+        self.slot = 0
         self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.enabled = True
         self.errors: list[str] = []
         self.replays = 0
 
     def _set(self, a: int = 0, b: int = 0, c: int = 0) -> None:
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()     # the pinned buffer may still feed the last copy
-        self.host[0], self.host[1], self.host[2] = a, b, c
-        self.scal.copy_(self.host, non_blocking=self.cuda)
+        i = self.slot
+        self.slot = (i + 1) % len(self.ring)
+        host, ev = self.ring[i], self.events[i]
+        if ev is not None and self.used[i]:
+            ev.synchronize()                             # this pinned buffer may still feed its last copy
+        host[0], host[1], host[2] = a, b, c
+        self.scal.copy_(host, non_blocking=self.cuda)
+        if ev is not None:
+            ev.record()
+            self.used[i] = True
 
     def _run(self, key: object, fn) -> object | None:
         if not self.enabled:
@@ -146,6 +157,22 @@ class DFlash2Graphs(_Graphs):
         self.ar = torch.arange(self.obs_rows, device=self.dev)
         self.mask_ids = torch.full((self.obs_rows,), g.mask_token_id, dtype=torch.long, device=self.dev)
 
+    def _run(self, key: object, fn) -> object | None:
+        """A fast-path function that fails to run or capture turns the fast path off (recorded in `errors`) and the
+        plain graphs take over; the eager paths remain behind those."""
+        if self.fast and self.enabled and (not self.cuda or key not in self.graphs):
+            try:
+                if not self.cuda:
+                    return fn()
+                self.graphs[key] = capture(fn)
+            except Exception as e:
+                self.errors.append(f"fast path off: {type(e).__name__}: {str(e)[:300]}")
+                self.fast = False
+                self.graphs.clear()
+                if self.cuda:
+                    torch.cuda.synchronize()
+        return super()._run(key, fn)
+
     # -- fast path ------------------------------------------------------------------------------------------------
     def _qkv(self, i: int, y: Tensor) -> Tensor:
         a = self.d.model.layers[i].self_attn
@@ -217,7 +244,7 @@ class DFlash2Graphs(_Graphs):
             p1 = torch.softmax(logits.float(), dim=-1)
             toks = torch.argmax(logits, dim=-1)
             return toks, p1.gather(-1, toks[:, None])[:, 0]
-        return lattice_walk(sel, hs, logits, anchor)
+        return lattice_walk(sel, hs, logits, anchor, kernel=kernels.lattice_walk if self.fast else None)
 
     def _observe_fast(self) -> None:
         m = self.d.model

@@ -504,3 +504,37 @@ def dyn_conv(h: Tensor, dyn: Tensor, half: int, base: Tensor, kernel_size: int, 
     _dyn_conv_kernel[(W,)](h, d, base, out, H, ng, h.stride(0), dyn.stride(0), out.stride(0), K=kernel_size,
                            G=group_size, BH=triton.next_power_of_2(H))
     return out
+
+
+# ------------------------------------------------------------------------------------------- DFlash2 selector walk
+if HAVE_TRITON:
+
+    @triton.jit
+    def _lattice_walk_kernel(score_ptr, best_ptr, cand_ptr, tok_ptr, conf_ptr, R: tl.constexpr, K: tl.constexpr,
+                             KP: tl.constexpr):
+        i = tl.arange(0, KP)
+        m = i < K
+        j = tl.load(best_ptr)                    # row 0: every predecessor is the anchor; take column 0
+        j = j * 0
+        for r in tl.static_range(R):
+            idx = tl.load(best_ptr + r * K + j)
+            base = score_ptr + (r * K + j) * K
+            row = tl.load(base + i, mask=m, other=float("-inf"))
+            mx = tl.max(row, 0)
+            s = tl.sum(tl.exp(row - mx), 0)
+            pick = tl.load(base + idx)
+            tl.store(conf_ptr + r, tl.exp(pick - mx) / s)
+            tl.store(tok_ptr + r, tl.load(cand_ptr + r * K + idx))
+            j = idx
+
+
+def lattice_walk(score: Tensor, best: Tensor, cand: Tensor) -> tuple[Tensor, Tensor]:
+    """The selector walk's chain in one launch: score [R, k(prev), k] fp32 lattice scores, best [R, k] = argmax over
+    the last dim, cand [R, k] token ids -> (tokens [R] int64, confidence [R] fp32 = softmax of the walked row at
+    the chosen candidate). Row 0 reads predecessor column 0 (all its predecessors are the anchor)."""
+    R, k = best.shape
+    tok = torch.empty(R, dtype=torch.long, device=best.device)
+    conf = torch.empty(R, dtype=torch.float32, device=best.device)
+    _lattice_walk_kernel[(1,)](score.contiguous(), best.contiguous(), cand.contiguous(), tok, conf, R=R, K=k,
+                               KP=triton.next_power_of_2(k), num_warps=1)
+    return tok, conf

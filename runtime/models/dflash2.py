@@ -449,11 +449,13 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
 
 
 @torch.no_grad()
-def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: Tensor,
+                 kernel=None) -> tuple[Tensor, Tensor]:
     """The greedy selector walk of `select_walk` (no floor cut) as a lattice, without a host read: anchor [1] int64
     on the device. Every row's score for every predecessor candidate is computed at once (row 0's predecessor is
     the anchor, row r's are the k candidates of row r-1), the best successor of each predecessor is taken, and the
-    walk is then a chain of R-1 one-element gathers. Returns (tokens [R], confidence [R]).
+    walk is then a chain of R-1 one-element gathers (or `kernel(score, best, cand)`, one launch:
+    `runtime.kernels.lattice_walk`). Returns (tokens [R], confidence [R]).
 
     Same picks as the sequential walk: each row's scores are the same sums (ties go to the first candidate in
     both, `argmax`); only the reduction order of the rank-r pair term can differ in the last bit."""
@@ -466,6 +468,8 @@ def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor
     a = selector.predecessor_codebook[prev].float() * hp[:, None, :]           # [R, k(j), r]
     score = unary[:, None, :] + torch.matmul(a, succ.transpose(1, 2))          # [R, j, i]
     best = torch.argmax(score, dim=-1)                                         # [R, j]
+    if R and kernel is not None:
+        return kernel(score, best, cand)
     cur = best[0, :1]
     idxs = [cur]
     for r in range(1, R):

@@ -5,6 +5,11 @@ attention, padded observe rows, the on-device selector walk and the host-side fl
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,3 +63,64 @@ def test_dflash2_graph_functions_make_no_host_reads(setup):
         toks, conf = g._draft(6)
         g._observe()
     assert toks.shape == (5,) and conf.shape == (5,)
+
+
+def _selector(V: int, k: int, r: int, seed: int, integer: bool):
+    from runtime.dflash2_contract import DFlash2Geometry
+    from runtime.models.dflash2 import CandidateSelector
+    from tests.dflash2.dflash2_helpers import drafter_config
+
+    geom = DFlash2Geometry.from_config(drafter_config(hidden=16, vocab=V, top_k=k, rank=r))
+    sel = CandidateSelector(geom)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in sel.parameters():
+            v = torch.randn(p.shape, generator=g)
+            p.copy_(torch.randint(-2, 3, p.shape, generator=g).float() if integer else v)
+    return sel, g
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lattice_walk_picks_what_the_sequential_walk_picks(seed):
+    """The lattice formulation (all predecessor x candidate scores at once, then a chain of gathers) picks exactly
+    the sequential walk's tokens with its confidences: random scores, and small integers where every score is exact
+    and ties are everywhere (both take the first candidate among equals)."""
+    from runtime.models.dflash2 import lattice_walk, select_walk
+
+    integer = seed % 2 == 1
+    sel, g = _selector(V=40, k=5, r=8, seed=seed, integer=integer)
+    R = 7
+    hs = torch.randint(-1, 2, (R, 16), generator=g).float() if integer else torch.randn(R, 16, generator=g)
+    logits = torch.randint(0, 3, (R, 40), generator=g).float() if integer else torch.randn(R, 40, generator=g)
+    anchor = int(torch.randint(0, 40, (1,), generator=g))
+    ref = select_walk(sel, hs, logits, anchor)
+    toks, conf = lattice_walk(sel, hs, logits, torch.tensor([anchor]))
+    assert torch.equal(toks, ref.tokens)
+    assert torch.allclose(conf, ref.confidence, rtol=1e-6, atol=1e-7)
+    if integer:   # exact arithmetic: the same bits
+        assert torch.equal(conf, ref.confidence)
+
+
+def test_lattice_walk_ties_take_the_first_candidate():
+    """All-zero codebooks and equal logits: every score ties; both walks take candidate 0 of every row."""
+    from runtime.models.dflash2 import lattice_walk, select_walk
+
+    sel, _ = _selector(V=12, k=4, r=4, seed=0, integer=True)
+    with torch.no_grad():
+        sel.predecessor_codebook.zero_()
+    logits = torch.zeros(5, 12)
+    hs = torch.ones(5, 16)
+    ref = select_walk(sel, hs, logits, 3)
+    toks, conf = lattice_walk(sel, hs, logits, torch.tensor([3]))
+    cand0 = torch.topk(logits, 4, dim=-1).indices[:, 0]
+    assert torch.equal(ref.tokens, cand0) and torch.equal(toks, cand0)
+    assert torch.equal(conf, ref.confidence) and torch.allclose(conf, torch.full((5,), 0.25))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_dflash2_fast_graph_path_in_interpreter():
+    """The fused fast path (Triton kernels under TRITON_INTERPRET=1) decodes, accepts, observes and proposes as the
+    eager path does: tests/runtime/kernels_check.py dflash2."""
+    script = Path(__file__).resolve().parents[1] / "runtime" / "kernels_check.py"
+    r = subprocess.run([sys.executable, str(script), "dflash2"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "dflash2 graphs ok" in r.stdout, r.stderr[-2000:]

@@ -106,6 +106,19 @@ def test_cli_json_prints_the_stats_contract(setup_dir):
     assert json.loads(r2.stdout)["stats"]["drafter"] == "none"
 
 
+def test_cli_threads_sets_torch_threads_and_keeps_output(setup_dir):
+    before = torch.get_num_threads()
+    args = ["--config", str(setup_dir / "config.toml"), "--prompt", "abc", "--max-new-tokens", "6", "--json"]
+    try:
+        one = _invoke(*args, "--threads", "1")
+        assert one.exit_code == 0 and torch.get_num_threads() == 1
+        two = _invoke(*args, "--threads", "2")
+        assert two.exit_code == 0 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads(one.stdout)["token_ids"] == json.loads(two.stdout)["token_ids"]
+
+
 def test_cli_streams_then_summary(setup_dir):
     r = _invoke("--config", str(setup_dir / "config.toml"), "--prompt", "abc", "--max-new-tokens", "5")
     assert r.exit_code == 0
@@ -116,6 +129,7 @@ def test_cli_streams_then_summary(setup_dir):
     ([], 2, "--config is required"),
     (["--config", "/nonexistent/x.toml", "--prompt", "a"], 2, "does not exist"),
     (["--config", "CFG", "--prompt", "a", "--block", "0"], 2, "--block"),
+    (["--config", "CFG", "--prompt", "a", "--threads", "0"], 2, "--threads must be >= 1"),
     (["--config", "CFG", "--prompt", "a", "--temperature", "-2"], 2, "temperature"),
     (["--config", "CFG", "--prompt", "a", "--top-p", "0"], 2, "top_p"),
     (["--config", "BROKEN", "--prompt", "a"], 2, "lacks tensor"),
