@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runtime.hostinfo import cpu_name, ram_bytes
 from runtime.version import __version__ as RUNTIME_VERSION
 
 
@@ -64,32 +63,7 @@ def current_device(device_type: str | None = None) -> tuple[str, int]:
         except RuntimeError:
             total = int(props.total_memory)
         return str(props.name), total // 2**20
-    return _cpu_name(), _ram_mib()
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return "cpu: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
-
-
-def _ram_mib() -> int:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024 // 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20)
-    except (ValueError, OSError, AttributeError):
-        return 0
+    return cpu_name(), ram_bytes()[0] // 2**20
 
 
 def _table(config: dict[str, Any], name: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ keys a user added (anything outside the keys below).
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import shutil
 import tempfile
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-exported: one formula)
 
 SCHEMA = 1
 
@@ -39,21 +40,6 @@ OWNED: dict[str, set[str] | None] = {
 
 class ConfigError(Exception):
     """A config that cannot be used; the message is one sentence saying what to do (exit code 2)."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def manifest_sha256(files: Mapping[str, Mapping[str, Any]]) -> str:
-    """One hash for a folder artifact: sha256 of the sorted lines `path<TAB>sha256<TAB>size`. The target's
-    `sha256` (and so the calibration key) changes when any of its files does."""
-    lines = "".join(f"{p}\t{files[p]['sha256']}\t{int(files[p]['size'])}\n" for p in sorted(files))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def _drop_none(value: Any) -> Any:

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.hostinfo import cpu_name, ram_bytes
+
 MIB = 1 << 20
 
 
@@ -68,43 +70,6 @@ class Hardware:
         return d
 
 
-def _meminfo() -> tuple[int, int]:
-    """(total, available) RAM in bytes from /proc/meminfo, falling back to sysconf."""
-    try:
-        fields: dict[str, int] = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    fields[key] = int(parts[0]) * 1024
-        total = fields["MemTotal"]
-        return total, fields.get("MemAvailable", fields.get("MemFree", total))
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = page * os.sysconf("SC_PHYS_PAGES")
-        avail = page * os.sysconf("SC_AVPHYS_PAGES")
-        return total, avail
-    except (ValueError, OSError, AttributeError):
-        return 0, 0
-
-
-def _cpu_name() -> str:
-    """"cpu: <model name>", the same name the calibration key uses for a CPU device."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return "cpu: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
-
-
 def _disk_free(path: Path) -> int:
     p = Path(path)
     while not p.exists() and p != p.parent:
@@ -139,13 +104,13 @@ def detect(strata_home: Path, *, cpu_only: bool = False) -> Hardware:
         gpus, notes = (), ("GPU use is turned off; budgeting against RAM.",)
     else:
         gpus, notes = _gpus()
-    total, avail = _meminfo()
+    total, avail = ram_bytes()
     return Hardware(
         gpus=gpus,
         ram_total_bytes=total,
         ram_available_bytes=avail,
         disk_free_bytes=_disk_free(strata_home),
         cpu_count=os.cpu_count() or 1,
-        cpu_name=_cpu_name(),
+        cpu_name=cpu_name(),
         notes=notes,
     )

@@ -51,8 +51,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def manifest_sha256(files: Mapping[str, Mapping[str, Any]]) -> str:
-    """One hash for a folder: sha256 of sorted lines `path<TAB>sha256<TAB>size` (same formula as
-    setup_wizard.config.manifest_sha256, so a target's recorded sha256 matches)."""
+    """One hash for a folder artifact: sha256 of the sorted lines `path<TAB>sha256<TAB>size`. The config records
+    it as the target's `sha256`, so the calibration key changes when any of the target's files does."""
     lines = "".join(f"{p}\t{files[p]['sha256']}\t{int(files[p]['size'])}\n" for p in sorted(files))
     return hashlib.sha256(lines.encode()).hexdigest()
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from setup_wizard import hardware
+from runtime.hostinfo import ram_bytes
 from setup_wizard.hardware import detect
 
 
@@ -53,5 +53,5 @@ def test_meminfo_fallback(monkeypatch):
         return real_open(path, *a, **k)
 
     monkeypatch.setattr("builtins.open", no_proc)
-    total, avail = hardware._meminfo()
+    total, avail = ram_bytes()
     assert total > 0 and 0 < avail <= total
