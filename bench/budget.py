@@ -9,7 +9,12 @@ decoded, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservat
 context itself is outside it).
 `predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
 cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
-Also the runtime's own `Engine.memory_report()` total (persistent buffers only).
+Also the runtime's own `Engine.memory_report()` total (persistent buffers only), the reservation right after the
+build, where the reservation sits at the end (segments by stream, pool and type: graph pools have their own pool
+id), and a check of the chunked-prefill attention on the GPU (equal to the mask path; extra peak at 128k).
+Rows run context by context in the order given (default 4k, 128k, 32k, 8k) so a timeout loses the least needed;
+the JSON is rewritten after every row. `--rescore saved.json` scores the current budget code against a saved run's
+measured peaks on the CPU.
 """
 
 from __future__ import annotations
@@ -137,13 +142,45 @@ def measure_fresh(kind: str, path: Path | None, context: int, slots: int, timeou
     return json.loads(lines[-1][4:])
 
 
+def rescore(path: Path) -> dict[str, Any]:
+    """The current prediction for each measured row of a saved run (same free memory, capability and slots input),
+    against that run's measured peak. Written next to it as `<name>.rescored.json`."""
+    saved = json.loads(path.read_text())
+    cap = tuple(int(x) for x in str(saved.get("machine", {}).get("capability", "9.0")).split("."))
+    out: dict[str, Any] = {"source": str(path), "rows": []}
+    rows = []
+    for r in saved["rows"]:
+        if "peak_reserved" not in r:
+            continue
+        kind, _, quant = r["drafter"].partition(" ")
+        b = predict(kind, quant or "bf16", r["context"], r["budget"]["available_bytes"], r["budget"]["total_bytes"],
+                    cap)  # type: ignore[arg-type]
+        items = b.table()
+        pred = sum(v for k, v in items.items() if k not in ("headroom", "reserve"))
+        m = r["peak_reserved"]
+        rec = {"context": r["context"], "drafter": r["drafter"], "predicted": pred, "measured": m,
+               "error": (pred - m) / m, "fits": m <= pred + items["headroom"], "items": items,
+               "predicted_in_run": r.get("predicted")}
+        out["rows"].append(rec)
+        rows.append([r["context"], r["drafter"], pred / MIB, m / MIB, 100 * rec["error"], rec["fits"]])
+    print_table(f"VRAM budget (current code) vs measured peak of {path.name}",
+                ["context", "drafter", "predicted MiB", "measured MiB", "error %", "fits"], rows)
+    dst = path.with_suffix(".rescored.json")
+    dst.write_text(json.dumps(out, indent=1))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="4096,131072,32768,8192",
                     help="in this order (a timeout loses the last ones)")
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rescore", default=None, metavar="BUDGET_JSON",
+                    help="no GPU: score the current budget code against the peaks measured in a saved budget.json")
     args = ap.parse_args(argv)
+    if args.rescore is not None:
+        return rescore(Path(args.rescore))
     if args.row is not None:                      # child: one measurement, printed as JSON
         kind, path, ctx, slots = json.loads(args.row)
         print("ROW " + json.dumps(measure(kind, Path(path) if path else None, int(ctx), int(slots))), flush=True)

@@ -59,8 +59,9 @@ SMALL_SEGMENT = 2 * MIB
 LARGE_SEGMENT = 20 * MIB
 MIN_LARGE_ALLOC = 10 * MIB
 ROUND_LARGE = 2 * MIB
-# graphs the drafter's own graph runner captures in a short generation (runtime/drafter_graphs.py): propose, observe
-DRAFTER_GRAPHS = {"none": 0, "mtp": 2, "dflash2": 2}
+# graphs the drafter's own graph runner captures in a short generation (runtime/drafter_graphs.py), as counted on
+# the H200 (bench/results/h200_budget: one private pool per graph, beside the target step's)
+DRAFTER_GRAPHS = {"none": 0, "mtp": 2, "dflash2": 3}
 
 
 class BudgetError(ValueError):
@@ -384,7 +385,7 @@ def alloc_size(n: int) -> int:
 
 
 def segment_bytes(sizes: list[int]) -> int:
-    """Reserved bytes for allocations that are all alive at once, packed the way the caching allocator does:
+    """Reserved bytes for allocations on one stream, all alive at once, packed the way the caching allocator does:
     requests <= 1 MiB share 2 MiB segments, requests < 10 MiB share 20 MiB segments (best fit, first the largest),
     larger ones get their own segment rounded up to 2 MiB."""
     small = sum(alloc_size(n) for n in sizes if 0 < n <= SMALL_SIZE)
@@ -422,24 +423,28 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
     out.append(block * t.vocab * 4)
     if drafter == "mtp":
         out += [h * wb] * 3 + [2 * h * h * wb, (q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb]
+        out += [t.head_dim * wb] * 2
         if t.mtp_sparse:
             out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
                     t.experts * h * t.moe_intermediate * wb]
         out += [kv * context * kb] * 2 + [block * t.vocab * 4]
     elif drafter == "dflash2" and dflash2 is not None:
         d = dflash2
-        for rows, cols in d.backbone_shapes():
-            out.append(rows * cols * wb if quant == "bf16" else rows * (cols // 32) * QUANT_BLOCK_BYTES[quant])
-        out += [d.selector_rank * d.hidden * wb, d.vocab * d.selector_rank * wb, d.vocab * d.selector_rank * wb]
-        out += [d.layers * d.kv_heads * d.head_dim * context * kb] * 2 + [block * d.vocab * 4]
+        mats = [rows * cols * wb if quant == "bf16" else rows * (cols // 32) * QUANT_BLOCK_BYTES[quant]
+                for rows, cols in d.backbone_shapes()]
+        sel = [d.selector_rank * d.hidden * wb, d.vocab * d.selector_rank * wb, d.vocab * d.selector_rank * wb]
+        rest = d.weight_bytes(quant, float_bytes=wb) - sum(mats) - sum(sel)   # norms and convolutions, per layer
+        out += mats + sel + [rest // (d.layers + 1)] * d.layers + [rest - d.layers * (rest // (d.layers + 1))]
+        out += [d.layers * d.kv_heads * d.head_dim * context * kb] * 2 + [block * t.vocab * 4]
     return out
 
 
 def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geometry | None = None) -> list[int]:
-    """The tensors alive at the peak of one prefill chunk of `rows` rows through one target layer (flash attention:
-    no score matrix): residual, normed input, q/k/v (and their roped copies), attention output, router logits
-    (fp32 softmax), the gathered rows of the MoE loop and their expert activations, the MoE output; with DFlash2 the
-    prompt observe of the same rows (its tap concat and one drafter layer)."""
+    """The tensors alive at the peak of one prefill chunk of `rows` rows (flash attention: no score matrix).
+    Either inside one target layer: residual, normed input, q/k/v (and their roped copies), attention output, router
+    logits (fp32 softmax), the gathered rows of the MoE loop and their expert activations, the MoE output; or, with
+    DFlash2, after the chunk, while the drafter observes it (the target's layer temporaries are freed by then): the
+    chunk's hidden and taps, the fused context and one drafter layer's activations. The larger set is the peak."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
     out = [rows * h * wb] * 4 + [rows * q * wb] * 3 + [rows * kv * wb] * 4
     out += [rows * t.experts * 4] * 2 + [rows * t.top_k * 8] * 2
@@ -449,8 +454,10 @@ def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geo
         out += [rows * t.intermediate * wb] * 3
     if dflash2 is not None:
         d = dflash2
-        out += [rows * d.taps * h * wb, rows * d.hidden * wb * 3, rows * d.intermediate * wb * 3,
-                rows * (d.heads + 2 * d.kv_heads) * d.head_dim * wb]
+        obs = [rows * d.taps * h * wb, rows * h * wb, rows * d.taps * h * wb, rows * d.hidden * wb * 3,
+               rows * d.intermediate * wb * 3, rows * (d.heads + 2 * d.kv_heads) * d.head_dim * wb]
+        if sum(obs) > sum(out):
+            return obs
     return out
 
 
@@ -520,7 +527,9 @@ def compute_budget(
         rows = max(min(inputs.prefill_chunk, ctx), block, 1)
         pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant)
         trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None)
-        items["allocator"] = max(segment_bytes(pers) - sum(pers), 0) + max(segment_bytes(trans) - items["scratch"], 0)
+        # transients share the persistent tensors' segments (the free tail of the last 2 MiB small segment, the
+        # 20 MiB large ones) before new ones are made: one packing of both
+        items["allocator"] = max(segment_bytes(pers + trans) - sum(pers) - items["scratch"], 0)
     hr = inputs.headroom_bytes
     items["headroom"] = headroom_bytes(inputs.device_type, inputs.total_bytes) if hr is None else hr
     items["reserve"] = inputs.reserve_bytes
