@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from setup_wizard.budget import (
+    LARGE_SEGMENT,
     MIB,
     BudgetError,
     BudgetInputs,
@@ -185,7 +186,11 @@ def test_monotone_in_context_and_never_negative(c1, c2, avail, drafter, quant, d
         assert all(v >= 0 for v in x.items.values())
         if x.fits:
             assert x.fixed_bytes + x.expert_cache_bytes <= avail
-    assert b.fixed_bytes >= a.fixed_bytes
+    # On CUDA the budget predicts *reserved* memory, packed into the caching allocator's segments as it does;
+    # that packing (like the real allocator) can shrink by less than one 20 MiB segment when a growing tensor
+    # moves to another size class. Everything else only grows with the context.
+    slack = LARGE_SEGMENT if dev == "cuda" else 0
+    assert b.fixed_bytes >= a.fixed_bytes - slack
     assert b.expert_cache_slots <= a.expert_cache_slots
     assert not (b.fits and not a.fits)
 
