@@ -23,13 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.dflash2_contract import DFlash2Geometry
+from runtime.models.qwen3_moe import MLP, apply_rope  # the target's SiLU MLP and RoPE, one definition
 from runtime.sampling import SamplingParams, probs
 
 # ----------------------------------------------------------------------------------------------- building blocks
 
 
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype. Unlike the target's (transformers' exact
+    `weight * x`, which promotes), the weight is cast to the activations' dtype first: the drafter keeps BF16
+    norm tensors next to fp32 compute on the CPU and must not change dtype mid-layer."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,16 +44,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.to(dt) * xf.to(dt)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, heads, T, hd]; cos/sin [B or 1, T, hd]."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
 class Rotary(nn.Module):
@@ -119,30 +112,19 @@ class DraftAttention(nn.Module):
         B, T, _ = c.shape
         k = self.k_norm(self.k_proj(c).view(B, T, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(c).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        return _rope(k, cos, sin), v
+        return apply_rope(k, cos, sin), v
 
     def forward(self, y: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
                 mask: Tensor | None) -> Tensor:
         """Block rows y [B, W, H] attend to the context K/V [B or 1, nkv, C, hd] and to the block itself."""
         B, W, _ = y.shape
-        q = _rope(self.q_norm(self.q_proj(y).view(B, W, self.nh, self.hd)).transpose(1, 2), cos, sin)
+        q = apply_rope(self.q_norm(self.q_proj(y).view(B, W, self.nh, self.hd)).transpose(1, 2), cos, sin)
         kb, vb = self.kv(y, cos, sin)
         keys = torch.cat([ctx_k.to(q.dtype).expand(B, -1, -1, -1), kb], dim=2)
         vals = torch.cat([ctx_v.to(q.dtype).expand(B, -1, -1, -1), vb], dim=2)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.hd**-0.5,
                                            enable_gqa=self.nkv != self.nh)
         return self.o_proj(o.transpose(1, 2).reshape(B, W, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):
