@@ -31,8 +31,8 @@ from runtime.sampling import SamplingParams, probs
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype. Unlike the target's (transformers' exact
-    `weight * x`, which promotes), the weight is cast to the activations' dtype first: the drafter keeps BF16
-    norm tensors next to fp32 compute on the CPU and must not change dtype mid-layer."""
+    `weight * x`, which type-promotes), the weight is cast to the activations' dtype first, so the output keeps
+    the activations' dtype whatever dtype the norm tensor was loaded in."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
