@@ -52,14 +52,17 @@ class CalibrationKey:
 
 
 def current_device(device_type: str | None = None) -> tuple[str, int]:
-    """(name, total MiB) of the device calibration runs on: CUDA device 0, or this CPU and its RAM."""
+    """(name, total MiB) of the device calibration runs on: the CUDA device, or this CPU and its RAM."""
     import torch
 
-    want_cuda = device_type in (None, "cuda", "gpu") and torch.cuda.is_available()
+    # the device the engine picks for the same setting (runtime.engine: None/"auto" = CUDA when present, "cuda:N")
+    t = (device_type or "auto").lower()
+    want_cuda = (t in ("auto", "gpu") or t.split(":")[0] == "cuda") and torch.cuda.is_available()
     if want_cuda:      # the same numbers setup_wizard.hardware reports (mem_get_info total)
-        props = torch.cuda.get_device_properties(0)
+        index = int(t.split(":")[1]) if t.startswith("cuda:") and t.split(":")[1].isdigit() else 0
+        props = torch.cuda.get_device_properties(index)
         try:
-            total = int(torch.cuda.mem_get_info(0)[1])
+            total = int(torch.cuda.mem_get_info(index)[1])
         except RuntimeError:
             total = int(props.total_memory)
         return str(props.name), total // 2**20

@@ -52,7 +52,12 @@ def _dtype(x: str | torch.dtype | None) -> torch.dtype | None:
 def _device(x: str | torch.device | None) -> torch.device:
     if x is None or x == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(x)
+    try:
+        dev = torch.device(x)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise EngineConfigError(f"unknown device {x!r}; set the config's [device] type to cpu, cuda or auto.")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineConfigError("the config asks for a CUDA device but none is available; set device type to cpu.")
     return dev

@@ -34,28 +34,20 @@ def _sync(device: torch.device) -> None:
 
 
 def prefill(model, kv: KVCache, ids: list[int], taps: tuple[int, ...], chunk: int,
-            need_all: bool, on_chunk: Callable[[Tensor, Tensor, Tensor | None, int], None] | None = None
-            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Run the prompt through the target in chunks. Returns (last-row logits [V], hidden [n, H] or None,
-    taps [n, T*H] or None); hidden/taps of every row are kept only when a drafter needs them. `on_chunk(tokens,
-    hidden, taps, start)` instead hands each chunk over as it is made (the whole prompt's rows are never held)."""
+            on_chunk: Callable[[Tensor, Tensor, Tensor | None, int], None] | None = None) -> Tensor:
+    """Run the prompt through the target in chunks; returns the last row's logits [V]. `on_chunk(tokens,
+    hidden, taps, start)` hands each chunk to a drafter as it is made (the whole prompt's rows are never held)."""
     dev = kv.k.device
-    hs, ts, last = [], [], None
+    last = None
     for s in range(0, len(ids), chunk):
         part = torch.tensor([ids[s:s + chunk]], dtype=torch.long, device=dev)
         is_last = s + chunk >= len(ids)
         out = model(part, kv=kv, taps=taps, logits_to_keep=1 if is_last else -1)
         if on_chunk is not None:
             on_chunk(part[0], out.hidden[0], None if out.taps is None else out.taps[0], s)
-        elif need_all:
-            hs.append(out.hidden[0])
-            if out.taps is not None:
-                ts.append(out.taps[0])
         if is_last:
             last = out.logits[0, -1]
-    hidden = torch.cat(hs, 0) if hs else None
-    tap_t = torch.cat(ts, 0) if ts else None
-    return last, hidden, tap_t
+    return last
 
 
 def _accept_greedy(logits: Tensor, draft: list[int]) -> tuple[int, list[int]]:
@@ -140,8 +132,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
 
         if use_draft:
             drafter.reset()
-        last, _, _ = prefill(model, kv, prompt_ids, taps, prefill_chunk, need_all=False,
-                             on_chunk=observe_chunk if use_draft else None)
+        last = prefill(model, kv, prompt_ids, taps, prefill_chunk, on_chunk=observe_chunk if use_draft else None)
         first = pick(last, sp, gen)
         _sync(dev)
         t1 = time.perf_counter()
@@ -187,17 +178,18 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 acc, new = _accept_sampled(logits, draft, q, sp, gen)
             kv.rollback(pos + acc + 1)
             stats["verify_s"] += time.perf_counter() - tv
-            stats["windows"] += 1
-            stats["proposed"] += len(draft)
-            stats["accepted"] += acc
-            if use_draft:
-                stats["accepted_per_window"].append(acc)
             for j, t in enumerate(new):
                 if t in stop_ids:
                     new = new[: j + 1]
                     res.stop_reason = "stop"
                     break
             new = new[:remaining]
+            # accepted proposals that are emitted (none past a stop token): accepted <= generated_tokens - 1
+            emitted = min(acc, len(new))
+            stats["windows"] += 1
+            stats["proposed"] += len(draft)
+            stats["accepted"] += emitted
+            stats["accepted_per_window"].append(emitted)   # one entry per window, target-only windows too
             out.extend(new)
             if on_tokens:
                 on_tokens(new)

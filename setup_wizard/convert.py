@@ -361,7 +361,7 @@ def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *,
                      source_repo: str = "", source_revision: str = "", source_sha: str | None = None,
                      on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
     """The converted artifact for (source sha256, quant, converter version): reused from the store after its
-    metadata, tensor table and sizes check out, else (re)built. Returns where it is."""
+    metadata, tensor table, size and sha256 check out, else (re)built. Returns where it is."""
     store = store or Store()
     quant = _check_quant(quant)
     source = validate_source(Path(src), quant)
@@ -370,7 +370,8 @@ def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *,
     gg = d / "model.gguf"
     m = store.read_manifest(d)
     if m and m.get("verified") and gg.is_file() and gg.stat().st_size == m.get("size"):
-        if not check_gguf(gg, source.geom, quant, sha):
+        # the sha256 the config will record must be the file's: a same-size edit passes every other check
+        if not check_gguf(gg, source.geom, quant, sha) and sha256_file(gg) == m.get("sha256"):
             return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
     store.invalidate(d)
     res = convert_dflash2(src, quant, gg, source_repo=source_repo, source_revision=source_revision, source_sha=sha,
