@@ -42,6 +42,10 @@ class ConfigError(Exception):
     """A config that cannot be used; the message is one sentence saying what to do (exit code 2)."""
 
 
+class ConfigWriteError(OSError):
+    """The config could not be written (disk full, permissions); the old file, if any, is intact (exit code 1)."""
+
+
 def _drop_none(value: Any) -> Any:
     """TOML has no null: leave such keys out."""
     if isinstance(value, Mapping):
@@ -70,7 +74,11 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
     """Atomic write: temp file in the same folder, fsync, re-parse to verify, keep the old file as `.bak`, rename.
     An interruption at any point leaves either the old config or the new one, never half of one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigWriteError(f"Cannot create the folder for the config {path} ({exc.strerror or exc}); pass "
+                               f"--config-out elsewhere.") from exc
     doc = _drop_none(doc)
     if keep_user_keys and path.exists():
         try:
@@ -81,7 +89,12 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
     text = tomli_w.dumps(doc)
     if tomllib.loads(text) != doc:  # pragma: no cover - tomli_w round-trips what it accepts
         raise ConfigError("The config did not survive a TOML round trip; this is a bug, please report it.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise ConfigWriteError(f"Cannot write the config {path} ({exc.strerror or exc}); check that folder's "
+                               f"permissions and free space, or pass --config-out elsewhere.") from exc
+    tmp_bak: str | None = None
     try:
         mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
         os.fchmod(fd, mode)
@@ -97,8 +110,16 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
             os.replace(tmp_bak, bak)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except OSError as exc:
+        for t in (tmp, tmp_bak):
+            if t:
+                Path(t).unlink(missing_ok=True)
+        raise ConfigWriteError(f"Cannot write the config {path} ({exc.strerror or exc}); check that folder's "
+                               f"permissions and free space, or pass --config-out elsewhere.") from exc
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for t in (tmp, tmp_bak):
+            if t:
+                Path(t).unlink(missing_ok=True)
         raise
     return path
 

@@ -120,10 +120,16 @@ def verified_entry(entry: CatalogEntry, store: Store | None = None, *, rehash: b
 class _HashingWriter:
     """A file object for `http_get`: hashes every byte written and advances a progress bar."""
 
-    def __init__(self, f: BinaryIO, hasher: Any, on_bytes: Callable[[int], None]) -> None:
-        self._f, self.hasher, self._on = f, hasher, on_bytes
+    def __init__(self, f: BinaryIO, hasher: Any, on_bytes: Callable[[int], None], limit: int | None = None,
+                 what: str = "the file") -> None:
+        self._f, self.hasher, self._on, self._limit, self._what = f, hasher, on_bytes, limit, what
 
     def write(self, data: bytes) -> int:
+        if self._limit is not None and self._f.tell() + len(data) > self._limit:
+            # a server that sends more than the pin allows never gets to fill the disk
+            raise ChecksumError(f"The server sent more than the {self._limit} bytes pinned for {self._what}; "
+                                f"the download was discarded. Retry later; if it fails again the source or the "
+                                f"pin is wrong.")
         self.hasher.update(data)
         self._on(len(data))
         return self._f.write(data)
@@ -259,12 +265,15 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
             progress.update(task, advance=n)
 
     with open(part, "ab") as f:
-        w = _HashingWriter(f, hasher, on_bytes)
+        w = _HashingWriter(f, hasher, on_bytes, int(want["size"]), f"{rel} of {entry.name}")
         try:
             http_get(location, w, resume_size=resume, headers=headers, expected_size=int(want["size"]),
                      displayed_filename=rel)
         except _network_errors() + (OSError,) as exc:
             w.flush()
+            if isinstance(exc, ChecksumError):
+                f.close()
+                part.unlink(missing_ok=True)
             if isinstance(exc, DownloadError):
                 raise
             kept = part.stat().st_size if part.exists() else 0

@@ -10,7 +10,7 @@ what a config uses without --force).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,8 @@ def verify_models(name: str | None = None, store: Store | None = None,
             doc.update({"verified": False, "verify_failed": problems[0]})
             if not it.manifest.get("corrupt"):
                 store.write_manifest(it.path, doc)
-        res.append({"name": it.name, "path": str(it.artifact_path), "ok": not problems, "problems": problems})
+        res.append({"name": it.name, "kind": it.kind, "path": str(it.artifact_path), "ok": not problems,
+                    "problems": problems})
     return res
 
 
@@ -263,6 +264,12 @@ def pull_cmd(name: str = typer.Argument(..., help="Catalog entry to download and
                     soft_wrap=True)
 
 
+def _retry_hint(row: Mapping[str, Any]) -> str:
+    if row.get("kind") == "converted":
+        return "rerun strata-setup (or strata-setup convert) to rebuild it"
+    return f"pull it again with `strata-setup models pull {row['name']}`"
+
+
 @models_app.command("verify")
 def verify_cmd(name: str | None = typer.Argument(None, help="Only this entry/item (default: everything)."),
                json_out: bool = JSON, debug: bool = DEBUG) -> None:
@@ -276,7 +283,7 @@ def verify_cmd(name: str | None = typer.Argument(None, help="Only this entry/ite
             c.print("Nothing in the store to verify.")
         for r in res:
             c.print(f"{'[green]ok[/green]' if r['ok'] else '[red]FAILED[/red]'}  {r['name']}  {r['path']}"
-                    + ("" if r["ok"] else f"  ({r['problems'][0]}; pull it again)"), highlight=False)
+                    + ("" if r["ok"] else f"  ({r['problems'][0]}; {_retry_hint(r)})"), highlight=False)
     if not all(r["ok"] for r in res):
         raise typer.Exit(1)
 
@@ -322,6 +329,11 @@ def convert_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from setup_wizard.convert import convert_dflash2
+
+    if out.is_dir():
+        Console(stderr=True).print(f"[red]Error:[/red] -o {out} is a folder; pass the output file path, such as "
+                                   f"{out / 'dflash2.gguf'}.", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
     def work():
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

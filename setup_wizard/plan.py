@@ -106,7 +106,12 @@ def safetensors_inventory(folder: Path) -> dict[str, int]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            wmap = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted({str(v) for v in wmap.values()})
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise UsageError(f"{index} is not a valid safetensors index (no weight_map); the folder {folder} is "
+                             f"damaged, download it again.") from None
     else:
         shards = ["model.safetensors"]
     out: dict[str, int] = {}
@@ -116,18 +121,22 @@ def safetensors_inventory(folder: Path) -> dict[str, int]:
         p = folder / shard
         if not p.is_file():
             raise UsageError(f"{folder} has no {shard}; point --target at a Hugging Face model folder.")
-        with open(p, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100 * MIB:
-                raise UsageError(f"{p} has an implausible safetensors header; the file is damaged.")
-            header = json.loads(f.read(n))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            count = 1
-            for d in meta["shape"]:
-                count *= int(d)
-            out[name] = count
+        try:
+            with open(p, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100 * MIB:
+                    raise ValueError("header too long")
+                header = json.loads(f.read(n))
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                count = 1
+                for d in meta["shape"]:
+                    count *= int(d)
+                out[name] = count
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise UsageError(f"{p} is not a valid safetensors file (its header cannot be read); the folder "
+                             f"{folder} is damaged, download it again.") from None
     return out
 
 
@@ -202,6 +211,20 @@ class Choices:
             raise UsageError(f"--context must be a positive number of tokens, not {self.context}.")
         if self.vram_reserve_mib is not None and self.vram_reserve_mib < 0:
             raise UsageError(f"--vram-reserve-mib cannot be negative ({self.vram_reserve_mib}).")
+        if self.config_out is not None:
+            check_config_out(Path(self.config_out).expanduser())
+
+
+def check_config_out(path: Path) -> None:
+    """Refuse a --config-out that can never be written, before anything is downloaded or converted."""
+    if path.is_dir():
+        raise UsageError(f"--config-out {path} is a folder; pass a file path such as {path / 'strata.toml'}.")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--config-out {path} is not in a writable folder ({parent} is not one); "
+                         f"pass a path you can write to.")
 
 
 ANSWER_KEYS = {f: f for f in ("target", "drafter", "dflash2_head", "dflash2_quant", "context", "vram_reserve_mib",
@@ -215,9 +238,12 @@ def load_answers(path: Path) -> Choices:
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UsageError(f"The answers file {path} does not exist.") from None
+        raise UsageError(f"The answers file {path} does not exist; pass the path of a TOML answers file.") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"The answers file {path} is not valid TOML ({exc}).") from None
+    except OSError as exc:
+        raise UsageError(f"The answers file {path} cannot be read ({exc.strerror or exc}); pass a readable TOML "
+                         f"file.") from None
     out = Choices()
     for key, value in raw.items():
         k = key.replace("-", "_")

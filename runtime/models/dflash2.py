@@ -392,6 +392,10 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
     greedy takes argmax(score), sampling draws from softmax(score / T) and keeps that row as q. The result stops
     before the first row whose confidence is below `min_p` (that row dropped).
 
+    Sampling with a floor: whether a row is kept depends on the token drawn there, so a kept row's token is
+    distributed as q restricted to the candidates that pass the floor, and that (renormalised) row is the q
+    returned; accepting with min(1, p/q) against the unrestricted row would bias the output (`_floor_q`).
+
     The walk stays on the device (no host sync per row): all rows are walked, then cut once at the floor. Later
     rows never change earlier ones, so the kept rows are exactly those of a walk that stopped at the floor."""
     R, V = logits.shape
@@ -417,17 +421,29 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
                     q=torch.zeros(0, V, device=dev) if temperature > 0 else None)
     idx = torch.stack(toks)                                                    # [R] index into the candidates
     score = torch.stack(scores)                                                # [R, k]
-    conf = torch.softmax(score, dim=-1).gather(-1, idx[:, None])[:, 0]
+    conf_all = torch.softmax(score, dim=-1)                                    # [R, k] T=1: the floor statistic
+    conf = conf_all.gather(-1, idx[:, None])[:, 0]
     tokens = cand.gather(-1, idx[:, None])[:, 0]
     q = None
     if temperature > 0:
-        q = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter(-1, cand, torch.softmax(score / temperature, -1))
+        qk = torch.softmax(score / temperature, -1)
+        if min_p > 0:
+            qk = _floor_q(qk, conf_all >= min_p)
+        q = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter(-1, cand, qk)
     m = R
     if min_p > 0:
         low = (conf < min_p).nonzero()
         if len(low):
             m = int(low[0, 0])
     return Walk(tokens=tokens[:m], confidence=conf[:m], q=None if q is None else q[:m])
+
+
+def _floor_q(q: Tensor, passes: Tensor) -> Tensor:
+    """q [R, n] restricted to the entries that pass the floor, renormalised per row: the distribution of a draw
+    from q given that it is kept. A kept row always has mass (its own token passes); a row past the cut may have
+    none and stays zero (it is dropped anyway)."""
+    q = q * passes
+    return q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
 
 
 @torch.no_grad()
@@ -474,6 +490,8 @@ def argmax_walk(logits: Tensor, *, min_p: float = 0.0, sampling: SamplingParams 
     if sampling is not None and not sampling.greedy:
         q = probs(logits, sampling)
         toks = torch.multinomial(q, 1, generator=generator)[:, 0]
+        if min_p > 0:
+            q = _floor_q(q, p1 >= min_p)       # a kept row's token is q restricted to the floor (see select_walk)
     else:
         q, toks = None, torch.argmax(logits, dim=-1)
     conf = p1.gather(-1, toks[:, None])[:, 0]

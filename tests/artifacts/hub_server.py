@@ -11,7 +11,8 @@ client takes the metadata from the redirect and fetches the bytes from the CDN U
 
 Fault injection: `tamper[(repo, path)] = bytes` serves other bytes of the same size; `drop[(repo, path)] = n`
 sends the full Content-Length, then only n bytes, then closes the connection (once, on the first GET
-without a Range header).
+without a Range header); `pad[(repo, path)] = bytes` appends bytes to every GET body while HEAD and the
+redirect still report the true size (a server that sends more than it announced).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class FakeHub:
         self.repos: dict[str, dict[str, dict[str, bytes]]] = {}   # repo -> revision -> path -> bytes
         self.tamper: dict[tuple[str, str], bytes] = {}
         self.drop: dict[tuple[str, str], int] = {}
+        self.pad: dict[tuple[str, str], bytes] = {}               # extra bytes after a GET body (HEAD: true size)
         self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header), bytes served
         self.redirects: list[str] = []                             # resolve paths answered with a 302
         self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
@@ -138,7 +140,7 @@ class FakeHub:
                 h.end_headers()
                 return
             status = 206
-        body = data[start:end + 1]
+        body = data[start:end + 1] + (b"" if head else self.pad.get((repo, rel), b""))
         h.send_response(status)
         h.send_header("ETag", f'"{etag}"')
         h.send_header("X-Repo-Commit", rev)
