@@ -164,6 +164,14 @@ def load_config(path: Path) -> dict[str, Any]:
         for k in keys:
             if k not in t:
                 raise ConfigError(f"The config {path} has no '{table}.{k}'; rerun strata-setup to rewrite it.")
+    # a hand edit of the wrong type is bad input, named here, not a crash further on
+    for table, key, want in (("target", "path", str), ("drafter", "path", str), ("memory", "context", int),
+                             ("memory", "reserve_mib", int), ("drafter", "kind", str)):
+        v = doc[table].get(key)
+        if v is not None and (not isinstance(v, want) or isinstance(v, bool)):
+            kind = "a whole number" if want is int else "a string"
+            raise ConfigError(f"The config {path} has '{table}.{key}' = {v!r}, which is not {kind}; fix it or rerun "
+                              f"strata-setup.")
     if doc["drafter"]["kind"] not in ("mtp", "dflash2", "none"):
         raise ConfigError(f"The config {path} names an unknown drafter kind {doc['drafter']['kind']!r}; "
                           "use mtp, dflash2 or none.")

@@ -89,6 +89,13 @@ def _revision_dir(entry: CatalogEntry) -> str:
     return entry.revision or ("sha-" + manifest_sha256(_files_of(entry))[:16])
 
 
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 def _files_of(entry: CatalogEntry) -> dict[str, dict[str, Any]]:
     return {f.path: {"sha256": f.sha256, "size": f.size} for f in entry.files}
 
@@ -100,7 +107,8 @@ def entry_dir(entry: CatalogEntry, store: Store) -> Path:
 
 
 def verified_entry(entry: CatalogEntry, store: Store | None = None, *, rehash: bool = False) -> Pulled | None:
-    """The entry as already verified in the store (files present with the pinned sizes), else None."""
+    """The entry as already verified in the store (files present with the pinned sizes; any file modified since
+    its check, by mtime, is hashed again), else None."""
     store = store or Store()
     if not entry.pinned:
         return None
@@ -111,6 +119,12 @@ def verified_entry(entry: CatalogEntry, store: Store | None = None, *, rehash: b
         return None
     if store.verify_files(d, files, rehash=rehash):
         return None
+    stamps = m.get("mtime_ns")
+    if not rehash and isinstance(stamps, dict):  # (manifests written before stamps existed: sizes only)
+        # sizes match; a file written since its check (same size, other bytes) is hashed again before it is used
+        touched = {rel: want for rel, want in files.items() if stamps.get(rel) != _mtime_ns(d / rel)}
+        if touched and store.verify_files(d, touched, rehash=True):
+            return None
     return Pulled(entry.name, entry.kind, d, _revision_dir(entry), files, manifest_sha256(files), entry.size, True)
 
 
@@ -407,7 +421,8 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
         raise StoreError(f"{entry.name} is incomplete after download ({problems[0]}); retry the pull.")
     doc = {"kind": "download", "name": entry.name, "entry_kind": entry.kind, "source": entry.source,
            "repo": entry.repo, "revision": entry.revision, "files": files, "size": entry.size,
-           "sha256": manifest_sha256(files), "verified": True, "verified_at": now_iso()}
+           "sha256": manifest_sha256(files), "verified": True, "verified_at": now_iso(),
+           "mtime_ns": {rel: _mtime_ns(dest / rel) for rel in files}}
     store.write_manifest(dest, doc)
     return Pulled(entry.name, entry.kind, dest, _revision_dir(entry), files, doc["sha256"], entry.size, False)
 

@@ -67,3 +67,31 @@ def test_verify_tells_how_to_rebuild_a_failed_converted_file(tmp_path, home):
     assert r.exit_code == 1 and "FAILED" in r.output
     flat = " ".join(r.output.split())
     assert "pull it again" not in flat and "rerun strata-setup" in flat, flat
+
+
+def test_a_download_edited_after_its_check_is_not_served_as_verified(tiny_repo, hub, home):
+    """The manifest records each file's mtime; a file touched since its check is hashed again before use."""
+    import os
+
+    from setup_wizard.catalog import load_catalog
+    from setup_wizard.hub import pull, verified_entry
+
+    res = pull("tiny-head", progress=False)
+    w = res.path / "model.safetensors"
+    good = w.read_bytes()
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    w.write_bytes(bytes(bad))  # same size: only the bytes changed
+    st = w.stat()
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # an edit a second later
+    entry = load_catalog().get("tiny-head")
+    assert verified_entry(entry) is None
+    import pytest
+
+    from setup_wizard.hub import DownloadError
+
+    with pytest.raises(DownloadError, match="offline"):  # offline mode does not serve it
+        pull("tiny-head", offline=True, progress=False)
+    fixed = pull("tiny-head", progress=False)  # online: fetched again, checked
+    assert not fixed.reused and w.read_bytes() == good
+    assert verified_entry(entry) is not None

@@ -86,3 +86,20 @@ def test_damaged_local_target_weights_are_bad_input_not_a_crash(machine, home, p
 def test_answers_file_that_is_a_folder_is_bad_input(machine, home, tmp_path):
     res = CliRunner().invoke(app, ["--answers", str(tmp_path)])
     _one_sentence(res, "answers file", "cannot be read")
+
+
+def test_hand_edited_config_with_wrong_types_is_bad_input(machine, home, tmp_path):
+    import tomli_w
+
+    base = {"schema": 1, "target": {"path": str(tmp_path)}, "drafter": {"kind": "none"},
+            "memory": {"context": 4096, "reserve_mib": 0}}
+    cases = [("memory", "context", "big"), ("memory", "reserve_mib", "x"), ("memory", "context", True),
+             ("target", "path", 5), ("drafter", "path", ["a"])]
+    for table, key, value in cases:
+        doc = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+        doc[table][key] = value
+        cfg = tmp_path / f"{table}-{key}.toml"
+        cfg.write_text(tomli_w.dumps(doc))
+        res = CliRunner().invoke(app, ["budget", "--config", str(cfg)])
+        _one_sentence(res, f"{table}.{key}")
+        assert "Unexpected" not in res.output
