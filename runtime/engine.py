@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from runtime.artifact_check import check_config_artifacts
 from runtime.drafter import MTPDrafter
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
@@ -165,6 +166,7 @@ class Engine:
             q = Path(x).expanduser()
             return q if q.is_absolute() else base / q
 
+        check_config_artifacts(doc, resolve)
         kind = dra.get("kind", "none")
         args: dict[str, Any] = dict(
             target_dir=resolve(tgt["path"]), drafter_kind=kind,

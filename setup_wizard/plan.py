@@ -746,10 +746,26 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
             "source_sha256": drafter.source_sha256 or (head.sha256 if head else None),
             "source_path": str(head.path) if head else None,
         })
+    _record_mtimes(doc)
     doc["calibration"] = {"key": calibration_key_for(doc), "status": "uncalibrated"}
     if plan.drafter == "none":
         doc["calibration"]["status"] = "not applicable"
     return doc
+
+
+def _record_mtimes(doc: dict[str, Any]) -> None:
+    """Record each verified file's modification time: strata-run trusts an unchanged file by size and time and
+    re-hashes one whose time moved (runtime/artifact_check.py)."""
+    tpath = Path(doc["target"]["path"])
+    files = {rel: dict(meta) for rel, meta in (doc["target"].get("files") or {}).items()}
+    for rel, meta in files.items():
+        f = tpath / rel
+        if f.is_file():
+            meta["mtime_ns"] = f.stat().st_mtime_ns
+    doc["target"]["files"] = files
+    d = doc.get("drafter") or {}
+    if d.get("kind") == "dflash2" and d.get("path") and Path(d["path"]).is_file():
+        d["mtime_ns"] = Path(d["path"]).stat().st_mtime_ns
 
 
 def calibration_key_for(doc: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,56 @@
+"""Refuse to run artifacts that changed after strata-setup verified them.
+
+The config records, per target file and for a converted drafter, the sha256, size and modification time seen at
+setup. Every run checks presence and size (cheap); a file whose modification time differs from the recorded one is
+hashed again before it is trusted (so an in-place edit of the same size is caught without hashing multi-GB files
+on every start). A config without recorded times falls back to hashing the files it lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+class StaleArtifactError(ValueError):
+    """An artifact named by the config is gone or no longer the one that was verified (one sentence)."""
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_file(path: Path, meta: Mapping[str, Any], what: str) -> None:
+    if not path.is_file():
+        raise StaleArtifactError(f"the {what} {path} is missing; rerun strata-setup to fetch it again.")
+    st = path.stat()
+    if "size" in meta and st.st_size != int(meta["size"]):
+        raise StaleArtifactError(f"the {what} {path} changed size since strata-setup verified it "
+                                 f"({st.st_size} bytes, expected {int(meta['size'])}); rerun strata-setup.")
+    recorded = meta.get("mtime_ns")
+    if recorded is not None and int(recorded) == st.st_mtime_ns:
+        return
+    want = meta.get("sha256")
+    if want and _sha256(path) != want:
+        raise StaleArtifactError(f"the {what} {path} changed since strata-setup verified it (sha256 differs); "
+                                 f"rerun strata-setup to fetch it again.")
+
+
+def check_config_artifacts(doc: Mapping[str, Any], resolve: Callable[[str], Path]) -> None:
+    """Raise StaleArtifactError when a file the config lists is missing or changed."""
+    target = doc.get("target") or {}
+    files = target.get("files") or {}
+    if files and "path" in target:
+        root = resolve(target["path"])
+        for rel, meta in files.items():
+            if isinstance(meta, Mapping):
+                _check_file(root / rel, meta, "target file")
+    drafter = doc.get("drafter") or {}
+    if drafter.get("kind") == "dflash2" and drafter.get("path") and ("size" in drafter or "sha256" in drafter):
+        _check_file(resolve(drafter["path"]), drafter, "DFlash2 drafter")
