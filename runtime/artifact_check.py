@@ -52,5 +52,9 @@ def check_config_artifacts(doc: Mapping[str, Any], resolve: Callable[[str], Path
             if isinstance(meta, Mapping):
                 _check_file(root / rel, meta, "target file")
     drafter = doc.get("drafter") or {}
-    if drafter.get("kind") == "dflash2" and drafter.get("path") and ("size" in drafter or "sha256" in drafter):
-        _check_file(resolve(drafter["path"]), drafter, "DFlash2 drafter")
+    if drafter.get("kind") == "dflash2" and drafter.get("path"):
+        dpath = resolve(drafter["path"])
+        if dpath.is_dir():      # an HF-folder drafter: the loader validates its files; no single-file pin to check
+            return
+        if "size" in drafter or "sha256" in drafter:
+            _check_file(dpath, drafter, "DFlash2 drafter")
