@@ -18,7 +18,8 @@ class StaleArtifactError(ValueError):
     """An artifact named by the config is gone or no longer the one that was verified (one sentence)."""
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, read in 4 MiB chunks (the one hashing helper; setup_wizard uses it too)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -37,7 +38,7 @@ def _check_file(path: Path, meta: Mapping[str, Any], what: str) -> None:
     if recorded is not None and int(recorded) == st.st_mtime_ns:
         return
     want = meta.get("sha256")
-    if want and _sha256(path) != want:
+    if want and sha256_file(path) != want:
         raise StaleArtifactError(f"the {what} {path} changed since strata-setup verified it (sha256 differs); "
                                  f"rerun strata-setup to fetch it again.")
 

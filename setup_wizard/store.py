@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.artifact_check import sha256_file  # noqa: F401  (re-exported)
+
 MANIFEST = ".strata-manifest.json"
 PART_SUFFIX = ".part"
 
@@ -40,14 +42,6 @@ def strata_home() -> Path:
     from platformdirs import user_data_dir
 
     return Path(user_data_dir("strata"))
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def manifest_sha256(files: Mapping[str, Mapping[str, Any]]) -> str:
