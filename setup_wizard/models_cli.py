@@ -222,7 +222,7 @@ def list_cmd(json_out: bool = JSON, debug: bool = DEBUG) -> None:
         return _print_json({"models": rows})
     t = Table(title="Models")
     for c in ("name", "kind", "quant", "size", "revision", "state", "used by"):
-        t.add_column(c)
+        t.add_column(c, overflow="fold")        # narrow terminals wrap; names (what users type) are never cut
     for r in rows:
         rev = (r["revision"] or "")[:12] if r["pinned"] else "unpinned"
         name = r["name"] + (" (default)" if r["default"] else "")
