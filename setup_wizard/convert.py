@@ -249,11 +249,12 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
         w.add_file_type(Q.FILE_TYPE[quant])
         w.add_custom_alignment(ALIGNMENT)
         write_gguf_metadata(w, source.geom)
-        w.add_string(KEY_SOURCE_REPO, source_repo or "")
-        w.add_string(KEY_SOURCE_REVISION, source_revision or "")
-        w.add_string(KEY_SOURCE_SHA256, sha)
-        w.add_string(KEY_QUANTIZATION, quant)
-        w.add_string(KEY_CONVERTER_VERSION, CONVERTER_VERSION)
+        # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and ARTIFACTS.md §4
+        # requires every strata.* key (an empty repo/revision means "converted from a local folder")
+        for key, val in ((KEY_SOURCE_REPO, source_repo or ""), (KEY_SOURCE_REVISION, source_revision or ""),
+                         (KEY_SOURCE_SHA256, sha), (KEY_QUANTIZATION, quant),
+                         (KEY_CONVERTER_VERSION, CONVERTER_VERSION)):
+            w.add_key_value(key, val, gguf.GGUFValueType.STRING)
         for _name, gname, qt, shape, nbytes in plan:
             byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
             w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,

@@ -842,8 +842,10 @@ class RealServices:
             raise StepError("Downloading catalog models is not available in this build; pass --target with a "
                             "local model folder.")
         pulled = hub.pull(name, offline=True if offline else None, console=self.console, progress=self.progress)
+        cat = _optional("setup_wizard.catalog")
+        repo = cat.load_catalog().get(name).repo if cat is not None else None    # recorded in the GGUF
         return Artifact(path=Path(pulled.path), sha256=pulled.sha256, size=pulled.size, files=dict(pulled.files),
-                        revision=pulled.revision, reused=pulled.reused)
+                        revision=pulled.revision, reused=pulled.reused, repo=repo)
 
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact:
         conv = _optional("setup_wizard.convert")

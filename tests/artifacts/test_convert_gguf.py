@@ -36,6 +36,15 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "head")
 
 
+def test_local_conversion_still_writes_every_strata_key(ckpt, tmp_path):
+    """A standalone convert of a local folder has no repo or revision; the keys are present and empty."""
+    out = tmp_path / "local.gguf"
+    res = convert_dflash2(ckpt, "q8_0", out)
+    meta = read_gguf_fields(GGUFReader(out))
+    assert meta["strata.source.repo"] == "" and meta["strata.source.revision"] == ""
+    assert meta["strata.source.sha256"] == res.source_sha256 and meta["strata.quantization"] == "q8_0"
+
+
 @pytest.mark.parametrize("quant", ["bf16", "q8_0", "q5_0", "q4_0"])
 def test_round_trip_bytes_and_metadata(ckpt, tmp_path, quant):
     out = tmp_path / f"head-{quant}.gguf"
