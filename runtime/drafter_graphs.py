@@ -19,7 +19,8 @@ from torch import Tensor
 from runtime import kernels
 from runtime.drafter import Proposal
 from runtime.models.dflash2 import lattice_walk
-from runtime.models.qwen3_moe import SparseMoe, apply_rope
+from runtime.models.qwen3_moe import SparseMoe
+from runtime.static_step import project_qkv
 
 _STREAM: torch.cuda.Stream | None = None
 
@@ -338,11 +339,7 @@ class MTPGraphs(_Graphs):
         cos, sin = model.rotary(p[None], x.dtype)
         layer = mtp.layers[0]
         a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
-        k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
-        v = a.v_proj(h).view(W, a.nkv, a.hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
         kc, vc = kv.k[0, 0], kv.v[0, 0]
         kernels.kv_write(k[0].transpose(0, 1), v, kc, vc, slot)
         o = kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale)

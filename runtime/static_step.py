@@ -26,6 +26,16 @@ from runtime.kv import KVCache
 from runtime.models.qwen3_moe import SparseMoe, TargetOutput, apply_rope
 
 
+def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One window's q, k (q/k-norm, RoPE; [1, heads, W, hd]) and v ([W, nkv, hd]) for attention module `a`, on the
+    normed input h [1, W, H]: the eager projection the fused kernel path falls back to (target and MTP layers)."""
+    W = h.shape[1]
+    q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
+    k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
+    v = a.v_proj(h).view(W, a.nkv, a.hd)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 class StaticStep:
     def __init__(self, model, kv: KVCache, width: int, *, graph: bool = True) -> None:
         if width < 1:
@@ -113,11 +123,7 @@ class StaticStep:
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
-            k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
-            v = a.v_proj(h).view(W, a.nkv, a.hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
             o = self._attend(a, q[0].transpose(0, 1), k[0].transpose(0, 1), v, i)
             x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
             h = layer.post_attention_layernorm(x)
