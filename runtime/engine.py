@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from runtime.artifact_check import check_config_artifacts
+from runtime.detok import IncrementalDetokenizer
 from runtime.drafter import MTPDrafter
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
@@ -189,19 +190,13 @@ class Engine:
         use = self.drafter if (draft and self.drafter is not None) else None
         blk = int(block if block is not None else self.block) if use is not None else 1
         mp = float(spec_min_p if spec_min_p is not None else self.spec_min_p)
-        out: list[int] = []
-        shown = [""]
+        detok = IncrementalDetokenizer(self.tokenizer)
 
         def on_tokens(new: list[int]) -> None:
-            out.extend(new)
-            if on_text is None:
-                return
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                return                       # wait for the rest of a multi-byte character
-            if text.startswith(shown[0]):
-                on_text(text[len(shown[0]):])
-            shown[0] = text
+            if on_text is not None:
+                piece = detok.push(new)
+                if piece:
+                    on_text(piece)
 
         self.experts.reset_counters()
         res = generate_ids(self.model, self.kv, ids, drafter=use, max_new_tokens=max_new_tokens,
@@ -210,8 +205,8 @@ class Engine:
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
                            step=self.static_step())
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        if on_text is not None and text.startswith(shown[0]) and len(text) > len(shown[0]):
-            on_text(text[len(shown[0]):])
+        if on_text is not None and (rest := detok.flush()):
+            on_text(rest)
         stats = dict(res.stats)
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
