@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One device call for the closing measurements: scripted setup on the GPU, calibration + exhaustive grid (issue 6),
 # drafters (issue 7/8), expert cache at half residency (issue 3), budget vs measured peak (issue 8).
-# Carry .gpu_carry (wheels for gguf, platformdirs, questionary, prompt_toolkit, wcwidth, tomli_w).
+# Carry .gpu_carry (wheels for gguf, platformdirs, questionary, prompt_toolkit, wcwidth, tomli_w), made here with
+#   echo /.gpu_carry/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .gpu_carry \
+#     gguf platformdirs questionary prompt_toolkit wcwidth tomli_w
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu_carry/*.whl || exit 1
