@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from calibrate.key import CalibrationKey
+from runtime.fileio import atomic_write_text
 
 RECORD_VERSION = 1
 
@@ -60,20 +60,13 @@ class ResultStore:
     def save(self, key: CalibrationKey, record: dict[str, Any]) -> Path:
         rec = {**record, "record_version": RECORD_VERSION, "key": key.to_dict(), "key_id": key.digest}
         blob = json.dumps(rec, indent=1, sort_keys=True, default=_jsonable)
-        self.root.mkdir(parents=True, exist_ok=True)
         dest = self.path_for(key)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            if json.loads(Path(tmp).read_text(encoding="utf-8")) != json.loads(blob):
+
+        def intact(tmp: Path) -> None:
+            if json.loads(tmp.read_text(encoding="utf-8")) != json.loads(blob):
                 raise OSError(f"the calibration record written to {tmp} did not read back intact")
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+
+        atomic_write_text(dest, blob, verify=intact)
         return dest
 
 

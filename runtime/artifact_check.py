@@ -8,23 +8,15 @@ on every start). A config without recorded times falls back to hashing the files
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime.fileio import sha256_file
+
 
 class StaleArtifactError(ValueError):
     """An artifact named by the config is gone or no longer the one that was verified (one sentence)."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 of a file, read in 4 MiB chunks (the one hashing helper; setup_wizard uses it too)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_file(path: Path, meta: Mapping[str, Any], what: str) -> None:

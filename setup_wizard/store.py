@@ -17,14 +17,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.artifact_check import sha256_file  # noqa: F401  (re-exported)
+from runtime.fileio import atomic_write_text, sha256_file  # noqa: F401  (re-exported)
 
 MANIFEST = ".strata-manifest.json"
 PART_SUFFIX = ".part"
@@ -53,20 +52,6 @@ def manifest_sha256(files: Mapping[str, Mapping[str, Any]]) -> str:
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def repo_key(repo: str) -> str:
