@@ -38,11 +38,13 @@ from bench.common import (  # noqa: E402
     task_prompts,
     write_json,
 )
-from runtime import kernels  # noqa: E402
+from runtime.gpu import kernels  # noqa: E402
+from runtime.gpu.static_step import StaticStep  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
-from runtime.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel, Rotary, SparseMoe  # noqa: E402
+from runtime.models.layers import Rotary, SparseMoe
+from runtime.models.qwen3_moe import Qwen3MoeModel
+from runtime.models.target_config import Qwen3MoeConfig  # noqa: E402
 from runtime.speculative import generate_ids  # noqa: E402
-from runtime.static_step import StaticStep  # noqa: E402
 
 A3B = {
     "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,

@@ -16,8 +16,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import machine, median, print_table, write_json  # noqa: E402
-from runtime import kernels  # noqa: E402
-from runtime.quant import QuantLinear  # noqa: E402
+from runtime.formats.quant_linear import QuantLinear  # noqa: E402
+from runtime.gpu import kernels  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,7 +99,7 @@ def check_quant(N: int, K: int, M: int) -> list[dict[str, Any]]:
 def graph_time_ms(fn, inner: int = 20, reps: int = 10) -> float:
     """Device time of one `fn()` replayed from a CUDA graph of `inner` calls (launch gaps excluded: eager timing on
     this machine measures the launches, not the kernels)."""
-    from runtime.drafter_graphs import capture
+    from runtime.gpu.capture import capture
 
     g, _ = capture(lambda: [fn() for _ in range(inner)])
     for _ in range(3):

@@ -29,8 +29,8 @@ def _patch_tensor(tensor, scope):
 
 _interp._patch_lang_tensor = _patch_tensor
 
-from runtime import kernels  # noqa: E402
-from runtime.quant import QuantLinear  # noqa: E402
+from runtime.formats.quant_linear import QuantLinear  # noqa: E402
+from runtime.gpu import kernels  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,9 +100,9 @@ def check_fused_step() -> None:
     """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32."""
     import tempfile
 
+    from runtime.gpu.static_step import StaticStep
     from runtime.kv import KVCache
     from runtime.loading import load_target
-    from runtime.static_step import StaticStep
     from tests.runtime.tiny import make_tiny_target
 
     with tempfile.TemporaryDirectory() as d:
@@ -137,7 +137,7 @@ def check_mtp_graphs() -> None:
     """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path."""
     import tempfile
 
-    from runtime.drafter_graphs import MTPGraphs
+    from runtime.drafters.mtp import MTPGraphs
     from runtime.engine import Engine
     from tests.runtime.tiny import make_tiny_target
 
@@ -158,7 +158,7 @@ def check_mtp_graphs() -> None:
 
 def check_dyn_conv(dt: torch.dtype) -> None:
     """The one-launch dynamic convolution equals GroupedDynamicCausalConv's prepare/finish bit for bit."""
-    from runtime.models.dflash2 import GroupedDynamicCausalConv
+    from runtime.drafters.dflash2.model import GroupedDynamicCausalConv
 
     g = torch.Generator().manual_seed(3)
     conv = GroupedDynamicCausalConv(64, 2, 16)
@@ -182,7 +182,7 @@ def check_dflash2_graphs() -> None:
     and decodes as the eager path does (fp32: same tokens, same accepted counts, same draft context)."""
     import tempfile
 
-    from runtime.drafter_graphs import DFlash2Graphs
+    from runtime.drafters.dflash2.graphs import DFlash2Graphs
     from runtime.engine import Engine
     from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
     from tests.runtime.tiny import make_tiny_target
@@ -224,8 +224,8 @@ def check_dflash2_graphs() -> None:
 
 def check_lattice_walk() -> None:
     """The one-launch selector chain equals the torch chain (tokens exactly, confidences to rounding), ties too."""
-    from runtime.dflash2_contract import DFlash2Geometry
-    from runtime.models.dflash2 import CandidateSelector, lattice_walk
+    from runtime.drafters.dflash2.contract import DFlash2Geometry
+    from runtime.drafters.dflash2.model import CandidateSelector, lattice_walk
     from tests.dflash2.dflash2_helpers import drafter_config
 
     sel = CandidateSelector(DFlash2Geometry.from_config(drafter_config(hidden=16, vocab=40, top_k=16, rank=8)))

@@ -3,8 +3,8 @@ resident) and the stacked kernel path, which reports its real rows from the host
 
 import torch
 
-from runtime import kernels
 from runtime.experts import ExpertCache
+from runtime.gpu import kernels
 from runtime.loading import load_target
 from tests.runtime.tiny import make_tiny_target
 

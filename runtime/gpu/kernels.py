@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime.formats.registry import FORMATS
+
 try:
     import triton
     import triton.language as tl
@@ -30,7 +32,8 @@ try:
 except ImportError:  # CPU-only installs: the callers use their torch paths
     HAVE_TRITON = False
 
-QCODE = {"q8_0": (0, 34), "q5_0": (1, 22), "q4_0": (2, 18)}
+# the dequantizer branch of `_qlinear_kernel` per format; block bytes come from the format table
+QCODE = {"q8_0": 0, "q5_0": 1, "q4_0": 2}
 ENABLED = True   # benchmarks switch the kernels off to measure the plain-torch path ("before")
 # tile shapes of the two expert kernels (block of outputs BN, reduction step BK, warps, pipeline stages); one choice
 # for every window width keeps the kernels row-invariant. bench/gpu_checks.py times alternatives on the GPU.
@@ -274,7 +277,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float) -> T
 
 def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Tensor:
     """x [..., K] @ dequant(blocks [N, K/32 * block_bytes])^T -> [..., N] in x's dtype."""
-    code, bsz = QCODE[qtype]
+    code, bsz = QCODE[qtype], FORMATS[qtype].block_bytes
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     M = x2.shape[0]

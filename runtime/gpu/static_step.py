@@ -21,19 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime import kernels
+from runtime.gpu import kernels
 from runtime.kv import KVCache
-from runtime.models.qwen3_moe import SparseMoe, TargetOutput, apply_rope
-
-
-def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One window's q, k (q/k-norm, RoPE; [1, heads, W, hd]) and v ([W, nkv, hd]) for attention module `a`, on the
-    normed input h [1, W, H]: the eager projection the fused kernel path falls back to (target and MTP layers)."""
-    W = h.shape[1]
-    q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
-    k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
-    v = a.v_proj(h).view(W, a.nkv, a.hd)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+from runtime.models.layers import SparseMoe, project_qkv
+from runtime.models.qwen3_moe import TargetOutput
 
 
 class StaticStep:
@@ -143,7 +134,7 @@ class StaticStep:
         return logits[0], hidden[0], tap_t
 
     def _capture(self, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        from runtime.drafter_graphs import capture
+        from runtime.gpu.capture import capture
 
         self.pos.fill_(-1)            # warm-up and capture write nothing to the cache
         self.ids.zero_()
