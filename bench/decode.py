@@ -38,7 +38,10 @@ from bench.common import (  # noqa: E402
     task_prompts,
     write_json,
 )
-from runtime.gpu import kernels  # noqa: E402
+from runtime.gpu import (
+    kernels,  # noqa: E402
+    moe_kernels,  # noqa: E402
+)
 from runtime.gpu.static_step import StaticStep  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
 from runtime.models.layers import Rotary, SparseMoe
@@ -149,7 +152,7 @@ def run_ours(model, prompt: list[int], n_new: int, *, graph: bool, capacity: int
     out = {"tok_s": r.stats["decode_tok_s"], "tokens": r.token_ids, "new_tokens": n_new,
            "graph": bool(step is not None and step.use_graph), "kernels": bool(step is not None and step.use_kernels),
            "fused": bool(step is not None and step.fused), "errors": list(step.errors) if step is not None else [],
-           "moe_tiles": {"up": dict(kernels.MOE_UP), "down": dict(kernels.MOE_DOWN)}}
+           "moe_tiles": {"up": dict(moe_kernels.MOE_UP), "down": dict(moe_kernels.MOE_DOWN)}}
     del kv, step
     return out
 

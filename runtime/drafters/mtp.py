@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from runtime.drafters.base import Proposal
-from runtime.gpu import kernels
+from runtime.gpu import attention_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet, cut_at_floor
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
@@ -156,8 +156,8 @@ class MTPGraphs(GraphSet):
         a = layer.self_attn
         q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
         kc, vc = kv.k[0, 0], kv.v[0, 0]
-        kernels.kv_write(k[0].transpose(0, 1), v, kc, vc, slot)
-        o = kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale)
+        attention_kernels.kv_write(k[0].transpose(0, 1), v, kc, vc, slot)
+        o = attention_kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale)
         x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
@@ -166,7 +166,7 @@ class MTPGraphs(GraphSet):
                 raise RuntimeError("the MTP layer's experts are not stacked; no graph.")
             w, idx = mlp.route(h[0])
             idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
-            y = kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+            y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
         else:
             y = mlp(h)
         return mtp.norm(x + y)[0]

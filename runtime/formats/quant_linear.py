@@ -50,10 +50,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.qtype != "bf16":
-            from runtime.gpu import kernels
+            from runtime.gpu import dense_kernels, kernels
 
             if kernels.available(x):   # dequantized in registers: no float copy of the matrix, one launch
-                y = kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
+                y = dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 

@@ -236,12 +236,12 @@ class SparseMoe(nn.Module):
         x = x.reshape(-1, shape[-1])
         w, idx = self.route(x)
         if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
-            from runtime.gpu import kernels
+            from runtime.gpu import kernels, moe_kernels
 
             if kernels.available(x):   # experts grouped: each touched expert's weights read once
                 if self.counter is not None:
                     self.counter(self.layer_idx, x.shape[0])
-                return kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)
         flat = idx.flatten()

@@ -30,7 +30,7 @@ def _patch_tensor(tensor, scope):
 _interp._patch_lang_tensor = _patch_tensor
 
 from runtime.formats.quant_linear import QuantLinear  # noqa: E402
-from runtime.gpu import kernels  # noqa: E402
+from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,7 +47,7 @@ def check_moe(dt: torch.dtype) -> None:
     idx[2, 0] = idx[1, 0]          # several rows share an expert
     idx[3] = E                     # a padded row: no expert
     w = torch.rand(T, k, generator=g).to(dt)
-    out = kernels.moe_grouped(x, idx, w, gu, dn)
+    out = moe_kernels.moe_grouped(x, idx, w, gu, dn)
     ref = torch.zeros(T, H)
     for t in range(T):
         for j in range(k):
@@ -59,7 +59,7 @@ def check_moe(dt: torch.dtype) -> None:
     assert rel(out, ref) < 3e-3, rel(out, ref)
     assert float(out[3].abs().max()) == 0.0
     # row invariance: row 0 alone gives the same bits as inside the window
-    one = kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
+    one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
     assert torch.equal(one[0], out[0])
 
 
@@ -71,10 +71,10 @@ def check_attention(dt: torch.dtype) -> None:
     kn = torch.randn(W, nkv, hd, generator=g).to(dt)
     vn = torch.randn(W, nkv, hd, generator=g).to(dt)
     pos = torch.tensor([70, 71, 72, -1], dtype=torch.int32)
-    kernels.kv_write(kn, vn, kc, vc, pos)
+    attention_kernels.kv_write(kn, vn, kc, vc, pos)
     assert torch.equal(kc[:, 71], kn[1]) and torch.equal(vc[:, 72], vn[2])
     q = torch.randn(W, nh, hd, generator=g).to(dt)
-    o = kernels.attention(q, kc, vc, pos, hd ** -0.5)
+    o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5)
     for r in range(3):
         p = int(pos[r])
         kk = kc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
@@ -92,7 +92,7 @@ def check_quant(dt: torch.dtype) -> None:
         ql = QuantLinear.from_float(w, qt)
         x = torch.randn(3, 96, generator=g).to(dt)
         ref = x.float() @ ql.dequantized_weight().t()
-        out = kernels.quant_linear(x, ql.blocks, qt, 96)
+        out = dense_kernels.quant_linear(x, ql.blocks, qt, 96)
         assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
 
 
@@ -171,8 +171,8 @@ def check_dyn_conv(dt: torch.dtype) -> None:
         ref0, d1 = conv.prepare(h[None])
         ref1 = conv.finish(h2[None], d1)
         dyn = conv.kernel_projection(h)
-        got0 = kernels.dyn_conv(h, dyn, 0, conv.base_kernel[0], 2, 16)
-        got1 = kernels.dyn_conv(h2, dyn, 1, conv.base_kernel[1], 2, 16)
+        got0 = dflash2_kernels.dyn_conv(h, dyn, 0, conv.base_kernel[0], 2, 16)
+        got1 = dflash2_kernels.dyn_conv(h2, dyn, 1, conv.base_kernel[1], 2, 16)
     assert torch.equal(got0, ref0[0]), (got0 - ref0[0]).abs().max()
     assert torch.equal(got1, ref1[0]), (got1 - ref1[0]).abs().max()
 
@@ -239,7 +239,7 @@ def check_lattice_walk() -> None:
         logits = torch.randint(0, 2, (7, 40), generator=g).float() if seed % 2 else torch.randn(7, 40, generator=g)
         anchor = torch.tensor([seed + 3])
         ref = lattice_walk(sel, hs, logits, anchor)
-        got = lattice_walk(sel, hs, logits, anchor, kernel=kernels.lattice_walk)
+        got = lattice_walk(sel, hs, logits, anchor, kernel=dflash2_kernels.lattice_walk)
         assert torch.equal(got[0], ref[0]), (got[0], ref[0])
         assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-7)
 

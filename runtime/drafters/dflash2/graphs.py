@@ -11,7 +11,7 @@ from torch import Tensor
 
 from runtime.drafters.base import Proposal
 from runtime.drafters.dflash2.model import lattice_walk
-from runtime.gpu import kernels
+from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
 from runtime.gpu.capture import GraphSet, capture, cut_at_floor, stack_linears
 
 
@@ -75,11 +75,11 @@ class DFlash2Graphs(GraphSet):
         """q_norm + RoPE of q (returned [W, nh, hd]); k_norm + RoPE of k and v written to cache slots `pos`."""
         m, cache = self.d.model, self.d.cache
         a = m.layers[i].self_attn
-        return kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, m.rotary.inv_freq, 1.0, pos, cache.k[i],
+        return attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, m.rotary.inv_freq, 1.0, pos, cache.k[i],
                                 cache.v[i], a.nh, a.nkv, a.hd, a.q_norm.eps)
 
     def _conv(self, conv, h: Tensor, dyn: Tensor, half: int) -> Tensor:
-        return kernels.dyn_conv(h, dyn, half, conv.base_kernel[half], conv.kernel_size, conv.group_size)
+        return dflash2_kernels.dyn_conv(h, dyn, half, conv.base_kernel[half], conv.kernel_size, conv.group_size)
 
     def _mlp(self, i: int, y: Tensor) -> Tensor:
         mlp = self.d.model.layers[i].mlp
@@ -105,17 +105,17 @@ class DFlash2Graphs(GraphSet):
         delta = None
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
-            x, y = kernels.rmsnorm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, delta)
+            x, y = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, delta)
             ac, mc = layer.attention_conv, layer.mlp_conv
             if ac is not None:
                 dyn = ac.kernel_projection(y)
                 y = self._conv(ac, y, dyn, 0)
             q = self._post(i, self._qkv(i, y), qpos)
-            o = kernels.attention(q, d.cache.k[i], d.cache.v[i], last, a.hd ** -0.5)
+            o = attention_kernels.attention(q, d.cache.k[i], d.cache.v[i], last, a.hd ** -0.5)
             y = a.o_proj(o.reshape(width, a.nh * a.hd))
             if ac is not None:
                 y = self._conv(ac, y, dyn, 1)
-            x, y = kernels.rmsnorm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, y)
+            x, y = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, y)
             if mc is not None:
                 dyn = mc.kernel_projection(y)
                 y = self._conv(mc, y, dyn, 0)
@@ -123,7 +123,7 @@ class DFlash2Graphs(GraphSet):
             if mc is not None:
                 y = self._conv(mc, y, dyn, 1)
             delta = y
-        _, h = kernels.rmsnorm(x, m.norm.weight, m.norm.eps, delta)
+        _, h = dense_kernels.rmsnorm(x, m.norm.weight, m.norm.eps, delta)
         return self._select(h[1:], anchor)
 
     def _select(self, hs: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
@@ -134,12 +134,12 @@ class DFlash2Graphs(GraphSet):
             p1 = torch.softmax(logits.float(), dim=-1)
             toks = torch.argmax(logits, dim=-1)
             return toks, p1.gather(-1, toks[:, None])[:, 0]
-        return lattice_walk(sel, hs, logits, anchor, kernel=kernels.lattice_walk if self.fast else None)
+        return lattice_walk(sel, hs, logits, anchor, kernel=dflash2_kernels.lattice_walk if self.fast else None)
 
     def _observe_fast(self) -> None:
         m = self.d.model
         c = m.fc(self.obs_taps)
-        _, c = kernels.rmsnorm(c, m.hidden_norm.weight, m.hidden_norm.eps)
+        _, c = dense_kernels.rmsnorm(c, m.hidden_norm.weight, m.hidden_norm.eps)
         pos = (self.scal[2:3] + self.ar).to(torch.int32)
         for i in range(len(m.layers)):
             self._post(i, self._qkv(i, c), pos)

@@ -453,7 +453,7 @@ def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor
     on the device. Every row's score for every predecessor candidate is computed at once (row 0's predecessor is
     the anchor, row r's are the k candidates of row r-1), the best successor of each predecessor is taken, and the
     walk is then a chain of R-1 one-element gathers (or `kernel(score, best, cand)`, one launch:
-    `runtime.gpu.kernels.lattice_walk`). Returns (tokens [R], confidence [R]).
+    `runtime.gpu.dflash2_kernels.lattice_walk`). Returns (tokens [R], confidence [R]).
 
     Same picks as the sequential walk: each row's scores are the same sums (ties go to the first candidate in
     both, `argmax`); only the reduction order of the rank-r pair term can differ in the last bit."""
