@@ -35,8 +35,8 @@ if HAVE_TRITON:
         lead = (e < E) & (e != prev)
         kend = lead.to(tl.int32) * K       # non-leaders run no iterations
         r = i + tl.arange(0, BM)
-        rin = r < NP
-        rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e) & lead
+        rin = r < tl.where(lead, NP, 0)   # masks come from vector comparisons only (boolean in the interpreter)
+        rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e)
         tok = tl.load(tok_ptr + r, mask=rmask, other=0)
         n = nb * BN + tl.arange(0, BN)
         nm = n < NI
@@ -67,8 +67,8 @@ if HAVE_TRITON:
         lead = (e < E) & (e != prev)
         kend = lead.to(tl.int32) * K
         r = i + tl.arange(0, BM)
-        rin = r < NP
-        rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e) & lead
+        rin = r < tl.where(lead, NP, 0)   # masks come from vector comparisons only (boolean in the interpreter)
+        rmask = rin & (tl.load(se_ptr + r, mask=rin, other=-1) == e)
         dst = tl.load(ord_ptr + r, mask=rmask, other=0)
         wt = tl.load(wt_ptr + dst, mask=rmask, other=0.0).to(tl.float32)
         n = nb * BN + tl.arange(0, BN)
@@ -92,7 +92,7 @@ if HAVE_TRITON:
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOPK):
             ok = tl.load(idx_ptr + t * TOPK + j) < E
-            acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + n, mask=nm & ok, other=0.0)
+            acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + n, mask=n < tl.where(ok, N, 0), other=0.0)
         tl.store(o_ptr + t * stride_om + n, acc.to(o_ptr.dtype.element_ty), mask=nm)
 
     # ------------------------------------------------------------------------------------------ attention
@@ -149,7 +149,7 @@ if HAVE_TRITON:
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOPK):
             ok = tl.load(idx_ptr + t * TOPK + j) < E
-            acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + n, mask=nm & ok, other=0.0)
+            acc += tl.load(y_ptr + (t * TOPK + j) * stride_ym + n, mask=n < tl.where(ok, N, 0), other=0.0)
         dt = o_ptr.dtype.element_ty
         x = tl.load(x_ptr + t * stride_x + n, mask=nm, other=0.0).to(tl.float32)
         tl.store(o_ptr + t * stride_x + n, (x + acc.to(dt).to(tl.float32)).to(dt), mask=nm)
