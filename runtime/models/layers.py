@@ -186,7 +186,9 @@ class SparseMoe(nn.Module):
     """Router softmax (fp32) → top-k → optional renormalisation → weighted sum of SiLU experts.
 
     `runner`, when set (runtime/experts.py), computes one expert on a set of rows wherever that expert lives;
-    otherwise the experts are called in place.
+    otherwise the experts are called in place. With stacked weights (`gate_up`/`down`, floats or ggml blocks in
+    format `fmt`, indexed through the expert->slot table `slot`, misses filled by `miss_fn`) the grouped kernels of
+    runtime/gpu/moe_kernels.py run instead: decode windows, prefill chunks (CUDA), or their torch fallback.
     """
 
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
@@ -201,6 +203,9 @@ class SparseMoe(nn.Module):
         # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
         self.gate_up: Tensor | None = None
         self.down: Tensor | None = None
+        self.fmt: str | tuple[str, str] | None = None   # ggml block format of gate_up/down (None: floats)
+        self.slot: Tensor | None = None     # int32 [E]: expert id -> index into gate_up/down's first dim, -1: none
+        self.miss_fn = None                 # callable(x, routing, y): fills the rows of the pairs without a slot
 
     def stack_experts(self) -> None:
         """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
@@ -231,17 +236,26 @@ class SparseMoe(nn.Module):
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(x.dtype), idx
 
+    @property
+    def quantized(self) -> bool:
+        return self.fmt not in (None, "bf16", ("bf16", "bf16"))
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, idx = self.route(x)
-        if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
+        if self.gate_up is not None and not torch.is_grad_enabled():
             from runtime.gpu import kernels, moe_kernels
 
-            if kernels.available(x):   # experts grouped: each touched expert's weights read once
+            kw = {"fmt": self.fmt, "slot": self.slot, "miss_fn": self.miss_fn}
+            T = x.shape[0]
+            # experts grouped: each touched expert's weights read once (decode windows; prefill chunks on CUDA)
+            if kernels.available(x) and (T <= moe_kernels.DECODE_ROWS or x.is_cuda):
                 if self.counter is not None:
-                    self.counter(self.layer_idx, x.shape[0])
-                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
+                    self.counter(self.layer_idx, T)
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, **kw).view(shape)
+            if self.quantized or self.slot is not None or self.miss_fn is not None:
+                return moe_kernels.moe_torch(x, idx, w, self.gate_up, self.down, **kw).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)
         flat = idx.flatten()
