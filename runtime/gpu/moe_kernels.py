@@ -53,10 +53,13 @@ if HAVE_TRITON:
 # row-invariant. bench/gpu_checks.py times alternatives on the GPU.
 MOE_UP = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 MOE_DOWN = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
+MOE_QUP = {"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 3}     # quantized weights (bench/moe.py tunes them)
+MOE_QDOWN = {"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 3}
 # prefill tiles (BM rows of one expert per program); bench/moe.py times alternatives
 MOE_PRE_UP = {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3}
 MOE_PRE_DOWN = {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3}
 DECODE_ROWS = 64          # windows up to this many rows take the row-invariant decode tiling
+PREFILL_ROWS = 8192       # larger inputs run in chunks of this many rows (bounds the [rows * k, H] scratch)
 PREFILL_IMPL = "triton"   # "triton" or "grouped_mm" (torch._grouped_mm, BF16 weights, every expert resident)
 
 # kernel branch per weight format (None / "bf16": floats in the tensor's own dtype)
@@ -459,7 +462,9 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
     sl = slot if slot is not None else r.se
     wf = r.w.reshape(-1)
-    for part, cfg in (("up", MOE_PRE_UP if tiles else MOE_UP), ("down", MOE_PRE_DOWN if tiles else MOE_DOWN)):
+    dec_up = MOE_UP if fg == "bf16" else MOE_QUP
+    dec_down = MOE_DOWN if fd == "bf16" else MOE_QDOWN
+    for part, cfg in (("up", MOE_PRE_UP if tiles else dec_up), ("down", MOE_PRE_DOWN if tiles else dec_down)):
         N = inter if part == "up" else H
         nn = triton.cdiv(N, cfg["BN"])
         if tiles:
@@ -510,9 +515,13 @@ def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor
     """x [T, H]; idx [T, k] expert ids (an id >= E marks a padded row: it uses no expert and gets 0); w [T, k]
     routing weights; gate_up [S, 2I, H], down [S, H, I] (module docstring) -> [T, H]. Triton (CUDA, or the CPU
     interpreter in tests)."""
+    T = x.shape[0]
+    if T > PREFILL_ROWS:
+        return torch.cat([moe_grouped(x[s:s + PREFILL_ROWS], idx[s:s + PREFILL_ROWS], w[s:s + PREFILL_ROWS], gate_up,
+                                      down, fmt=fmt, slot=slot, miss_fn=miss_fn) for s in range(0, T, PREFILL_ROWS)])
     n_exp = slot.numel() if slot is not None else gate_up.shape[0]
     r = group(idx, w, n_exp, slot)
-    if x.shape[0] > DECODE_ROWS and PREFILL_IMPL == "grouped_mm" and slot is None and fmt in (None, "bf16") \
+    if T > DECODE_ROWS and PREFILL_IMPL == "grouped_mm" and slot is None and fmt in (None, "bf16") \
             and miss_fn is None and hasattr(torch, "_grouped_mm"):
         try:
             return combine(experts_grouped_mm(x, r, gate_up, down), r, n_exp, None, x.dtype)
