@@ -375,6 +375,19 @@ if HAVE_TRITON:
             tl.store(nmiss_ptr, 0)
 
 
+def scratch_bytes(rows: int, top_k: int, hidden: int, inter: int, n_exp: int, elem_bytes: int = 2) -> int:
+    """Peak transient device bytes of one grouped MoE call on `rows` rows (the budget's MoE scratch): routing
+    tables, the gated activations h [rows*k, I] and the per-pair rows y [rows*k, H] (float32 for decode windows, the
+    activations' dtype for prefill chunks, which run at most PREFILL_ROWS rows at a time), plus the output (and the
+    sorted copies torch._grouped_mm needs when PREFILL_IMPL selects it)."""
+    r = min(rows, PREFILL_ROWS)
+    npairs = r * top_k
+    y_bytes = 4 if rows <= DECODE_ROWS else elem_bytes
+    tables = npairs * 4 * 8 + (npairs + n_exp) * 8 * 6   # routing (int32) and the prefill block table's temporaries
+    extra = npairs * (2 * hidden + 2 * inter) * elem_bytes if rows > DECODE_ROWS and PREFILL_IMPL == "grouped_mm" else 0
+    return tables + npairs * inter * elem_bytes + npairs * hidden * y_bytes + r * hidden * elem_bytes + extra
+
+
 # ------------------------------------------------------------------------------------------------------ routing
 
 def _misses(se: Tensor, order: Tensor, slot: Tensor | None, n_exp: int) -> tuple[Tensor, Tensor]:
