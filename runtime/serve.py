@@ -506,13 +506,15 @@ class StrataServer:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, made here so a port in use is one sentence before the model loads."""
+    """The listening socket, made here so a port in use is one sentence before the model loads (clients that
+    connect while it loads wait in the backlog)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise

@@ -109,8 +109,8 @@ class Worker:
             if self._closing:
                 raise ShuttingDownError("the server is shutting down; retry on its next start.")
             if len(self._admitted) > self.max_queue:
-                raise QueueFullError(f"the server is busy ({len(self._admitted) - 1} requests waiting behind the "
-                                     f"one being generated, the most --max-queue allows); retry shortly.")
+                raise QueueFullError(f"the server is busy: its queue is full ({self.max_queue} waiting behind the "
+                                     f"one being generated, --max-queue); retry shortly.")
             self._admitted.append(job)
         self._q.put(job)
 

@@ -132,7 +132,8 @@ def main_callback(
 
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
               output: Any = None, calibrate_seconds: float | None = None) -> int:
-    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run command."""
+    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run and strata-serve
+    commands."""
     from setup_wizard import plan as P
     from setup_wizard import wizard as W
 
@@ -166,13 +167,15 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
     result = P.execute(plan, services, report=report, max_calibration_seconds=calibrate_seconds)
     if plan.budget is None or plan.budget.table() != result.budget.table():
         out.print(W.budget_table(result.budget))  # known only now (after the download) or changed
-    cmd = result.run_command()
+    cmd, serve = result.run_command(), result.serve_command()
     if json_out:
-        print(json.dumps({"config": str(result.config_path), "run": cmd, "plan": plan.to_dict(),
+        print(json.dumps({"config": str(result.config_path), "run": cmd, "serve": serve, "plan": plan.to_dict(),
                           "budget": result.budget.to_dict(), "steps": result.steps}, indent=2))
     else:
         out.print(f"\nConfig written to [bold]{result.config_path}[/bold]. Generate with:\n", soft_wrap=True)
         out.print(f"  {cmd}", highlight=False, soft_wrap=True)
+        out.print("\nor serve it over an OpenAI-compatible API (http://127.0.0.1:8080/v1) with:\n", soft_wrap=True)
+        out.print(f"  {serve}", highlight=False, soft_wrap=True)
     return 0
 
 

@@ -543,6 +543,12 @@ class Result:
 
         return f"strata-run --config {shlex.quote(str(self.config_path))} --prompt {shlex.quote(prompt)}"
 
+    def serve_command(self) -> str:
+        """The same setup behind an OpenAI-compatible API on 127.0.0.1:8080 (docs/commands.md, strata-serve)."""
+        import shlex
+
+        return f"strata-serve --config {shlex.quote(str(self.config_path))}"
+
 
 Reporter = Callable[[str, str], None]  # (step, status) status in start|done|skipped
 
