@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import NANO, NANO_DFLASH2, Deadline, machine, print_table, write_json  # noqa: E402
+from runtime.drafters.dflash2.contract import DFlash2Geometry  # noqa: E402
+from runtime.models.target_config import TargetGeometry  # noqa: E402
 
 MIB = 1 << 20
 
@@ -56,8 +58,8 @@ def predict(kind: str, quant: str, context: int, free: int, total: int,
             capability: tuple[int, int] | None = None) -> Any:
     from setup_wizard import budget as B
 
-    geo = B.TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
-    dgeo = B.DFlash2Geometry.from_config(json.loads((NANO_DFLASH2 / "config.json").read_text())) \
+    geo = TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
+    dgeo = DFlash2Geometry.from_config(json.loads((NANO_DFLASH2 / "config.json").read_text())) \
         if kind == "dflash2" else None
     block = {"none": 1, "mtp": 16}.get(kind, dgeo.block_size if dgeo else 1)
     inp = B.BudgetInputs(context=context, block=block, device_type="cuda", available_bytes=free, total_bytes=total,
@@ -106,7 +108,7 @@ def check_attention() -> dict[str, Any]:
     128k (a [chunk x context] score tensor per head would be ~0.5 GiB; flash needs a few MiB)."""
     import torch.nn.functional as F
 
-    from runtime.models.qwen3_moe import cached_attention
+    from runtime.models.layers import cached_attention
 
     out: dict[str, Any] = {}
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -38,11 +38,16 @@ from bench.common import (  # noqa: E402
     task_prompts,
     write_json,
 )
-from runtime import kernels  # noqa: E402
+from runtime.gpu import (
+    kernels,  # noqa: E402
+    moe_kernels,  # noqa: E402
+)
+from runtime.gpu.static_step import StaticStep  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
-from runtime.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel, Rotary, SparseMoe  # noqa: E402
+from runtime.models.layers import Rotary, SparseMoe
+from runtime.models.qwen3_moe import Qwen3MoeModel
+from runtime.models.target_config import Qwen3MoeConfig  # noqa: E402
 from runtime.speculative import generate_ids  # noqa: E402
-from runtime.static_step import StaticStep  # noqa: E402
 
 A3B = {
     "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
@@ -147,7 +152,7 @@ def run_ours(model, prompt: list[int], n_new: int, *, graph: bool, capacity: int
     out = {"tok_s": r.stats["decode_tok_s"], "tokens": r.token_ids, "new_tokens": n_new,
            "graph": bool(step is not None and step.use_graph), "kernels": bool(step is not None and step.use_kernels),
            "fused": bool(step is not None and step.fused), "errors": list(step.errors) if step is not None else [],
-           "moe_tiles": {"up": dict(kernels.MOE_UP), "down": dict(kernels.MOE_DOWN)}}
+           "moe_tiles": {"up": dict(moe_kernels.MOE_UP), "down": dict(moe_kernels.MOE_DOWN)}}
     del kv, step
     return out
 

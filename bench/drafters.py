@@ -98,7 +98,7 @@ def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadl
             if args.eager_check and eng.drafter is not None and task == "code" and arm["arm"] in EAGER_ARMS:
                 # the plain path (no fixed-width step, no kernels: the runtime before issue 8): does a k-row
                 # verify flip a near-tie of the 1-row decode there?
-                from runtime import kernels
+                from runtime.gpu import kernels
 
                 kernels.ENABLED = False
                 try:

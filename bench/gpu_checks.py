@@ -16,8 +16,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import machine, median, print_table, write_json  # noqa: E402
-from runtime import kernels  # noqa: E402
-from runtime.quant import QuantLinear  # noqa: E402
+from runtime.formats.quant_linear import QuantLinear  # noqa: E402
+from runtime.gpu import (
+    attention_kernels,  # noqa: E402
+    kernels,  # noqa: E402
+    moe_kernels,  # noqa: E402
+)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,14 +49,14 @@ def check_moe(T: int, H: int, NI: int, E: int, k: int) -> dict[str, Any]:
     dn = (torch.randn(E, H, NI, device=dev) * 0.02).to(dt)
     idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
     w = torch.rand(T, k, device=dev).to(dt)
-    out = kernels.moe_grouped(x, idx, w, gu, dn)
+    out = moe_kernels.moe_grouped(x, idx, w, gu, dn)
     ref = torch.zeros(T, H, device=dev)
     for t in range(T):
         for j in range(k):
             e = int(idx[t, j])
             g, u = (x[t].float() @ gu[e].float().t()).chunk(2)
             ref[t] += float(w[t, j]) * ((F.silu(g) * u) @ dn[e].float().t())
-    inv = all(torch.equal(kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gu, dn)[0], out[i])
+    inv = all(torch.equal(moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gu, dn)[0], out[i])
               for i in range(T))
     return {"rel_err": rel(out, ref), "row_invariant": inv}
 
@@ -63,7 +67,7 @@ def check_attention(nh: int, nkv: int, hd: int, S: int, W: int) -> dict[str, Any
     vc = torch.randn(nkv, S, hd, device=dev).to(dt)
     q = torch.randn(W, nh, hd, device=dev).to(dt)
     pos = torch.arange(S - W, S, device=dev, dtype=torch.int32)
-    o = kernels.attention(q, kc, vc, pos, hd ** -0.5)
+    o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5)
     errs = []
     for r in range(W):
         p = int(pos[r])
@@ -71,7 +75,7 @@ def check_attention(nh: int, nkv: int, hd: int, S: int, W: int) -> dict[str, Any
         vv = vc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
         att = torch.softmax((q[r].float()[:, None] @ kk.transpose(1, 2))[:, 0] * hd ** -0.5, -1)
         errs.append(rel(o[r], (att[:, None] @ vv)[:, 0]))
-    inv = all(torch.equal(kernels.attention(q[r:r + 1], kc, vc, pos[r:r + 1], hd ** -0.5)[0], o[r]) for r in range(W))
+    inv = all(torch.equal(attention_kernels.attention(q[r:r + 1], kc, vc, pos[r:r + 1], hd ** -0.5)[0], o[r]) for r in range(W))
     return {"rel_err": max(errs), "row_invariant": inv}
 
 
@@ -99,7 +103,7 @@ def check_quant(N: int, K: int, M: int) -> list[dict[str, Any]]:
 def graph_time_ms(fn, inner: int = 20, reps: int = 10) -> float:
     """Device time of one `fn()` replayed from a CUDA graph of `inner` calls (launch gaps excluded: eager timing on
     this machine measures the launches, not the kernels)."""
-    from runtime.drafter_graphs import capture
+    from runtime.gpu.capture import capture
 
     g, _ = capture(lambda: [fn() for _ in range(inner)])
     for _ in range(3):
@@ -117,7 +121,7 @@ def graph_time_ms(fn, inner: int = 20, reps: int = 10) -> float:
 
 def tune_moe(T: int = 1, H: int = 2048, NI: int = 768, E: int = 128, k: int = 8) -> dict[str, Any]:
     """Time the expert kernels of the 30B-A3B shape (one decode token, 8 of 128 experts) for a few tile shapes inside
-    a CUDA graph; keep the fastest (module-level `kernels.MOE_UP` / `MOE_DOWN`, used by the decode benchmark in the
+    a CUDA graph; keep the fastest (module-level `moe_kernels.MOE_UP` / `MOE_DOWN`, used by the decode benchmark in the
     same process). Weight sets rotate so the experts come from HBM, not L2."""
     dev, dt = "cuda", torch.bfloat16
     sets = 4
@@ -125,7 +129,7 @@ def tune_moe(T: int = 1, H: int = 2048, NI: int = 768, E: int = 128, k: int = 8)
     dns = [(torch.randn(E, H, NI, device=dev) * 0.02).to(dt) for _ in range(sets)]
     x = torch.randn(T, H, device=dev).to(dt)
     pos = torch.zeros(T, dtype=torch.int32, device=dev)
-    routes = [kernels.route(torch.randn(T, E, device=dev).to(dt), pos, k, True) for _ in range(sets)]
+    routes = [moe_kernels.route(torch.randn(T, E, device=dev).to(dt), pos, k, True) for _ in range(sets)]
     cands = [{"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}, {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3},
              {"BN": 32, "BK": 64, "num_warps": 4, "num_stages": 4}, {"BN": 16, "BK": 128, "num_warps": 4, "num_stages": 4},
              {"BN": 16, "BK": 256, "num_warps": 4, "num_stages": 3}, {"BN": 32, "BK": 256, "num_warps": 8, "num_stages": 3}]
@@ -134,16 +138,16 @@ def tune_moe(T: int = 1, H: int = 2048, NI: int = 768, E: int = 128, k: int = 8)
     def call(i: list[int] = [0]) -> None:   # noqa: B006 (a call counter: rotates the weight sets)
         j = i[0] % sets
         i[0] += 1
-        kernels.moe_routed(x, x, *routes[j], gus[j], dns[j])
+        moe_kernels.moe_routed(x, x, *routes[j], gus[j], dns[j])
 
     out: dict[str, Any] = {"bytes_per_call": moved, "up": [], "down": []}
     for part in ("up", "down"):
         best = None
         for c in cands:
             if part == "up":
-                kernels.MOE_UP = c
+                moe_kernels.MOE_UP = c
             else:
-                kernels.MOE_DOWN = c
+                moe_kernels.MOE_DOWN = c
             try:
                 t = graph_time_ms(call)
             except Exception as e:  # a shape this Triton cannot build: skip it
@@ -154,9 +158,9 @@ def tune_moe(T: int = 1, H: int = 2048, NI: int = 768, E: int = 128, k: int = 8)
                 best = (t, c)
         if best is not None:
             if part == "up":
-                kernels.MOE_UP = best[1]
+                moe_kernels.MOE_UP = best[1]
             else:
-                kernels.MOE_DOWN = best[1]
+                moe_kernels.MOE_DOWN = best[1]
         out[f"best_{part}"] = best[1] if best else None
     out["best_ms"] = graph_time_ms(call)
     out["best_GBs"] = moved / (out["best_ms"] * 1e-3) / 1e9

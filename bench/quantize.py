@@ -1,9 +1,9 @@
 """Quantizer throughput: runtime.quant.quantize vs gguf.quants.quantize on the same tensors, in one run.
 
 MB/s counts BF16 input bytes (2 per value). Two rows per quant:
-- `f32`: both get the same float32 array (the BF16 weights widened): `gguf.quants.quantize` vs `runtime.quant.quantize`;
+- `f32`: both get the same float32 array (the BF16 weights widened): `gguf.quants.quantize` vs `runtime.formats.blocks.quantize`;
 - `bf16`: the converter's whole job from BF16 bits: gguf-py must widen to float32 first, ours widens per chunk
-  (`runtime.quant.quantize_bf16`).
+  (`runtime.formats.blocks.quantize_bf16`).
 Each repeat times gguf-py and ours back to back (a noisy neighbour on a shared machine hurts both alike); the table
 reports the median of the repeats. `CPU-time ratio` compares process CPU seconds (all our threads summed): the work
 each side does, which a busy shared machine disturbs much less than wall time. Byte equality is checked every repeat.
@@ -31,7 +31,7 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from runtime.quant import bf16_bits_to_f32, f32_to_bf16_bits, quantize, quantize_bf16  # noqa: E402
+from runtime.formats.blocks import bf16_bits_to_f32, f32_to_bf16_bits, quantize, quantize_bf16  # noqa: E402
 
 QTYPES = ("q8_0", "q5_0", "q4_0")
 

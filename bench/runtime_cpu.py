@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.drafter import MTPDrafter, Proposal  # noqa: E402
+from runtime.drafters.base import Proposal
+from runtime.drafters.mtp import MTPDrafter  # noqa: E402
 from runtime.experts import ExpertCache  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
 from runtime.loading import load_target  # noqa: E402

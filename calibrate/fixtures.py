@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from runtime.errors import UsageError
+
 TASKS: tuple[str, ...] = ("code", "math", "prose", "long")
 NEW_TOKENS = 96
 LONG_MIN_TOKENS = 2048
@@ -47,7 +49,7 @@ def encode_prompts(tokenizer: Any, prompts: dict[str, str], *, context: int | No
     """Token ids per task, each cut (keeping its tail) to fit `context` with the new tokens and a full window."""
     limit = None if not context else context - new_tokens - max_block - 1
     if limit is not None and limit < 8:
-        raise ValueError(f"a context of {context} tokens leaves no room for a calibration prompt and "
+        raise UsageError(f"a context of {context} tokens leaves no room for a calibration prompt and "
                          f"{new_tokens} new tokens; raise the context or lower the new tokens.")
     out = {}
     for task, text in prompts.items():
@@ -56,6 +58,6 @@ def encode_prompts(tokenizer: Any, prompts: dict[str, str], *, context: int | No
         if limit is not None and full > limit:
             ids = ids[-limit:]
         if not ids:
-            raise ValueError(f"the '{task}' calibration prompt encodes to no tokens.")
+            raise UsageError(f"the '{task}' calibration prompt encodes to no tokens.")
         out[task] = EncodedPrompt(task, ids, full)
     return out

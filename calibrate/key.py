@@ -12,11 +12,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runtime.errors import UsageError
 from runtime.hostinfo import cpu_name, ram_bytes
 from runtime.version import __version__ as RUNTIME_VERSION
 
 
-class CalibrationConfigError(ValueError):
+class CalibrationConfigError(UsageError):
     """The config lacks something the calibration key needs (one sentence; exit code 2)."""
 
 

@@ -27,15 +27,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from runtime.errors import WorkError
+
 FLOORS: tuple[float, ...] = (0.0, 0.3, 0.5, 0.7)
 MIN_GAIN = 0.03
 
 
-class LosslessError(RuntimeError):
+class LosslessError(WorkError, RuntimeError):
     """A speculative arm changed the greedy output: a runtime bug, never a calibration choice."""
 
 
-class BudgetError(RuntimeError):
+class TimeBudgetSpent(Exception):
     """Raised internally when the next run would not fit the remaining time budget."""
 
 
@@ -326,7 +328,7 @@ class Search:
     def _run(self, arm: Arm | None, task: str, phase: str, *, timed: bool, reserve: float = 0.0) -> Sample:
         if not self.fits(self.estimate(task), reserve):
             self.budget_hit = True
-            raise BudgetError(phase)
+            raise TimeBudgetSpent(phase)
         t = self.clock()
         out = self.runner(arm, task)
         wall = self.clock() - t
@@ -394,13 +396,13 @@ class Search:
         chosen = self.default
         try:
             self._reference_pass()
-        except BudgetError:
+        except TimeBudgetSpent:
             reason = (f"the {self.max_seconds:g} s budget ran out while measuring the target alone; "
                       f"kept the default {self.default.label}")
             return self._result(chosen, None, decision, reason)
         try:
             winner = self._sweep()
-        except BudgetError:
+        except TimeBudgetSpent:
             winner = self._best()
         if winner is None:
             reason = (f"the {self.max_seconds:g} s budget ran out before any arm was fully measured; "
@@ -419,7 +421,7 @@ class Search:
             reps -= 1
         try:
             self._measure([winner, self.default], reps, "confirm", store=self.confirm)
-        except BudgetError:
+        except TimeBudgetSpent:
             pass
         w = self.confirm.get(winner, ArmStats(winner)).geomean(self.tasks)
         d = self.confirm.get(self.default, ArmStats(self.default)).geomean(self.tasks)
@@ -444,7 +446,7 @@ class Search:
             for timed in (False, True):
                 if not self.fits(self.estimate(task)):
                     self.budget_hit = True
-                    raise BudgetError("reference")
+                    raise TimeBudgetSpent("reference")
                 t = self.clock()
                 out = self.runner(None, task)
                 self._note(None, task, "reference", out, self.clock() - t, timed=timed)

@@ -12,11 +12,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import StaleArtifactError
 from runtime.fileio import sha256_file
-
-
-class StaleArtifactError(ValueError):
-    """An artifact named by the config is gone or no longer the one that was verified (one sentence)."""
 
 
 def _check_file(path: Path, meta: Mapping[str, Any], what: str) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from runtime.chat_template import ChatTemplate
+from runtime.errors import UsageError
 from runtime.sampling import SamplingParams
 
 __all__ = ["ChatSession", "chat_loop"]
@@ -46,7 +47,7 @@ class ChatSession:
         first = 1 if self.system else 0
         alone = self._prompt_ids(self.messages[:first] + self.messages[-1:])
         if len(alone) + 1 > ctx:
-            raise ValueError(f"that message is {len(alone)} tokens with the template, more than the context of "
+            raise UsageError(f"that message is {len(alone)} tokens with the template, more than the context of "
                              f"{ctx} holds; send a shorter one.")
         ids = self._prompt_ids(self.messages)
         while len(ids) + 1 > ctx and len(self.messages) - first > 1:

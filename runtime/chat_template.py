@@ -12,13 +12,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import UsageError
+
 __all__ = ["ChatTemplate", "ChatTemplateError", "NoChatTemplateError", "load_chat_template",
            "require_chat_template"]
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UsageError):
     """A chat the template cannot render (the template's own `raise_exception`, or a broken template)."""
 
 

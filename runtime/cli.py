@@ -9,6 +9,7 @@ import traceback
 
 import typer
 
+from runtime.errors import EXIT_INTERRUPTED, exit_code, message
 from runtime.version import __version__
 
 app = typer.Typer(name="strata-run", help="Run a model set up by strata-setup.", add_completion=False)
@@ -98,16 +99,10 @@ def run(
     except typer.Exit:
         raise
     except KeyboardInterrupt:
-        _fail("interrupted.", 130, False)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        _fail(str(e), 2, debug)
-    except MemoryError:
-        _fail("out of memory; lower the context or the expert cache slots in the config.", 1, debug)
-    except Exception as e:  # the work failed (CUDA OOM, I/O, ...): one sentence, traceback only with --debug
-        name = type(e).__name__
-        if "OutOfMemory" in name:
-            _fail("out of GPU memory; lower the context or the expert cache slots in the config.", 1, debug)
-        _fail(f"generation failed: {name}: {e}", 1, debug)
+        _fail("interrupted.", EXIT_INTERRUPTED, False)
+    except Exception as e:  # one sentence and the code runtime/errors.py gives it; traceback only with --debug
+        code = exit_code(e)
+        _fail(message(e) if code is not None else f"generation failed: {type(e).__name__}: {e}", code or 1, debug)
     if as_json:
         typer.echo(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
     else:

@@ -15,24 +15,23 @@ import torch
 
 from runtime.artifact_check import check_config_artifacts
 from runtime.detok import IncrementalDetokenizer
-from runtime.drafter import MTPDrafter
+from runtime.drafters.registry import KINDS, LoadRequest
+from runtime.errors import LoadError, UsageError
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
-from runtime.loading import LoadError, default_dtype, load_target, load_tokenizer
+from runtime.loading import default_dtype, load_target, load_tokenizer
 from runtime.memory import NAMES, buffers_bytes, target_dense_bytes
 from runtime.sampling import SamplingParams
 from runtime.speculative import generate_ids
 
 __all__ = ["Engine", "EngineConfigError", "GenerateResult", "SamplingParams"]
 
-DRAFTERS = ("none", "mtp", "dflash2")
-MTP_MAX_BLOCK = 16
-MTP_DEFAULT_BLOCK = 4
+MTP_DEFAULT_BLOCK = KINDS["mtp"].default_block(None)
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 
 
-class EngineConfigError(ValueError):
+class EngineConfigError(UsageError):
     """A config or argument the engine cannot use (bad input: one clear sentence)."""
 
 
@@ -86,7 +85,7 @@ class Engine:
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.step = None   # runtime.static_step.StaticStep on CUDA, built at the first generate
+        self.step = None   # runtime.gpu.static_step.StaticStep on CUDA, built at the first generate
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
@@ -100,8 +99,8 @@ class Engine:
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
               kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True) -> Engine:
         """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU."""
-        if drafter_kind not in DRAFTERS:
-            raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(DRAFTERS)}.")
+        if drafter_kind not in KINDS:
+            raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
             raise EngineConfigError(f"context must be at least 2 tokens, got {context}.")
         if block is not None and int(block) < 1:
@@ -118,22 +117,17 @@ class Engine:
         experts.place(model)
         cfg = model.cfg
         kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
-        drafter = None
-        if drafter_kind == "mtp":
-            if model.mtp is None:
-                raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
-            drafter = MTPDrafter(model, int(context), max_block=max(MTP_MAX_BLOCK, int(block or 0)), kv_dtype=kdt)
-            block = MTP_DEFAULT_BLOCK if block is None else block
-        elif drafter_kind == "dflash2":
-            if drafter_path is None:
-                raise EngineConfigError("a dflash2 drafter needs its artifact path (drafter.path in the config).")
-            from runtime.dflash2_loading import load_dflash2_drafter
-
-            drafter = load_dflash2_drafter(Path(drafter_path).expanduser(), model, device=dev, dtype=dt,
-                                           context=int(context))
-            block = drafter.max_block if block is None else block
-        else:
+        kind = KINDS[drafter_kind]
+        if drafter_kind == "mtp" and model.mtp is None:
+            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
+        if kind.needs_file and drafter_path is None:
+            raise EngineConfigError(f"a {drafter_kind} drafter needs its artifact path (drafter.path in the config).")
+        drafter = kind.load(LoadRequest(target=model, path=Path(drafter_path).expanduser() if drafter_path else None,
+                                        device=dev, dtype=dt, kv_dtype=kdt, context=int(context), block=block))
+        if drafter is None:
             block = 1
+        elif block is None:
+            block = kind.default_block(getattr(drafter, "geom", None))   # DFlash2: the head's own block_size
         return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p or 0.0),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
@@ -230,15 +224,12 @@ class Engine:
         if self.device.type != "cuda":
             return None
         if self.step is None:
-            from runtime.static_step import StaticStep
+            from runtime.gpu.static_step import StaticStep
 
             width = self.drafter.max_block if self.drafter is not None else 1
             self.step = StaticStep(self.model, self.kv, width, graph=self.graphs)
             if self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
-                from runtime.drafter_graphs import DFlash2Graphs, MTPGraphs
-
-                cls = MTPGraphs if self.drafter_kind == "mtp" else DFlash2Graphs
-                self.drafter.graphs = cls(self.drafter)
+                self.drafter.graphs = self.drafter.make_graphs()
         return self.step
 
     # ------------------------------------------------------------------------------------------------ reporting

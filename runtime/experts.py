@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from runtime.models.qwen3_moe import SparseMoe
+from runtime.errors import UsageError
+from runtime.models.layers import SparseMoe
 
 
 def _nbytes(m: nn.Module) -> int:
@@ -33,7 +34,7 @@ class ExpertCache:
         n_exp = next(iter(self.blocks.values())).n_exp if self.blocks else 0
         self.total = n_exp * len(self.blocks)
         if slots is not None and slots < 0:
-            raise ValueError(f"expert_slots must be >= 0, got {slots}.")
+            raise UsageError(f"expert_slots must be >= 0, got {slots}.")
         if (device.type != "cuda" and not enforce_on_cpu) or slots is None or slots >= self.total:
             slots = self.total
         self.slots = slots

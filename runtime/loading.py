@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.models.qwen3_moe import ConfigError, Qwen3MoeConfig, Qwen3MoeModel
-
-
-class LoadError(ValueError):
-    """A model folder that cannot be loaded (one clear sentence)."""
+from runtime.errors import ConfigError, LoadError
+from runtime.formats.safetensors_files import inventory
+from runtime.models.qwen3_moe import Qwen3MoeModel
+from runtime.models.target_config import Qwen3MoeConfig
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -35,29 +34,8 @@ def read_config(folder: Path) -> dict:
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
-    """Map tensor name -> safetensors file, from the index when sharded."""
-    index = folder / "model.safetensors.index.json"
-    single = folder / "model.safetensors"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise LoadError(f"{index} is not a valid safetensors index (no weight_map).") from e
-        out = {}
-        for name, fn in wm.items():
-            if "/" in fn or "\\" in fn or fn.startswith(".."):
-                raise LoadError(f"{index} names a shard outside the folder ({fn!r}).")
-            f = folder / fn
-            if not f.is_file():
-                raise LoadError(f"shard {fn} listed in {index.name} is missing from {folder}.")
-            out[name] = f
-        return out
-    if single.is_file():
-        with safe_open(str(single), "pt") as f:
-            return {k: single for k in f.keys()}
-    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
-        raise LoadError(f"{folder} holds pickle weights only; convert them to safetensors first.")
-    raise LoadError(f"{folder} has no model.safetensors or model.safetensors.index.json.")
+    """Map tensor name -> safetensors file, from the index when sharded (headers checked, no weights read)."""
+    return {name: ref.file for name, ref in inventory(folder, error=LoadError).items()}
 
 
 def load_config(folder: Path, names: set[str] | None = None) -> Qwen3MoeConfig:
@@ -119,7 +97,7 @@ def load_target(folder: str | Path, device: str | torch.device | None = None, dt
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # non-persistent buffers (rope) come back from the meta device empty: rebuild them
-    from runtime.models.qwen3_moe import rope_inv_freq
+    from runtime.models.layers import rope_inv_freq
 
     model.rotary.inv_freq = rope_inv_freq(cfg)[0]
     model.eval()

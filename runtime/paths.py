@@ -7,13 +7,15 @@ import os
 import re
 from pathlib import Path
 
+from runtime.errors import UsageError
+
 __all__ = ["ConfigNameError", "config_by_name", "config_names", "configs_dir", "looks_like_name", "resolve_config",
            "strata_home"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class ConfigNameError(ValueError):
+class ConfigNameError(UsageError):
     """A config name that names no config (bad input: one clear sentence, exit 2)."""
 
 

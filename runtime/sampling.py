@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from runtime.errors import UsageError
+
 
 @dataclass
 class SamplingParams:
@@ -21,11 +23,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}.")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}.")
+            raise UsageError(f"top_k must be >= 0, got {self.top_k}.")
 
     @property
     def greedy(self) -> bool:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 
 from runtime import openai_schema as S
+from runtime.errors import EXIT_INTERRUPTED, EXIT_USAGE, exit_code, message
 from runtime.version import __version__
 
 log = logging.getLogger("strata.serve")
@@ -588,11 +589,12 @@ def serve(
     try:
         path = resolve_config(name or config)
     except ValueError as e:
-        _fail(str(e), 2, debug)
+        _fail(str(e), EXIT_USAGE, debug)
     try:
         sock = bind(host, port)
     except (OSError, UnicodeError) as e:
-        _fail(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port or --host.", 2, debug)
+        _fail(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port or --host.", EXIT_USAGE,
+              debug)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
     try:
@@ -606,15 +608,13 @@ def serve(
         engine = Engine.from_config(path)
         app = create_app(engine, model_name=model_name or path.stem, api_key=api_key, max_queue=max_queue,
                          max_request_bytes=max_request_bytes, debug=debug)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+    except KeyboardInterrupt:
         sock.close()
-        _fail(str(e), 2, debug)
-    except Exception as e:  # the work failed (out of memory, I/O): one sentence, traceback only with --debug
+        _fail("interrupted.", EXIT_INTERRUPTED, False)
+    except Exception as e:  # one sentence and the code runtime/errors.py gives it; traceback only with --debug
         sock.close()
-        if isinstance(e, MemoryError) or "OutOfMemory" in type(e).__name__:
-            _fail("out of memory loading the model; lower the context or the expert cache slots in the config.",
-                  1, debug)
-        _fail(f"loading failed: {type(e).__name__}: {e}", 1, debug)
+        code = exit_code(e)
+        _fail(message(e) if code is not None else f"loading failed: {type(e).__name__}: {e}", code or 1, debug)
     shown = f"[{host}]" if ":" in host else host
     bound_port = sock.getsockname()[1]
     if not is_loopback(host) and api_key is None:
@@ -633,7 +633,7 @@ def serve(
         server.run(sockets=[sock])
     except KeyboardInterrupt:     # likewise for Ctrl-C
         typer.echo("strata-serve: stopped.", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except _Terminated:
         pass
     finally:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from runtime.drafter import Drafter
+from runtime.drafters.base import Drafter
+from runtime.errors import UsageError
 from runtime.kv import KVCache
 from runtime.sampling import SamplingParams, draw, make_generator, pick, probs
 
@@ -89,26 +90,26 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     """Generate after `prompt_ids`; the output equals target-only decoding (exactly for greedy, in
     distribution for sampling) whatever the drafter proposes.
 
-    `step` (optional, e.g. `runtime.static_step.StaticStep`): runs every decode/verify window instead of
+    `step` (optional, e.g. `runtime.gpu.static_step.StaticStep`): runs every decode/verify window instead of
     `model(window, kv=kv, taps=taps)`, with the same contract (appends at kv.length, returns a TargetOutput).
     `should_stop()` is asked before every window; True ends the generation there (stop_reason "cancelled"), so a
     caller on another thread (a server whose client left) stops the work within one window."""
     sp = sampling or SamplingParams()
     if not prompt_ids:
-        raise ValueError("the prompt is empty; give at least one token.")
+        raise UsageError("the prompt is empty; give at least one token.")
     if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+        raise UsageError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
     if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}.")
+        raise UsageError(f"block must be >= 1, got {block}.")
     if not 0 <= spec_min_p <= 1:
-        raise ValueError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
+        raise UsageError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
     V = model.cfg.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < V]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {V}).")
+        raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary (size {V}).")
     n_prompt = len(prompt_ids)
     if n_prompt + 1 > kv.capacity:
-        raise ValueError(f"the prompt has {n_prompt} tokens and does not fit the context of {kv.capacity}; "
+        raise UsageError(f"the prompt has {n_prompt} tokens and does not fit the context of {kv.capacity}; "
                          f"shorten it or raise the context.")
     dev = kv.k.device
     if drafter is not None and block > 1:

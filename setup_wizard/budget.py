@@ -25,17 +25,17 @@ Then `expert_cache` slots = remaining // bytes of one expert, capped at the numb
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MIB = 1 << 20
+from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
+from runtime.drafters.registry import KINDS, kv_cache_bytes
+from runtime.errors import UsageError
+from runtime.formats.registry import QTYPES, block_format, row_bytes
+from runtime.models.target_config import TargetGeometry
 
-# bytes per 32-element block of each DFlash2 backbone storage type (ggml: Q8_0 = f16 scale + 32 int8, ...)
-QUANT_BLOCK_BYTES = {"q8_0": 34, "q5_0": 22, "q4_0": 18}
-QUANTS = ("bf16", "q8_0", "q5_0", "q4_0")
+MIB = 1 << 20
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-DRAFTERS = ("mtp", "dflash2", "none")
 
 ITEM_ORDER = (
     "target_dense_weights",
@@ -59,225 +59,10 @@ SMALL_SEGMENT = 2 * MIB
 LARGE_SEGMENT = 20 * MIB
 MIN_LARGE_ALLOC = 10 * MIB
 ROUND_LARGE = 2 * MIB
-# graphs the drafter's own graph runner captures in a short generation (runtime/drafter_graphs.py), as counted on
-# the H200 (bench/results/h200_budget: one private pool per graph, beside the target step's)
-DRAFTER_GRAPHS = {"none": 0, "mtp": 2, "dflash2": 3}
 
 
-class BudgetError(ValueError):
+class BudgetError(UsageError):
     """A geometry or setting the budget cannot work with (the message says which key)."""
-
-
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if value is None:
-        raise BudgetError(f"The model config has no '{key}'; it is needed to compute the memory budget.")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BudgetError(f"The model config key '{key}' must be a non-negative integer, not {value!r}.")
-    return value
-
-
-@dataclass(frozen=True)
-class TargetGeometry:
-    """The shapes of a Qwen3-MoE target that the budget needs."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    intermediate: int  # dense MLP width (layers in mlp_only_layers or off the sparse step)
-    moe_intermediate: int
-    experts: int  # routed experts per sparse layer
-    top_k: int
-    sparse_layers: tuple[int, ...]
-    tie_embeddings: bool
-    attention_bias: bool = False
-    max_position: int = 32768
-    has_mtp: bool = False
-    mtp_sparse: bool = True  # the MTP decoder layer has a MoE block (else a dense MLP)
-    # exact element counts from a tensor inventory (see `with_inventory`), preferred over the config arithmetic
-    dense_count: int | None = None
-    mtp_count: int | None = None
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], *, has_mtp: bool | None = None) -> TargetGeometry:
-        """From a Hugging Face `config.json` of `qwen3_moe` (MTP presence from `num_nextn_predict_layers`/`mtp_*`
-        keys unless `has_mtp` is given: the tensor inventory is the better witness)."""
-        hidden = _int(cfg, "hidden_size")
-        layers = _int(cfg, "num_hidden_layers")
-        heads = _int(cfg, "num_attention_heads")
-        kv_heads = _int(cfg, "num_key_value_heads", heads)
-        head_dim = cfg.get("head_dim") or (hidden // heads if heads else 0)
-        experts = _int(cfg, "num_experts", 0)
-        step = _int(cfg, "decoder_sparse_step", 1) or 1
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(layers) if experts > 0 and i not in mlp_only and (i + 1) % step == 0)
-        if has_mtp is None:
-            has_mtp = bool(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers"))
-        return cls(
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=int(head_dim),
-            vocab=_int(cfg, "vocab_size"),
-            intermediate=_int(cfg, "intermediate_size", 0),
-            moe_intermediate=_int(cfg, "moe_intermediate_size", 0),
-            experts=experts,
-            top_k=_int(cfg, "num_experts_per_tok", 0),
-            sparse_layers=sparse,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            max_position=_int(cfg, "max_position_embeddings", 32768),
-            has_mtp=bool(has_mtp),
-            mtp_sparse=experts > 0,
-        )
-
-    def with_inventory(self, inventory: Mapping[str, int]) -> TargetGeometry:
-        """Exact counts from the checkpoint's tensor names → element counts (the safetensors header): routed
-        experts are `model.layers.N.mlp.experts.*`, the MTP head is `mtp.*`, everything else is dense."""
-        from dataclasses import replace
-
-        dense = mtp = 0
-        mtp_sparse = False
-        for name, n in inventory.items():
-            if name.startswith("mtp."):
-                mtp += n
-                mtp_sparse = mtp_sparse or ".mlp.experts." in name
-            elif not (name.startswith("model.layers.") and ".mlp.experts." in name):
-                dense += n
-        return replace(self, dense_count=dense, mtp_count=mtp, has_mtp=mtp > 0, mtp_sparse=mtp_sparse)
-
-    # --- element counts -------------------------------------------------------------------------------------
-    def attention_elems(self) -> int:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        n = h * q + 2 * h * kv + q * h + 2 * self.head_dim  # q,k,v,o + q_norm,k_norm
-        if self.attention_bias:
-            n += q + 2 * kv + h
-        return n
-
-    def expert_elems(self) -> int:
-        """One routed expert: gate, up and down projections."""
-        return 3 * self.hidden * self.moe_intermediate
-
-    def layer_dense_elems(self, sparse: bool) -> int:
-        """A decoder layer without its routed experts (norms, attention, router or dense MLP)."""
-        n = 2 * self.hidden + self.attention_elems()
-        n += self.experts * self.hidden if sparse else 3 * self.hidden * self.intermediate
-        return n
-
-    def dense_elems(self) -> int:
-        """The target without routed experts and without `mtp.*`."""
-        if self.dense_count is not None:
-            return self.dense_count
-        n = self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden
-        for i in range(self.layers):
-            n += self.layer_dense_elems(i in self.sparse_layers)
-        return n
-
-    def mtp_elems(self) -> int:
-        """All `mtp.*` tensors (ARTIFACTS.md §1): two pre-fc norms, fc [H, 2H], one decoder layer, final norm."""
-        if not self.has_mtp:
-            return 0
-        if self.mtp_count is not None:
-            return self.mtp_count
-        h = self.hidden
-        n = 2 * h + 2 * h * h + h + self.layer_dense_elems(self.mtp_sparse)
-        if self.mtp_sparse:
-            n += self.experts * self.expert_elems()
-        return n
-
-    @property
-    def total_experts(self) -> int:
-        return len(self.sparse_layers) * self.experts
-
-
-@dataclass(frozen=True)
-class DFlash2Geometry:
-    """The shapes of a DFlash2 drafter (ARTIFACTS.md §2), from its config.json or its GGUF metadata."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    taps: int
-    conv_kernel: int = 2
-    conv_group: int = 16
-    selector_rank: int = 256
-    block_size: int = 16
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> DFlash2Geometry:
-        """Accepts the HF `config.json` (keys in `dflash_config` win) or GGUF metadata (`dflash2.*` keys)."""
-        if any(str(k).startswith("dflash2.") for k in cfg):
-            g = {k.removeprefix("dflash2."): v for k, v in cfg.items() if str(k).startswith("dflash2.")}
-            taps = g.get("target_layers")
-            return cls(
-                hidden=_int(g, "embedding_length"),
-                intermediate=_int(g, "feed_forward_length"),
-                layers=_int(g, "block_count"),
-                heads=_int(g, "attention.head_count"),
-                kv_heads=_int(g, "attention.head_count_kv"),
-                head_dim=_int(g, "attention.key_length"),
-                vocab=_int(g, "vocab_size"),
-                taps=len(taps) if taps is not None else _int(g, "target_layer_count"),
-                conv_kernel=_int(g, "conv_kernel_size", 2),
-                conv_group=_int(g, "conv_group_size", 16),
-                selector_rank=_int(g, "selector_rank", 256),
-                block_size=_int(g, "block_size", 16),
-            )
-        merged = {**cfg, **(cfg.get("dflash_config") or {})}
-        heads = _int(merged, "num_attention_heads")
-        hidden = _int(merged, "hidden_size")
-        taps = merged.get("target_layer_ids")
-        if taps is None:
-            raise BudgetError("The DFlash2 config has no 'dflash_config.target_layer_ids'.")
-        return cls(
-            hidden=hidden,
-            intermediate=_int(merged, "intermediate_size"),
-            layers=_int(merged, "num_hidden_layers"),
-            heads=heads,
-            kv_heads=_int(merged, "num_key_value_heads", heads),
-            head_dim=int(merged.get("head_dim") or hidden // max(heads, 1)),
-            vocab=_int(merged, "vocab_size"),
-            taps=len(taps),
-            conv_kernel=_int(merged, "conv_kernel_size", 2),
-            conv_group=_int(merged, "conv_group_size", 16),
-            selector_rank=_int(merged, "selector_rank", 256),
-            block_size=_int(merged, "block_size", 16),
-        )
-
-    def backbone_shapes(self) -> list[tuple[int, int]]:
-        """The 36 (for L=5) quantizable matrices as [rows, row_length]: fc + q,k,v,o,gate,up,down per layer."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        per_layer = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-        return [(h, self.taps * h)] + per_layer * self.layers
-
-    def bf16_elems(self) -> int:
-        """The 45 (for L=5) tensors that always stay BF16: norms, convolutions, selector."""
-        h, hd, k, g, r, v = self.hidden, self.head_dim, self.conv_kernel, self.conv_group, self.selector_rank, self.vocab
-        per_layer = 2 * h + 2 * hd + 2 * (2 * k * h) + 2 * ((2 * k * h // g) * h)
-        return 2 * h + self.layers * per_layer + r * h + 2 * v * r
-
-    def weight_bytes(self, quant: str, float_bytes: int = 2) -> int:
-        """Bytes as held: the float tensors at `float_bytes` per element (BF16 = 2, as stored; the CPU runtime
-        widens them to fp32 = 4), quantized backbone rows at the quant's block size per 32 elements."""
-        if quant not in QUANTS:
-            raise BudgetError(f"Unknown DFlash2 quantization '{quant}'; use one of {', '.join(QUANTS)}.")
-        total = float_bytes * self.bf16_elems()
-        for rows, cols in self.backbone_shapes():
-            if quant == "bf16":
-                total += float_bytes * rows * cols
-            else:
-                if cols % 32:
-                    raise BudgetError(f"A DFlash2 row of {cols} elements is not a multiple of 32 and cannot be {quant}.")
-                total += rows * (cols // 32) * QUANT_BLOCK_BYTES[quant]
-        return total
 
 
 @dataclass(frozen=True)
@@ -430,12 +215,13 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
         out += [kv * context * kb] * 2 + [block * t.vocab * 4]
     elif drafter == "dflash2" and dflash2 is not None:
         d = dflash2
-        mats = [rows * cols * wb if quant == "bf16" else rows * (cols // 32) * QUANT_BLOCK_BYTES[quant]
-                for rows, cols in d.backbone_shapes()]
-        sel = [d.selector_rank * d.hidden * wb, d.vocab * d.selector_rank * wb, d.vocab * d.selector_rank * wb]
-        rest = d.weight_bytes(quant, float_bytes=wb) - sum(mats) - sum(sel)   # norms and convolutions, per layer
-        out += mats + sel + [rest // (d.layers + 1)] * d.layers + [rest - d.layers * (rest // (d.layers + 1))]
-        out += [d.layers * d.kv_heads * d.head_dim * context * kb] * 2 + [block * t.vocab * 4]
+        fmt = block_format(quant)
+        for shape, kind in expected_tensors(d).values():   # one allocation per tensor, as the loader makes them
+            if kind == "backbone" and fmt.quantized:
+                out.append(shape[0] * row_bytes(shape[-1], fmt.name))
+            else:
+                out.append(_numel(shape) * wb)
+        out += [d.num_layers * d.num_kv_heads * d.head_dim * context * kb] * 2 + [block * t.vocab * 4]
     return out
 
 
@@ -454,8 +240,8 @@ def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geo
         out += [rows * t.intermediate * wb] * 3
     if dflash2 is not None:
         d = dflash2
-        obs = [rows * d.taps * h * wb, rows * h * wb, rows * d.taps * h * wb, rows * d.hidden * wb * 3,
-               rows * d.intermediate * wb * 3, rows * (d.heads + 2 * d.kv_heads) * d.head_dim * wb]
+        obs = [rows * d.num_taps * h * wb, rows * h * wb, rows * d.num_taps * h * wb, rows * d.hidden_size * wb * 3,
+               rows * d.intermediate_size * wb * 3, rows * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim * wb]
         if sum(obs) > sum(out):
             return obs
     return out
@@ -466,13 +252,18 @@ def graph_pool_bytes(t: TargetGeometry, drafter: str, width: int, wb: int) -> in
     the capture stream leaves its own segments: one `segment_bytes` of a step's tensors per graph, plus one."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
     step = [width * t.vocab * 4, width * h * wb * 4, width * (q + 2 * kv) * wb * 2, width * t.top_k * 16]
-    n = 1 + DRAFTER_GRAPHS.get(drafter, 0)
+    n = 1 + KINDS[drafter].graph_sets
     return (n + 1) * segment_bytes(step)
 
 
-def kv_bytes(layers: int, kv_heads: int, head_dim: int, kv_dtype_bytes: int, context: int) -> int:
-    """`layers * 2 * kv_heads * head_dim * bytes * context` (K and V)."""
-    return layers * 2 * kv_heads * head_dim * kv_dtype_bytes * context
+kv_bytes = kv_cache_bytes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def compute_budget(
@@ -484,15 +275,18 @@ def compute_budget(
     quant: str = "bf16",
 ) -> Budget:
     """Itemise every fixed allocation, then give the rest to the expert cache."""
-    if drafter not in DRAFTERS:
-        raise BudgetError(f"Unknown drafter '{drafter}'; use one of {', '.join(DRAFTERS)}.")
+    if drafter not in KINDS:
+        raise BudgetError(f"Unknown drafter '{drafter}'; use one of {', '.join(KINDS)}.")
+    if quant not in QTYPES:
+        raise BudgetError(f"Unknown DFlash2 quantization '{quant}'; use one of {', '.join(QTYPES)}.")
     if inputs.context <= 0:
         raise BudgetError(f"The context length must be a positive number of tokens, not {inputs.context}.")
     if inputs.block <= 0:
         raise BudgetError(f"The block size must be positive, not {inputs.block}.")
     if inputs.reserve_bytes < 0:
         raise BudgetError("The memory reserve cannot be negative.")
-    if drafter == "dflash2" and dflash2 is None:
+    kind = KINDS[drafter]
+    if kind.needs_file and dflash2 is None:
         raise BudgetError("A DFlash2 budget needs the drafter's geometry (its config.json or GGUF metadata).")
     if drafter == "mtp" and not target.has_mtp:
         raise BudgetError("This target has no MTP head (no mtp.* tensors); choose --drafter dflash2 or none.")
@@ -500,22 +294,10 @@ def compute_budget(
     wb, kb, ctx = inputs.weight_bytes, inputs.kv_bytes, inputs.context
     block = inputs.block if drafter != "none" else 1
     items: dict[str, int] = {"target_dense_weights": target.dense_elems() * wb}
-    if drafter == "mtp":
-        items["drafter_weights"] = target.mtp_elems() * wb
-    elif drafter == "dflash2":
-        assert dflash2 is not None
-        items["drafter_weights"] = dflash2.weight_bytes(quant, float_bytes=wb)
-    else:
-        items["drafter_weights"] = 0
+    items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
     items["target_kv"] = kv_bytes(target.layers, target.kv_heads, target.head_dim, kb, ctx)
-    if drafter == "mtp":
-        items["drafter_kv"] = kv_bytes(1, target.kv_heads, target.head_dim, kb, ctx)
-    elif drafter == "dflash2":
-        assert dflash2 is not None
-        items["drafter_kv"] = kv_bytes(dflash2.layers, dflash2.kv_heads, dflash2.head_dim, kb, ctx)
-    else:
-        items["drafter_kv"] = 0
-    items["logits"] = block * target.vocab * 4 * (2 if drafter != "none" else 1)
+    items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
+    items["logits"] = block * target.vocab * 4 * (2 if kind.makes_logits else 1)
     cuda = inputs.device_type == "cuda"
     items["scratch"] = scratch_bytes(
         target, context=ctx, block=block, prefill_chunk=inputs.prefill_chunk, act_bytes=wb, flash=cuda

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import UsageError
+
 KINDS = ("target", "dflash2")
 SOURCES = ("hf", "bundled")
 ENV_CATALOG = "STRATA_CATALOG"
@@ -33,7 +35,7 @@ _ENTRY_KEYS = {"name", "kind", "source", "repo", "revision", "fits", "default", 
 _FILE_KEYS = {"path", "sha256", "size"}
 
 
-class CatalogError(ValueError):
+class CatalogError(UsageError):
     """The catalog (shipped or STRATA_CATALOG) is malformed, or a name is not in it; one sentence (exit code 2)."""
 
 

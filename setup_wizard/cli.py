@@ -14,6 +14,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from runtime.errors import exit_code, message
 from runtime.version import __version__
 
 app = typer.Typer(
@@ -62,23 +63,8 @@ def _fail(message: str, code: int, debug: bool, exc: BaseException | None = None
 
 
 def _error_code(exc: BaseException) -> int | None:
-    """2 for bad input, 1 for a failed step, None for anything unexpected."""
-    from setup_wizard.budget import BudgetError
-    from setup_wizard.config import ConfigError
-    from setup_wizard.plan import StepError, UsageError
-
-    if isinstance(exc, UsageError | ConfigError | BudgetError):
-        return 2
-    if isinstance(exc, StepError):
-        return 1
-    for mod, name, code in (("setup_wizard.catalog", "CatalogError", 2), ("calibrate.key", "CalibrationConfigError", 2),
-                            ("runtime.dflash2_contract", "ContractError", 2)):
-        cls = getattr(sys.modules.get(mod), name, None)
-        if cls is not None and isinstance(exc, cls):
-            return code
-    if isinstance(exc, OSError):
-        return 1
-    return None
+    """2 for bad input, 1 for a failed step, None for anything unexpected (runtime/errors.py decides)."""
+    return exit_code(exc)
 
 
 @app.callback(invoke_without_command=True)
@@ -127,7 +113,7 @@ def main_callback(
         code = _error_code(exc)
         if code is None:
             _fail(f"Unexpected error: {exc} (rerun with --debug for details).", 1, debug, exc)
-        _fail(str(exc), code, debug, exc)
+        _fail(message(exc), code, debug, exc)
 
 
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
@@ -206,7 +192,7 @@ def budget_cmd(
         raise
     except Exception as exc:
         code = _error_code(exc)
-        _fail(str(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
+        _fail(message(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
     if json_out:
         print(json.dumps({"config": str(config), **budget.to_dict()}, indent=2))
     else:
@@ -250,7 +236,7 @@ def calibrate_cmd(
         raise typer.Exit(130) from None
     except Exception as exc:
         code = _error_code(exc)
-        _fail(str(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
+        _fail(message(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
     spec = doc["speculative"]
     if json_out:
         print(json.dumps({"config": str(config), "speculative": spec, "calibration": doc.get("calibration")},
@@ -260,12 +246,10 @@ def calibrate_cmd(
                         f"written to {config}")
 
 
-# --- artifact area: the model manager and the converter register here (owned by the artifact engineer) ---
 from setup_wizard.models_cli import convert_cmd, models_app  # noqa: E402
 
 app.add_typer(models_app, name="models")
 app.command("convert")(convert_cmd)
-# --- end artifact area ---
 
 
 def main() -> None:

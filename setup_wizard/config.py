@@ -18,6 +18,7 @@ from typing import Any
 
 import tomli_w
 
+from runtime.errors import ConfigError, WorkError
 from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-exported: one formula)
 
 SCHEMA = 1
@@ -38,11 +39,7 @@ OWNED: dict[str, set[str] | None] = {
 }
 
 
-class ConfigError(Exception):
-    """A config that cannot be used; the message is one sentence saying what to do (exit code 2)."""
-
-
-class ConfigWriteError(OSError):
+class ConfigWriteError(WorkError, OSError):
     """The config could not be written (disk full, permissions); the old file, if any, is intact (exit code 1)."""
 
 

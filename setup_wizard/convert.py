@@ -7,7 +7,7 @@ a time) to a temporary name; every tensor is checked finite as it is read. The t
 `gguf.GGUFReader` (metadata, tensor table, types, sizes) and only then renamed. Any error removes the temporary
 file: nothing is left behind.
 
-Backbone matrices (36 for L = 5) are quantized with `runtime.quant.quantize` (byte-identical to gguf-py); the norm,
+Backbone matrices (36 for L = 5) are quantized with `runtime.formats.blocks.quantize` (byte-identical to gguf-py); the norm,
 convolution and selector tensors keep their BF16 bits.
 """
 
@@ -16,16 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from runtime import quant as Q
-from runtime.dflash2_contract import (
+from runtime.drafters.dflash2.contract import (
     ALIGNMENT,
     ARCH,
     KEY_ALIGNMENT,
@@ -36,24 +33,22 @@ from runtime.dflash2_contract import (
     KEY_SOURCE_REPO,
     KEY_SOURCE_REVISION,
     KEY_SOURCE_SHA256,
-    ContractError,
     DFlash2Geometry,
     check_inventory,
     expected_tensors,
     hf_to_gguf,
     write_gguf_metadata,
 )
-from setup_wizard.catalog import CatalogError, safe_join
+from runtime.errors import ContractError, WorkError
+from runtime.formats import blocks as Q
+from runtime.formats.gguf_meta import metadata
+from runtime.formats.safetensors_files import TensorRef, checkpoint_files, tensor_refs
 from setup_wizard.store import Store, check_disk_space, manifest_sha256, now_iso, sha256_file
 
 CONVERTER_VERSION = "1"
-QUANTS = ("bf16", "q8_0", "q5_0", "q4_0")
-_MAX_HEADER = 100 * 1024 * 1024
-_ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1,
-              "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-class ConvertError(OSError):
+class ConvertError(WorkError, OSError):
     """The conversion could not be completed or verified (I/O, read-back mismatch); exit code 1."""
 
 
@@ -71,60 +66,6 @@ class Converted:
 # ---------------------------------------------------------------------------------------------------------------
 # reading the source
 
-@dataclass(frozen=True)
-class _TensorRef:
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int       # absolute byte offset in file
-    nbytes: int
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """(header dict without __metadata__, data start offset); ContractError for a malformed file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ContractError(f"{path.name} is too small to be a safetensors file.")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise ContractError(f"{path.name} has a safetensors header length of {n} bytes, which does not fit the "
-                                f"file; it is not a valid safetensors file.")
-        try:
-            hdr = json.loads(f.read(n))
-        except ValueError:
-            raise ContractError(f"{path.name} has a safetensors header that is not JSON.") from None
-    if not isinstance(hdr, dict):
-        raise ContractError(f"{path.name} has a safetensors header that is not a JSON object.")
-    hdr.pop("__metadata__", None)
-    return hdr, 8 + n
-
-
-def _tensor_refs(files: list[Path], weight_map: Mapping[str, str] | None) -> dict[str, _TensorRef]:
-    refs: dict[str, _TensorRef] = {}
-    for p in files:
-        hdr, start = read_safetensors_header(p)
-        data_len = p.stat().st_size - start
-        for name, info in hdr.items():
-            try:
-                dtype = str(info["dtype"])
-                shape = tuple(int(s) for s in info["shape"])
-                b, e = (int(v) for v in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise ContractError(f"{p.name}: tensor {name!r} has a malformed header entry.") from None
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            if dtype in _ST_DTYPES and (e - b != count * _ST_DTYPES[dtype] or not 0 <= b <= e <= data_len):
-                raise ContractError(f"{p.name}: tensor {name!r} has data offsets that do not match its shape or "
-                                    f"the file size (a truncated or corrupt file).")
-            if name in refs:
-                raise ContractError(f"tensor {name!r} appears in two shards ({refs[name].file.name}, {p.name}).")
-            if weight_map is not None and weight_map.get(name) not in (None, p.name):
-                raise ContractError(f"tensor {name!r} is in {p.name} but the index says {weight_map[name]}.")
-            refs[name] = _TensorRef(p, dtype, shape, start + b, e - b)
-    return refs
-
-
 def locate_source(src: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
     """(config.json, safetensors files, weight map) for a folder or a single .safetensors file (config beside it)."""
     src = Path(src)
@@ -134,23 +75,7 @@ def locate_source(src: Path) -> tuple[Path, list[Path], dict[str, str] | None]:
         folder, files, wmap = src.parent, [src], None
     elif src.is_dir():
         folder = src
-        index = src / "model.safetensors.index.json"
-        if (src / "model.safetensors").is_file():
-            files, wmap = [src / "model.safetensors"], None
-        elif index.is_file():
-            try:
-                wmap = dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-            except (ValueError, KeyError, TypeError):
-                raise ContractError(f"{index} is not a valid safetensors index.") from None
-            try:
-                files = [safe_join(src, rel, "index shard") for rel in sorted(set(wmap.values()))]
-            except CatalogError as exc:
-                raise ContractError(str(exc)) from None
-            for f in files:
-                if not f.is_file():
-                    raise ContractError(f"shard {f.name} named by {index.name} is missing.")
-        else:
-            raise ContractError(f"{src} holds no model.safetensors (or model.safetensors.index.json).")
+        files, wmap = checkpoint_files(src, error=ContractError)
     else:
         raise ContractError(f"{src} does not exist; pass a DFlash2 checkpoint folder or its .safetensors file.")
     cfg = folder / "config.json"
@@ -171,7 +96,7 @@ class Source:
     config_path: Path
     files: list[Path]
     geom: DFlash2Geometry
-    tensors: dict[str, _TensorRef]
+    tensors: dict[str, TensorRef]
     kinds: dict[str, str]
 
 
@@ -184,7 +109,7 @@ def validate_source(src: Path, quant: str) -> Source:
     except (OSError, ValueError) as exc:
         raise ContractError(f"{cfg} is not readable JSON ({exc}).") from None
     geom = DFlash2Geometry.from_config(config)
-    refs = _tensor_refs(files, wmap)
+    refs = tensor_refs(files, wmap, error=ContractError)
     check_inventory({n: (r.shape, r.dtype) for n, r in refs.items()}, geom)
     kinds = {n: k for n, (_, k) in expected_tensors(geom).items()}
     if quant != "bf16":
@@ -197,15 +122,15 @@ def validate_source(src: Path, quant: str) -> Source:
 
 def _check_quant(quant: str) -> str:
     q = str(quant).lower()
-    if q not in QUANTS:
-        raise ContractError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}.")
+    if q not in Q.FORMATS:
+        raise ContractError(f"unknown quantization {quant!r}; use one of {', '.join(Q.QTYPES)}.")
     return q
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # writing
 
-def _bf16_bits(ref: _TensorRef) -> np.ndarray:
+def _bf16_bits(ref: TensorRef) -> np.ndarray:
     mm = np.memmap(ref.file, dtype=np.uint16, mode="r", offset=ref.offset, shape=(ref.nbytes // 2,))
     return np.array(mm).reshape(ref.shape)
 
@@ -246,7 +171,7 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         w = gguf.GGUFWriter(tmp, ARCH)
-        w.add_file_type(Q.FILE_TYPE[quant])
+        w.add_file_type(Q.FORMATS[quant].file_type)
         w.add_custom_alignment(ALIGNMENT)
         write_gguf_metadata(w, source.geom)
         # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and ARTIFACTS.md §4
@@ -258,7 +183,7 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
         for _name, gname, qt, shape, nbytes in plan:
             byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
             w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,
-                              raw_dtype=gguf.GGMLQuantizationType(Q.GGML_TYPE[qt]))
+                              raw_dtype=Q.FORMATS[qt].ggml)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -295,17 +220,6 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
 # ---------------------------------------------------------------------------------------------------------------
 # reading back
 
-def read_gguf_fields(reader: Any) -> dict[str, Any]:
-    """GGUF metadata as plain Python values."""
-    out: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        try:
-            out[key] = f.contents()
-        except Exception:  # pragma: no cover - exotic field types
-            continue
-    return out
-
-
 def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha: str | None) -> list[str]:
     """Problems with a converted file (empty = good): header keys, tensor table (names, types, shapes), sizes.
     With `geom` None the geometry is taken from the file's own metadata."""
@@ -316,9 +230,9 @@ def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha:
         reader = gguf.GGUFReader(path)
     except Exception as exc:
         return [f"{path.name} cannot be read as GGUF ({type(exc).__name__}: {exc})"]
-    meta = read_gguf_fields(reader)
+    meta = metadata(reader)
     want = {KEY_ARCHITECTURE: ARCH, KEY_QUANTIZATION: quant, KEY_CONVERTER_VERSION: CONVERTER_VERSION,
-            KEY_FILE_TYPE: Q.FILE_TYPE[quant], KEY_ALIGNMENT: ALIGNMENT}
+            KEY_FILE_TYPE: Q.FORMATS[quant].file_type, KEY_ALIGNMENT: ALIGNMENT}
     if source_sha is not None:
         want[KEY_SOURCE_SHA256] = source_sha
     problems = [f"metadata {k} is {meta.get(k)!r}, expected {v!r}" for k, v in want.items() if meta.get(k) != v]
@@ -344,7 +258,7 @@ def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha:
         hf_shape = tuple(int(d) for d in reversed(list(t.shape)))
         if hf_shape != shape:
             problems.append(f"tensor {t.name} has shape {list(hf_shape)}, expected {list(shape)}")
-        if int(t.tensor_type) != Q.GGML_TYPE[qt]:
+        if int(t.tensor_type) != Q.FORMATS[qt].ggml_type:
             problems.append(f"tensor {t.name} has type {t.tensor_type.name}, expected {qt}")
         rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
         if int(t.n_bytes) != rows * Q.row_bytes(shape[-1], qt) or int(t.data_offset) + int(t.n_bytes) > size:

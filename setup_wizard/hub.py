@@ -30,6 +30,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from runtime.errors import WorkError
 from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, bundled_root, load_catalog, safe_join
 from setup_wizard.store import (
     PART_SUFFIX,
@@ -41,7 +42,7 @@ from setup_wizard.store import (
 )
 
 
-class DownloadError(OSError):
+class DownloadError(WorkError, OSError):
     """A download or its verification failed (network, missing file, checksum); exit code 1."""
 
 
@@ -309,7 +310,8 @@ def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
     """Ranged read of each safetensors header; ContractError -> HeaderCheckError, before any weight is fetched."""
     from huggingface_hub import HfApi
 
-    from runtime.dflash2_contract import ContractError, DFlash2Geometry, check_inventory
+    from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory
+    from runtime.errors import ContractError
 
     weights = [f.path for f in entry.files if f.path.endswith(".safetensors")]
     if not weights:

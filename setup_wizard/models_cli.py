@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from runtime.errors import exit_code, message
 from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, load_catalog
 from setup_wizard.store import Store, StoreItem
 
@@ -178,16 +179,6 @@ def collect_garbage(*, dry_run: bool = False, store: Store | None = None) -> dic
 # ---------------------------------------------------------------------------------------------------------------
 # commands
 
-def _code(exc: BaseException) -> int | None:
-    from runtime.dflash2_contract import ContractError
-
-    if isinstance(exc, CatalogError | ContractError):
-        return 2
-    if isinstance(exc, OSError):
-        return 1
-    return None
-
-
 def _run(fn: Callable[[], Any], debug: bool) -> Any:
     try:
         return fn()
@@ -200,8 +191,8 @@ def _run(fn: Callable[[], Any], debug: bool) -> Any:
     except Exception as exc:
         if debug:
             raise
-        code = _code(exc)
-        msg = str(exc) if code else f"Unexpected error: {exc} (rerun with --debug for details)."
+        code = exit_code(exc)
+        msg = message(exc) if code else f"Unexpected error: {exc} (rerun with --debug for details)."
         Console(stderr=True).print(f"[red]Error:[/red] {msg}", highlight=False, soft_wrap=True)
         raise typer.Exit(code or 1) from None
 

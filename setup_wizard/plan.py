@@ -9,31 +9,30 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.drafters.registry import KINDS
+from runtime.errors import ContractError, UsageError, WorkError
+from runtime.formats.gguf_meta import read_metadata
+from runtime.formats.registry import QTYPES
+from runtime.formats.safetensors_files import inventory
+from runtime.models.target_config import TargetGeometry
 from runtime.version import __version__
 from setup_wizard import budget as B
 from setup_wizard.config import manifest_sha256, sha256_file, write_config
 from setup_wizard.hardware import MIB, Hardware
 
-QUANTS = B.QUANTS
-DRAFTERS = B.DRAFTERS
-# uncalibrated speculative settings (the seed's setup default: floor 0.5, three proposals per window)
-DEFAULT_SPEC = {"mtp": (4, 0.5), "dflash2": (4, 0.5), "none": (1, 0.0)}
-MTP_MAX_BLOCK = 16  # runtime.drafter.MTPDrafter's max_block: the verify/logits buffers are sized for it
+QUANTS = QTYPES
+DRAFTERS = tuple(KINDS)
 TARGET_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                 "model.safetensors.index.json")
 
 
-class UsageError(Exception):
-    """Bad answers or flags: one sentence, exit code 2."""
-
-
-class StepError(Exception):
+class StepError(WorkError):
     """A step failed (network, checksum, conversion, does not fit): one sentence, exit code 1."""
 
 
@@ -102,45 +101,11 @@ class Services(Protocol):
 
 
 def safetensors_inventory(folder: Path) -> dict[str, int]:
-    """Tensor name → element count, from the safetensors headers only (8-byte length + JSON; no weights read)."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wmap = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards = sorted({str(v) for v in wmap.values()})
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            raise UsageError(f"{index} is not a valid safetensors index (no weight_map); the folder {folder} is "
-                             f"damaged, download it again.") from None
-    else:
-        shards = ["model.safetensors"]
-    out: dict[str, int] = {}
-    for shard in shards:
-        if "/" in shard or "\\" in shard or shard.startswith(".."):
-            raise UsageError(f"{index} names a shard outside the folder ({shard!r}); the folder is not usable.")
-        p = folder / shard
-        if not p.is_file():
-            raise UsageError(f"{folder} has no {shard}; point --target at a Hugging Face model folder.")
-        try:
-            with open(p, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > 100 * MIB:
-                    raise ValueError("header too long")
-                header = json.loads(f.read(n))
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                count = 1
-                for d in meta["shape"]:
-                    count *= int(d)
-                out[name] = count
-        except (struct.error, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            raise UsageError(f"{p} is not a valid safetensors file (its header cannot be read); the folder "
-                             f"{folder} is damaged, download it again.") from None
-    return out
+    """Tensor name → element count, from the safetensors headers only (no weights read)."""
+    return {name: ref.numel for name, ref in inventory(Path(folder), error=UsageError).items()}
 
 
-def target_geometry(folder: Path) -> B.TargetGeometry:
+def target_geometry(folder: Path) -> TargetGeometry:
     """The budget geometry of a target folder: config.json arithmetic, made exact by the tensor inventory."""
     folder = Path(folder)
     cfg_path = folder / "config.json"
@@ -151,7 +116,7 @@ def target_geometry(folder: Path) -> B.TargetGeometry:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise UsageError(f"{cfg_path} is not valid JSON; the target folder is damaged.") from None
     try:
-        geo = B.TargetGeometry.from_config(cfg)
+        geo = TargetGeometry.from_config(cfg)
     except B.BudgetError as exc:
         raise UsageError(str(exc)) from None
     return geo.with_inventory(safetensors_inventory(folder))
@@ -372,7 +337,7 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     choices.validate()
     target, why_t = resolve_target(choices.target, services.targets())
     why = {"target": why_t}
-    geo: B.TargetGeometry | None = None
+    geo: TargetGeometry | None = None
     if target.local_path is not None:
         geo = target_geometry(target.local_path)
         target = replace(target, has_mtp=geo.has_mtp)
@@ -480,7 +445,7 @@ def default_config_path(target: str, drafter: str, quant: str | None = None) -> 
     return strata_home() / "configs" / f"{target}-{drafter}.toml"
 
 
-def drafter_geometry(head: HeadOption | Artifact | Path | None) -> B.DFlash2Geometry | None:
+def drafter_geometry(head: HeadOption | Artifact | Path | None) -> DFlash2Geometry | None:
     path = head if isinstance(head, Path) else getattr(head, "local_path", None) or getattr(head, "path", None)
     if path is None:
         return None
@@ -488,41 +453,26 @@ def drafter_geometry(head: HeadOption | Artifact | Path | None) -> B.DFlash2Geom
     cfg = path / "config.json" if path.is_dir() else path
     if cfg.suffix == ".json" and cfg.is_file():
         try:
-            return B.DFlash2Geometry.from_config(json.loads(cfg.read_text()))
-        except (json.JSONDecodeError, B.BudgetError) as exc:
+            return DFlash2Geometry.from_config(json.loads(cfg.read_text()))
+        except (json.JSONDecodeError, ContractError) as exc:
             raise StepError(f"The DFlash2 config {cfg} cannot be read ({exc}).") from None
     if path.suffix == ".gguf" and path.is_file():
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        meta: dict[str, Any] = {}
-        for name, fld in reader.fields.items():
-            if name.startswith("dflash2."):
-                try:
-                    meta[name] = fld.contents()
-                except Exception:  # pragma: no cover - a field type gguf cannot decode
-                    continue
-        return B.DFlash2Geometry.from_config(meta)
+        return DFlash2Geometry.from_gguf_metadata(read_metadata(path, error=StepError))
     return None
 
 
-def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: B.DFlash2Geometry | None, *,
+def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry | None, *,
                   dtype: str | None = None, kv_dtype: str | None = None) -> B.BudgetInputs:
     """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype`)."""
     dtype_bytes = B.DTYPE_BYTES.get(dtype or "", 2 if hw.device_type == "cuda" else 4)
     kv_dtype_bytes = B.DTYPE_BYTES.get(kv_dtype or "", dtype_bytes)
-    if plan.drafter == "dflash2" and dgeo is not None:
-        block = dgeo.block_size
-    elif plan.drafter == "mtp":
-        block = MTP_MAX_BLOCK
-    else:
-        block = 1
+    block = KINDS[plan.drafter].max_block(dgeo, None) if (dgeo is not None or plan.drafter != "dflash2") else 1
     return B.BudgetInputs(context=context, block=block, device_type=hw.device_type,
                           available_bytes=hw.free_bytes, total_bytes=hw.total_bytes,
                           reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes)
 
 
-def compute(plan: Plan, geo: B.TargetGeometry, dgeo: B.DFlash2Geometry | None) -> B.Budget:
+def compute(plan: Plan, geo: TargetGeometry, dgeo: DFlash2Geometry | None) -> B.Budget:
     return B.compute_budget(geo, plan.drafter, budget_inputs(plan, plan.hardware, plan.context, dgeo),
                             dflash2=dgeo, quant=plan.quant or "bf16")
 
@@ -584,7 +534,7 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
     # 2. drafter
     drafter_art: Artifact | None = None
     head_art: Artifact | None = None
-    dgeo: B.DFlash2Geometry | None = None
+    dgeo: DFlash2Geometry | None = None
     if plan.drafter == "dflash2":
         assert plan.head is not None and plan.quant is not None
         if plan.head.local_path is not None and plan.head.description == "local folder":
@@ -616,7 +566,7 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
     mark(step, "done", expert_cache_slots=budget.expert_cache_slots)
 
     # 4. config (written before calibration so calibration reads it; rewritten with the results after)
-    doc = build_doc(plan, target, drafter_art, head_art, budget)
+    doc = build_doc(plan, target, drafter_art, head_art, budget, dgeo)
     previous = _read_previous(plan.config_path)
     reuse = _reusable_calibration(previous, doc)
     if reuse:
@@ -701,10 +651,11 @@ def _tomlable(value: Any) -> Any:
 
 
 def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Artifact | None,
-              budget: B.Budget) -> dict[str, Any]:
+              budget: B.Budget, dgeo: DFlash2Geometry | None = None) -> dict[str, Any]:
     """The schema-1 document (docs/INTERFACES.md "Config")."""
     hw = plan.hardware
-    block, floor = DEFAULT_SPEC[plan.drafter]
+    kind = KINDS[plan.drafter]   # uncalibrated: the kind's defaults (DFlash2: the head's own block_size)
+    block, floor = kind.default_block(dgeo), kind.default_spec_min_p
     dtype = "bf16" if hw.device_type == "cuda" else "fp32"
     doc: dict[str, Any] = {
         "schema": 1,

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import WorkError
 from runtime.fileio import atomic_write_text, sha256_file  # noqa: F401  (re-exported)
 
 MANIFEST = ".strata-manifest.json"
 PART_SUFFIX = ".part"
 
 
-class StoreError(OSError):
+class StoreError(WorkError, OSError):
     """A store operation failed (disk, permissions, a corrupt manifest); one sentence saying what to do."""
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.dflash2_contract import DFlash2Geometry
-from runtime.models.dflash2 import DFlash2Model
+from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.drafters.dflash2.model import DFlash2Model
 from runtime.models.qwen3_moe import Qwen3MoeModel
 from training.common import Log, StepClock, autocast, lr_at, make_optimizer
 from training.configs import DraftSettings

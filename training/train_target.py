@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel, SparseMoe
+from runtime.models.layers import SparseMoe
+from runtime.models.qwen3_moe import Qwen3MoeModel
+from runtime.models.target_config import Qwen3MoeConfig
 from training.common import Log, StepClock, autocast, lr_at, make_optimizer, sample_windows
 from training.configs import Geometry, StageSettings, target_config
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from runtime.models.qwen3_moe import DecoderLayer, Qwen3MoeConfig, RMSNorm, Rotary
+from runtime.models.layers import DecoderLayer, RMSNorm, Rotary
+from runtime.models.target_config import Qwen3MoeConfig
 
 
 class MTPHead(nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runtime.dflash2_contract import DFlash2Geometry, expected_tensors
+from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 
 REPO = "tiny-org/tiny-dflash2"
 REV = "0123456789abcdef0123456789abcdef01234567"

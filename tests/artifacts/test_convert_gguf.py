@@ -14,13 +14,14 @@ from artifacts_helpers import TINY_CONFIG, tiny_tensors, write_checkpoint
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import quantize as gguf_quantize
 
-from runtime.dflash2_contract import ContractError, hf_to_gguf
+from runtime.drafters.dflash2.contract import hf_to_gguf
+from runtime.errors import ContractError
+from runtime.formats.gguf_meta import metadata
 from setup_wizard.convert import (
     CONVERTER_VERSION,
     check_gguf,
     convert_dflash2,
     convert_to_store,
-    read_gguf_fields,
 )
 from setup_wizard.store import Store
 
@@ -40,7 +41,7 @@ def test_local_conversion_still_writes_every_strata_key(ckpt, tmp_path):
     """A standalone convert of a local folder has no repo or revision; the keys are present and empty."""
     out = tmp_path / "local.gguf"
     res = convert_dflash2(ckpt, "q8_0", out)
-    meta = read_gguf_fields(GGUFReader(out))
+    meta = metadata(GGUFReader(out))
     assert meta["strata.source.repo"] == "" and meta["strata.source.revision"] == ""
     assert meta["strata.source.sha256"] == res.source_sha256 and meta["strata.quantization"] == "q8_0"
 
@@ -51,7 +52,7 @@ def test_round_trip_bytes_and_metadata(ckpt, tmp_path, quant):
     res = convert_dflash2(ckpt, quant, out, source_repo="org/head", source_revision="a" * 40)
     assert res.path == out and out.is_file() and not list(tmp_path.glob(".*.tmp"))
     r = GGUFReader(out)
-    meta = read_gguf_fields(r)
+    meta = metadata(r)
     assert meta["general.architecture"] == "dflash2"
     assert meta["general.file_type"] == {"bf16": 32, "q8_0": 7, "q5_0": 8, "q4_0": 2}[quant]
     assert meta["general.alignment"] == 32
@@ -191,7 +192,7 @@ def test_pulled_head_converts_through_the_cache(tiny_repo, hub, home):
     sha = p.files["model.safetensors"]["sha256"]
     c = convert_to_store(p.path, "q8_0", source_name="tiny-head", source_repo="tiny-org/tiny-dflash2",
                          source_revision=p.revision, source_sha=sha)
-    meta = read_gguf_fields(GGUFReader(c.path))
+    meta = metadata(GGUFReader(c.path))
     assert meta["strata.source.sha256"] == sha and meta["strata.source.revision"] == p.revision
     items = {it.name: it for it in Store().items()}
     assert items["tiny-head:q8_0"].verified and items["tiny-head:q8_0"].artifact_path == c.path

@@ -1,4 +1,4 @@
-"""runtime.quant: byte equality with gguf-py's reference quantizer, dequantization, QuantLinear."""
+"""runtime.formats.blocks: byte equality with gguf-py's reference quantizer, dequantization, QuantLinear."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from runtime import quant
-from runtime.quant import (
-    QuantFormatError,
-    QuantLinear,
-    bf16_bits_to_f32,
-    dequantize,
-    dequantize_torch,
-    f32_to_bf16_bits,
-    quantize,
-)
+from runtime.errors import QuantFormatError
+from runtime.formats import blocks as quant
+from runtime.formats.blocks import bf16_bits_to_f32, dequantize, dequantize_torch, f32_to_bf16_bits, quantize
+from runtime.formats.quant_linear import QuantLinear
 
 QS = ("q8_0", "q5_0", "q4_0")
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.dflash2_contract import (
-    FILE_TYPES,
+from runtime.drafters.dflash2.contract import (
     KEY_QUANTIZATION,
     DFlash2Geometry,
     expected_tensors,
     hf_to_gguf,
     write_gguf_metadata,
 )
+from runtime.formats.registry import FORMATS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,7 +113,7 @@ def write_gguf_drafter(path: str | Path, hf_folder: str | Path, *, quant: str = 
     kinds = expected_tensors(geom, v1=v1)
     w = gguf.GGUFWriter(str(path), "dflash2")
     write_gguf_metadata(w, geom)
-    w.add_uint32("general.file_type", FILE_TYPES[quant])
+    w.add_uint32("general.file_type", FORMATS[quant].file_type)
     w.add_string(KEY_QUANTIZATION, quant)
     for name, t in state.items():
         bits = t.contiguous().view(torch.int16).numpy().view(np.uint16)
@@ -135,7 +135,8 @@ def write_gguf_drafter(path: str | Path, hf_folder: str | Path, *, quant: str = 
 
 def tiny_target(*, hidden: int = 64, vocab: int = 80, layers: int = 3, seed: int = 0, **kw: Any):
     """An in-memory tiny Qwen3-MoE target (fp32) for drafter tests."""
-    from runtime.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+    from runtime.models.qwen3_moe import Qwen3MoeModel
+    from runtime.models.target_config import Qwen3MoeConfig
     from tests.runtime.tiny import tiny_config
 
     torch.manual_seed(seed)
@@ -151,7 +152,7 @@ def train_on_sequence(cfg: dict, target, seq: torch.Tensor, *, first_anchor: int
     token placed first among the candidates."""
     import torch.nn.functional as F
 
-    from runtime.models.dflash2 import DFlash2Model
+    from runtime.drafters.dflash2.model import DFlash2Model
 
     geom = DFlash2Geometry.from_config(cfg)
     W = width or geom.block_size

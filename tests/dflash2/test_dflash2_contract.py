@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.dflash2_contract import (
-    ContractError,
+from runtime.drafters.dflash2.contract import (
     DFlash2Geometry,
     check_inventory,
     expected_tensors,
@@ -14,6 +13,7 @@ from runtime.dflash2_contract import (
     hf_to_gguf,
     tensor_count,
 )
+from runtime.errors import ContractError
 
 # The official head's config.json shape (incoai/Qwen3.8-Flash-Next-DFlash2 layout, transformers 5 style).
 OFFICIAL = {

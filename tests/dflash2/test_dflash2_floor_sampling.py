@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.models.dflash2 import CandidateSelector, argmax_walk, select_walk
+from runtime.drafters.dflash2.model import CandidateSelector, argmax_walk, select_walk
 from runtime.sampling import SamplingParams
 from runtime.speculative import _accept_sampled
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.dflash2_contract import ContractError, expected_tensors
-from runtime.dflash2_loading import DFlash2Drafter, load_dflash2_drafter
-from runtime.drafter import Drafter
-from runtime.quant import QuantLinear, dequantize_torch
+from runtime.drafters.base import Drafter
+from runtime.drafters.dflash2.contract import expected_tensors
+from runtime.drafters.dflash2.loading import DFlash2Drafter, load_dflash2_drafter
+from runtime.errors import ContractError
+from runtime.formats.blocks import dequantize_torch
+from runtime.formats.quant_linear import QuantLinear
 from runtime.sampling import SamplingParams
 from tests.dflash2.dflash2_helpers import (
     drafter_config,

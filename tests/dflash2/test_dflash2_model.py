@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.dflash2_contract import DFlash2Geometry
-from runtime.models.dflash2 import ContextCache, DFlash2Model, GroupedDynamicCausalConv, select_walk
+from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.drafters.dflash2.model import ContextCache, DFlash2Model, GroupedDynamicCausalConv, select_walk
 from tests.dflash2.dflash2_helpers import (
     drafter_config,
     one_thread,  # noqa: F401  (autouse fixture)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.drafter_graphs import DFlash2Graphs
+from runtime.drafters.dflash2.graphs import DFlash2Graphs
 from runtime.engine import Engine
 from tests.dflash2.dflash2_helpers import drafter_config, one_thread, write_hf_drafter  # noqa: F401
 from tests.runtime.tiny import make_tiny_target
@@ -66,8 +66,8 @@ def test_dflash2_graph_functions_make_no_host_reads(setup):
 
 
 def _selector(V: int, k: int, r: int, seed: int, integer: bool):
-    from runtime.dflash2_contract import DFlash2Geometry
-    from runtime.models.dflash2 import CandidateSelector
+    from runtime.drafters.dflash2.contract import DFlash2Geometry
+    from runtime.drafters.dflash2.model import CandidateSelector
     from tests.dflash2.dflash2_helpers import drafter_config
 
     geom = DFlash2Geometry.from_config(drafter_config(hidden=16, vocab=V, top_k=k, rank=r))
@@ -85,7 +85,7 @@ def test_lattice_walk_picks_what_the_sequential_walk_picks(seed):
     """The lattice formulation (all predecessor x candidate scores at once, then a chain of gathers) picks exactly
     the sequential walk's tokens with its confidences: random scores, and small integers where every score is exact
     and ties are everywhere (both take the first candidate among equals)."""
-    from runtime.models.dflash2 import lattice_walk, select_walk
+    from runtime.drafters.dflash2.model import lattice_walk, select_walk
 
     integer = seed % 2 == 1
     sel, g = _selector(V=40, k=5, r=8, seed=seed, integer=integer)
@@ -103,7 +103,7 @@ def test_lattice_walk_picks_what_the_sequential_walk_picks(seed):
 
 def test_lattice_walk_ties_take_the_first_candidate():
     """All-zero codebooks and equal logits: every score ties; both walks take candidate 0 of every row."""
-    from runtime.models.dflash2 import lattice_walk, select_walk
+    from runtime.drafters.dflash2.model import lattice_walk, select_walk
 
     sel, _ = _selector(V=12, k=4, r=4, seed=0, integer=True)
     with torch.no_grad():

@@ -29,8 +29,8 @@ def _patch_tensor(tensor, scope):
 
 _interp._patch_lang_tensor = _patch_tensor
 
-from runtime import kernels  # noqa: E402
-from runtime.quant import QuantLinear  # noqa: E402
+from runtime.formats.quant_linear import QuantLinear  # noqa: E402
+from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,7 +47,7 @@ def check_moe(dt: torch.dtype) -> None:
     idx[2, 0] = idx[1, 0]          # several rows share an expert
     idx[3] = E                     # a padded row: no expert
     w = torch.rand(T, k, generator=g).to(dt)
-    out = kernels.moe_grouped(x, idx, w, gu, dn)
+    out = moe_kernels.moe_grouped(x, idx, w, gu, dn)
     ref = torch.zeros(T, H)
     for t in range(T):
         for j in range(k):
@@ -59,7 +59,7 @@ def check_moe(dt: torch.dtype) -> None:
     assert rel(out, ref) < 3e-3, rel(out, ref)
     assert float(out[3].abs().max()) == 0.0
     # row invariance: row 0 alone gives the same bits as inside the window
-    one = kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
+    one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
     assert torch.equal(one[0], out[0])
 
 
@@ -71,10 +71,10 @@ def check_attention(dt: torch.dtype) -> None:
     kn = torch.randn(W, nkv, hd, generator=g).to(dt)
     vn = torch.randn(W, nkv, hd, generator=g).to(dt)
     pos = torch.tensor([70, 71, 72, -1], dtype=torch.int32)
-    kernels.kv_write(kn, vn, kc, vc, pos)
+    attention_kernels.kv_write(kn, vn, kc, vc, pos)
     assert torch.equal(kc[:, 71], kn[1]) and torch.equal(vc[:, 72], vn[2])
     q = torch.randn(W, nh, hd, generator=g).to(dt)
-    o = kernels.attention(q, kc, vc, pos, hd ** -0.5)
+    o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5)
     for r in range(3):
         p = int(pos[r])
         kk = kc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
@@ -92,7 +92,7 @@ def check_quant(dt: torch.dtype) -> None:
         ql = QuantLinear.from_float(w, qt)
         x = torch.randn(3, 96, generator=g).to(dt)
         ref = x.float() @ ql.dequantized_weight().t()
-        out = kernels.quant_linear(x, ql.blocks, qt, 96)
+        out = dense_kernels.quant_linear(x, ql.blocks, qt, 96)
         assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
 
 
@@ -100,9 +100,9 @@ def check_fused_step() -> None:
     """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32."""
     import tempfile
 
+    from runtime.gpu.static_step import StaticStep
     from runtime.kv import KVCache
     from runtime.loading import load_target
-    from runtime.static_step import StaticStep
     from tests.runtime.tiny import make_tiny_target
 
     with tempfile.TemporaryDirectory() as d:
@@ -137,7 +137,7 @@ def check_mtp_graphs() -> None:
     """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path."""
     import tempfile
 
-    from runtime.drafter_graphs import MTPGraphs
+    from runtime.drafters.mtp import MTPGraphs
     from runtime.engine import Engine
     from tests.runtime.tiny import make_tiny_target
 
@@ -158,7 +158,7 @@ def check_mtp_graphs() -> None:
 
 def check_dyn_conv(dt: torch.dtype) -> None:
     """The one-launch dynamic convolution equals GroupedDynamicCausalConv's prepare/finish bit for bit."""
-    from runtime.models.dflash2 import GroupedDynamicCausalConv
+    from runtime.drafters.dflash2.model import GroupedDynamicCausalConv
 
     g = torch.Generator().manual_seed(3)
     conv = GroupedDynamicCausalConv(64, 2, 16)
@@ -171,8 +171,8 @@ def check_dyn_conv(dt: torch.dtype) -> None:
         ref0, d1 = conv.prepare(h[None])
         ref1 = conv.finish(h2[None], d1)
         dyn = conv.kernel_projection(h)
-        got0 = kernels.dyn_conv(h, dyn, 0, conv.base_kernel[0], 2, 16)
-        got1 = kernels.dyn_conv(h2, dyn, 1, conv.base_kernel[1], 2, 16)
+        got0 = dflash2_kernels.dyn_conv(h, dyn, 0, conv.base_kernel[0], 2, 16)
+        got1 = dflash2_kernels.dyn_conv(h2, dyn, 1, conv.base_kernel[1], 2, 16)
     assert torch.equal(got0, ref0[0]), (got0 - ref0[0]).abs().max()
     assert torch.equal(got1, ref1[0]), (got1 - ref1[0]).abs().max()
 
@@ -182,7 +182,7 @@ def check_dflash2_graphs() -> None:
     and decodes as the eager path does (fp32: same tokens, same accepted counts, same draft context)."""
     import tempfile
 
-    from runtime.drafter_graphs import DFlash2Graphs
+    from runtime.drafters.dflash2.graphs import DFlash2Graphs
     from runtime.engine import Engine
     from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
     from tests.runtime.tiny import make_tiny_target
@@ -224,8 +224,8 @@ def check_dflash2_graphs() -> None:
 
 def check_lattice_walk() -> None:
     """The one-launch selector chain equals the torch chain (tokens exactly, confidences to rounding), ties too."""
-    from runtime.dflash2_contract import DFlash2Geometry
-    from runtime.models.dflash2 import CandidateSelector, lattice_walk
+    from runtime.drafters.dflash2.contract import DFlash2Geometry
+    from runtime.drafters.dflash2.model import CandidateSelector, lattice_walk
     from tests.dflash2.dflash2_helpers import drafter_config
 
     sel = CandidateSelector(DFlash2Geometry.from_config(drafter_config(hidden=16, vocab=40, top_k=16, rank=8)))
@@ -239,7 +239,7 @@ def check_lattice_walk() -> None:
         logits = torch.randint(0, 2, (7, 40), generator=g).float() if seed % 2 else torch.randn(7, 40, generator=g)
         anchor = torch.tensor([seed + 3])
         ref = lattice_walk(sel, hs, logits, anchor)
-        got = lattice_walk(sel, hs, logits, anchor, kernel=kernels.lattice_walk)
+        got = lattice_walk(sel, hs, logits, anchor, kernel=dflash2_kernels.lattice_walk)
         assert torch.equal(got[0], ref[0]), (got[0], ref[0])
         assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-7)
 

@@ -7,8 +7,9 @@ import pytest
 import tomli_w
 from typer.testing import CliRunner
 
-from runtime.artifact_check import StaleArtifactError, check_config_artifacts
+from runtime.artifact_check import check_config_artifacts
 from runtime.cli import app
+from runtime.errors import StaleArtifactError
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.models.qwen3_moe import cached_attention
+from runtime.models.layers import cached_attention
 
 
 def _old(q, keys, vals, scale):
@@ -45,7 +45,8 @@ def test_cached_attention_matches_mask(nh, nkv, T, S):
 def test_chunked_prefill_equals_one_pass():
     """The model's chunked prefill (which goes through cached_attention) gives the plain forward's logits."""
     from runtime.kv import KVCache
-    from runtime.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+    from runtime.models.qwen3_moe import Qwen3MoeModel
+    from runtime.models.target_config import Qwen3MoeConfig
     from tests.runtime.tiny import random_state, tiny_config
 
     d = tiny_config()

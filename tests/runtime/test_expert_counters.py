@@ -3,8 +3,8 @@ resident) and the stacked kernel path, which reports its real rows from the host
 
 import torch
 
-from runtime import kernels
 from runtime.experts import ExpertCache
+from runtime.gpu import kernels, moe_kernels
 from runtime.loading import load_target
 from tests.runtime.tiny import make_tiny_target
 
@@ -35,7 +35,7 @@ def test_stacked_kernel_path_counts_from_the_host(tmp_path, monkeypatch):
         return torch.zeros_like(x)
 
     monkeypatch.setattr(kernels, "available", lambda t: True)
-    monkeypatch.setattr(kernels, "moe_grouped", fake_grouped)
+    monkeypatch.setattr(moe_kernels, "moe_grouped", fake_grouped)
     with torch.no_grad():
         model(torch.randint(0, 64, (1, 7)))
     assert calls == [7] * len(cache.blocks)

@@ -5,7 +5,7 @@ import torch
 
 from runtime.kv import KVCache
 from runtime.loading import load_target
-from runtime.models.qwen3_moe import Qwen3MoeConfig
+from runtime.models.target_config import Qwen3MoeConfig
 from tests.runtime.tiny import make_tiny_target, single_thread, to_transformers  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")

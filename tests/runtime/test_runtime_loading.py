@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.loading import LoadError, load_target, load_tokenizer
+from runtime.errors import LoadError
+from runtime.loading import load_target, load_tokenizer
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from runtime.drafter import MTPDrafter, Proposal
+from runtime.drafters.base import Proposal
+from runtime.drafters.mtp import MTPDrafter
 from runtime.kv import KVCache
 from runtime.loading import load_target
 from runtime.speculative import generate_ids

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from runtime.drafter import MTPDrafter
+from runtime.drafters.mtp import MTPDrafter
 from runtime.kv import KVCache
 from runtime.loading import load_target
 from runtime.sampling import SamplingParams, probs

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.drafter import MTPDrafter
+from runtime.drafters.mtp import MTPDrafter
+from runtime.gpu.static_step import StaticStep
 from runtime.kv import KVCache
 from runtime.loading import load_target
 from runtime.speculative import generate_ids
-from runtime.static_step import StaticStep
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")

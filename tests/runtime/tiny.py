@@ -53,7 +53,8 @@ def tiny_config(vocab: int = 64, hidden: int = 32, layers: int = 3, heads: int =
 
 def random_state(cfg: dict, seed: int = 0, scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Random weights with Hub names for `cfg` (norm weights perturbed around 1 so they matter)."""
-    from runtime.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+    from runtime.models.qwen3_moe import Qwen3MoeModel
+    from runtime.models.target_config import Qwen3MoeConfig
 
     torch.manual_seed(seed)
     model = Qwen3MoeModel(Qwen3MoeConfig.from_dict(cfg))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from runtime.dflash2_contract import DFlash2Geometry, check_inventory
+from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory
 from runtime.engine import Engine
 from setup_wizard.catalog import load_catalog
 from training import pin

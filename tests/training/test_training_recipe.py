@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from runtime.dflash2_contract import DFlash2Geometry, check_inventory
+from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory
 from runtime.engine import Engine
 from runtime.loading import load_target, load_tokenizer
 from training import corpus, run_all

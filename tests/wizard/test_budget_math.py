@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors, weight_bytes
+from runtime.errors import QuantFormatError
+from runtime.models.target_config import TargetGeometry
 from setup_wizard.budget import (
     LARGE_SEGMENT,
     MIB,
     BudgetError,
     BudgetInputs,
-    DFlash2Geometry,
-    TargetGeometry,
     compute_budget,
     kv_bytes,
     recommend_context,
@@ -63,38 +65,48 @@ def test_seed_figure_dflash2_private_kv_is_20_kib_per_position_fp16():
     assert b.items["drafter_kv"] == 20 * 1024 * 8192
 
 
+def _backbone_shapes(g):
+    return [shape for shape, kind in expected_tensors(g).values() if kind == "backbone"]
+
+
+def _float_elems(g):
+    return sum(math.prod(shape) for shape, kind in expected_tensors(g).values() if kind != "backbone")
+
+
 def test_official_inventory_counts():
     g = DFlash2Geometry.from_config({**DF, "num_hidden_layers": 5})
-    assert len(g.backbone_shapes()) == 36  # 15*L + 6 = 81 tensors, 45 of them stay BF16
+    assert len(_backbone_shapes(g)) == 36  # 15*L + 6 = 81 tensors, 45 of them stay BF16
 
 
 def test_dflash2_weight_bytes_by_hand():
     g = DFlash2Geometry.from_config(DF)
     # BF16 tensors: 2H + L*(2H + 2hd + 2*2KH + 2*(2KH/G)*H) + rH + 2Vr = 128 + 2*2720 + 512 + 16000 = 22080
-    assert g.bf16_elems() == 22080
+    assert _float_elems(g) == 22080
     # backbone: fc 64*192 + 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192) = 86016 elements = 2688 blocks of 32
-    assert sum(r * c for r, c in g.backbone_shapes()) == 86016
-    assert g.weight_bytes("bf16") == 2 * 22080 + 2 * 86016
-    assert g.weight_bytes("q8_0") == 2 * 22080 + 2688 * 34
-    assert g.weight_bytes("q5_0") == 2 * 22080 + 2688 * 22
-    assert g.weight_bytes("q4_0") == 2 * 22080 + 2688 * 18
+    assert sum(r * c for r, c in _backbone_shapes(g)) == 86016
+    assert weight_bytes(g, "bf16") == 2 * 22080 + 2 * 86016
+    assert weight_bytes(g, "q8_0") == 2 * 22080 + 2688 * 34
+    assert weight_bytes(g, "q5_0") == 2 * 22080 + 2688 * 22
+    assert weight_bytes(g, "q4_0") == 2 * 22080 + 2688 * 18
 
 
 def test_dflash2_geometry_from_gguf_metadata_equals_config():
     meta = {
+        "general.architecture": "dflash2", "dflash2.mask_token_id": 999, "dflash2.selector_top_k": 16,
+        "dflash2.attention.layer_norm_rms_epsilon": 1e-6, "dflash2.rope.freq_base": 10000.0,
         "dflash2.embedding_length": 64, "dflash2.feed_forward_length": 128, "dflash2.block_count": 2,
         "dflash2.attention.head_count": 4, "dflash2.attention.head_count_kv": 2,
         "dflash2.attention.key_length": 16, "dflash2.vocab_size": 1000, "dflash2.target_layers": [0, 1, 2],
         "dflash2.conv_kernel_size": 2, "dflash2.conv_group_size": 16, "dflash2.selector_rank": 8,
         "dflash2.block_size": 8,
     }
-    assert DFlash2Geometry.from_config(meta) == DFlash2Geometry.from_config(DF)
+    assert DFlash2Geometry.from_gguf_metadata(meta) == DFlash2Geometry.from_config(DF)
 
 
 def test_quant_row_not_multiple_of_32_is_refused():
-    g = DFlash2Geometry.from_config({**DF, "hidden_size": 40})
-    with pytest.raises(BudgetError, match="multiple of 32"):
-        g.weight_bytes("q4_0")
+    g = DFlash2Geometry.from_config({**DF, "hidden_size": 48})   # fc rows of 3 * 48 values
+    with pytest.raises(QuantFormatError, match="multiple of 32"):
+        weight_bytes(g, "q4_0")
 
 
 def test_target_items_by_hand_cpu_fp32():
@@ -135,18 +147,15 @@ def test_config_arithmetic_matches_a_real_checkpoint_inventory(tmp_path, kw):
 
 
 def test_dflash2_arithmetic_matches_the_contract_inventory():
-    from runtime.dflash2_contract import DFlash2Geometry as Contract
-    from runtime.dflash2_contract import expected_tensors
-
     cfg = {**DF, "num_hidden_layers": 5}
-    tensors = expected_tensors(Contract.from_config(cfg))
+    tensors = expected_tensors(DFlash2Geometry.from_config(cfg))
     assert len(tensors) == 81
     g = DFlash2Geometry.from_config(cfg)
     numel = {k: int(__import__("math").prod(shape)) for k, (shape, _) in tensors.items()}
     backbone = [k for k, (_, kind) in tensors.items() if kind == "backbone"]
     assert len(backbone) == 36
-    assert sum(numel[k] for k in backbone) == sum(r * c for r, c in g.backbone_shapes())
-    assert sum(v for k, v in numel.items() if k not in backbone) == g.bf16_elems()
+    assert sum(numel[k] for k in backbone) == sum(r * c for r, c in _backbone_shapes(g))
+    assert sum(v for k, v in numel.items() if k not in backbone) == _float_elems(g)
 
 
 def test_gpu_partial_cache_and_does_not_fit():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.models.target_config import TargetGeometry
 from setup_wizard.budget import (
     MIB,
     BudgetInputs,
-    DFlash2Geometry,
-    TargetGeometry,
     alloc_size,
     compute_budget,
     cublas_workspace_bytes,

@@ -8,7 +8,7 @@ import tomllib
 import pytest
 from typer.testing import CliRunner
 
-from setup_wizard.budget import DFlash2Geometry
+from runtime.drafters.dflash2.contract import DFlash2Geometry, weight_bytes
 from setup_wizard.cli import app
 from setup_wizard.plan import target_geometry
 from tests.wizard.wizard_fakes import fake_cpu
@@ -87,8 +87,8 @@ def test_dflash2_each_quant(machine, home, services, pack, quant):
     assert d["kind"] == "dflash2" and d["head"] == "turbo" and d["quantization"] == quant
     assert d["path"].endswith(f"-{quant}.gguf")
     geom = DFlash2Geometry.from_config(json.loads((pack["turbo"] / "config.json").read_text()))
-    assert doc["memory"]["budget"]["drafter_weights"] == geom.weight_bytes(quant, float_bytes=2)
-    assert doc["memory"]["budget"]["drafter_kv"] == geom.layers * 2 * geom.kv_heads * geom.head_dim * 2 * 512
+    assert doc["memory"]["budget"]["drafter_weights"] == weight_bytes(geom, quant, float_bytes=2)
+    assert doc["memory"]["budget"]["drafter_kv"] == geom.num_layers * 2 * geom.num_kv_heads * geom.head_dim * 2 * 512
     assert ("convert", ("turbo", quant)) in services.calls
     assert doc["speculative"]["source"] == "default" and doc["calibration"]["status"] == "uncalibrated"
 

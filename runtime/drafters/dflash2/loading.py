@@ -1,4 +1,4 @@
-"""Load a DFlash2 drafter (HF folder or converted GGUF) and wrap it as a `runtime.drafter.Drafter`.
+"""Load a DFlash2 drafter (HF folder or converted GGUF) and wrap it as a `runtime.drafters.base.Drafter`.
 
     drafter = load_dflash2_drafter(path, target_model, device=None, dtype=None, context=4096)
 
@@ -20,21 +20,18 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from runtime.dflash2_contract import (
-    ContractError,
-    DFlash2Geometry,
-    check_inventory,
-    expected_tensors,
-    gguf_to_hf,
-)
-from runtime.drafter import Proposal
-from runtime.models.dflash2 import ContextCache, DFlash2Model, Rotary, argmax_walk, select_walk
-from runtime.quant import QuantFormatError, QuantLinear
+from runtime.drafters.base import Proposal
+from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory, expected_tensors, gguf_to_hf
+from runtime.drafters.dflash2.model import ContextCache, DFlash2Model, Rotary, argmax_walk, select_walk
+from runtime.errors import ContractError, QuantFormatError
+from runtime.formats.gguf_meta import metadata, open_gguf
+from runtime.formats.quant_linear import QuantLinear
+from runtime.formats.registry import by_tensor_type
+from runtime.formats.safetensors_files import checkpoint_files
 from runtime.sampling import SamplingParams
 
 __all__ = ["DFlash2Drafter", "load_dflash2_drafter", "read_dflash2"]
 
-_QTYPES = {"Q8_0": "q8_0", "Q5_0": "q5_0", "Q4_0": "q4_0"}
 
 
 # ----------------------------------------------------------------------------------------------------- reading
@@ -64,7 +61,7 @@ def _read_hf(folder: Path, single: Path | None = None) -> tuple[DFlash2Geometry,
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ContractError(f"{cfg_path} is not valid JSON ({e}).") from None
     geom = DFlash2Geometry.from_config(cfg)
-    files = [single] if single is not None else _safetensors_files(folder)
+    files = [single] if single is not None else checkpoint_files(folder, error=ContractError)[0]
     handles = []
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     where: dict[str, Any] = {}
@@ -85,35 +82,9 @@ def _read_hf(folder: Path, single: Path | None = None) -> tuple[DFlash2Geometry,
     return geom, layout, tensors
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise ContractError(f"{index} is not a valid safetensors index (no weight_map).") from None
-        out = []
-        for s in shards:
-            if not isinstance(s, str) or "/" in s or "\\" in s or s.startswith(".."):
-                raise ContractError(f"{index} names a shard outside the folder ({s!r}).")
-            if not (folder / s).is_file():
-                raise ContractError(f"shard {s} listed in {index.name} is missing from {folder}.")
-            out.append(folder / s)
-        return out
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ContractError(f"{folder} has no model.safetensors; point to a DFlash2 drafter folder.")
-
-
 def _read_gguf(path: Path) -> tuple[DFlash2Geometry, str, dict]:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # the reader raises ValueError / struct errors on a damaged file
-        raise ContractError(f"{path} is not a readable GGUF file ({e}).") from None
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    reader = open_gguf(path, error=ContractError)
+    meta = metadata(reader)
     geom = DFlash2Geometry.from_gguf_metadata(meta)
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     raw: dict[str, Any] = {}
@@ -143,7 +114,7 @@ def _check_finite(name: str, kind: str, t: Tensor) -> None:
         ok = all(bool(torch.isfinite(flat[i:i + step]).all()) for i in range(0, flat.numel(), step))
     else:
         # a block's values are d * integer, so they are finite exactly when the f16 scale d of every block is
-        size = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}[kind]
+        size = by_tensor_type(kind).block_bytes
         d = t.reshape(-1, size)[:, :2].contiguous().view(torch.float16)
         ok = bool(torch.isfinite(d).all())
     if not ok:
@@ -188,7 +159,7 @@ def build_model(geom: DFlash2Geometry, layout: str, tensors: dict[str, tuple[str
         else:
             in_features = expected_tensors(geom, v1=layout == "v1")[name][0][1]
             try:
-                q = QuantLinear.from_blocks(t, _QTYPES[kind], in_features).to(device)
+                q = QuantLinear.from_blocks(t, by_tensor_type(kind).name, in_features).to(device)
             except QuantFormatError as e:
                 raise ContractError(f"drafter tensor {name!r} cannot be read as {kind} blocks ({e}).") from None
             parent, _, child = owner.rpartition(".")
@@ -236,7 +207,7 @@ class DFlash2Drafter:
         dev = model.norm.weight.device
         self.cache = ContextCache(model, context, device=dev, dtype=kv_dtype or model.dtype)
         self.logits_buf = torch.zeros(self.max_block, self.geom.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs = None   # runtime.drafter_graphs.DFlash2Graphs, set by the engine on CUDA (greedy windows)
+        self.graphs = None   # runtime.drafters.dflash2.graphs.DFlash2Graphs, set by the engine on CUDA (greedy windows)
 
     @property
     def layout(self) -> str:
@@ -281,6 +252,12 @@ class DFlash2Drafter:
             walk = select_walk(self.model.candidate_selector, hs, logits, int(anchor), min_p=min_p,
                                temperature=sampling.temperature if sampled else 0.0, generator=generator)
         return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence)
+
+    def make_graphs(self):
+        """The CUDA graph runner for greedy windows (the engine attaches it on CUDA)."""
+        from runtime.drafters.dflash2.graphs import DFlash2Graphs
+
+        return DFlash2Graphs(self)
 
     def memory_report(self) -> dict[str, int]:
         """Persistent buffers by budget name: drafter weights (as stored), draft context KV, drafter logits."""

@@ -26,14 +26,17 @@ Choices where ARTIFACTS.md is silent (reference: z-lab/dflash `dflash/model.py`)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.errors import ContractError
+from runtime.formats.registry import FORMATS, block_format, row_bytes
+
 __all__ = [
     "ARCH",
     "BACKBONE_DTYPES",
-    "FILE_TYPES",
     "FLOAT_DTYPE",
     "KINDS",
     "ContractError",
@@ -44,15 +47,13 @@ __all__ = [
     "gguf_to_hf",
     "hf_to_gguf",
     "tensor_count",
+    "weight_bytes",
 ]
 
 ARCH = "dflash2"
 KINDS = ("backbone", "norm", "conv", "selector")
 FLOAT_DTYPE = "BF16"
-BACKBONE_DTYPES = ("BF16", "Q8_0", "Q5_0", "Q4_0")
-# general.file_type ids (ARTIFACTS §4) and the per-tensor ggml type ids.
-FILE_TYPES = {"bf16": 32, "q8_0": 7, "q5_0": 8, "q4_0": 2}
-TENSOR_TYPES = {"BF16": 30, "Q8_0": 8, "Q5_0": 6, "Q4_0": 2}
+BACKBONE_DTYPES = tuple(f.tensor_type for f in FORMATS.values())   # what a backbone matrix may be stored as
 ALIGNMENT = 32
 
 # GGUF metadata key names (ARTIFACTS §4).
@@ -69,13 +70,10 @@ KEY_ROPE_SCALING_TYPE = "dflash2.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "dflash2.rope.scaling.factor"
 
 
-class ContractError(ValueError):
-    """A drafter checkpoint or config does not follow the DFlash2 contract; the message is one sentence."""
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Geometry
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class DFlash2Geometry:
@@ -362,6 +360,21 @@ def expected_tensors(geom: DFlash2Geometry, *, v1: bool = False) -> dict[str, tu
     return out
 
 
+def weight_bytes(geom: DFlash2Geometry, quant: str, *, float_bytes: int = 2, v1: bool = False) -> int:
+    """Bytes of a drafter's weights as the runtime holds them: backbone matrices in `quant` (docs/formats.md, "Block
+    formats"), the norm, convolution and selector tensors as floats of `float_bytes` (BF16 = 2 as stored; the CPU
+    runtime widens them to fp32 = 4). QuantFormatError when a row cannot be stored in `quant`."""
+    fmt = block_format(quant)
+    total = 0
+    for shape, kind in expected_tensors(geom, v1=v1).values():
+        numel = math.prod(shape)
+        if kind == "backbone" and fmt.quantized:
+            total += shape[0] * row_bytes(shape[-1], fmt.name)
+        else:
+            total += numel * float_bytes
+    return total
+
+
 def tensor_count(num_layers: int, *, v1: bool = False) -> int:
     """81 for the official L = 5 (15*L + 6); 11*L + 3 for the v1 layout."""
     return 11 * num_layers + 3 if v1 else 15 * num_layers + 6
@@ -482,7 +495,7 @@ def _split_layer(name: str, prefix: str) -> tuple[int | None, str]:
 def gguf_metadata(geom: DFlash2Geometry) -> dict[str, tuple[str, Any]]:
     """The `dflash2.*` keys for a converted file: {key: (type, value)}, type in u32/f32/bool/u32[]/str.
 
-    `general.*` and `strata.*` keys are the converter's to add (names: KEY_* constants, ids: FILE_TYPES).
+    `general.*` and `strata.*` keys are the converter's to add (names: KEY_* constants, ids: runtime/formats/registry.py).
     """
     windows = {geom.layer_window(i) for i in range(geom.num_layers)}
     if len(windows) > 1:

@@ -1,41 +1,17 @@
-"""The drafter protocol (docs/INTERFACES.md) and the MTP drafter.
-
-Protocol in one line: `observe` hands the drafter the committed positions (tokens, the target's post-norm hidden,
-taps); `propose` drafts up to n tokens after the anchor. A drafter keeps only what `observe` gave it, so rejected
-rows never leave a trace.
-"""
+"""The MTP drafter: chained drafting over the target's own `mtp` head (docs/models.md, "MTP head"), and its CUDA
+graphs for greedy windows (runtime/gpu/capture.py says how graphs work here)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from runtime.drafters.base import Proposal
+from runtime.gpu import attention_kernels, kernels, moe_kernels
+from runtime.gpu.capture import GraphSet, cut_at_floor
 from runtime.kv import KVCache
+from runtime.models.layers import SparseMoe, project_qkv
 from runtime.sampling import SamplingParams, draw, probs
-
-
-@dataclass
-class Proposal:
-    tokens: Tensor            # [m] int64, m <= n
-    q: Tensor | None          # [m, V] float32 draft distribution per row (sampling only)
-    confidence: Tensor        # [m] float32 (the spec_min_p statistic)
-
-
-@runtime_checkable
-class Drafter(Protocol):
-    kind: str
-    max_block: int
-    tap_layers: tuple[int, ...]
-
-    def reset(self) -> None: ...
-
-    def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None: ...
-
-    def propose(self, anchor: int, pos: int, n: int, *, min_p: float, sampling: SamplingParams | None,
-                generator: torch.Generator | None) -> Proposal: ...
 
 
 class MTPDrafter:
@@ -61,7 +37,7 @@ class MTPDrafter:
         self.logits_buf = torch.zeros(max_block, cfg.vocab_size, dtype=torch.float32, device=p.device)
         self.last_g: Tensor | None = None
         self.next_pos = 0
-        self.graphs = None   # runtime.drafter_graphs.MTPGraphs, set by the engine on CUDA (greedy windows)
+        self.graphs = None   # MTPGraphs (below), set by the engine on CUDA (greedy windows)
 
     def reset(self) -> None:
         self.kv.reset()
@@ -144,7 +120,102 @@ class MTPDrafter:
             confidence=torch.tensor(conf, dtype=torch.float32),
         )
 
+    def make_graphs(self) -> MTPGraphs:
+        """The CUDA graph runner for greedy windows (the engine attaches it on CUDA)."""
+        return MTPGraphs(self)
+
     def memory_report(self) -> dict[str, int]:
         w = sum(p.numel() * p.element_size() for p in self.mtp.parameters())
         return {"drafter_weights": w, "drafter_kv": self.kv.nbytes,
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
+
+
+class MTPGraphs(GraphSet):
+    """Greedy chained drafting of n steps and observing up to `max_block` committed rows for an `MTPDrafter`
+    (needs the Triton kernels: the cached attention reads each row's slot on the device)."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter.kv.k.device)
+        self.d = drafter
+        H = drafter.model.cfg.hidden_size
+        dt = drafter.model.lm_head.weight.dtype
+        self.R = drafter.max_block
+        self.g_in = torch.zeros(1, H, dtype=dt, device=self.dev)
+        self.obs_tok = torch.zeros(self.R, dtype=torch.long, device=self.dev)
+        self.obs_g = torch.zeros(self.R, H, dtype=dt, device=self.dev)
+        self.enabled = kernels.available(drafter.kv.k)
+
+    def _rows(self, tok: Tensor, g: Tensor, p: Tensor, slot: Tensor) -> Tensor:
+        """MTP rows at positions p (cache slots `slot` = p - 1, -1 = padding) -> MTP hidden [W, H]."""
+        model, mtp, kv = self.d.model, self.d.mtp, self.d.kv
+        W = tok.shape[0]
+        emb = model.model.embed_tokens(tok)[None]
+        x = mtp.fc(torch.cat((mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(g[None].to(emb.dtype))), -1))
+        cos, sin = model.rotary(p[None], x.dtype)
+        layer = mtp.layers[0]
+        a = layer.self_attn
+        q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
+        kc, vc = kv.k[0, 0], kv.v[0, 0]
+        attention_kernels.kv_write(k[0].transpose(0, 1), v, kc, vc, slot)
+        o = attention_kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale)
+        x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
+        h = layer.post_attention_layernorm(x)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoe):
+            if mlp.gate_up is None:
+                raise RuntimeError("the MTP layer's experts are not stacked; no graph.")
+            w, idx = mlp.route(h[0])
+            idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
+            y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+        else:
+            y = mlp(h)
+        return mtp.norm(x + y)[0]
+
+    def _chain(self, n: int) -> tuple[Tensor, Tensor]:
+        lm_head = self.d.model.lm_head
+        tok, g = self.scal[0:1], self.g_in
+        p = self.scal[1:2]
+        toks, confs = [], []
+        for _ in range(n):
+            h = self._rows(tok, g, p, (p - 1).to(torch.int32))
+            lg = lm_head(h).float()
+            t = torch.argmax(lg, dim=-1)
+            confs.append(torch.softmax(lg, dim=-1).gather(-1, t[:, None])[:, 0])
+            toks.append(t)
+            tok, g, p = t, h, p + 1
+        return torch.cat(toks), torch.cat(confs)
+
+    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+        d = self.d
+        if not self.enabled or n <= 0 or d.last_g is None or d.kv.length != pos - 1 \
+                or pos - 1 + n > d.kv.capacity:
+            return None
+        self._set(anchor, pos)
+        self.g_in.copy_(d.last_g[None])
+        out = self._run(("chain", n), lambda: self._chain(n))
+        if out is None:
+            return None
+        toks, conf = out
+        d.kv.length = pos            # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
+        c = conf.tolist()
+        m = cut_at_floor(c, min_p)
+        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+
+    def _observe(self) -> None:
+        R = self.R
+        slot = (self.scal[2:3] - 1 + torch.arange(R, device=self.dev)).to(torch.int32)
+        self._rows(self.obs_tok, self.obs_g, slot.long() + 1, slot)
+
+    def observe_rows(self, toks: Tensor, g_prev: Tensor, first: int) -> bool:
+        """Entries for positions first.. (tokens x[p], hidden g[p-1]); False when the eager path must do it."""
+        kv = self.d.kv
+        n = int(toks.shape[0])
+        if not self.enabled or n == 0 or n > self.R or kv.length != first - 1 or first - 1 + self.R > kv.capacity:
+            return False
+        self.obs_tok[:n].copy_(toks)
+        self.obs_g[:n].copy_(g_prev)
+        self._set(0, 0, first)
+        if self._run("observe", self._observe) is None and not self.enabled:
+            return False
+        kv.length += n
+        return True

@@ -1,14 +1,14 @@
-"""Block formats Q8_0 / Q5_0 / Q4_0 and BF16: quantize (numpy), dequantize (numpy and torch), QuantLinear.
+"""Block formats Q8_0 / Q5_0 / Q4_0 and BF16: quantize (numpy) and dequantize (numpy and torch).
+
+The table of formats is runtime/formats/registry.py; adding a writable format means a row there, its
+quantize/dequantize functions here and a Triton dequantizer in runtime/gpu/kernels.py for the fast path.
 
 `quantize` / `quantize_bf16` are byte-identical to `gguf.quants.quantize` (the port of ggml's reference rounding)
 on the same float32 input, and several times faster: every float32 operation is the one gguf-py does, in the same
 order, but laid out so that each numpy pass runs over long contiguous rows instead of a short loop per 32-value
 block (see "fast path" below). Blocks the fast formulas might not reproduce bit for bit (non-finite values, all-zero
 blocks, scales whose reciprocal is subnormal or infinite) go through `_reference_blocks`, a line-by-line port of
-gguf-py. The tests check the bytes against gguf-py itself.
-
-Layouts (ggml): Q8_0 = f16 d + 32 x int8; Q5_0 = f16 d + u32 high bits + 16 nibble bytes; Q4_0 = f16 d + 16 nibble
-bytes (element j in the low nibble of byte j, element j+16 in the high nibble).
+gguf-py. The tests check the bytes against gguf-py itself. Layouts byte by byte: docs/formats.md, "Block formats".
 """
 
 from __future__ import annotations
@@ -19,49 +19,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-QTYPES: tuple[str, ...] = ("bf16", "q8_0", "q5_0", "q4_0")
-GGML_TYPE: dict[str, int] = {"bf16": 30, "q8_0": 8, "q5_0": 6, "q4_0": 2}
-FILE_TYPE: dict[str, int] = {"bf16": 32, "q8_0": 7, "q5_0": 8, "q4_0": 2}
-BLOCK = 32
-TYPE_SIZE: dict[str, int] = {"q8_0": 34, "q5_0": 22, "q4_0": 18}
+from runtime.errors import QuantFormatError
+from runtime.formats.registry import (  # noqa: F401  (the table's names, for callers that quantize)
+    BLOCK,
+    FORMATS,
+    QTYPES,
+    BlockFormat,
+    _check_qtype,
+    block_format,
+    by_tensor_type,
+    cols_from_row_bytes,
+    row_bytes,
+)
 
 # nextafter(0.5, 0) in float32: floor(a + HALF_DOWN) == round-half-away(a) for 0 <= a < 2**22 (checked
 # exhaustively in the tests), and the truncating cast to int8 gives the floor for both signs once the sign is copied.
 _HALF_DOWN = np.float32(np.nextafter(np.float32(0.5), np.float32(0.0)))
-
-
-class QuantFormatError(ValueError):
-    """The input cannot be stored in the requested block format (unknown type, row not a multiple of 32)."""
-
-
-def _check_qtype(qtype: str) -> str:
-    q = str(qtype).lower()
-    if q not in QTYPES:
-        raise QuantFormatError(f"unknown quantization {qtype!r}; use one of {', '.join(QTYPES)}")
-    return q
-
-
-def row_bytes(cols: int, qtype: str) -> int:
-    """Bytes one row of `cols` values takes in `qtype`."""
-    q = _check_qtype(qtype)
-    if q == "bf16":
-        return cols * 2
-    if cols % BLOCK:
-        raise QuantFormatError(f"row length {cols} is not a multiple of {BLOCK}, so it cannot be stored as {q}")
-    return cols // BLOCK * TYPE_SIZE[q]
-
-
-def cols_from_row_bytes(nbytes: int, qtype: str) -> int:
-    """Inverse of `row_bytes`."""
-    q = _check_qtype(qtype)
-    if q == "bf16":
-        return nbytes // 2
-    if nbytes % TYPE_SIZE[q]:
-        raise QuantFormatError(f"{nbytes} bytes per row is not a whole number of {q} blocks")
-    return nbytes // TYPE_SIZE[q] * BLOCK
 
 
 # ---------------------------------------------------------------------------------------------------- BF16 helpers
@@ -479,7 +453,7 @@ def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
     if out.size == 0:
         return out.reshape(*lead, rb)
     blocks = x2.reshape(-1, BLOCK)
-    oblocks = out.reshape(-1, TYPE_SIZE[q])
+    oblocks = out.reshape(-1, FORMATS[q].block_bytes)
     nb = blocks.shape[0]
     n = min(_workers(), -(-nb // _CHUNK_BLOCKS))
     if n > 1:  # contiguous shares, one per worker; numpy's loops release the GIL
@@ -504,7 +478,7 @@ def dequantize(blocks: np.ndarray, qtype: str, shape: tuple[int, ...] | None = N
     if q == "bf16":
         res = bf16_bits_to_f32(raw.reshape(-1, rb).view(np.uint16))
     else:
-        b = raw.reshape(-1, TYPE_SIZE[q])
+        b = raw.reshape(-1, FORMATS[q].block_bytes)
         d = b[:, :2].copy().view(np.float16).astype(np.float32)
         if q == "q8_0":
             vals = b[:, 2:].view(np.int8).astype(np.float32)
@@ -531,7 +505,7 @@ def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     cols = cols_from_row_bytes(rb, q)
     if q == "bf16":
         return blocks.contiguous().view(torch.bfloat16).float()
-    b = blocks.reshape(rows, -1, TYPE_SIZE[q])
+    b = blocks.reshape(rows, -1, FORMATS[q].block_bytes)
     d = b[..., :2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
     if q == "q8_0":
         vals = b[..., 2:].contiguous().view(torch.int8).float()
@@ -547,54 +521,3 @@ def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
             hi = ((qh[..., None] >> shifts) & 1).to(torch.uint8)
             vals = (lo | (hi << 4)).float() - 16.0
     return (d * vals).reshape(rows, cols)
-
-
-# ---------------------------------------------------------------------------------------------------- QuantLinear
-
-class QuantLinear(nn.Module):
-    """A linear layer whose weight lives as ggml blocks in a uint8 buffer; dequantized on the fly per call."""
-
-    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.qtype = _check_qtype(qtype)
-        self.in_features = in_features
-        self.out_features = out_features
-        rb = row_bytes(in_features, self.qtype)
-        self.register_buffer("blocks", torch.zeros(out_features, rb, dtype=torch.uint8, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
-
-    @classmethod
-    def from_blocks(cls, blocks: torch.Tensor | np.ndarray, qtype: str, in_features: int) -> QuantLinear:
-        """Wrap existing blocks [out, row_bytes] (e.g. read from a GGUF file) without a float copy."""
-        t = torch.as_tensor(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
-        mod = cls(in_features, t.shape[0], qtype, device="meta")
-        if tuple(t.shape) != (t.shape[0], row_bytes(in_features, qtype)):
-            raise QuantFormatError(f"blocks shape {tuple(t.shape)} does not hold rows of {in_features} {qtype} values")
-        mod.blocks = t.to(torch.uint8)
-        return mod
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, qtype: str) -> QuantLinear:
-        """Quantize a float weight [out, in] (through `quantize`, so the bytes match gguf-py)."""
-        w = weight.detach().to(torch.float32).cpu().numpy()
-        return cls.from_blocks(quantize(w, qtype), qtype, w.shape[1]).to(weight.device)
-
-    @property
-    def weight_nbytes(self) -> int:
-        return self.blocks.numel() * self.blocks.element_size()
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_torch(self.blocks, self.qtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.qtype != "bf16":
-            from runtime import kernels
-
-            if kernels.available(x):   # dequantized in registers: no float copy of the matrix, one launch
-                y = kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
-                return y if self.bias is None else y + self.bias.to(y.dtype)
-        return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

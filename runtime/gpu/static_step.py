@@ -21,19 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime import kernels
+from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.kv import KVCache
-from runtime.models.qwen3_moe import SparseMoe, TargetOutput, apply_rope
-
-
-def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One window's q, k (q/k-norm, RoPE; [1, heads, W, hd]) and v ([W, nkv, hd]) for attention module `a`, on the
-    normed input h [1, W, H]: the eager projection the fused kernel path falls back to (target and MTP layers)."""
-    W = h.shape[1]
-    q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
-    k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
-    v = a.v_proj(h).view(W, a.nkv, a.hd)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+from runtime.models.layers import SparseMoe, project_qkv
+from runtime.models.qwen3_moe import TargetOutput
 
 
 class StaticStep:
@@ -66,8 +57,8 @@ class StaticStep:
         kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]          # [nkv, S, hd]
         pos = self.pos
         if self.use_kernels:
-            kernels.kv_write(k, v, kc, vc, pos)
-            return kernels.attention(q, kc, vc, pos, a.scale)
+            attention_kernels.kv_write(k, v, kc, vc, pos)
+            return attention_kernels.attention(q, kc, vc, pos, a.scale)
         valid = pos >= 0
         idx = pos[valid].long()
         kc[:, idx] = k[valid].transpose(0, 1).to(kc.dtype)
@@ -92,19 +83,19 @@ class StaticStep:
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
             kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
-            _, h = kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
+            _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
             qkv = torch.nn.functional.linear(h, a.qkv_weight)
-            q = kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
+            q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
                                  a.hd, eps)
-            o = kernels.attention(q, kc, vc, pos, a.scale)
+            o = attention_kernels.attention(q, kc, vc, pos, a.scale)
             d = a.o_proj(o.reshape(-1, a.nh * a.hd))
-            x, h = kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
+            x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            idx, w, se, order, tok = kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
-            x = kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
+            idx, w, se, order, tok = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
+            x = moe_kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
             if i in wanted:
                 tap_out[wanted[i]] = x
-        _, hidden = kernels.rmsnorm(x, m.model.norm.weight, eps)
+        _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
         logits = m.lm_head(hidden).float()
         tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
         return logits, hidden, tap_t
@@ -131,7 +122,7 @@ class StaticStep:
             if isinstance(mlp, SparseMoe) and self.use_kernels:
                 w, idx = mlp.route(h[0])
                 idx = torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp)   # padded rows use no expert
-                y = kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+                y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
             else:
                 y = mlp(h)
             x = x + y
@@ -143,7 +134,7 @@ class StaticStep:
         return logits[0], hidden[0], tap_t
 
     def _capture(self, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, tuple]:
-        from runtime.drafter_graphs import capture
+        from runtime.gpu.capture import capture
 
         self.pos.fill_(-1)            # warm-up and capture write nothing to the cache
         self.ids.zero_()

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.dflash2_contract import DFlash2Geometry
-from runtime.models.qwen3_moe import MLP, apply_rope  # the target's SiLU MLP and RoPE, one definition
+from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.models.layers import MLP, apply_rope  # the target's SiLU MLP and RoPE, one definition
 from runtime.sampling import SamplingParams, probs
 
 # ----------------------------------------------------------------------------------------------- building blocks
@@ -453,7 +453,7 @@ def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor
     on the device. Every row's score for every predecessor candidate is computed at once (row 0's predecessor is
     the anchor, row r's are the k candidates of row r-1), the best successor of each predecessor is taken, and the
     walk is then a chain of R-1 one-element gathers (or `kernel(score, best, cand)`, one launch:
-    `runtime.kernels.lattice_walk`). Returns (tokens [R], confidence [R]).
+    `runtime.gpu.dflash2_kernels.lattice_walk`). Returns (tokens [R], confidence [R]).
 
     Same picks as the sequential walk: each row's scores are the same sums (ties go to the first candidate in
     both, `argmax`); only the reduction order of the rank-r pair term can differ in the last bit."""

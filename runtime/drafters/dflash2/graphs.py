@@ -1,0 +1,203 @@
+"""CUDA graphs for DFlash2 drafting and observing (greedy windows; runtime/gpu/capture.py says how graphs work here).
+
+Sampling, the prompt and windows that would run past the capacity take the drafter's eager paths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from runtime.drafters.base import Proposal
+from runtime.drafters.dflash2.model import lattice_walk
+from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
+from runtime.gpu.capture import GraphSet, capture, cut_at_floor, stack_linears
+
+
+class DFlash2Graphs(GraphSet):
+    """Greedy drafting (draft forward + lattice selector walk, all rows; the floor cut on the host) and observing up
+    to `max_block` committed rows, for a `runtime.drafters.dflash2.loading.DFlash2Drafter`.
+
+    Fast path (CUDA or the Triton interpreter, cache dtype = compute dtype, no sliding window): ~17 launches a layer
+    instead of ~100: fused RMSNorm (+ the residual add), one launch per dynamic convolution, one matmul for q/k/v
+    and one for gate/up (stacked weights), q/k norm + RoPE in one kernel that writes the block's K/V into the
+    context cache slots pos..pos+W-1 (past the committed length: observe rewrites them before anything reads
+    them), and the Triton attention over slots 0..pos+W-1 (each K/V row read once per query row, no mask tensor, no
+    full-capacity pass). Observe: per layer one matmul + the same norm/RoPE/cache-write kernel. Otherwise the plain
+    path (the model's modules over the whole capacity with a mask)."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter.cache.k.device)
+        self.d = drafter
+        m = drafter.model
+        self.obs_rows = drafter.max_block
+        taps_w = m.fc.in_features
+        self.obs_taps = torch.zeros(self.obs_rows, taps_w, dtype=m.dtype, device=self.dev)
+        g = m.geom
+        self.fast = (kernels.available(drafter.cache.k) and drafter.cache.k.dtype == m.dtype
+                     and all(layer.window is None for layer in m.layers) and g.head_dim % 2 == 0)
+        self.qkv: list[Tensor | None] = []
+        self.gate_up: list[Tensor | None] = []
+        if self.fast:
+            for layer in m.layers:
+                a = layer.self_attn
+                self.qkv.append(stack_linears([a.q_proj, a.k_proj, a.v_proj]))
+                self.gate_up.append(stack_linears([layer.mlp.gate_proj, layer.mlp.up_proj]))
+        self.ar = torch.arange(self.obs_rows, device=self.dev)
+        self.mask_ids = torch.full((self.obs_rows,), g.mask_token_id, dtype=torch.long, device=self.dev)
+
+    def _run(self, key: object, fn) -> object | None:
+        """A fast-path function that fails to run or capture turns the fast path off (recorded in `errors`) and the
+        plain graphs take over; the eager paths remain behind those."""
+        if self.fast and self.enabled and (not self.cuda or key not in self.graphs):
+            try:
+                if not self.cuda:
+                    return fn()
+                self.graphs[key] = capture(fn)
+            except Exception as e:
+                self.errors.append(f"fast path off: {type(e).__name__}: {str(e)[:300]}")
+                self.fast = False
+                self.graphs.clear()
+                if self.cuda:
+                    torch.cuda.synchronize()
+        return super()._run(key, fn)
+
+    # -- fast path ------------------------------------------------------------------------------------------------
+    def _qkv(self, i: int, y: Tensor) -> Tensor:
+        a = self.d.model.layers[i].self_attn
+        w = self.qkv[i]
+        if w is not None:
+            return F.linear(y, w)
+        return torch.cat([a.q_proj(y), a.k_proj(y), a.v_proj(y)], dim=-1)
+
+    def _post(self, i: int, qkv: Tensor, pos: Tensor) -> Tensor:
+        """q_norm + RoPE of q (returned [W, nh, hd]); k_norm + RoPE of k and v written to cache slots `pos`."""
+        m, cache = self.d.model, self.d.cache
+        a = m.layers[i].self_attn
+        return attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, m.rotary.inv_freq, 1.0, pos, cache.k[i],
+                                cache.v[i], a.nh, a.nkv, a.hd, a.q_norm.eps)
+
+    def _conv(self, conv, h: Tensor, dyn: Tensor, half: int) -> Tensor:
+        return dflash2_kernels.dyn_conv(h, dyn, half, conv.base_kernel[half], conv.kernel_size, conv.group_size)
+
+    def _mlp(self, i: int, y: Tensor) -> Tensor:
+        mlp = self.d.model.layers[i].mlp
+        w = self.gate_up[i]
+        if w is None:
+            return mlp(y)
+        gu = F.linear(y, w)
+        inter = w.shape[0] // 2
+        return mlp.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
+
+    def _draft_fast(self, width: int) -> tuple[Tensor, Tensor]:
+        d, m = self.d, self.d.model
+        g = m.geom
+        embed, lm_head = d._shared
+        anchor, pos = self.scal[0:1], self.scal[1:2]
+        ar = self.ar[:width]
+        ids = torch.where(ar == 0, anchor, self.mask_ids[:width])
+        x = F.embedding(ids, embed.weight).to(m.dtype)
+        if g.input_embedding_scale != 1.0:
+            x = x * g.input_embedding_scale
+        qpos = (pos + ar).to(torch.int32)                                    # the block's cache slots
+        last = qpos if g.is_causal else (pos + (width - 1)).to(torch.int32).expand(width).contiguous()
+        delta = None
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            x, y = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, delta)
+            ac, mc = layer.attention_conv, layer.mlp_conv
+            if ac is not None:
+                dyn = ac.kernel_projection(y)
+                y = self._conv(ac, y, dyn, 0)
+            q = self._post(i, self._qkv(i, y), qpos)
+            o = attention_kernels.attention(q, d.cache.k[i], d.cache.v[i], last, a.hd ** -0.5)
+            y = a.o_proj(o.reshape(width, a.nh * a.hd))
+            if ac is not None:
+                y = self._conv(ac, y, dyn, 1)
+            x, y = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, y)
+            if mc is not None:
+                dyn = mc.kernel_projection(y)
+                y = self._conv(mc, y, dyn, 0)
+            y = self._mlp(i, y)
+            if mc is not None:
+                y = self._conv(mc, y, dyn, 1)
+            delta = y
+        _, h = dense_kernels.rmsnorm(x, m.norm.weight, m.norm.eps, delta)
+        return self._select(h[1:], anchor)
+
+    def _select(self, hs: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+        m = self.d.model
+        logits = m.compute_logits(hs, self.d._shared[1])
+        sel = m.candidate_selector
+        if sel is None:
+            p1 = torch.softmax(logits.float(), dim=-1)
+            toks = torch.argmax(logits, dim=-1)
+            return toks, p1.gather(-1, toks[:, None])[:, 0]
+        return lattice_walk(sel, hs, logits, anchor, kernel=dflash2_kernels.lattice_walk if self.fast else None)
+
+    def _observe_fast(self) -> None:
+        m = self.d.model
+        c = m.fc(self.obs_taps)
+        _, c = dense_kernels.rmsnorm(c, m.hidden_norm.weight, m.hidden_norm.eps)
+        pos = (self.scal[2:3] + self.ar).to(torch.int32)
+        for i in range(len(m.layers)):
+            self._post(i, self._qkv(i, c), pos)
+        return None
+
+    # -- plain path -----------------------------------------------------------------------------------------------
+    def _draft(self, width: int) -> tuple[Tensor, Tensor]:
+        if self.fast:
+            return self._draft_fast(width)
+        d, m, cache = self.d, self.d.model, self.d.cache
+        embed, lm_head = d._shared
+        C = cache.capacity
+        anchor, pos = self.scal[0:1], self.scal[1:2]
+        ar = torch.arange(width, device=self.dev)
+        ids = torch.where(ar == 0, anchor, torch.full_like(ar, m.geom.mask_token_id))[None]
+        q_pos = (pos + ar)[None]
+        ck = torch.arange(C, device=self.dev)
+        k_pos = torch.cat([ck, q_pos[0]])[None]
+        k_valid = torch.cat([ck < pos, torch.ones(width, dtype=torch.bool, device=self.dev)])[None]
+        ctx = [(cache.k[i, None], cache.v[i, None]) for i in range(len(m.layers))]
+        hs = m._run_layers(m.block_input(ids, embed.weight), q_pos, ctx, k_pos, k_valid)[0, 1:]
+        return self._select(hs, anchor)
+
+    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+        if not self.enabled or pos != self.d.cache.length or (self.fast and pos + n + 1 > self.d.cache.capacity):
+            return None
+        self._set(anchor, pos)
+        out = self._run(("draft", n + 1), lambda: self._draft(n + 1))
+        if out is None:
+            return None
+        toks, conf = out
+        c = conf.tolist()
+        m = cut_at_floor(c, min_p)
+        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+
+    def _observe(self) -> None:
+        if self.fast:
+            return self._observe_fast()
+        m, cache = self.d.model, self.d.cache
+        R = self.obs_rows
+        c = m.context_features(self.obs_taps[None])
+        pos = (self.scal[2:3] + torch.arange(R, device=self.dev))[None]
+        cos, sin = m.rotary(pos, c.dtype)
+        for i, layer in enumerate(m.layers):
+            k, v = layer.self_attn.kv(c, cos, sin)
+            cache.k[i].index_copy_(1, pos[0], k[0].to(cache.k.dtype))
+            cache.v[i].index_copy_(1, pos[0], v[0].to(cache.v.dtype))
+        return None
+
+    def observe(self, taps: Tensor, start: int) -> bool:
+        cache = self.d.cache
+        n = int(taps.shape[0])
+        if not self.enabled or n == 0 or n > self.obs_rows or start > cache.length \
+                or start + self.obs_rows > cache.capacity:
+            return False
+        self.obs_taps[:n].copy_(taps)
+        self._set(0, 0, start)
+        if self._run("observe", self._observe) is None and not self.enabled:
+            return False
+        cache.length = start + n
+        return True

@@ -1,0 +1,61 @@
+"""A linear layer whose weight stays in ggml blocks (docs/formats.md, "Block formats"): never a float copy kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.errors import QuantFormatError
+from runtime.formats.blocks import dequantize_torch, quantize
+from runtime.formats.registry import block_format, row_bytes
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight lives as ggml blocks in a uint8 buffer; dequantized on the fly per call."""
+
+    def __init__(self, in_features: int, out_features: int, qtype: str, bias: bool = False,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.qtype = block_format(qtype).name
+        self.in_features = in_features
+        self.out_features = out_features
+        rb = row_bytes(in_features, self.qtype)
+        self.register_buffer("blocks", torch.zeros(out_features, rb, dtype=torch.uint8, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor | np.ndarray, qtype: str, in_features: int) -> QuantLinear:
+        """Wrap existing blocks [out, row_bytes] (e.g. read from a GGUF file) without a float copy."""
+        t = torch.as_tensor(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
+        mod = cls(in_features, t.shape[0], qtype, device="meta")
+        if tuple(t.shape) != (t.shape[0], row_bytes(in_features, qtype)):
+            raise QuantFormatError(f"blocks shape {tuple(t.shape)} does not hold rows of {in_features} {qtype} values")
+        mod.blocks = t.to(torch.uint8)
+        return mod
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, qtype: str) -> QuantLinear:
+        """Quantize a float weight [out, in] (through `quantize`, so the bytes match gguf-py)."""
+        w = weight.detach().to(torch.float32).cpu().numpy()
+        return cls.from_blocks(quantize(w, qtype), qtype, w.shape[1]).to(weight.device)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_torch(self.blocks, self.qtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.qtype != "bf16":
+            from runtime.gpu import dense_kernels, kernels
+
+            if kernels.available(x):   # dequantized in registers: no float copy of the matrix, one launch
+                y = dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+        return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

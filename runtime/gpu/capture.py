@@ -1,0 +1,117 @@
+"""CUDA graph capture for the fixed-width target step and the drafters' per-window work.
+
+Why: a drafter's window or a small model's decode step is hundreds of small launches; on a GPU that is launch-bound
+unless replayed as one graph. Each graph works on static buffers: scalars (anchor, position, start) go in through a
+small host-to-device copy from a ring of pinned buffers, lengths are read on the device, and rows past the committed
+ones write only cache slots past the committed length, which nothing reads before they are rewritten. Any failure to
+build a graph turns that graph set off (recorded in `errors`), so the eager path always remains.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_STREAM: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """One side stream for every warm-up and capture (cuBLAS keeps a workspace per stream: one, not one each)."""
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = torch.cuda.Stream()
+    return _STREAM
+
+
+def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up twice on the capture stream, then capture it; returns (graph, fn's output tensors)."""
+    s = capture_stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        out = fn()
+    return g, out
+
+
+def cut_at_floor(conf: list[float], min_p: float) -> int:
+    """How many drafted rows stay: up to (not including) the first whose confidence is under the floor."""
+    if min_p > 0:
+        for i, c in enumerate(conf):
+            if c < min_p:
+                return i
+    return len(conf)
+
+
+class GraphSet:
+    """Graphs keyed by shape, replayed with scalars copied in through a ring of pinned host buffers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.dev = device
+        self.scal = torch.zeros(3, dtype=torch.long, device=device)   # anchor, pos, start
+        self.cuda = device.type == "cuda"   # elsewhere (tests) the same functions run eagerly, no graph
+        # a ring of pinned host buffers, each reused only once its last copy is done (an event, not a stream sync:
+        # the host may queue the next graph while the GPU still runs the previous one)
+        self.ring = [torch.zeros(3, dtype=torch.long) for _ in range(4)]
+        if self.cuda:
+            self.ring = [h.pin_memory() for h in self.ring]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in self.ring]
+        self.used = [False] * len(self.ring)
+        self.slot = 0
+        self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.enabled = True
+        self.errors: list[str] = []
+        self.replays = 0
+
+    def _set(self, a: int = 0, b: int = 0, c: int = 0) -> None:
+        i = self.slot
+        self.slot = (i + 1) % len(self.ring)
+        host, ev = self.ring[i], self.events[i]
+        if ev is not None and self.used[i]:
+            ev.synchronize()                             # this pinned buffer may still feed its last copy
+        host[0], host[1], host[2] = a, b, c
+        self.scal.copy_(host, non_blocking=self.cuda)
+        if ev is not None:
+            ev.record()
+            self.used[i] = True
+
+    def _run(self, key: object, fn) -> object | None:
+        if not self.enabled:
+            return None
+        if not self.cuda:
+            return fn()
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = capture(fn)
+            except Exception as e:  # fall back to the eager path for good
+                self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+                self.enabled = False
+                self.graphs.clear()
+                torch.cuda.synchronize()
+                return None
+        g, out = self.graphs[key]
+        g.replay()
+        self.replays += 1
+        return out
+
+def stack_linears(mods: list) -> Tensor | None:
+    """One [sum(out), in] matrix whose row blocks become the modules' weights (views: same bytes, no copy kept),
+    so one matmul serves them all; None (nothing changed) unless all are plain float `nn.Linear`s alike."""
+    ws = [getattr(mod, "weight", None) for mod in mods]
+    if not all(type(mod) is torch.nn.Linear and mod.bias is None for mod in mods) or any(w is None for w in ws):
+        return None
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or not ws[0].is_floating_point():
+        return None
+    if all(w._base is not None for w in ws) and len({w._base.data_ptr() for w in ws}) == 1:
+        base = ws[0]._base                   # stacked before (a second graph set on the same model)
+        if base.shape[0] == sum(w.shape[0] for w in ws) and ws[0].data_ptr() == base.data_ptr():
+            return base
+    stacked = torch.cat([w.detach() for w in ws], dim=0)
+    o = 0
+    for mod, w in zip(mods, ws, strict=True):
+        mod.weight = torch.nn.Parameter(stacked[o:o + w.shape[0]], requires_grad=False)
+        o += w.shape[0]
+    return stacked

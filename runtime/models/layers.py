@@ -1,0 +1,273 @@
+"""The target's building blocks (RMSNorm, RoPE, attention, MLP, the sparse MoE block, the decoder layer), shared by
+the target (runtime/models/qwen3_moe.py), its MTP head (runtime/models/mtp.py) and the DFlash2 drafter.
+
+Semantics follow transformers' `Qwen3MoeForCausalLM` (docs/models.md, "Qwen3-MoE target").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.models.target_config import Qwen3MoeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dt)
+
+
+def rope_inv_freq(cfg: Qwen3MoeConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies and cos/sin scale, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+    dim, base, rp = cfg.head_dim, cfg.rope_theta, cfg.rope_params
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if cfg.rope_type == "default":
+        return inv, 1.0
+    if cfg.rope_type == "linear":
+        return inv / float(rp["factor"]), 1.0
+    # yarn
+    factor = rp.get("factor")
+    orig = int(rp.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+    if factor is None:
+        factor = cfg.max_position_embeddings / orig
+    factor = float(factor)
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    att = rp.get("attention_factor")
+    if att is None:
+        ms, msa = rp.get("mscale"), rp.get("mscale_all_dim")
+        att = float(mscale(factor, ms) / mscale(factor, msa)) if (ms and msa) else mscale(factor)
+    beta_fast = rp.get("beta_fast") or 32
+    beta_slow = rp.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(att)
+
+
+class Rotary(nn.Module):
+    """cos/sin for absolute positions (no persistent state: the buffer is recomputed from the config)."""
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        inv, self.scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, hd]; cos/sin [B or 1, T, hd]."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def cached_attention(q: Tensor, keys: Tensor, vals: Tensor, scale: float) -> Tensor:
+    """q [B, nh, T, hd] at the last T positions of keys/vals [B, nkv, S, hd]: row i sees keys 0..S-T+i.
+
+    Why not a boolean mask: any explicit mask over the cache prefix rules out the flash kernel and, with GQA, sends
+    SDPA to the math kernel, which materialises [T x S] scores per head (4.4 GB at 128k for a 512-row chunk). The
+    lower-right causal bias is the same mask, but SDPA hands it to the flash (or mem-efficient) kernel without ever
+    building it; where neither applies (CPU) it is materialised once, as before."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, S = q.shape[-2], keys.shape[-2]
+    gqa = keys.shape[1] != q.shape[1]
+    if T == 1:
+        return F.scaled_dot_product_attention(q, keys, vals, scale=scale, enable_gqa=gqa)
+    if T == S:
+        return F.scaled_dot_product_attention(q, keys, vals, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=causal_lower_right(T, S), scale=scale,
+                                          enable_gqa=gqa)
+
+
+def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One window's q, k (q/k-norm, RoPE; [1, heads, W, hd]) and v ([W, nkv, hd]) for attention module `a`, on the
+    normed input h [1, W, H]: the eager projection the fused kernel path falls back to (target and MTP layers)."""
+    W = h.shape[1]
+    q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
+    k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
+    v = a.v_proj(h).view(W, a.nkv, a.hd)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, b = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=b)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.scale = self.hd**-0.5
+        self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
+
+    def stack_qkv(self) -> None:
+        """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
+        bytes; parameter names unchanged)."""
+        if self.qkv_weight is not None:
+            return
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        cat = torch.cat([w.data for w in ws], 0)
+        o = 0
+        for w in ws:
+            n = w.shape[0]
+            w.data = cat[o:o + n]
+            o += n
+        self.qkv_weight = cat
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+        """cache = (k_buf [B, nkv, S, hd], v_buf, start): write rows at start.., attend over 0..start+T-1."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=self.nkv != self.nh)
+        else:
+            kb, vb, start = cache
+            end = start + T
+            kb[:, :, start:end] = k.to(kb.dtype)
+            vb[:, :, start:end] = v.to(vb.dtype)
+            keys, vals = kb[:, :, :end].to(q.dtype), vb[:, :, :end].to(q.dtype)
+            o = cached_attention(q, keys, vals, self.scale)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: the dense layers and each routed expert."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoe(nn.Module):
+    """Router softmax (fp32) → top-k → optional renormalisation → weighted sum of SiLU experts.
+
+    `runner`, when set (runtime/experts.py), computes one expert on a set of rows wherever that expert lives;
+    otherwise the experts are called in place.
+    """
+
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.top_k, self.n_exp, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
+        self.counter = None  # set by ExpertCache; callable(layer_idx, n_rows): rows served by the stacked kernels
+        self.layer_idx = -1
+        # inference only (`stack_experts`): every expert's weights as views into two stacked tensors, transformers'
+        # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
+        self.gate_up: Tensor | None = None
+        self.down: Tensor | None = None
+
+    def stack_experts(self) -> None:
+        """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
+        make each expert's parameters views into them, so the grouped kernel (runtime/kernels.py) reads them."""
+        w0 = self.experts[0].gate_proj.weight
+        inter, hidden = w0.shape
+        gu = torch.empty(self.n_exp, 2 * inter, hidden, dtype=w0.dtype, device=w0.device)
+        dn = torch.empty(self.n_exp, hidden, inter, dtype=w0.dtype, device=w0.device)
+        for e, ex in enumerate(self.experts):
+            gu[e, :inter].copy_(ex.gate_proj.weight.data)
+            gu[e, inter:].copy_(ex.up_proj.weight.data)
+            dn[e].copy_(ex.down_proj.weight.data)
+        self.bind_stacked(gu, dn)
+
+    def bind_stacked(self, gate_up: Tensor, down: Tensor) -> None:
+        """Make the experts' parameters views of `gate_up` [E, 2I, H] and `down` [E, H, I] (shared storage)."""
+        inter = gate_up.shape[1] // 2
+        for e, ex in enumerate(self.experts):
+            ex.gate_proj.weight.data = gate_up[e, :inter]
+            ex.up_proj.weight.data = gate_up[e, inter:]
+            ex.down_proj.weight.data = down[e]
+        self.gate_up, self.down = gate_up, down
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), idx
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.route(x)
+        if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
+            from runtime.gpu import kernels, moe_kernels
+
+            if kernels.available(x):   # experts grouped: each touched expert's weights read once
+                if self.counter is not None:
+                    self.counter(self.layer_idx, x.shape[0])
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
+        out = torch.zeros_like(x)
+        # group (row, slot) pairs by expert with one sort and one host sync (the counts)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_exp).tolist()
+        tok_all, slot_all = order // self.top_k, order % self.top_k
+        off = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok, slot = tok_all[off:off + c], slot_all[off:off + c]
+            off += c
+            rows = x[tok]
+            y = self.runner(self.layer_idx, e, rows) if self.runner is not None else self.experts[e](rows)
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, sparse: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SparseMoe(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
