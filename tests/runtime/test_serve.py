@@ -119,7 +119,9 @@ def _reset(engine):
 
 
 def client(port, key="unused"):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30)
+    """The official client, straight to loopback (no proxy from the environment, no retries)."""
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=30,
+                         http_client=openai.DefaultHttpxClient(trust_env=False))
 
 
 def raw(port, path, body, method="POST", headers=()):
