@@ -188,11 +188,15 @@ def main() -> None:
                         [[rps, seq_rps, rps / seq_rps, conc["latency_p50_s"], conc["latency_p95_s"]]])
             print(f"strata-run as a command (load + generate, code prompt): {cold_s:.2f} s; through the running "
                   f"server: {statistics.median(seq):.3f} s.")
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            if load is not None:
+                print(f"load average (1 min) at the end: {load:.2f} on {os.cpu_count()} CPUs; a busy machine "
+                      f"makes every figure noisy.")
         finally:
             proc.terminate()
             proc.wait(30)
     path = write_json("serve.json", {
-        "machine": machine(), "device": device, "drafter": a.drafter, "threads": a.threads, "tokens": a.tokens,
+        "machine": machine(), "load_average_1m": load, "device": device, "drafter": a.drafter, "threads": a.threads, "tokens": a.tokens,
         "repeats": a.repeats, "prompts": per_prompt, "concurrent": conc,
         "strata_run_command_s": cold_s, "server_request_s": statistics.median(seq)})
     print(f"wrote {path}")

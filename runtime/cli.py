@@ -39,7 +39,7 @@ def _summary(stats: dict) -> str:
 
 @app.command()
 def run(
-    name: str = typer.Argument(None, metavar="[NAME]", help="A config strata-setup wrote, by name "
+    name: str = typer.Argument(None, metavar="NAME", help="A config strata-setup wrote, by name "
                                "($STRATA_HOME/configs/NAME.toml), as `ollama run NAME`."),
     config: str = typer.Option(None, "--config", help="strata-setup config (TOML path, or its name)."),
     prompt: str = typer.Option(None, "--prompt", help="Prompt text."),

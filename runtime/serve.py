@@ -552,7 +552,7 @@ def _fail(msg: str, code: int, debug: bool) -> None:
 
 @cli.command()
 def serve(
-    name: str = typer.Argument(None, metavar="[NAME]", help="A config strata-setup wrote, by name "
+    name: str = typer.Argument(None, metavar="NAME", help="A config strata-setup wrote, by name "
                                "($STRATA_HOME/configs/NAME.toml)."),
     config: str = typer.Option(None, "--config", help="strata-setup config (TOML path, or its name)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback unless you say so)."),
