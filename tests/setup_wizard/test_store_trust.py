@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from artifacts_helpers import write_checkpoint
-
 from setup_wizard.convert import convert_to_store
 from setup_wizard.store import Store, sha256_file
+from tests.setup_wizard.hub_helpers import write_checkpoint
 
 
 def test_converted_cache_rebuilds_a_same_size_tampered_file(tmp_path, home):
@@ -37,9 +36,9 @@ def test_convert_to_a_folder_is_bad_input_before_any_work(tmp_path, home):
 
 def test_a_body_longer_than_the_pin_is_cut_off_and_discarded(tiny_repo, hub, home):
     import pytest
-    from artifacts_helpers import REPO, REV
 
     from setup_wizard.hub import ChecksumError, pull
+    from tests.setup_wizard.hub_helpers import REPO, REV
 
     size = len(tiny_repo["files"]["model.safetensors"])
     hub.pad[(REPO, "model.safetensors")] = b"\0" * (3 << 20)  # 3 MiB the pin does not allow

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from artifacts_helpers import TINY_CONFIG, tiny_tensors, write_checkpoint
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import quantize as gguf_quantize
 
@@ -24,6 +23,7 @@ from setup_wizard.convert import (
     convert_to_store,
 )
 from setup_wizard.store import Store
+from tests.setup_wizard.hub_helpers import TINY_CONFIG, tiny_tensors, write_checkpoint
 
 BACKBONE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc.weight")
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.dflash2.model import ContextCache, DFlash2Model, GroupedDynamicCausalConv, select_walk
-from tests.dflash2.dflash2_helpers import (
+from tests.runtime.drafters.dflash2.helpers import (
     drafter_config,
     one_thread,  # noqa: F401  (autouse fixture)
     random_drafter_state,

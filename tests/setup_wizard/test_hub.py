@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from artifacts_helpers import REPO, REV
 
 from setup_wizard.catalog import load_catalog
 from setup_wizard.hub import ChecksumError, DownloadError, HeaderCheckError, UnpinnedError, pull
 from setup_wizard.store import MANIFEST, Store
+from tests.setup_wizard.hub_helpers import REPO, REV
 
 
 def _pull(name="tiny-head", **kw):
@@ -54,7 +54,7 @@ def test_tampered_file_is_refused_and_nothing_usable_is_left(tiny_repo, hub, hom
 
 
 def test_missing_revision_and_missing_file_are_clear_errors(tiny_repo, hub, home, tmp_path, monkeypatch):
-    from artifacts_helpers import toml_catalog
+    from tests.setup_wizard.hub_helpers import toml_catalog
 
     pins = tiny_repo["pins"]
     cat = tmp_path / "cat2.toml"
@@ -121,7 +121,8 @@ def test_offline_serves_only_what_is_verified(tiny_repo, hub, home, monkeypatch)
 
 def test_header_check_refuses_contract_breaking_weights_without_downloading(tmp_path, hub, home, monkeypatch):
     import torch
-    from artifacts_helpers import file_pins, tiny_tensors, toml_catalog, write_checkpoint
+
+    from tests.setup_wizard.hub_helpers import file_pins, tiny_tensors, toml_catalog, write_checkpoint
 
     t = tiny_tensors()
     t["layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 32, dtype=torch.bfloat16)  # wrong shape
@@ -147,10 +148,9 @@ def test_unpinned_entries_are_refused_with_a_message(home):
 
 
 def test_bundled_source_goes_through_the_same_checks(tmp_path, home):
-    from artifacts_helpers import file_pins, write_checkpoint
-
     from setup_wizard.catalog import CatalogEntry, CatalogFile
     from setup_wizard.hub import download_entry
+    from tests.setup_wizard.hub_helpers import file_pins, write_checkpoint
 
     root = tmp_path / "bundled"
     src = write_checkpoint(root / "tiny-pack")

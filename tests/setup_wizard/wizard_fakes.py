@@ -2,7 +2,7 @@
 
 The fake catalog has a bundled target `nano` (tiny Qwen3-MoE with an MTP head), a `big` hf target that is not
 downloaded, an unpinned target, and two DFlash2 heads for `nano` (`official` default, `turbo`). Conversion uses the
-test-side GGUF writer of tests/dflash2 (a real GGUF the runtime can read).
+test-side GGUF writer of tests/runtime/drafters/dflash2 (a real GGUF the runtime can read).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def fake_cpu(ram_gib: float = 8) -> Hardware:
 
 def make_pack(root: Path) -> dict[str, Path]:
     """A tiny target with MTP (hidden 64 so DFlash2 rows quantize) and two DFlash2 heads that fit it."""
-    from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
+    from tests.runtime.drafters.dflash2.helpers import drafter_config, write_hf_drafter
     from tests.runtime.tiny import make_tiny_target
 
     target = make_tiny_target(root, "nano", hidden=64, vocab=80, layers=3, mtp=True)
@@ -81,7 +81,7 @@ class FakeServices:
                         reused=True)
 
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact:
-        from tests.dflash2.dflash2_helpers import write_gguf_drafter
+        from tests.runtime.drafters.dflash2.helpers import write_gguf_drafter
 
         self.calls.append(("convert", (Path(head_dir).name, quant)))
         self._check("convert")
