@@ -30,7 +30,7 @@ from calibrate.results import CalibrationResult, ResultStore
 from calibrate.search import FLOORS, Arm, Plan, RunOutcome, Search, SearchResult, candidate_arms
 from runtime.progress import ProgressFn
 
-DEFAULT_MAX_SECONDS = 110.0       # the bar: the bundled pack calibrates in under two minutes on a GPU
+DEFAULT_MAX_SECONDS = 110.0       # the bundled pack calibrates in under two minutes on a GPU
 METHOD = "coarse-to-fine + successive halving, head-to-head confirmation, 3% bar"
 
 

@@ -1,6 +1,6 @@
 """`strata-setup`: the typer application — the wizard (interactive or scripted) and its subcommands.
 
-Exit codes (PRODUCT.md): 0 success, 1 the work failed, 2 bad usage or input; 130 when the user pressed Ctrl-C.
+Exit codes (docs/commands.md): 0 success, 1 the work failed, 2 bad usage or input; 130 when the user pressed Ctrl-C.
 Errors are one sentence on stderr; `--debug` shows the traceback instead.
 """
 

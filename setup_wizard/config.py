@@ -198,7 +198,7 @@ def calibration_key(
     context: int,
     runtime_version: str,
 ) -> dict[str, Any]:
-    """PRODUCT.md: a stored calibration is reused only when every field matches."""
+    """docs/calibration.md: a stored calibration is reused only when every field matches."""
     return {
         "device_name": device_name,
         "device_total_mib": int(device_total_mib),

@@ -45,7 +45,7 @@ def _size(n: int) -> str:
 
 def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None,
         output: Any = None) -> Choices:
-    """Ask what the flags left open, in the issue's order: target, drafter, DFlash2 head and quantization, context,
+    """Ask what the flags left open, in this order: target, drafter, DFlash2 head and quantization, context,
     reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
     io = {"input": input, "output": output}
     ans = replace(choices)
