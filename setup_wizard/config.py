@@ -46,15 +46,6 @@ class ConfigWriteError(WorkError, OSError):
     """The config could not be written (disk full, permissions); the old file, if any, is intact (exit code 1)."""
 
 
-def _drop_none(value: Any) -> Any:
-    """TOML has no null: leave such keys out."""
-    if isinstance(value, Mapping):
-        return {str(k): _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list | tuple):
-        return [_drop_none(v) for v in value if v is not None]
-    return value
-
-
 def merge_user_keys(old: Mapping[str, Any], new: Mapping[str, Any], _table: str = "") -> dict[str, Any]:
     """`new` with every key of `old` that strata-setup does not own carried over (recursively)."""
     out = copy.deepcopy(dict(new))
@@ -79,7 +70,7 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
     except OSError as exc:
         raise ConfigWriteError(f"Cannot create the folder for the config {path} ({exc.strerror or exc}); pass "
                                f"--config-out elsewhere.") from exc
-    doc = _drop_none(doc)
+    doc = tomlable(doc)
     parse(doc, where=str(path))   # never write what strata-run would refuse
     if keep_user_keys and path.exists():
         try:

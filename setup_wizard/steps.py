@@ -11,6 +11,7 @@ from typing import Any
 
 from calibrate.key import key_for_config
 from calibrate.results import CalibrationResult
+from runtime.config import tomlable
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError, WorkError
@@ -165,22 +166,11 @@ def apply_calibration(doc: dict[str, Any], result: CalibrationResult) -> None:
     measured = result.block is not None and result.spec_min_p is not None
     if measured:
         doc["speculative"] = {"block": int(result.block), "spec_min_p": float(result.spec_min_p), "source": source}
-    cal = _tomlable(result.to_dict())
+    cal = tomlable(result.to_dict())
     if "key" not in cal and isinstance(doc.get("calibration"), Mapping) and "key" in doc["calibration"]:
         cal["key"] = doc["calibration"]["key"]
     cal["status"] = "calibrated" if measured and source == "calibrated" else "uncalibrated"
     doc["calibration"] = cal
-
-
-def _tomlable(value: Any) -> Any:
-    """TOML has no null and needs string keys: drop None, stringify keys."""
-    if isinstance(value, Mapping):
-        return {str(k): _tomlable(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list | tuple):
-        return [_tomlable(v) for v in value if v is not None]
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Artifact | None,
