@@ -18,11 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from runtime.config import (
-    SCHEMA,  # noqa: E402,F401  (one schema version)
-    parse,
-    read_toml,
-)
+from runtime.config import SCHEMA, parse, read_toml, tomlable  # noqa: F401  (SCHEMA: the one schema version)
 from runtime.errors import ConfigError, WorkError
 from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-exported: one formula)
 
