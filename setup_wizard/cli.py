@@ -14,7 +14,9 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from runtime.drafters.registry import KINDS
 from runtime.errors import exit_code, message
+from runtime.formats.registry import QTYPES
 from runtime.version import __version__
 
 app = typer.Typer(
@@ -92,9 +94,9 @@ def main_callback(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No questions: take the recommended answer for the rest."),
     target: str | None = typer.Option(None, help="Catalog name or a local model folder."),
-    drafter: str | None = typer.Option(None, help="mtp | dflash2 | none (default: mtp when the target has a head)."),
+    drafter: str | None = typer.Option(None, help=" | ".join(KINDS) + " (default: mtp when the target has a head)."),
     dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
-    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help="bf16 | q8_0 | q5_0 | q4_0."),
+    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help=" | ".join(QTYPES) + "."),
     context: int | None = typer.Option(None, help="Context length in tokens (default: recommended from the budget)."),
     vram_reserve_mib: int | None = typer.Option(None, "--vram-reserve-mib", help="Memory to keep free, MiB."),
     calibrate: bool | None = typer.Option(None, "--calibrate/--no-calibrate", help="Calibrate now (default yes)."),
