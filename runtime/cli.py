@@ -1,4 +1,4 @@
-"""`strata-run`: generate from a strata-setup config (PRODUCT.md). Streams text, then a one-line stats summary;
+"""`strata-run`: generate from a strata-setup config (docs/commands.md). Streams text, then a one-line stats summary;
 `--json` prints one JSON object instead. Exit 0 ok, 1 failure of the work, 2 bad usage or input."""
 
 from __future__ import annotations

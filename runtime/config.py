@@ -119,19 +119,22 @@ class StrataConfig:
             for f in fields(sec):
                 v = getattr(sec, f.name)
                 if f.name == "files":
-                    v = {rel: _drop_none(vars(r)) for rel, r in v.items()}
+                    v = {rel: tomlable(vars(r)) for rel, r in v.items()}
                 t[f.name] = v
             doc[name] = t
         if self.calibration:
             doc["calibration"] = dict(self.calibration)
-        return _drop_none(doc)
+        return tomlable(doc)
 
 
-def _drop_none(value: Any) -> Any:
+def tomlable(value: Any) -> Any:
+    """TOML has no null and needs string keys: drop None values, stringify keys and paths."""
     if isinstance(value, Mapping):
-        return {str(k): _drop_none(v) for k, v in value.items() if v is not None}
+        return {str(k): tomlable(v) for k, v in value.items() if v is not None}
     if isinstance(value, list | tuple):
-        return [_drop_none(v) for v in value if v is not None]
+        return [tomlable(v) for v in value if v is not None]
+    if isinstance(value, Path):
+        return str(value)
     return value
 
 

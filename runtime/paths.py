@@ -1,5 +1,7 @@
-"""Where Strata keeps its files, and configs by name: `strata-run NAME` / `strata-serve NAME` mean
-`$STRATA_HOME/configs/NAME.toml`, the file strata-setup wrote (docs/commands.md)."""
+"""Where the local store lives (docs/store.md): `$STRATA_HOME`, else the platformdirs user data dir for `strata`.
+The one definition every part (setup, store, calibration, strata-run by name) reads. Configs by name:
+`strata-run NAME` / `strata-serve NAME` mean `$STRATA_HOME/configs/NAME.toml`, the file strata-setup wrote
+(docs/commands.md)."""
 
 from __future__ import annotations
 
