@@ -38,25 +38,31 @@ class StopText:
             return ""
         if not self.stops:
             return piece
-        buf = self.held + piece
-        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
-        if found:
-            i, s = min(found)
-            self.hit, self.held = s, ""
-            return buf[:i]
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.held = buf[len(buf) - hold:] if hold else ""
-        return buf[: len(buf) - hold]
+        return self._scan(self.held + piece, final=False)
 
     def flush(self) -> str:
-        """The held-back tail at the end of generation (it turned out not to be a stop string)."""
-        out, self.held = ("" if self.hit is not None else self.held), ""
-        return out
+        """The held-back tail at the end of generation (what of it comes before any stop string)."""
+        if self.hit is not None or not self.held:
+            self.held = ""
+            return ""
+        return self._scan(self.held, final=True)
+
+    def _scan(self, buf: str, *, final: bool) -> str:
+        """Emit `buf` up to the first stop string, or up to where one may still be starting (held back)."""
+        full = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        first, stop = min(full) if full else (len(buf), None)
+        pending = len(buf)          # earliest start of a stop string the text so far could still complete
+        if not final:
+            for s in self.stops:
+                for j in range(max(0, len(buf) - len(s) + 1), len(buf)):
+                    if s.startswith(buf[j:]):
+                        pending = min(pending, j)
+                        break
+        if stop is not None and first <= pending:
+            self.hit, self.held = stop, ""
+            return buf[:first]
+        self.held = buf[pending:]
+        return buf[:pending]
 
 
 @dataclass
