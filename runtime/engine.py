@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import platform
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +13,10 @@ from typing import Any
 import torch
 
 from runtime.artifact_check import check_config_artifacts
+from runtime.config import StrataConfig, load, parse
 from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
-from runtime.errors import LoadError, UsageError
+from runtime.errors import ConfigError, LoadError
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
@@ -31,8 +31,8 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 
 
-class EngineConfigError(UsageError):
-    """A config or argument the engine cannot use (bad input: one clear sentence)."""
+# a config or argument the engine cannot use: the config error of runtime/errors.py (one class, exit code 2)
+EngineConfigError = ConfigError
 
 
 @dataclass
@@ -112,6 +112,10 @@ class Engine:
         kdt = _dtype(kv_dtype) or dt
         target_dir = Path(target_dir).expanduser()
         model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
+        limit = model.cfg.max_position_embeddings
+        if int(context) > limit:
+            raise EngineConfigError(f"context {int(context)} is beyond the model's maximum of {limit} tokens; set "
+                                    f"[memory] context to {limit} or less (or rerun strata-setup).")
         tokenizer = load_tokenizer(target_dir)
         experts = ExpertCache(model, dev, expert_slots)
         experts.place(model)
@@ -134,41 +138,26 @@ class Engine:
                    prefill_chunk=prefill_chunk, graphs=graphs)
 
     @classmethod
-    def from_config(cls, config: str | Path | dict, **overrides: Any) -> Engine:
-        """Build from a strata-setup config (TOML schema 1, or its dict). Relative paths are relative to the file."""
-        base = Path.cwd()
-        if isinstance(config, dict):
-            doc = config
+    def from_config(cls, config: str | Path | dict | StrataConfig, **overrides: Any) -> Engine:
+        """Build from a strata-setup config (a file, its dict or a parsed `StrataConfig`; runtime/config.py checks
+        every key). Relative paths are relative to the file. Artifacts changed since setup are refused first."""
+        if isinstance(config, StrataConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = parse(config)
         else:
             p = Path(config).expanduser()
             if not p.is_file():
                 raise EngineConfigError(f"config file {p} does not exist; run strata-setup first or pass --config.")
-            try:
-                doc = tomllib.loads(p.read_text())
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-                raise EngineConfigError(f"config file {p} is not valid TOML ({e}).") from e
-            base = p.parent
-        if doc.get("schema", 1) != 1:
-            raise EngineConfigError(f"config schema {doc.get('schema')!r} is not supported; this runtime reads schema 1.")
-        tgt, dra = doc.get("target") or {}, doc.get("drafter") or {}
-        spec, mem, devt = doc.get("speculative") or {}, doc.get("memory") or {}, doc.get("device") or {}
-        if "path" not in tgt:
-            raise EngineConfigError("config has no [target] path; re-run strata-setup.")
-
-        def resolve(x: str | None) -> Path | None:
-            if x is None:
-                return None
-            q = Path(x).expanduser()
-            return q if q.is_absolute() else base / q
-
-        check_config_artifacts(doc, resolve)
-        kind = dra.get("kind", "none")
+            cfg = load(p)
+        check_config_artifacts(cfg)
+        kind = cfg.drafter.kind
         args: dict[str, Any] = dict(
-            target_dir=resolve(tgt["path"]), drafter_kind=kind,
-            drafter_path=resolve(dra.get("path")) if kind != "none" else None,
-            device=devt.get("type"), dtype=devt.get("dtype"), context=int(mem.get("context", 4096)),
-            expert_slots=mem.get("expert_cache_slots"), block=spec.get("block"), spec_min_p=spec.get("spec_min_p"),
-            kv_dtype=mem.get("kv_dtype"),
+            target_dir=cfg.resolve(cfg.target.path), drafter_kind=kind,
+            drafter_path=cfg.resolve(cfg.drafter.path) if kind != "none" else None,
+            device=cfg.device.type, dtype=cfg.device.dtype, context=cfg.memory.context,
+            expert_slots=cfg.memory.expert_cache_slots, block=cfg.speculative.block,
+            spec_min_p=cfg.speculative.spec_min_p, kv_dtype=cfg.memory.kv_dtype,
         )
         args.update(overrides)
         return cls.build(**args)
@@ -176,9 +165,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ running
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
-                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
-        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does."""
-        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
+                 cancel: Callable[[], bool] | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
+        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled"."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
         use = self.drafter if (draft and self.drafter is not None) else None
@@ -197,7 +188,7 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step())
+                           step=self.static_step(), should_stop=cancel)
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
@@ -205,6 +196,15 @@ class Engine:
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids `generate` uses for a text prompt (callers that must count them first use this too)."""
+        return self.tokenizer.encode(text).ids
+
+    @property
+    def context(self) -> int:
+        """Tokens the KV cache holds: prompt plus generated tokens must fit in it."""
+        return self.kv.capacity
 
     def static_step(self):
         """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every
