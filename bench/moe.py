@@ -164,8 +164,8 @@ def decode_rows(fmt: str, widths: list[int], bw: float, dev: str, g: torch.Gener
 
 def tune_decode(fmt: str, bw: float, dev: str, g: torch.Generator) -> dict[str, Any]:
     """Tile shapes for quantized decode (MOE_QUP / MOE_QDOWN, W = 8): keeps the fastest for the rows after it."""
-    cands = [{"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 3}, {"BN": 32, "BK": 16, "num_warps": 4, "num_stages": 3},
-             {"BN": 128, "BK": 16, "num_warps": 4, "num_stages": 2}, {"BN": 32, "BK": 16, "num_warps": 2, "num_stages": 4}]
+    cands = [{"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}, {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3},
+             {"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 4}, {"BN": 32, "BK": 64, "num_warps": 2, "num_stages": 3}]
     res: dict[str, Any] = {"format": fmt, "tried": []}
     best = None
     for c in cands:

@@ -48,13 +48,13 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# tile shapes of the two expert kernels for decode windows (block of outputs BN, reduction step BK (float weights;
-# quantized weights step 16 values), warps, pipeline stages); one choice for every window width keeps the kernels
+# tile shapes of the two expert kernels for decode windows (block of outputs BN, reduction step BK (quantized
+# weights: a multiple of 16, dequantized 16 values at a time), warps, pipeline stages); one choice for every window width keeps the kernels
 # row-invariant. bench/gpu_checks.py times alternatives on the GPU.
 MOE_UP = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 MOE_DOWN = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
-MOE_QUP = {"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 3}     # quantized weights (bench/moe.py tunes them)
-MOE_QDOWN = {"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 3}
+MOE_QUP = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}     # quantized weights (bench/moe.py tunes them)
+MOE_QDOWN = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 # prefill tiles (BM rows of one expert per program); bench/moe.py times alternatives
 MOE_PRE_UP = {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3}
 MOE_PRE_DOWN = {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3}
@@ -230,7 +230,7 @@ if HAVE_TRITON:
     def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, bs_ptr, bc_ptr, slot_ptr, w_ptr, h_ptr, NP, E, NI, K, NG, NN,
                        stride_xm, stride_we, stride_wn, stride_hm,
                        TABLE: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr):
         nb, e, r, rm = _tile(tl.program_id(0), se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN, TABLE, BM, GM)
         s = _slot_of(e, slot_ptr, E, HAS_SLOT)
         run = s >= 0
@@ -258,12 +258,14 @@ if HAVE_TRITON:
             rg = wb + n.to(tl.int64) * stride_wn
             ru = wb + (n + NI).to(tl.int64) * stride_wn
             j = tl.arange(0, 16)
-            for g in range(0, kend // 16):
-                a = tl.load(xrow[:, None] + g * 16 + j[None, :], mask=rr[:, None], other=0.0)
-                wg = _dq16(rg, g, nm, QT).to(dt)
-                wu = _dq16(ru, g, nm, QT).to(dt)
-                accg += tl.dot(a, tl.trans(wg))
-                accu += tl.dot(a, tl.trans(wu))
+            for g0 in range(0, kend // 16, GPI):       # GPI groups of 16 values per iteration
+                for u in tl.static_range(GPI):
+                    g = g0 + u
+                    a = tl.load(xrow[:, None] + g * 16 + j[None, :], mask=rr[:, None], other=0.0)
+                    wg = _dq16(rg, g, nm, QT).to(dt)
+                    wu = _dq16(ru, g, nm, QT).to(dt)
+                    accg += tl.dot(a, tl.trans(wg))
+                    accu += tl.dot(a, tl.trans(wu))
         act = accg * tl.sigmoid(accg) * accu
         tl.store(h_ptr + r[:, None].to(tl.int64) * stride_hm + n[None, :], act.to(h_ptr.dtype.element_ty),
                  mask=rr[:, None] & nm[None, :])
@@ -272,7 +274,7 @@ if HAVE_TRITON:
     def _moe_down_kernel(h_ptr, se_ptr, bs_ptr, bc_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, y_ptr, NP, E, N, K, NG, NN,
                          stride_hm, stride_we, stride_wn, stride_ym,
                          TABLE: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZBM: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr):
         nb, e, r, rm = _tile(tl.program_id(0), se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN, TABLE, BM, GM)
         s = _slot_of(e, slot_ptr, E, HAS_SLOT)
         run = s >= 0
@@ -297,9 +299,11 @@ if HAVE_TRITON:
             dt = h_ptr.dtype.element_ty
             rw = wb + n.to(tl.int64) * stride_wn
             j = tl.arange(0, 16)
-            for g in range(0, kend // 16):
-                a = tl.load(hrow[:, None] + g * 16 + j[None, :], mask=rr[:, None], other=0.0)
-                acc += tl.dot(a, tl.trans(_dq16(rw, g, nm, QT).to(dt)))
+            for g0 in range(0, kend // 16, GPI):
+                for u in tl.static_range(GPI):
+                    g = g0 + u
+                    a = tl.load(hrow[:, None] + g * 16 + j[None, :], mask=rr[:, None], other=0.0)
+                    acc += tl.dot(a, tl.trans(_dq16(rw, g, nm, QT).to(dt)))
         out = acc * wt[:, None]
         tl.store(y_ptr + dst[:, None].to(tl.int64) * stride_ym + n[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=sm[:, None] & nm[None, :])
@@ -373,6 +377,14 @@ if HAVE_TRITON:
             tl.store(nmiss_ptr, tl.sum(miss.to(tl.int32), 0))
         else:
             tl.store(nmiss_ptr, 0)
+
+
+def _groups_per_step(k: int, bk: int) -> int:
+    """Groups of 16 values a quantized loop step takes: the largest divisor of k/16 up to bk/16."""
+    n = max(1, bk // 16)
+    while (k // 16) % n:
+        n -= 1
+    return n
 
 
 def scratch_bytes(rows: int, top_k: int, hidden: int, inter: int, n_exp: int, elem_bytes: int = 2) -> int:
@@ -487,8 +499,9 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
             gm = cfg["GM"]
         else:
             bm, bs, bc, G, grid, gm = pow2(T), r.se, r.se, NP, (NP, nn), 1
+        K = H if part == "up" else inter
         meta = {"TABLE": tiles, "HAS_SLOT": slot is not None, "BM": bm, "BN": cfg["BN"], "BK": cfg["BK"], "GM": gm,
-                "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+                "GPI": _groups_per_step(K, cfg["BK"]), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         if part == "up":
             _moe_up_kernel[grid](x, r.tok, r.se, bs, bc, sl, gate_up, h, NP, n_exp, inter, H, G, nn, x.stride(0),
                                  gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], **meta)
