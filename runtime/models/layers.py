@@ -194,6 +194,7 @@ class SparseMoe(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
         self.top_k, self.n_exp, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
+        self.inter = cfg.moe_intermediate_size
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
@@ -228,6 +229,25 @@ class SparseMoe(nn.Module):
             ex.up_proj.weight.data = gate_up[e, inter:]
             ex.down_proj.weight.data = down[e]
         self.gate_up, self.down = gate_up, down
+
+    def bind_blocks(self, gate_up: Tensor, down: Tensor, fmt: str | tuple[str, str]) -> None:
+        """Hold the experts as ggml blocks (docs/formats.md, "Block formats"): uint8 gate_up [S, 2I, row_bytes(H)]
+        and down [S, H, row_bytes(I)] in `fmt` (one name, or gate_up's and down's), read by the grouped kernels;
+        the per-expert modules go (no float copy of any expert is kept). S = E, or the slots of `slot`."""
+        from runtime.errors import QuantFormatError
+        from runtime.formats.registry import block_format, row_bytes
+
+        fg, fd = (fmt, fmt) if isinstance(fmt, str) else fmt
+        fg, fd = block_format(fg).name, block_format(fd).name
+        hidden, inter = self.gate.in_features, self.inter
+        want_gu = (gate_up.shape[0], 2 * inter, row_bytes(hidden, fg))
+        want_dn = (gate_up.shape[0], hidden, row_bytes(inter, fd))
+        if gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 or tuple(gate_up.shape) != want_gu \
+                or tuple(down.shape) != want_dn:
+            raise QuantFormatError(f"expert blocks {tuple(gate_up.shape)} / {tuple(down.shape)} are not {fg} "
+                                   f"{want_gu} / {fd} {want_dn} (uint8) for hidden {hidden}, expert width {inter}.")
+        self.experts = nn.ModuleList()
+        self.gate_up, self.down, self.fmt = gate_up, down, (fg, fd) if fg != fd else fg
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)

@@ -76,10 +76,10 @@ def test_quantized_experts_run_through_the_torch_fallback():
     E, two_i, H = m.gate_up.shape
     gu = quantize(m.gate_up.reshape(-1, H).detach().numpy(), "q4_0")
     dn = quantize(m.down.reshape(E * H, -1).detach().numpy(), "q4_0")
-    m.gate_up = torch.from_numpy(gu).view(E, two_i, -1)
-    m.down = torch.from_numpy(dn).view(E, H, -1)
-    m.fmt = "q4_0"
-    assert m.quantized
+    with pytest.raises(QuantFormatError, match="are not q8_0"):
+        m.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q8_0")
+    m.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q4_0")
+    assert m.quantized and m.fmt == "q4_0" and len(m.experts) == 0
     # the reference: the plain per-expert loop over the dequantized weights
     with torch.no_grad():
         for e, ex in enumerate(ref.experts):
