@@ -243,9 +243,7 @@ def check_fused_step_quant() -> None:
         E, two_i, H = mlp.gate_up.shape
         gu = quantize(mlp.gate_up.reshape(-1, H).numpy(), "q8_0")
         dn = quantize(mlp.down.reshape(E * H, -1).numpy(), "q8_0")
-        mlp.gate_up = torch.from_numpy(gu).view(E, two_i, -1)
-        mlp.down = torch.from_numpy(dn).view(E, H, -1)
-        mlp.fmt = "q8_0"
+        mlp.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q8_0")
     c = model.cfg
     kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40) for _ in range(2))
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
