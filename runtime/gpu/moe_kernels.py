@@ -489,12 +489,15 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     wf = r.w.reshape(-1)
     dec_up = MOE_UP if fg == "bf16" else MOE_QUP
     dec_down = MOE_DOWN if fd == "bf16" else MOE_QDOWN
+    tables: dict[int, tuple[Tensor, Tensor, int]] = {}
     for part, cfg in (("up", MOE_PRE_UP if tiles else dec_up), ("down", MOE_PRE_DOWN if tiles else dec_down)):
         N = inter if part == "up" else H
         nn = triton.cdiv(N, cfg["BN"])
         if tiles:
             bm = cfg["BM"]
-            bs, bc, G = block_table(r.se, n_exp, bm)
+            if bm not in tables:
+                tables[bm] = block_table(r.se, n_exp, bm)
+            bs, bc, G = tables[bm]
             grid = (G * nn,)
             gm = cfg["GM"]
         else:
