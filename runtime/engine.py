@@ -21,6 +21,7 @@ from runtime.experts import ExpertCache
 from runtime.kv import KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
 from runtime.memory import NAMES, buffers_bytes, target_dense_bytes
+from runtime.routing_profile import RoutingProfile
 from runtime.sampling import SamplingParams
 from runtime.speculative import generate_ids
 
@@ -97,8 +98,12 @@ class Engine:
     def build(cls, target_dir: str | Path, drafter_kind: str = "none", drafter_path: str | Path | None = None,
               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
-              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True) -> Engine:
-        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU."""
+              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True,
+              expert_miss: str = "auto", routing_profile: str | Path | RoutingProfile | None = None,
+              expert_lru_slots: int = 0) -> Engine:
+        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU.
+        With fewer `expert_slots` than experts (CUDA), the routing profile (a file recorded by calibration) places
+        the slots and `expert_miss` says how the other experts are served (runtime/experts.py)."""
         if drafter_kind not in KINDS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
@@ -111,9 +116,13 @@ class Engine:
         dt = _dtype(dtype) or default_dtype(dev)
         kdt = _dtype(kv_dtype) or dt
         target_dir = Path(target_dir).expanduser()
+        profile = routing_profile
+        if profile is not None and not isinstance(profile, RoutingProfile):
+            profile = RoutingProfile.load(Path(profile).expanduser())
         model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
         tokenizer = load_tokenizer(target_dir)
-        experts = ExpertCache(model, dev, expert_slots)
+        experts = ExpertCache(model, dev, expert_slots, miss=expert_miss, profile=profile,
+                              lru_slots=int(expert_lru_slots))
         experts.place(model)
         cfg = model.cfg
         kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
@@ -128,6 +137,8 @@ class Engine:
             block = 1
         elif block is None:
             block = kind.default_block(getattr(drafter, "geom", None))   # DFlash2: the head's own block_size
+        # the static step's width (runtime/gpu/static_step.py): the pool keeps enough dynamic slots for its misses
+        experts.ensure_window(drafter.max_block if drafter is not None else 1)
         return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p or 0.0),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
@@ -168,7 +179,8 @@ class Engine:
             drafter_path=resolve(dra.get("path")) if kind != "none" else None,
             device=devt.get("type"), dtype=devt.get("dtype"), context=int(mem.get("context", 4096)),
             expert_slots=mem.get("expert_cache_slots"), block=spec.get("block"), spec_min_p=spec.get("spec_min_p"),
-            kv_dtype=mem.get("kv_dtype"),
+            kv_dtype=mem.get("kv_dtype"), expert_miss=mem.get("expert_miss", "auto"),
+            routing_profile=resolve(mem.get("routing_profile")), expert_lru_slots=int(mem.get("expert_lru_slots", 0)),
         )
         args.update(overrides)
         return cls.build(**args)
@@ -205,6 +217,13 @@ class Engine:
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
+
+    def record_routing(self, on: bool = True) -> None:
+        """Count every MoE layer's router choices from now on (`experts.routing_profile()` reads them); the
+        captured step graphs are dropped so the next ones include (or leave out) the counting."""
+        self.experts.record_routing(on)
+        if self.step is not None:
+            self.step.graphs.clear()
 
     def static_step(self):
         """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every
