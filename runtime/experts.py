@@ -99,7 +99,7 @@ class ExpertCache:
         """Move the model to the device. Pool mode: the routed experts go to the host arena (pinned on CUDA) and
         the slot pool is filled at `ensure_window` (or the first forward); legacy: non-resident experts stay."""
         if self.mode == "pool":
-            self.arena = ExpertArena.from_blocks(self.blocks, pin=self.device.type == "cuda")
+            self._arena()
         off = {id(p) for li, blk in self.blocks.items() for e, ex in enumerate(blk.experts)
                if self.mode == "pool" or (li, e) not in self.resident for p in ex.parameters()}
         for p in model.parameters():
@@ -122,12 +122,20 @@ class ExpertCache:
         if self.mode == "pool" and self.miss == "auto":
             self.miss = self._choose_miss_path()
 
+    def _arena(self) -> ExpertArena:
+        if self.arena is None:
+            self.arena = ExpertArena.from_blocks(self.blocks, pin=self.device.type == "cuda")
+        return self.arena
+
     def ensure_window(self, width: int) -> None:
         """Size the pool for decode/verify windows of up to `width` rows: a graphed step serves all its misses at
         once, so streaming needs min(width * top_k, E) dynamic slots (taken from the budget's slots)."""
         self.window = max(self.window, int(width))
         if self.mode != "pool":
             return
+        if self.miss == "auto":            # place() was not called (tests drive the model on the CPU directly)
+            self._arena()
+            self.miss = self._choose_miss_path()
         need = self._dynamic_slots()
         if self.pool is not None and self.pool.D == need:
             return
@@ -139,7 +147,7 @@ class ExpertCache:
         static = self.profile.placement(n_static)
         chosen = {(li, e) for li, es in static.items() for e in es}
         pre = [(li, e) for li, e in rank if (li, e) not in chosen][:need]
-        self.pool = SlotPool(self.arena, static, pre, need, self.device)
+        self.pool = SlotPool(self._arena(), static, pre, need, self.device)
         self.resident = chosen | set(pre)
 
     def _dynamic_slots(self) -> int:
