@@ -91,7 +91,7 @@ class ExpertArena:
                 gu[e, :inter].copy_(ex.gate_proj.weight.data)
                 gu[e, inter:].copy_(ex.up_proj.weight.data)
                 dn[e].copy_(ex.down_proj.weight.data)
-            _bind(blk, gu, dn)
+            bind_experts(blk, gu, dn)
             planes[li] = {"gate_up": gu, "down": dn}
         arena = cls(planes)
         if pin:
@@ -139,7 +139,7 @@ class ExpertArena:
         return {n: (tuple(t.shape[1:]), t.dtype) for n, t in p.items()}
 
 
-def _bind(blk, gate_up: Tensor, down: Tensor) -> None:
+def bind_experts(blk, gate_up: Tensor, down: Tensor) -> None:
     """Each expert's parameters become views of the stacked tensors (the storage the arena holds)."""
     inter = gate_up.shape[1] // 2
     for e, ex in enumerate(blk.experts):

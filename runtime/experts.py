@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.errors import UsageError
-from runtime.expert_arena import ExpertArena
+from runtime.expert_arena import ExpertArena, bind_experts
 from runtime.expert_pool import SlotPool
 from runtime.gpu import kernels
 from runtime.models.layers import SparseMoe
@@ -43,11 +43,12 @@ def _nbytes(m: nn.Module) -> int:
 class ExpertCache:
     def __init__(self, model: nn.Module, device: torch.device, slots: int | None = None,
                  enforce_on_cpu: bool = False, *, miss: str = "auto", profile: RoutingProfile | None = None,
-                 lru_slots: int = 0) -> None:
+                 lru_slots: int = 0, arena: ExpertArena | None = None) -> None:
         """slots=None: all resident. On a CPU device the limit is ignored (everything is in RAM anyway) unless
         `enforce_on_cpu` (tests: emulates a partial cache on the CPU, every path included). `miss`: how experts
         off the device are served (MISS_POLICIES); `profile`: the routing profile that places the slots (None:
-        evenly over the layers, lowest ids first); `lru_slots`: dynamic slots beyond what a window needs."""
+        evenly over the layers, lowest ids first); `lru_slots`: dynamic slots beyond what a window needs; `arena`:
+        the experts already in host memory (the model's experts are views of it), else `place` makes it."""
         self.device = device
         self.blocks: dict[int, SparseMoe] = {
             i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoe)
@@ -75,7 +76,7 @@ class ExpertCache:
         self.mode = "resident" if slots >= self.total else ("legacy" if miss == "legacy" else "pool")
         self.miss = miss if self.mode == "pool" else "none"
         self.probe: dict[str, Any] = {}
-        self.arena: ExpertArena | None = None
+        self.arena: ExpertArena | None = arena
         self.pool: SlotPool | None = None
         self.window = 1
         self.recorder: RoutingRecorder | None = None
@@ -100,8 +101,9 @@ class ExpertCache:
         the slot pool is filled at `ensure_window` (or the first forward); legacy: non-resident experts stay."""
         if self.mode == "pool":
             self._arena()
+        from_arena = self.mode == "resident" and self.arena is not None and self.device.type == "cuda"
         off = {id(p) for li, blk in self.blocks.items() for e, ex in enumerate(blk.experts)
-               if self.mode == "pool" or (li, e) not in self.resident for p in ex.parameters()}
+               if self.mode == "pool" or from_arena or (li, e) not in self.resident for p in ex.parameters()}
         for p in model.parameters():
             if id(p) not in off:
                 p.data = p.data.to(self.device)
@@ -109,7 +111,11 @@ class ExpertCache:
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
         if self.device.type == "cuda":
-            if self.mode == "resident":
+            if from_arena:                       # stacked straight from the host arena
+                for li, blk in self.blocks.items():
+                    blk.bind_stacked(self.arena.plane(li, "gate_up").to(self.device),  # type: ignore[union-attr]
+                                     self.arena.plane(li, "down").to(self.device))     # type: ignore[union-attr]
+            elif self.mode == "resident":
                 for blk in self.blocks.values():
                     blk.stack_experts()          # the grouped Triton kernel reads them stacked (same bytes)
             elif self.mode == "legacy":
@@ -305,16 +311,7 @@ class ExpertCache:
         return offload_kernels.pair_sum(y, real, T, k, x.dtype)
 
     def _cpu_expert(self, layer: int, e: int, rows: Tensor, exact: bool) -> Tensor:
-        """One expert on the host from the arena, for host rows [n, H]. `exact`: the resident computation's ops
-        (a CPU device, where the result then has the same bits); else one gate/up matmul in the arena's dtype."""
-        gu = self.arena.plane(layer, "gate_up")[e]         # type: ignore[union-attr]
-        dn = self.arena.plane(layer, "down")[e]             # type: ignore[union-attr]
-        inter = gu.shape[0] // 2
-        r = rows.to(gu.dtype)
-        if exact:
-            return F.linear(F.silu(F.linear(r, gu[:inter])) * F.linear(r, gu[inter:]), dn)
-        a = F.linear(r, gu).float()
-        return F.linear((F.silu(a[:, :inter]) * a[:, inter:]).to(gu.dtype), dn)
+        return cpu_expert(self._arena(), layer, e, rows, exact)
 
     def _legacy_run(self, layer: int, e: int, rows: Tensor) -> Tensor:
         expert = self.blocks[layer].experts[e]
@@ -329,13 +326,23 @@ class ExpertCache:
     # alias kept for callers of the old API
     run = _legacy_run
 
+    def release(self) -> None:
+        """Give back the device copies of the experts and point the experts at the arena again, hooks off
+        (benchmarks build several caches, one after another, on one model and arena)."""
+        self.pool = None
+        for li, blk in self.blocks.items():
+            blk.offload = blk.runner = blk.counter = blk.recorder = None
+            blk.gate_up = blk.down = None
+            if self.arena is not None:
+                bind_experts(blk, self.arena.plane(li, "gate_up"), self.arena.plane(li, "down"))
+
     # ------------------------------------------------------------------------------------------ the miss path
     def _choose_miss_path(self) -> str:
         """Measure, on this machine, seconds per missed expert when streamed to the device and when computed on the
         CPU for one row; take the faster (a CPU device: stream, which is what the GPU would do)."""
         if self.device.type != "cuda":
             return "stream"
-        self.probe = measure_miss_paths(self.arena, self.device, self._cpu_expert)  # type: ignore[arg-type]
+        self.probe = measure_miss_paths(self._arena(), self.device)
         return self.probe["choice"]
 
     # ---------------------------------------------------------------------------------------------- profiling
@@ -395,8 +402,20 @@ class ExpertCache:
             self.pool.reset_counters()
 
 
-def measure_miss_paths(arena: ExpertArena, device: torch.device, cpu_expert, n: int = 4,
-                       repeats: int = 3) -> dict[str, Any]:
+def cpu_expert(arena: ExpertArena, layer: int, e: int, rows: Tensor, exact: bool) -> Tensor:
+    """One expert on the host from the arena, for host rows [n, H]. `exact`: the resident computation's ops (a CPU
+    device, where the result then has the same bits); else one gate/up matmul in the arena's dtype."""
+    gu = arena.plane(layer, "gate_up")[e]
+    dn = arena.plane(layer, "down")[e]
+    inter = gu.shape[0] // 2
+    r = rows.to(gu.dtype)
+    if exact:
+        return F.linear(F.silu(F.linear(r, gu[:inter])) * F.linear(r, gu[inter:]), dn)
+    a = F.linear(r, gu).float()
+    return F.linear((F.silu(a[:, :inter]) * a[:, inter:]).to(gu.dtype), dn)
+
+
+def measure_miss_paths(arena: ExpertArena, device: torch.device, n: int = 4, repeats: int = 3) -> dict[str, Any]:
     """Seconds per missed expert on this machine: streamed (host arena -> device, the path a graphed step uses:
     the fetch kernel when the arena is pinned, else a copy) vs computed on the CPU for one row. Small (n experts of
     one layer) and its device buffers are returned to the driver, so it leaves the memory budget as it was."""
@@ -436,7 +455,7 @@ def measure_miss_paths(arena: ExpertArena, device: torch.device, cpu_expert, n: 
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         for e in range(n):
-            cpu_expert(li, e, row, exact=False)
+            cpu_expert(arena, li, e, row, exact=False)
         times.append(time.perf_counter() - t0)
     out["cpu_s_per_expert"] = statistics.median(times[1:]) / n
     out["cpu_GBps"] = arena.expert_nbytes / out["cpu_s_per_expert"] / 1e9
