@@ -142,6 +142,8 @@ class ExpertCache:
         if self.miss == "auto":            # place() was not called (tests drive the model on the CPU directly)
             self._arena()
             self.miss = self._choose_miss_path()
+        if self.miss == "stream" and self.slots == 0:
+            self.miss = "cpu"                  # no slot to stream into: every expert is computed on the host
         need = self._dynamic_slots()
         if self.pool is not None and self.pool.D == need:
             return
