@@ -1,4 +1,4 @@
-"""The calibration key (PRODUCT.md): a stored result is reused only when every field matches.
+"""The calibration key (docs/commands.md): a stored result is reused only when every field matches.
 
 `(device name and memory, target sha256, drafter kind, drafter artifact sha256, quantization, context, runtime
 version)`. The device is the live machine (not what an old config says), so a config copied to another machine

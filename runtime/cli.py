@@ -1,4 +1,4 @@
-"""`strata-run`: generate from a strata-setup config (PRODUCT.md). Streams text, then a one-line stats summary;
+"""`strata-run`: generate from a strata-setup config (docs/commands.md). Streams text, then a one-line stats summary;
 `--json` prints one JSON object instead. Exit 0 ok, 1 failure of the work, 2 bad usage or input."""
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def run(
     no_draft: bool = typer.Option(False, "--no-draft", help="Run the target alone."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice; 1 is "
                                 "fastest for small models on a busy machine)."),
+    vram_limit_mib: int = typer.Option(None, "--vram-limit-mib", help="Cap the GPU memory this run may use, in MiB "
+                                       "(a shared card, or to behave like a smaller one); default: the config's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, stats)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
@@ -68,6 +70,8 @@ def run(
         _fail(f"--spec-min-p must be between 0 and 1, got {spec_min_p}.", 2, False)
     if threads is not None and threads < 1:
         _fail(f"--threads must be >= 1, got {threads}.", 2, False)
+    if vram_limit_mib is not None and vram_limit_mib < 1:
+        _fail(f"--vram-limit-mib must be a positive number of MiB, got {vram_limit_mib}.", 2, False)
     try:
         import torch
 
@@ -77,7 +81,10 @@ def run(
             torch.set_num_threads(threads)
 
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        engine = Engine.from_config(config, **({"block": block} if block is not None else {}))
+        over: dict = {"block": block} if block is not None else {}
+        if vram_limit_mib is not None:
+            over["vram_limit_mib"] = vram_limit_mib
+        engine = Engine.from_config(config, **over)
         stream = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         res = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, block=block,
                               spec_min_p=spec_min_p, draft=not no_draft, on_text=stream)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.config import EXPERT_MISS
 from runtime.errors import UsageError
 from runtime.expert_arena import ExpertArena, bind_experts
 from runtime.expert_pool import SlotPool
@@ -32,7 +33,7 @@ from runtime.gpu import kernels
 from runtime.models.layers import SparseMoe
 from runtime.routing_profile import RoutingProfile, RoutingRecorder, uniform_profile
 
-MISS_POLICIES = ("auto", "stream", "cpu", "legacy")
+MISS_POLICIES = EXPERT_MISS
 KERNEL_ROWS = 64         # SparseMoe.forward's limit for the grouped kernel (more rows: the per-expert loop)
 
 

@@ -1,4 +1,4 @@
-"""The speculative loop (ARTIFACTS.md §3): draft, verify the window in one target forward, accept, commit.
+"""The speculative loop (docs/models.md, "Speculative decoding"): draft, verify the window in one target forward, accept, commit.
 
 A window is the last committed token (the anchor, not yet in the target KV) followed by up to block-1 proposals.
 Greedy: the longest prefix equal to the target's argmax, then the target's own token (bonus). Sampling: accept x

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from artifacts_helpers import toml_catalog
 
 from setup_wizard.catalog import CatalogError, check_relpath, load_catalog, safe_join
+from tests.setup_wizard.hub_helpers import toml_catalog
 
 SHA = "ab" * 32
 REV = "c" * 40

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from setup_wizard.cli import app
-from tests.wizard.wizard_fakes import fake_cpu
+from tests.setup_wizard.wizard_fakes import fake_cpu
 
 CASES = [
     ("mtp", []),

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from artifacts_helpers import TINY_CONFIG, tiny_tensors, write_checkpoint
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import quantize as gguf_quantize
 
@@ -24,6 +23,7 @@ from setup_wizard.convert import (
     convert_to_store,
 )
 from setup_wizard.store import Store
+from tests.setup_wizard.hub_helpers import TINY_CONFIG, tiny_tensors, write_checkpoint
 
 BACKBONE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc.weight")
 
@@ -188,7 +188,7 @@ def test_sharded_source_converts_to_the_same_tensors(ckpt, tmp_path):
 def test_pulled_head_converts_through_the_cache(tiny_repo, hub, home):
     from setup_wizard.hub import pull
 
-    p = pull("tiny-head", progress=False)
+    p = pull("tiny-head")
     sha = p.files["model.safetensors"]["sha256"]
     c = convert_to_store(p.path, "q8_0", source_name="tiny-head", source_repo="tiny-org/tiny-dflash2",
                          source_revision=p.revision, source_sha=sha)

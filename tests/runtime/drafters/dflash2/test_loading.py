@@ -17,7 +17,7 @@ from runtime.errors import ContractError
 from runtime.formats.blocks import dequantize_torch
 from runtime.formats.quant_linear import QuantLinear
 from runtime.sampling import SamplingParams
-from tests.dflash2.dflash2_helpers import (
+from tests.runtime.drafters.dflash2.helpers import (
     drafter_config,
     one_thread,  # noqa: F401  (autouse fixture)
     random_drafter_state,

@@ -1,6 +1,6 @@
 """Tiny random DFlash2 drafters for tests: configs, weights, HF folders and GGUF files (reusable by any area).
 
-    from tests.dflash2.dflash2_helpers import drafter_config, random_drafter_state, write_hf_drafter, write_gguf_drafter
+    from tests.runtime.drafters.dflash2.helpers import drafter_config, random_drafter_state, write_hf_drafter, write_gguf_drafter
     folder = write_hf_drafter(tmp_path / "d", drafter_config(hidden=32, vocab=64, taps=[0, 2]))
     gguf_path = write_gguf_drafter(tmp_path / "d.gguf", folder, quant="q8_0")
 """

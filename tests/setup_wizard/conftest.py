@@ -1,16 +1,13 @@
-"""Fixtures for the artifact tests: a loopback Hub, a private STRATA_HOME, a tiny pinned DFlash2 repo."""
+"""Fixtures of the setup_wizard tests: a private STRATA_HOME, a loopback Hub, a tiny pinned DFlash2 repo, and for the
+wizard a tiny pack made once per session and fakes of the machine and of the services."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from artifacts_helpers import REPO, REV, file_pins, toml_catalog, write_checkpoint  # noqa: E402,F401
-from hub_server import FakeHub  # noqa: E402
+from tests.setup_wizard.hub_helpers import REPO, REV, file_pins, toml_catalog, write_checkpoint
+from tests.setup_wizard.hub_server import FakeHub
+from tests.setup_wizard.wizard_fakes import FakeServices, fake_gpu, make_pack
 
 
 @pytest.fixture()
@@ -48,3 +45,25 @@ def tiny_repo(tmp_path, hub, home, monkeypatch):
     ]))
     monkeypatch.setenv("STRATA_CATALOG", str(cat))
     return {"src": src, "files": files, "pins": pins, "catalog": cat}
+
+
+@pytest.fixture(scope="session")
+def pack(tmp_path_factory):
+    return make_pack(tmp_path_factory.mktemp("pack"))
+
+
+@pytest.fixture
+def services(pack, home):
+    return FakeServices(pack=pack, store=home / "store")
+
+
+@pytest.fixture
+def machine(monkeypatch, services):
+    """Point the CLI's seams at the fakes; returns a dict the test may change (hardware, services)."""
+    from setup_wizard import cli
+
+    state = {"hw": fake_gpu(), "services": services}
+    monkeypatch.setattr(cli, "get_hardware", lambda: state["hw"])
+    monkeypatch.setattr(cli, "get_services", lambda *a: state["services"])
+    monkeypatch.setattr(cli, "is_interactive", lambda: False)
+    return state

@@ -13,8 +13,8 @@ import tomli_w
 from typer.testing import CliRunner
 
 from setup_wizard import cli
-from tests.artifacts.hub_server import FakeHub
-from tests.wizard.wizard_fakes import fake_cpu
+from tests.setup_wizard.hub_server import FakeHub
+from tests.setup_wizard.wizard_fakes import fake_cpu
 
 REV_T = "1" * 40
 REV_H = "2" * 40

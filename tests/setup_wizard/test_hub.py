@@ -5,15 +5,15 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from artifacts_helpers import REPO, REV
 
 from setup_wizard.catalog import load_catalog
 from setup_wizard.hub import ChecksumError, DownloadError, HeaderCheckError, UnpinnedError, pull
 from setup_wizard.store import MANIFEST, Store
+from tests.setup_wizard.hub_helpers import REPO, REV
 
 
 def _pull(name="tiny-head", **kw):
-    return pull(name, progress=False, **kw)
+    return pull(name, **kw)
 
 
 def test_pinned_download_lands_verified_and_is_reused(tiny_repo, hub, home):
@@ -54,7 +54,7 @@ def test_tampered_file_is_refused_and_nothing_usable_is_left(tiny_repo, hub, hom
 
 
 def test_missing_revision_and_missing_file_are_clear_errors(tiny_repo, hub, home, tmp_path, monkeypatch):
-    from artifacts_helpers import toml_catalog
+    from tests.setup_wizard.hub_helpers import toml_catalog
 
     pins = tiny_repo["pins"]
     cat = tmp_path / "cat2.toml"
@@ -121,7 +121,8 @@ def test_offline_serves_only_what_is_verified(tiny_repo, hub, home, monkeypatch)
 
 def test_header_check_refuses_contract_breaking_weights_without_downloading(tmp_path, hub, home, monkeypatch):
     import torch
-    from artifacts_helpers import file_pins, tiny_tensors, toml_catalog, write_checkpoint
+
+    from tests.setup_wizard.hub_helpers import file_pins, tiny_tensors, toml_catalog, write_checkpoint
 
     t = tiny_tensors()
     t["layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 32, dtype=torch.bfloat16)  # wrong shape
@@ -147,22 +148,21 @@ def test_unpinned_entries_are_refused_with_a_message(home):
 
 
 def test_bundled_source_goes_through_the_same_checks(tmp_path, home):
-    from artifacts_helpers import file_pins, write_checkpoint
-
     from setup_wizard.catalog import CatalogEntry, CatalogFile
     from setup_wizard.hub import download_entry
+    from tests.setup_wizard.hub_helpers import file_pins, write_checkpoint
 
     root = tmp_path / "bundled"
     src = write_checkpoint(root / "tiny-pack")
     files = tuple(CatalogFile(**p) for p in file_pins(src))
     e = CatalogEntry("tiny-pack", "dflash2", "bundled", "tiny-pack", None, files, ("t",))
-    res = download_entry(e, progress=False, bundled_dir=root, offline=True)
+    res = download_entry(e, bundled_dir=root, offline=True)
     assert (res.path / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     assert Store().read_manifest(res.path)["verified"]
     bad = CatalogEntry("tiny-pack2", "dflash2", "bundled", "tiny-pack", None,
                        (files[0], CatalogFile("model.safetensors", "a" * 64, files[1].size)), ("t",))
     with pytest.raises(ChecksumError, match="model.safetensors"):
-        download_entry(bad, progress=False, bundled_dir=root)
+        download_entry(bad, bundled_dir=root)
 
 
 def test_hf_token_is_sent(tiny_repo, hub, home, monkeypatch):

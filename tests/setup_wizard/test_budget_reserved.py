@@ -16,7 +16,7 @@ from setup_wizard.budget import (
     persistent_tensors,
     segment_bytes,
 )
-from tests.wizard.test_budget_math import DF, TINY
+from tests.setup_wizard.test_budget import DF, TINY
 
 KIB = 1024
 

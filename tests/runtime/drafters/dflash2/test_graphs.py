@@ -15,7 +15,7 @@ import torch
 
 from runtime.drafters.dflash2.graphs import DFlash2Graphs
 from runtime.engine import Engine
-from tests.dflash2.dflash2_helpers import drafter_config, one_thread, write_hf_drafter  # noqa: F401
+from tests.runtime.drafters.dflash2.helpers import drafter_config, one_thread, write_hf_drafter  # noqa: F401
 from tests.runtime.tiny import make_tiny_target
 
 
@@ -68,7 +68,7 @@ def test_dflash2_graph_functions_make_no_host_reads(setup):
 def _selector(V: int, k: int, r: int, seed: int, integer: bool):
     from runtime.drafters.dflash2.contract import DFlash2Geometry
     from runtime.drafters.dflash2.model import CandidateSelector
-    from tests.dflash2.dflash2_helpers import drafter_config
+    from tests.runtime.drafters.dflash2.helpers import drafter_config
 
     geom = DFlash2Geometry.from_config(drafter_config(hidden=16, vocab=V, top_k=k, rank=r))
     sel = CandidateSelector(geom)

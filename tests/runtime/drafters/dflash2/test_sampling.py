@@ -12,7 +12,7 @@ import torch
 
 from runtime.engine import Engine
 from runtime.sampling import SamplingParams
-from tests.dflash2.dflash2_helpers import (
+from tests.runtime.drafters.dflash2.helpers import (
     drafter_config,
     one_thread,  # noqa: F401  (autouse fixture)
     train_on_sequence,

@@ -2,7 +2,7 @@
 
 The fake catalog has a bundled target `nano` (tiny Qwen3-MoE with an MTP head), a `big` hf target that is not
 downloaded, an unpinned target, and two DFlash2 heads for `nano` (`official` default, `turbo`). Conversion uses the
-test-side GGUF writer of tests/dflash2 (a real GGUF the runtime can read).
+test-side GGUF writer of tests/runtime/drafters/dflash2 (a real GGUF the runtime can read).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from calibrate.results import CalibrationResult
 from setup_wizard.config import manifest_sha256, sha256_file
 from setup_wizard.hardware import GPU, Hardware
-from setup_wizard.plan import Artifact, HeadOption, TargetOption, hash_folder
+from setup_wizard.inspection import hash_folder
+from setup_wizard.services import Artifact, HeadOption, TargetOption
 
 GIB = 1 << 30
 
@@ -31,7 +33,7 @@ def fake_cpu(ram_gib: float = 8) -> Hardware:
 
 def make_pack(root: Path) -> dict[str, Path]:
     """A tiny target with MTP (hidden 64 so DFlash2 rows quantize) and two DFlash2 heads that fit it."""
-    from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
+    from tests.runtime.drafters.dflash2.helpers import drafter_config, write_hf_drafter
     from tests.runtime.tiny import make_tiny_target
 
     target = make_tiny_target(root, "nano", hidden=64, vocab=80, layers=3, mtp=True)
@@ -79,7 +81,7 @@ class FakeServices:
                         reused=True)
 
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact:
-        from tests.dflash2.dflash2_helpers import write_gguf_drafter
+        from tests.runtime.drafters.dflash2.helpers import write_gguf_drafter
 
         self.calls.append(("convert", (Path(head_dir).name, quant)))
         self._check("convert")
@@ -92,13 +94,12 @@ class FakeServices:
             tmp.rename(out)
         return Artifact(path=out, sha256=sha256_file(out), size=out.stat().st_size, reused=reused)
 
-    def calibrate(self, config_path: Path, *, force: bool, max_seconds: float | None) -> dict[str, Any]:
-        self.calls.append(("calibrate", str(config_path)))
+    def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
+        self.calls.append(("calibrate", doc["target"]["path"]))
         self._check("calibrate")
-        import tomllib
-
         from calibrate.key import key_for_config
 
-        doc = tomllib.loads(Path(config_path).read_text())
         key = key_for_config(doc, device=(doc["device"]["name"], doc["device"]["total_mib"]))
-        return {**self.calibration, "key": key.to_dict()}  # the shape of calibrate.api.calibrate_config
+        c = self.calibration
+        return CalibrationResult(block=c["block"], spec_min_p=c["spec_min_p"], source=c["source"],
+                                 decision=c["decision"], reason="", key=key, record={"seconds": c["seconds"]})
