@@ -84,13 +84,13 @@ class ExpertCache:
         self.hits = 0
         self.misses = 0
         self.fetched = 0
-        self.resident: set[tuple[int, int]] = set()
+        self._resident: set[tuple[int, int]] = set()
         if self.mode == "legacy":           # the old static cache: each layer's share of slots, lowest ids
             for j, li in enumerate(layers):
                 share = slots // len(layers) + (1 if j < slots % len(layers) else 0)
-                self.resident.update((li, e) for e in range(min(share, self.n_exp)))
+                self._resident.update((li, e) for e in range(min(share, self.n_exp)))
         elif self.mode == "resident":
-            self.resident = {(li, e) for li in layers for e in range(self.n_exp)}
+            self._resident = {(li, e) for li in layers for e in range(self.n_exp)}
         for blk in self.blocks.values():
             blk.counter = self.count_rows
             blk.runner = self._legacy_run if self.mode != "pool" else None
@@ -157,7 +157,7 @@ class ExpertCache:
         chosen = {(li, e) for li, es in static.items() for e in es}
         pre = [(li, e) for li, e in rank if (li, e) not in chosen][:need]
         self.pool = SlotPool(self._arena(), static, pre, need, self.device)
-        self.resident = chosen | set(pre)
+        self._resident = chosen | set(pre)
 
     def _dynamic_slots(self) -> int:
         if self.miss != "stream":
@@ -168,6 +168,14 @@ class ExpertCache:
         if self.pool is None:
             self.ensure_window(self.window)
         return self.pool  # type: ignore[return-value]
+
+    @property
+    def resident(self) -> set[tuple[int, int]]:
+        """(layer, expert) pairs on the device now (pool mode: the static slots and what the dynamic ones hold at
+        the start; they change as experts are fetched)."""
+        if self.mode == "pool":
+            self._ready()
+        return self._resident
 
     @property
     def graphable(self) -> bool:
