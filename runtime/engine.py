@@ -211,6 +211,12 @@ class Engine:
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
+    def use_routing_profile(self, profile: RoutingProfile) -> None:
+        """Place the expert slots by `profile` (offloaded experts only; otherwise it is just kept); the step's
+        captured graphs read the old pool, so the step is rebuilt at the next window."""
+        if self.experts.use_profile(profile):
+            self.step = None
+
     def record_routing(self, on: bool = True) -> None:
         """Count every MoE layer's router choices from now on (`experts.routing_profile()` reads them); the
         captured step graphs are dropped so the next ones include (or leave out) the counting."""

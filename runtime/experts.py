@@ -337,6 +337,21 @@ class ExpertCache:
     # alias kept for callers of the old API
     run = _legacy_run
 
+    def use_profile(self, profile: RoutingProfile) -> bool:
+        """Place the slots by `profile` from now on; True when the device copy changed (pool mode: the pool is
+        rebuilt, its old tensors freed first)."""
+        if not profile.matches(sorted(self.blocks), self.n_exp):
+            raise UsageError("the routing profile does not match this model's MoE layers; record it again "
+                             "(strata-setup calibrate).")
+        self.profile, self.profiled = profile, True
+        if self.mode != "pool" or self.pool is None:
+            return False
+        self.pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.ensure_window(self.window)
+        return True
+
     def release(self) -> None:
         """Give back the device copies of the experts and point the experts at the arena again, hooks off
         (benchmarks build several caches, one after another, on one model and arena)."""

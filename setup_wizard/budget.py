@@ -103,6 +103,8 @@ class Budget:
     reason: str = ""
     notes: list[str] = field(default_factory=list)
     dynamic_slots: int = 0  # offloaded: slots that hold recently fetched experts (the rest: the profile's hottest)
+    dense_read_bytes: int = 0  # one decode token reads: dense weights but one embedding row, KV at half the context
+    experts_per_token: int = 0  # routed experts one decode token uses (MoE layers x top_k)
 
     @property
     def offloaded(self) -> bool:
@@ -136,7 +138,13 @@ class Budget:
             "reason": self.reason,
             "notes": list(self.notes),
             "dynamic_slots": self.dynamic_slots,
+            "dense_read_bytes": self.dense_read_bytes,
+            "experts_per_token": self.experts_per_token,
         }
+
+    def static_hit_rate(self) -> float:
+        """Hit rate with no routing profile (every expert alike): the static slots over the experts."""
+        return min(1.0, (self.expert_cache_slots - self.dynamic_slots) / max(1, self.total_experts))
 
 
 def headroom_bytes(device_type: str, total_bytes: int) -> int:
@@ -415,7 +423,35 @@ def compute_budget(
         reason=reason,
         notes=notes,
         dynamic_slots=int(dynamic),
+        dense_read_bytes=int(target.dense_elems() * wb - target.vocab * target.hidden * wb + target.hidden * wb
+                             + items["target_kv"] // 2),
+        experts_per_token=len(target.sparse_layers) * target.top_k,
     )
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    """What memory traffic allows a target-only decode token (docs/budget.md, "Decode estimate")."""
+
+    hit_rate: float
+    tok_s: float
+    resident_bytes: int     # per token, read from device memory
+    missed_bytes: int       # per token, brought over the host link
+    hbm_Bps: float
+    link_Bps: float
+
+
+def decode_estimate(b: Budget, hit_rate: float, hbm_Bps: float, link_Bps: float) -> DecodeEstimate:
+    """Per token: the dense weights (one embedding row), the KV cache at half the context and the hit experts read
+    from device memory at `hbm_Bps`, the missed experts moved from host memory at `link_Bps` (PCIe, or the CPU's
+    expert throughput when misses are computed there): tok/s = 1 / (resident / hbm + missed / link). A bound, not
+    a promise: kernel launches, attention and the miss path's bookkeeping come on top."""
+    hit = min(max(hit_rate, 0.0), 1.0)
+    experts = b.experts_per_token * b.expert_bytes
+    resident = b.dense_read_bytes + int(experts * hit)
+    missed = int(experts * (1 - hit)) if b.offloaded else 0
+    t = resident / hbm_Bps + (missed / link_Bps if missed else 0.0)
+    return DecodeEstimate(hit, 1.0 / t if t > 0 else float("inf"), resident, missed, hbm_Bps, link_Bps)
 
 
 CONTEXT_CHOICES = (2048, 4096, 8192, 16384, 32768)
