@@ -79,6 +79,8 @@ def run(
 
         if threads is not None:
             torch.set_num_threads(threads)
+        if vram_limit_mib is not None and not torch.cuda.is_available():
+            _fail("--vram-limit-mib caps GPU memory, but no CUDA GPU is usable here; drop the flag.", 2, False)
 
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         over: dict = {"block": block} if block is not None else {}
