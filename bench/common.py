@@ -199,6 +199,10 @@ def build_random_a3b(cfg_json: dict | None = None, *, device: str = "cuda", seed
             val = torch.empty(p.shape, dtype=dtype, device=dev).normal_(0.0, s, generator=_gen(dev, seed * 31 + j))
         setattr(mod, attr, nn.Parameter(val, requires_grad=False))
     model.rotary = Rotary(cfg).to(dev)
+    for layer in model.model.layers:      # as ExpertCache.place does: q/k/v stacked now, not at the first step
+        layer.self_attn.stack_qkv()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()          # the unstacked copies' segments
     arena = None
     if experts == "arena":
         arena = ExpertArena(planes)

@@ -99,26 +99,32 @@ class ExpertCache:
     # ------------------------------------------------------------------------------------------------ placing
     def place(self, model: nn.Module) -> None:
         """Move the model to the device. Pool mode: the routed experts go to the host arena (pinned on CUDA) and
-        the slot pool is filled at `ensure_window` (or the first forward); legacy: non-resident experts stay."""
+        the slot pool is filled at `ensure_window` (or the first forward); legacy: non-resident experts stay.
+        On CUDA, q/k/v and each layer's experts reach the device already stacked (one allocation each), so the
+        caching allocator never holds segments of the unstacked copies (docs/budget.md, "Allocator segments")."""
+        cuda = self.device.type == "cuda"
         if self.mode == "pool":
             self._arena()
-        from_arena = self.mode == "resident" and self.arena is not None and self.device.type == "cuda"
+        stacked = None
+        if self.mode == "resident" and cuda:       # stacked on the host, one layer at a time, then moved
+            stacked = self.arena if self.arena is not None else ExpertArena.from_blocks(self.blocks, pin=False)
+        if cuda:
+            for layer in model.model.layers:
+                layer.self_attn.stack_qkv(self.device)
         off = {id(p) for li, blk in self.blocks.items() for e, ex in enumerate(blk.experts)
-               if self.mode == "pool" or from_arena or (li, e) not in self.resident for p in ex.parameters()}
+               if self.mode == "pool" or stacked is not None or (li, e) not in self.resident
+               for p in ex.parameters()}
         for p in model.parameters():
             if id(p) not in off:
                 p.data = p.data.to(self.device)
         for mod in model.modules():
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
-        if self.device.type == "cuda":
-            if from_arena:                       # stacked straight from the host arena
-                for li, blk in self.blocks.items():
-                    blk.bind_stacked(self.arena.plane(li, "gate_up").to(self.device),  # type: ignore[union-attr]
-                                     self.arena.plane(li, "down").to(self.device))     # type: ignore[union-attr]
-            elif self.mode == "resident":
-                for blk in self.blocks.values():
-                    blk.stack_experts()          # the grouped Triton kernel reads them stacked (same bytes)
+        if cuda:
+            if stacked is not None:
+                for li, blk in self.blocks.items():    # the grouped Triton kernel reads them stacked (same bytes)
+                    blk.bind_stacked(stacked.plane(li, "gate_up").to(self.device),
+                                     stacked.plane(li, "down").to(self.device))
             elif self.mode == "legacy":
                 for li, blk in self.blocks.items():
                     if all((li, e) in self.resident for e in range(blk.n_exp)):

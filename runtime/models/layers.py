@@ -136,13 +136,16 @@ class Attention(nn.Module):
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
 
-    def stack_qkv(self) -> None:
+    def stack_qkv(self, device: torch.device | None = None) -> None:
         """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
-        bytes; parameter names unchanged)."""
-        if self.qkv_weight is not None:
-            return
+        bytes; parameter names unchanged), on `device` when given. Stacking before the weights reach the GPU keeps
+        the GPU from ever holding the three separate copies (the caching allocator would keep their segments)."""
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        cat = torch.cat([w.data for w in ws], 0)
+        cat = self.qkv_weight if self.qkv_weight is not None else torch.cat([w.data for w in ws], 0)
+        if device is not None:
+            cat = cat.to(device)
+        if cat is self.qkv_weight:
+            return
         o = 0
         for w in ws:
             n = w.shape[0]
