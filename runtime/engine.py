@@ -181,9 +181,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ running
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
-                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
-        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does."""
-        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
+                 cancel: Callable[[], bool] | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
+        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled"."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
         use = self.drafter if (draft and self.drafter is not None) else None
@@ -202,7 +204,7 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step())
+                           step=self.static_step(), should_stop=cancel)
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
@@ -223,6 +225,15 @@ class Engine:
         self.experts.record_routing(on)
         if self.step is not None:
             self.step.graphs.clear()
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids `generate` uses for a text prompt (callers that must count them first use this too)."""
+        return self.tokenizer.encode(text).ids
+
+    @property
+    def context(self) -> int:
+        """Tokens the KV cache holds: prompt plus generated tokens must fit in it."""
+        return self.kv.capacity
 
     def static_step(self):
         """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every

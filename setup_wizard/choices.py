@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from runtime.drafters.registry import KINDS
-from runtime.errors import UsageError
+from runtime.errors import UsageError, one_of
 from runtime.formats.registry import QTYPES
 
 QUANTS = QTYPES
@@ -37,11 +37,11 @@ class Choices:
     def validate(self) -> None:
         """The checks that need no machine or catalog (one sentence each)."""
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise UsageError(f"Unknown drafter '{self.drafter}'; use --drafter mtp, dflash2 or none.")
+            raise UsageError(f"Unknown drafter '{self.drafter}'; use --drafter {one_of(DRAFTERS)}.")
         if self.dflash2_quant is not None and self.dflash2_quant not in QUANTS:
             raise UsageError(f"Unknown DFlash2 quantization '{self.dflash2_quant}'; use --dflash2-quant "
-                             "bf16, q8_0, q5_0 or q4_0.")
-        if self.drafter in ("mtp", "none") and (self.dflash2_head or self.dflash2_quant):
+                             f"{one_of(QUANTS)}.")
+        if self.drafter is not None and not KINDS[self.drafter].needs_file and (self.dflash2_head or self.dflash2_quant):
             raise UsageError(f"--drafter {self.drafter} cannot be combined with --dflash2-head/--dflash2-quant; "
                              "pass --drafter dflash2 or drop the DFlash2 flags.")
         if self.context is not None and self.context <= 0:

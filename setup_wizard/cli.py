@@ -14,7 +14,9 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from runtime.drafters.registry import KINDS
 from runtime.errors import exit_code, message
+from runtime.formats.registry import QTYPES
 from runtime.version import __version__
 
 app = typer.Typer(
@@ -92,9 +94,9 @@ def main_callback(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No questions: take the recommended answer for the rest."),
     target: str | None = typer.Option(None, help="Catalog name or a local model folder."),
-    drafter: str | None = typer.Option(None, help="mtp | dflash2 | none (default: mtp when the target has a head)."),
+    drafter: str | None = typer.Option(None, help=" | ".join(KINDS) + " (default: mtp when the target has a head)."),
     dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
-    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help="bf16 | q8_0 | q5_0 | q4_0."),
+    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help=" | ".join(QTYPES) + "."),
     context: int | None = typer.Option(None, help="Context length in tokens (default: recommended from the budget)."),
     vram_reserve_mib: int | None = typer.Option(None, "--vram-reserve-mib", help="Memory to keep free, MiB."),
     vram_limit_mib: int | None = typer.Option(
@@ -141,7 +143,8 @@ def main_callback(
 
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
               output: Any = None, calibrate_seconds: float | None = None) -> int:
-    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run command."""
+    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run and strata-serve
+    commands."""
     from runtime.errors import WorkError
     from setup_wizard import wizard as W
     from setup_wizard.plan import resolve
@@ -197,13 +200,15 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
             out.print(line)
     if plan.budget is None or plan.budget.table() != result.budget.table():
         out.print(W.budget_table(result.budget))  # known only now (after the download) or changed
-    cmd = result.run_command()
+    cmd, serve = result.run_command(), result.serve_command()
     if json_out:
-        print(json.dumps({"config": str(result.config_path), "run": cmd, "plan": plan.to_dict(),
+        print(json.dumps({"config": str(result.config_path), "run": cmd, "serve": serve, "plan": plan.to_dict(),
                           "budget": result.budget.to_dict(), "steps": result.steps}, indent=2))
     else:
         out.print(f"\nConfig written to [bold]{result.config_path}[/bold]. Generate with:\n", soft_wrap=True)
         out.print(f"  {cmd}", highlight=False, soft_wrap=True)
+        out.print("\nor serve it over an OpenAI-compatible API (http://127.0.0.1:8080/v1) with:\n", soft_wrap=True)
+        out.print(f"  {serve}", highlight=False, soft_wrap=True)
     return 0
 
 

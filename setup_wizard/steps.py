@@ -37,6 +37,12 @@ class Result:
 
         return f"strata-run --config {shlex.quote(str(self.config_path))} --prompt {shlex.quote(prompt)}"
 
+    def serve_command(self) -> str:
+        """The same setup behind an OpenAI-compatible API on 127.0.0.1:8080 (docs/commands.md, strata-serve)."""
+        import shlex
+
+        return f"strata-serve --config {shlex.quote(str(self.config_path))}"
+
 
 Reporter = Callable[[str, str], None]  # (step, status) status in start|done|skipped
 
@@ -73,7 +79,7 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
     drafter_art: Artifact | None = None
     head_art: Artifact | None = None
     dgeo: DFlash2Geometry | None = None
-    if plan.drafter == "dflash2":
+    if KINDS[plan.drafter].needs_file:
         assert plan.head is not None and plan.quant is not None
         if plan.head.local_path is not None and plan.head.description == "local folder":
             head_art = Artifact(path=plan.head.local_path, sha256=_head_source_sha(plan.head.local_path),
@@ -228,7 +234,7 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
         doc["device"]["vram_limit_mib"] = hw.vram_limit_mib
     if plan.drafter == "mtp":
         doc["drafter"].update({"path": doc["target"]["path"], "sha256": target.sha256})
-    elif plan.drafter == "dflash2" and drafter is not None:
+    elif KINDS[plan.drafter].needs_file and drafter is not None:
         doc["drafter"].update({
             "head": plan.head.name if plan.head else None,
             "path": str(Path(drafter.path).resolve()),
