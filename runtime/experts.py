@@ -106,7 +106,7 @@ class ExpertCache:
         if self.mode == "pool":
             self._arena()
         stacked = None
-        if self.mode == "resident" and cuda:       # stacked on the host, one layer at a time, then moved
+        if self.mode == "resident" and cuda and self.blocks:   # stacked on the host, a layer at a time, then moved
             stacked = self.arena if self.arena is not None else ExpertArena.from_blocks(self.blocks, pin=False)
         if cuda:
             for layer in model.model.layers:
