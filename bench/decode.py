@@ -1,10 +1,10 @@
 """Target-only decode: strata-run vs transformers `generate` (bf16, same GPU, same weights, same prompts).
 
-    python bench/decode.py [--new-tokens 128] [--hf-tokens 16] [--skip-30b] [--honest] [--max-seconds 240]
+    python bench/decode.py [--new-tokens 128] [--hf-tokens 16] [--skip-30b] [--max-seconds 240]
 
 Two targets: the bundled pack (setup_wizard/bundled/strata-nano, when present) and a Qwen3-30B-A3B-shaped model with
 random weights built directly on the GPU (48 layers, 128 experts top-8, hidden 2048, moe_intermediate 768, 32 q / 4
-kv heads x 128, vocab 151936; `--honest`: honest routing, bench/common.py). The transformers model shares our tensors on the device (no copy). Rows:
+kv heads x 128, vocab 151936). The transformers model shares our tensors on the device (no copy). Rows:
 - `strata (graph)`: the engine's path: fixed-width step captured as a CUDA graph, Triton attention + grouped MoE;
 - `strata (eager, before)`: the plain forward per step with the per-expert loop (the runtime before the fast path);
 - `transformers generate`: greedy, bf16.
@@ -26,14 +26,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    A3B,
     NANO,
     Deadline,
-    build_random_on_gpu,
     copy_bandwidth,
-    distinct_experts,
     machine,
     median,
     print_table,
@@ -46,12 +44,56 @@ from runtime.gpu import (
 )
 from runtime.gpu.static_step import StaticStep  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
-from runtime.models.layers import SparseMoe
+from runtime.models.layers import Rotary, SparseMoe
 from runtime.models.qwen3_moe import Qwen3MoeModel
+from runtime.models.target_config import Qwen3MoeConfig  # noqa: E402
 from runtime.speculative import generate_ids  # noqa: E402
+
+A3B = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+    "eos_token_id": 151645, "bos_token_id": None,
+}
 
 
 # ----------------------------------------------------------------------------------------------------- models
+def build_random_on_gpu(cfg_json: dict, seed: int = 0, std: float = 0.02, device: str = "cuda") -> Qwen3MoeModel:
+    """Our model with random BF16 weights created on the GPU (no CPU copy); experts stacked per layer."""
+    dev = torch.device(device)
+    cfg = Qwen3MoeConfig.from_dict(cfg_json)
+    with torch.device("meta"):
+        model = Qwen3MoeModel(cfg)
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.bfloat16, device=dev).normal_(0.0, std, generator=g)
+
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoe):
+            gu = rand(mlp.n_exp, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+            dn = rand(mlp.n_exp, cfg.hidden_size, cfg.moe_intermediate_size)
+            inter = cfg.moe_intermediate_size
+            for e, ex in enumerate(mlp.experts):
+                ex.gate_proj.weight = nn.Parameter(gu[e, :inter], requires_grad=False)
+                ex.up_proj.weight = nn.Parameter(gu[e, inter:], requires_grad=False)
+                ex.down_proj.weight = nn.Parameter(dn[e], requires_grad=False)
+            mlp.gate_up, mlp.down = gu, dn
+    for name, p in list(model.named_parameters()):
+        if not p.is_meta:
+            continue
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        val = torch.ones(p.shape, dtype=torch.bfloat16, device=dev) if "norm" in name else rand(*p.shape)
+        setattr(mod, attr, nn.Parameter(val, requires_grad=False))
+    model.rotary = Rotary(cfg).to(dev)
+    return model.eval()
+
+
 def hf_twin(model: Qwen3MoeModel, cfg_json: dict):
     """transformers' Qwen3MoeForCausalLM over the same device tensors (assign=True: shared storage, no copy)."""
     from transformers import Qwen3MoeConfig as HFConfig
@@ -186,7 +228,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--eager-tokens", type=int, default=32)
     ap.add_argument("--hf-tokens", type=int, default=24)
     ap.add_argument("--skip-30b", action="store_true")
-    ap.add_argument("--honest", action="store_true", help="A3B with honest routing (bench/common.py)")
     ap.add_argument("--skip-nano", action="store_true")
     ap.add_argument("--max-seconds", type=float, default=240)
     ap.add_argument("--prompts", default="", help="comma-separated task names for the bundled pack (default all)")
@@ -213,15 +254,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if not args.skip_30b and not deadline.over():
         t0 = time.perf_counter()
-        model = build_random_on_gpu(A3B, honest=args.honest)
+        model = build_random_on_gpu(A3B)
         torch.cuda.synchronize()
         res["a3b_build_s"] = time.perf_counter() - t0
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         res["a3b_params"] = n_params
         g = torch.Generator().manual_seed(1)
         prompts = {"random64": torch.randint(0, A3B["vocab_size"], (64,), generator=g).tolist()}
-        res["a3b_routing"] = {"honest": args.honest,
-                              "distinct_experts_w16": distinct_experts(model, prompts["random64"], 16)}
         args.new_tokens, args.eager_tokens, args.hf_tokens = args.new_tokens, min(args.eager_tokens, 16), \
             min(args.hf_tokens, 12)
         res["targets"]["qwen3-30b-a3b-shape"] = bench_target("qwen3-30b-a3b-shape", model, A3B, prompts, args, bw,

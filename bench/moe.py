@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    A3B,
+    A3B_SHAPE,
     Deadline,
     copy_bandwidth,
     machine,
@@ -48,6 +48,7 @@ from runtime.gpu import kernels, moe_kernels  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
 from runtime.models.target_config import Qwen3MoeConfig  # noqa: E402
 
+A3B = A3B_SHAPE
 E, K, H, NI = A3B["num_experts"], A3B["num_experts_per_tok"], A3B["hidden_size"], A3B["moe_intermediate_size"]
 ROUTINGS = 16
 
@@ -333,7 +334,7 @@ def run_check(dev: str) -> list[list[Any]]:
             record(f"{str(dt)[6:]} T={T}", e < 2e-2 and inv is not False, f"rel err {e:.1e}, row-invariant {inv}")
         x, idx, w = case(300)
         r = moe_kernels.group(idx, w, Ec)
-        gm = moe_kernels.combine(moe_kernels.experts_grouped_mm(x, r, gu, dn), r, Ec, None, x.dtype)
+        gm = moe_kernels.combine(moe_kernels.experts_grouped_mm(x, r, gu, dn), r.idx, Ec, None, x.dtype)
         e = _rel(gm, _ref(x, idx, w, gu, dn))
         record("torch._grouped_mm T=300", e < 2e-2, f"rel err {e:.1e}")
 

@@ -54,6 +54,8 @@ def run(
     no_draft: bool = typer.Option(False, "--no-draft", help="Run the target alone."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice; 1 is "
                                 "fastest for small models on a busy machine)."),
+    vram_limit_mib: int = typer.Option(None, "--vram-limit-mib", help="Cap the GPU memory this run may use, in MiB "
+                                       "(a shared card, or to behave like a smaller one); default: the config's."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token_ids, stats)."),
     chat: bool = typer.Option(False, "--chat", help="Talk with the model in the terminal (its chat template; "
                               "Ctrl-C stops an answer, Ctrl-D or /exit ends)."),
@@ -77,6 +79,8 @@ def run(
         _fail(f"--spec-min-p must be between 0 and 1, got {spec_min_p}.", 2, False)
     if threads is not None and threads < 1:
         _fail(f"--threads must be >= 1, got {threads}.", 2, False)
+    if vram_limit_mib is not None and vram_limit_mib < 1:
+        _fail(f"--vram-limit-mib must be a positive number of MiB, got {vram_limit_mib}.", 2, False)
     try:
         import torch
 
@@ -85,10 +89,15 @@ def run(
 
         if threads is not None:
             torch.set_num_threads(threads)
+        if vram_limit_mib is not None and not torch.cuda.is_available():
+            _fail("--vram-limit-mib caps GPU memory, but no CUDA GPU is usable here; drop the flag.", 2, False)
 
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         path = resolve_config(name or config)
-        engine = Engine.from_config(path, **({"block": block} if block is not None else {}))
+        over: dict = {"block": block} if block is not None else {}
+        if vram_limit_mib is not None:
+            over["vram_limit_mib"] = vram_limit_mib
+        engine = Engine.from_config(path, **over)
         if chat:
             raise typer.Exit(_chat(engine, path.stem, max_new_tokens, sampling, block=block,
                                    spec_min_p=spec_min_p, draft=not no_draft))

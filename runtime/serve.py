@@ -566,6 +566,8 @@ def serve(
     model_name: str = typer.Option(None, "--model-name", help="The model id clients see (default: the config's "
                                    "name)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch."),
+    vram_limit_mib: int = typer.Option(None, "--vram-limit-mib", help="Cap the GPU memory the server may use, MiB "
+                                       "(default: the config's)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
@@ -584,6 +586,8 @@ def serve(
         _fail(f"--max-request-bytes must be at least 1024, got {max_request_bytes}.", 2, False)
     if threads is not None and threads < 1:
         _fail(f"--threads must be >= 1, got {threads}.", 2, False)
+    if vram_limit_mib is not None and vram_limit_mib < 1:
+        _fail(f"--vram-limit-mib must be a positive number of MiB, got {vram_limit_mib}.", 2, False)
     if api_key is not None and not api_key.strip():
         _fail("--api-key is empty; give a key or leave the option out.", 2, False)
     try:
@@ -604,8 +608,11 @@ def serve(
 
         if threads is not None:
             torch.set_num_threads(threads)
+        if vram_limit_mib is not None and not torch.cuda.is_available():
+            sock.close()
+            _fail("--vram-limit-mib caps GPU memory, but no CUDA GPU is usable here; drop the flag.", 2, False)
         typer.echo(f"strata-serve: loading {path} ...", err=True)
-        engine = Engine.from_config(path)
+        engine = Engine.from_config(path, **({"vram_limit_mib": vram_limit_mib} if vram_limit_mib else {}))
         app = create_app(engine, model_name=model_name or path.stem, api_key=api_key, max_queue=max_queue,
                          max_request_bytes=max_request_bytes, debug=debug)
     except KeyboardInterrupt:

@@ -37,6 +37,7 @@ class Plan:
     why: dict[str, str] = field(default_factory=dict)  # answer → why it was recommended
     budget: B.Budget | None = None  # known when the target (and drafter geometry) is already here
     context_given: bool = True  # False: recommend it again once the model's geometry is known
+    record_routing: bool = True  # offloaded experts: record the routing profile that places them (--no-calibrate: no)
 
     def steps(self) -> list[str]:
         s = []
@@ -51,6 +52,9 @@ class Plan:
         if KINDS[self.drafter].needs_file and self.head:
             s.append(f"convert {self.head.name} → GGUF {self.quant}")
         s.append("budget memory and size the expert cache")
+        offloaded = self.budget is not None and self.budget.offloaded
+        if offloaded and self.record_routing:
+            s.append("record the routing profile (which experts the GPU slots hold)")
         if self.calibrate and self.drafter != "none":
             s.append("calibrate block and spec_min_p")
         s.append(f"write config {self.config_path}")
@@ -79,7 +83,22 @@ class Plan:
             "device": self.hardware.to_dict(),
             "why": dict(self.why),
             "budget": self.budget.to_dict() if self.budget else None,
+            "offload": self._offload(),
         }
+
+    def _offload(self) -> dict[str, Any] | None:
+        """Slots, expected hit rate (no profile yet: every expert alike) and decode estimate of an offloaded setup."""
+        b = self.budget
+        if b is None or not b.offloaded:
+            return None
+        hit = b.static_hit_rate()
+        out: dict[str, Any] = {"slots": b.expert_cache_slots, "dynamic_slots": b.dynamic_slots,
+                               "total_experts": b.total_experts, "expected_hit_rate": hit,
+                               "hit_rate_source": "uniform (no routing profile yet)"}
+        if self.hardware.links is not None:
+            est = B.decode_estimate(b, hit, *self.hardware.links)
+            out.update(decode_estimate_tok_s=est.tok_s, hbm_Bps=est.hbm_Bps, link_Bps=est.link_Bps)
+        return out
 
 
 def _is_local_path(value: str) -> bool:
@@ -198,7 +217,8 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
 
     plan = Plan(target=target, drafter=drafter, head=head, quant=quant, context=choices.context or 0,
                 reserve_mib=reserve, calibrate=True if choices.calibrate is None else choices.calibrate,
-                offline=choices.offline, config_path=Path(), hardware=hw, why=why)
+                offline=choices.offline, config_path=Path(), hardware=hw, why=why,
+                record_routing=choices.calibrate is not False)
     why["calibrate"] = "you chose it" if choices.calibrate is not None else "measures the best block and floor here"
     if drafter == "none":
         plan.calibrate = False

@@ -229,12 +229,37 @@ def summary_table(plan: Plan) -> Table:
     return t
 
 
+def offload_lines(budget: Budget, links: tuple[float, float] | None, hit_rate: float | None = None,
+                  source: str = "") -> list[str]:
+    """What an offloaded setup will do: slots, the expected hit rate and the decode estimate it allows."""
+    if not budget.offloaded:
+        return []
+    from setup_wizard.budget import decode_estimate
+
+    if hit_rate is None:
+        hit_rate = budget.static_hit_rate()
+        source = "no routing profile yet, so every expert counts alike; calibration records one"
+    out = [f"Experts: {budget.expert_cache_slots} of {budget.total_experts} on the GPU "
+           f"({budget.dynamic_slots} of those slots cache recently fetched experts); expected hit rate "
+           f"{100 * hit_rate:.0f}% ({source})."]
+    if links is None:
+        out.append("Decode estimate: unknown (the GPU's bandwidths were not measured).")
+    else:
+        est = decode_estimate(budget, hit_rate, links[0], links[1])
+        out.append(f"Decode estimate: about {est.tok_s:,.1f} tok/s target-only at most ({est.resident_bytes / 1e9:.2f} "
+                   f"GB per token from GPU memory at {links[0] / 1e9:,.0f} GB/s, {est.missed_bytes / 1e9:.2f} GB from "
+                   f"host memory at {links[1] / 1e9:,.1f} GB/s).")
+    return out
+
+
 def show_plan(plan: Plan, console: Console) -> None:
     console.print(summary_table(plan))
     if plan.budget is not None:
         console.print(budget_table(plan.budget))
         for note in plan.budget.notes:
             console.print(f"[dim]{note}[/dim]")
+        for line in offload_lines(plan.budget, plan.hardware.links):
+            console.print(line)
         if not plan.budget.fits:
             console.print(f"[red]{plan.budget.reason}[/red]")
     else:

@@ -515,15 +515,16 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     return y
 
 
-def combine(y: Tensor, r: Routing, n_exp: int, residual: Tensor | None = None, dtype: torch.dtype | None = None
+def combine(y: Tensor, idx: Tensor, n_exp: int, residual: Tensor | None = None, dtype: torch.dtype | None = None
             ) -> Tensor:
-    """out[t] = (residual[t] +) the sum of y's k rows of token t, in top-k order, in float32 (padded pairs skipped)."""
-    T, k = r.idx.shape
+    """out[t] = (residual[t] +) the sum of y's k rows of token t, in top-k order, in float32; pairs whose id in
+    idx [T, k] (int32) is >= n_exp (padding) are skipped."""
+    T, k = idx.shape
     H = y.shape[1]
     out = torch.empty(T, H, dtype=residual.dtype if residual is not None else dtype, device=y.device)
     BS = 256
     res = residual if residual is not None else out
-    _moe_sum_kernel[(T, triton.cdiv(H, BS))](y, r.idx, res, out, n_exp, H, y.stride(0), res.stride(0), out.stride(0),
+    _moe_sum_kernel[(T, triton.cdiv(H, BS))](y, idx, res, out, n_exp, H, y.stride(0), res.stride(0), out.stride(0),
                                               TOPK=k, RES=residual is not None, BN=BS)
     return out
 
@@ -536,7 +537,7 @@ def moe_routed(x: Tensor, residual: Tensor | None, r: Routing, gate_up: Tensor, 
     y = experts(x, r, gate_up, down, fmt=fmt, slot=slot)
     if miss_fn is not None:
         miss_fn(x, r, y)
-    return combine(y, r, n_exp, residual, x.dtype)
+    return combine(y, r.idx, n_exp, residual, x.dtype)
 
 
 def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, *, fmt=None,
@@ -553,7 +554,7 @@ def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor
     if T > DECODE_ROWS and PREFILL_IMPL == "grouped_mm" and slot is None and fmt in (None, "bf16") \
             and miss_fn is None and hasattr(torch, "_grouped_mm"):
         try:
-            return combine(experts_grouped_mm(x, r, gate_up, down), r, n_exp, None, x.dtype)
+            return combine(experts_grouped_mm(x, r, gate_up, down), r.idx, n_exp, None, x.dtype)
         except RuntimeError:       # a shape or dtype this torch build's grouped matmul refuses: the Triton tiles
             pass
     return moe_routed(x, None, r, gate_up, down, fmt=fmt, slot=slot, miss_fn=miss_fn)
@@ -644,10 +645,10 @@ def experts_torch(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=N
     return y
 
 
-def combine_torch(y: Tensor, r: Routing, n_exp: int, residual: Tensor | None = None,
+def combine_torch(y: Tensor, idx: Tensor, n_exp: int, residual: Tensor | None = None,
                   dtype: torch.dtype | None = None) -> Tensor:
-    T, k = r.idx.shape
-    ok = (r.idx < n_exp).reshape(T, k, 1)
+    T, k = idx.shape
+    ok = (idx < n_exp).reshape(T, k, 1)
     s = torch.where(ok, y.float().view(T, k, -1), 0.0)
     acc = s[:, 0]
     for j in range(1, k):          # top-k order, as the kernel sums
@@ -665,4 +666,4 @@ def moe_torch(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, 
     y = experts_torch(x, r, gate_up, down, fmt=fmt, slot=slot)
     if miss_fn is not None:
         miss_fn(x, r, y)
-    return combine_torch(y, r, n_exp, None, x.dtype)
+    return combine_torch(y, r.idx, n_exp, None, x.dtype)

@@ -221,7 +221,7 @@ def check_moe_prefill(dt: torch.dtype) -> None:
     assert rel(out, ref) < tol, rel(out, ref)
     if hasattr(torch, "_grouped_mm"):
         r = moe_kernels.group(idx, w, 6)
-        gm = moe_kernels.combine(moe_kernels.experts_grouped_mm(x, r, gu, dn), r, 6, None, dt)
+        gm = moe_kernels.combine(moe_kernels.experts_grouped_mm(x, r, gu, dn), r.idx, 6, None, dt)
         assert rel(gm, ref) < tol, rel(gm, ref)
 
 
