@@ -42,6 +42,7 @@ from torch import Tensor
 
 from runtime.errors import QuantFormatError
 from runtime.formats.registry import FORMATS, block_format, cols_from_row_bytes
+from runtime.gpu import moe_gemv
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
@@ -63,7 +64,7 @@ PREFILL_ROWS = 8192       # larger inputs run in chunks of this many rows (bound
 PREFILL_IMPL = "triton"   # "triton" or "grouped_mm" (torch._grouped_mm, BF16 weights, every expert resident)
 
 # kernel branch per weight format (None / "bf16": floats in the tensor's own dtype)
-QCODE = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
+QCODE = moe_gemv.QT
 
 
 class Routing(NamedTuple):
@@ -491,6 +492,14 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     dec_down = MOE_DOWN if fd == "bf16" else MOE_QDOWN
     tables: dict[int, tuple[Tensor, Tensor, int]] = {}
     for part, cfg in (("up", MOE_PRE_UP if tiles else dec_up), ("down", MOE_PRE_DOWN if tiles else dec_down)):
+        gv = None if tiles else moe_gemv.variant(fg if part == "up" else fd)
+        if gv is not None:        # decode window: the matrix-vector kernels (runtime/gpu/moe_gemv.py)
+            if part == "up":
+                moe_gemv.up(x, r.tok, r.se, sl, gate_up, h, fg, n_exp, inter, slot is not None, pow2(T), gv)
+            else:
+                moe_gemv.down(h, r.se, sl, r.order, wf, down, y, fd, n_exp, slot is not None, zero_missing,
+                              pow2(T), gv)
+            continue
         N = inter if part == "up" else H
         nn = triton.cdiv(N, cfg["BN"])
         if tiles:
