@@ -33,18 +33,19 @@ if HAVE_TRITON:
 # BN_UP / BN_DOWN: weight rows per program (gate/up: BN gate rows and their BN up rows); KV: values of a row per loop
 # step (whole blocks, a power of two of them that divides the row); MB: window rows of one expert per pass
 GEMV_VARIANTS: dict[str, dict[str, int]] = {
-    "n16k256": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "num_warps": 4, "num_stages": 1},
-    "n16k512": {"BN_UP": 16, "BN_DOWN": 16, "KV": 512, "MB": 1, "num_warps": 4, "num_stages": 1},
-    "n8k1024": {"BN_UP": 8, "BN_DOWN": 8, "KV": 1024, "MB": 1, "num_warps": 4, "num_stages": 1},
-    "n32k256w8": {"BN_UP": 32, "BN_DOWN": 32, "KV": 256, "MB": 1, "num_warps": 8, "num_stages": 1},
-    "n16k256s3": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "num_warps": 4, "num_stages": 3},
-    "n16k256m2": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 2, "num_warps": 4, "num_stages": 1},
+    "n16k256": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n16k512": {"BN_UP": 16, "BN_DOWN": 16, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n8k512": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n32k256w8": {"BN_UP": 32, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 1, "num_warps": 8, "num_stages": 1},
+    "n16k512np": {"BN_UP": 16, "BN_DOWN": 16, "KV": 512, "MB": 1, "PF": 0, "num_warps": 4, "num_stages": 1},
+    "n16k256m2": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 2, "PF": 1, "num_warps": 4, "num_stages": 1},
 }
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels); one choice serves
 # every window width, which keeps a row's bits independent of the width
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n16k512", "q5_0": "n16k512", "q4_0": "n16k512",
                                       "q6_k": "n16k512", "q4_k": "n16k512"}
 
+MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
 BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256}
 
@@ -73,276 +74,362 @@ def chunk(k: int, fmt: str, kv: int) -> int:
 
 if HAVE_TRITON:
 
-    @triton.jit
-    def _f16w(p, m):
-        """The float16 at 16-bit word pointers p, as float32."""
-        return tl.load(p, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    # Tiles are [A, BN, B]: A and B index the words of a loop step along the row (B: consecutive words), BN the
+    # weight rows. Triton orders a tile's threads by contiguity (B), then by the lower dimension (A), so the BN rows
+    # of a position land in one thread's registers and each activation it loads serves all of them.
 
     @triton.jit
-    def _byte(p, o, m):
-        """Unsigned byte o (byte offsets) of the data at 16-bit word pointers p, as int32."""
-        v = tl.load(p + o // 2, mask=m, other=0).to(tl.int32)
-        return (v >> ((o % 2) * 8)) & 255
+    def _words(w, wo, nm):
+        """16-bit words at offsets wo ([A, B]) of the weight rows w ([BN] pointers), as int32 [A, BN, B]."""
+        return tl.load(w[None, :, None] + wo[:, None, :], mask=nm[None, :, None], other=0).to(tl.int32)
 
     @triton.jit
-    def _words(w, hw, nm):
-        """16-bit words hw ([A, B] word offsets) of the weight rows w ([BN] pointers), as int32 [BN, A, B]."""
-        return tl.load(w[:, None, None] + hw[None, :, :], mask=nm[:, None, None], other=0).to(tl.int32)
+    def _word(w, o, nm):
+        """One 16-bit word per (position, row): offsets o [A] of the rows w [BN], as int32 [A, BN] (zero-extended)."""
+        return tl.load(w[None, :] + o[:, None], mask=nm[None, :], other=0).to(tl.int32) & 0xFFFF
 
     @triton.jit
-    def _xs(xr, mm, xo):
-        """Activations at offsets xo ([A, B]) of the rows xr ([MB] pointers), as float32 [MB, A, B]."""
-        return tl.load(xr[:, None, None] + xo[None, :, :], mask=mm[:, None, None], other=0.0).to(tl.float32)
+    def _half(v):
+        """float16 bits (int32, zero-extended) as float32."""
+        return v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _nib(h, MASK: tl.constexpr, BIAS: tl.constexpr):
-        """(field - BIAS) * 2^p as float32 for the field of h under MASK (at bit p; p + width <= 23)."""
-        return ((h & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - BIAS
-
-    # ------------------------------------------------------------------------------------------- per format
-    # each `_rows_*` walks the whole row (nblk blocks; 0: nothing) for one or two weight matrices (wa, wb: [BN]
-    # pointers to the rows' first word) and the MB activation rows xr, returning the two [MB, BN] dot products
+    def _xs(xr, xo):
+        """Activations at offsets xo ([A, B]) of the row at pointer xr (always a valid row), raw."""
+        return tl.load(xr + xo)
 
     @triton.jit
-    def _rows_f(xr, mm, wa, wb, nm, nk, K, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
+    def _code(h, MASK: tl.constexpr, mg, BIAS: tl.constexpr):
+        """(field - BIAS / 2^p) * 2^p as float32 for the field of h under MASK at bit p (p + width <= 23); mg holds
+        the bits of 2^23 (a register operand, so the and/or is one instruction)."""
+        return ((h & MASK) | mg).to(tl.float32, bitcast=True) - BIAS
+
+    # ------------------------------------------------------------------------------------------------ float rows
+
+    @triton.jit
+    def _rows_f(xr0, xr1, wa, wb, nm, nk, K, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
                 KC: tl.constexpr):
-        """Float weights (bf16/fp16/fp32 rows)."""
+        """Float weights (bf16/fp16/fp32 rows), KC values per step, the tail masked; tile [BN, KC]."""
         kk0 = tl.arange(0, KC)
-        acca = tl.zeros((MB, BN, KC), dtype=tl.float32)
-        accb = tl.zeros((MB, BN, KC), dtype=tl.float32)
+        acca0 = tl.zeros((BN, KC), dtype=tl.float32)
+        accb0 = tl.zeros((BN, KC), dtype=tl.float32)
+        acca1 = tl.zeros((BN, KC), dtype=tl.float32)
+        accb1 = tl.zeros((BN, KC), dtype=tl.float32)
         for k0 in range(0, nk, KC):
             kk = k0 + kk0
             km = kk < K
-            xv = tl.load(xr[:, None] + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            wv = tl.load(wa[:, None] + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            acca += wv[None, :, :] * xv[:, None, :]
+            wm = nm[:, None] & km[None, :]
+            x0 = tl.load(xr0 + kk, mask=km, other=0.0).to(tl.float32)
+            wv = tl.load(wa[:, None] + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+            acca0 += wv * x0[None, :]
+            if MB == 2:
+                x1 = tl.load(xr1 + kk, mask=km, other=0.0).to(tl.float32)
+                acca1 += wv * x1[None, :]
             if TWO:
-                wv = tl.load(wb[:, None] + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
-                accb += wv[None, :, :] * xv[:, None, :]
-        return tl.sum(acca, 2), tl.sum(accb, 2)
+                wv = tl.load(wb[:, None] + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+                accb0 += wv * x0[None, :]
+                if MB == 2:
+                    accb1 += wv * x1[None, :]
+        return tl.sum(acca0, 1), tl.sum(accb0, 1), tl.sum(acca1, 1), tl.sum(accb1, 1)
+
+    # ------------------------------------------------------------------------------------ Q8_0, Q4_0, Q5_0 rows
+    # 32-value blocks; tile [NBC, BN, 8 or 16]: block, row, word of the block's codes
 
     @triton.jit
-    def _q8_0_acc(acc, w, wo, do, nm, x0, x1):
-        h = _words(w, wo, nm)
-        d = _f16w(w[:, None] + do[None, :], nm[:, None])
-        q0 = ((h & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0       # low byte (signed)
-        q1 = ((h & 0xFF00) ^ 0x4B008000).to(tl.float32, bitcast=True) - 8421376.0     # high byte * 256
-        s = q0[None] * x0[:, None] + q1[None] * x1[:, None]
-        return acc + d[None, :, :, None] * s
-
-    @triton.jit
-    def _rows_q8_0(xr, mm, wa, wb, nm, nblk, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-                   NBC: tl.constexpr):
-        """Q8_0: 17 words per block (d, 16 words of two int8 values)."""
-        b = tl.arange(0, NBC)
-        i = tl.arange(0, 16)
-        acca = tl.zeros((MB, BN, NBC, 16), dtype=tl.float32)
-        accb = tl.zeros((MB, BN, NBC, 16), dtype=tl.float32)
-        for b0 in range(0, nblk, NBC):
-            blk = b0 + b
+    def _ld32(w, blk, nm, QT: tl.constexpr):
+        """Raw words of blocks blk [NBC] of the rows w: codes [NBC, BN, 16 or 8], d, and q5_0's two qh words."""
+        if QT == 1:                                  # q8_0: 17 words (d, 16 words of two int8 codes)
+            i = tl.arange(0, 16)
             do = blk * 17
-            wo = do[:, None] + 1 + i[None, :]
-            xo = blk[:, None] * 32 + 2 * i[None, :]
-            x0 = _xs(xr, mm, xo)
-            x1 = _xs(xr, mm, xo + 1) * (1.0 / 256)
-            acca = _q8_0_acc(acca, wa, wo, do, nm, x0, x1)
-            if TWO:
-                accb = _q8_0_acc(accb, wb, wo, do, nm, x0, x1)
-        return tl.sum(tl.sum(acca, 3), 2), tl.sum(tl.sum(accb, 3), 2)
+            h = _words(w, do[:, None] + 1 + i[None, :], nm)
+            d = _word(w, do, nm)
+            return h, d, d, d
+        elif QT == 2:                                # q5_0: 11 words (d, qh as two words, 8 words of nibbles)
+            i = tl.arange(0, 8)
+            do = blk * 11
+            h = _words(w, do[:, None] + 3 + i[None, :], nm)
+            return h, _word(w, do, nm), _word(w, do + 1, nm), _word(w, do + 2, nm)
+        else:                                        # q4_0: 9 words (d, 8 words of four nibbles)
+            i = tl.arange(0, 8)
+            do = blk * 9
+            h = _words(w, do[:, None] + 1 + i[None, :], nm)
+            d = _word(w, do, nm)
+            return h, d, d, d
 
     @triton.jit
-    def _q4_0_acc(acc, w, wo, do, nm, x0, x1, x2, x3):
-        h = _words(w, wo, nm)
-        d = _f16w(w[:, None] + do[None, :], nm[:, None])
-        s = _nib(h, 0x000F, 8388616.0)[None] * x0[:, None]          # byte 2i, low nibble: value 2i
-        s += _nib(h, 0x00F0, 8388736.0)[None] * x1[:, None]         # byte 2i, high: value 2i + 16 (* 16)
-        s += _nib(h, 0x0F00, 8390656.0)[None] * x2[:, None]         # byte 2i + 1, low: value 2i + 1 (* 256)
-        s += _nib(h, 0xF000, 8421376.0)[None] * x3[:, None]         # byte 2i + 1, high: value 2i + 17 (* 4096)
-        return acc + d[None, :, :, None] * s
-
-    @triton.jit
-    def _q5_0_acc(acc, w, wo, do, nm, x0, x1, x2, x3):
-        h = _words(w, wo, nm)
-        mk = nm[:, None]
-        d = _f16w(w[:, None] + do[None, :], mk)
-        qh = (tl.load(w[:, None] + do[None, :] + 1, mask=mk, other=0).to(tl.int32) & 0xFFFF) | \
-            (tl.load(w[:, None] + do[None, :] + 2, mask=mk, other=0).to(tl.int32) << 16)
-        i = tl.arange(0, 8)
-        hs = (qh[:, :, None] >> (2 * i)[None, None, :]) << 4        # qh bit 2i + t at bit 4 + t
-        s = (((h & 0x0F) | (hs & 0x10) | 0x4B000000).to(tl.float32, bitcast=True) - 8388624.0)[None] * x0[:, None]
-        s += ((((h >> 4) & 0x0F) | ((hs >> 16) & 0x10) | 0x4B000000).to(tl.float32, bitcast=True)
-              - 8388624.0)[None] * x1[:, None]
-        s += ((((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | 0x4B000000).to(tl.float32, bitcast=True)
-              - 8388624.0)[None] * x2[:, None]
-        s += ((((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | 0x4B000000).to(tl.float32, bitcast=True)
-              - 8388624.0)[None] * x3[:, None]
-        return acc + d[None, :, :, None] * s
-
-    @triton.jit
-    def _rows_q4(xr, mm, wa, wb, nm, nblk, Q5: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
-                 BN: tl.constexpr, NBC: tl.constexpr):
-        """Q4_0 (9 words per block: d, 8 words of four nibbles) and Q5_0 (11: d, qh (2 words), 8 words)."""
-        b = tl.arange(0, NBC)
-        i = tl.arange(0, 8)
-        acca = tl.zeros((MB, BN, NBC, 8), dtype=tl.float32)
-        accb = tl.zeros((MB, BN, NBC, 8), dtype=tl.float32)
-        for b0 in range(0, nblk, NBC):
-            blk = b0 + b
-            xo = blk[:, None] * 32 + 2 * i[None, :]
-            x0 = _xs(xr, mm, xo)
-            x1 = _xs(xr, mm, xo + 16)
-            x2 = _xs(xr, mm, xo + 1)
-            x3 = _xs(xr, mm, xo + 17)
-            if Q5:
-                do = blk * 11
-                wo = do[:, None] + 3 + i[None, :]
-                acca = _q5_0_acc(acca, wa, wo, do, nm, x0, x1, x2, x3)
-                if TWO:
-                    accb = _q5_0_acc(accb, wb, wo, do, nm, x0, x1, x2, x3)
-            else:
-                do = blk * 9
-                wo = do[:, None] + 1 + i[None, :]
-                x1 = x1 * (1.0 / 16)
-                x2 = x2 * (1.0 / 256)
-                x3 = x3 * (1.0 / 4096)
-                acca = _q4_0_acc(acca, wa, wo, do, nm, x0, x1, x2, x3)
-                if TWO:
-                    accb = _q4_0_acc(accb, wb, wo, do, nm, x0, x1, x2, x3)
-        return tl.sum(tl.sum(acca, 3), 2), tl.sum(tl.sum(accb, 3), 2)
-
-    @triton.jit
-    def _q4_k_acc(acc, w, sb, g, wo, nm, x0, x1, x2, x3, xe, xo):
-        h = _words(w, wo, nm)
-        mk = nm[:, None]
-        wp = w[:, None]
-        base = (sb * 144)[None, :]                   # bytes
-        d = _f16w(wp + (sb * 72)[None, :], mk)
-        dmin = _f16w(wp + (sb * 72 + 1)[None, :], mk)
-        # sub-blocks 2g (low nibbles) and 2g + 1 (high): 6-bit scale and min (ggml's get_scale_min_k4)
-        je = (2 * g)[None, :]
-        jo = je + 1
-        a = _byte(wp, base + 4 + je, mk)
-        bb = _byte(wp, base + 8 + je, mk)
-        c = _byte(wp, base + tl.where(je < 4, 4 + je, je), mk)
-        sce = tl.where(je < 4, a & 63, (bb & 15) | ((c >> 6) << 4))
-        mne = tl.where(je < 4, bb & 63, (bb >> 4) | ((a >> 6) << 4))
-        a = _byte(wp, base + 4 + jo, mk)
-        bb = _byte(wp, base + 8 + jo, mk)
-        c = _byte(wp, base + tl.where(jo < 4, 4 + jo, jo), mk)
-        sco = tl.where(jo < 4, a & 63, (bb & 15) | ((c >> 6) << 4))
-        mno = tl.where(jo < 4, bb & 63, (bb >> 4) | ((a >> 6) << 4))
-        se = _nib(h, 0x000F, 8388608.0)[None] * x0[:, None] + _nib(h, 0x0F00, 8388608.0)[None] * x2[:, None]
-        so = _nib(h, 0x00F0, 8388608.0)[None] * x1[:, None] + _nib(h, 0xF000, 8388608.0)[None] * x3[:, None]
-        acc += (d * sce.to(tl.float32))[None, :, :, None] * se + (d * sco.to(tl.float32))[None, :, :, None] * so
-        acc -= (dmin * mne.to(tl.float32))[None, :, :, None] * xe[:, None] + \
-            (dmin * mno.to(tl.float32))[None, :, :, None] * xo[:, None]
-        return acc
-
-    @triton.jit
-    def _rows_q4_k(xr, mm, wa, wb, nm, nblk, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-                   NBC: tl.constexpr):
-        """Q4_K: 72 words per super-block of 256 (d, dmin, 6 words of scales, 64 words of nibbles); tile
-        [BN, NBC * 4, 16]: super-block, 32-byte group g of the nibbles, word i of the group."""
-        bq = tl.arange(0, NBC * 4)
-        i = tl.arange(0, 16)
-        g = bq % 4
-        acca = tl.zeros((MB, BN, NBC * 4, 16), dtype=tl.float32)
-        accb = tl.zeros((MB, BN, NBC * 4, 16), dtype=tl.float32)
-        for b0 in range(0, nblk, NBC):
-            sb = b0 + bq // 4
-            wo = (sb * 72 + 8 + 16 * g)[:, None] + i[None, :]
-            xo = (sb * 256 + 64 * g)[:, None] + 2 * i[None, :]
-            x0 = _xs(xr, mm, xo)                     # byte 2i, low nibble: sub-block 2g
-            x1 = _xs(xr, mm, xo + 32)                # byte 2i, high nibble: sub-block 2g + 1
-            x2 = _xs(xr, mm, xo + 1)
-            x3 = _xs(xr, mm, xo + 33)
-            xe = x0 + x2
-            xo_ = x1 + x3
-            x1 = x1 * (1.0 / 16)
-            x2 = x2 * (1.0 / 256)
-            x3 = x3 * (1.0 / 4096)
-            acca = _q4_k_acc(acca, wa, sb, g, wo, nm, x0, x1, x2, x3, xe, xo_)
-            if TWO:
-                accb = _q4_k_acc(accb, wb, sb, g, wo, nm, x0, x1, x2, x3, xe, xo_)
-        return tl.sum(tl.sum(acca, 3), 2), tl.sum(tl.sum(accb, 3), 2)
-
-    @triton.jit
-    def _q6_k_acc(acc, w, sb, r, lo, ho, nm, x0, x1, x2, x3):
-        ql = _words(w, lo, nm)
-        qh = _words(w, ho, nm)
-        mk = nm[:, None]
-        wp = w[:, None]
-        qm = (r // 2) % 2
-        q4 = qh << (4 - 2 * qm)[None, :, None]       # the 2 high bits of the code beside its nibble, over bits 4-5
-        d = _f16w(wp + (sb * 105 + 104)[None, :], mk)
-        si = (sb * 210 + 192 + r + 4 * (r // 4))[None, :]      # scale of the low-nibble values; + 4: high nibbles
-        s0 = ((_byte(wp, si, mk) ^ 128) - 128).to(tl.float32)
-        s1 = ((_byte(wp, si + 4, mk) ^ 128) - 128).to(tl.float32)
-        c0 = (((ql & 0x000F) | (q4 & 0x00030) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0)
-        c1 = (((ql & 0x00F0) | (q4 & 0x00300) | 0x4B000000).to(tl.float32, bitcast=True) - 8389120.0)
-        c2 = (((ql & 0x0F00) | (q4 & 0x03000) | 0x4B000000).to(tl.float32, bitcast=True) - 8396800.0)
-        c3 = (((ql & 0xF000) | (q4 & 0x30000) | 0x4B000000).to(tl.float32, bitcast=True) - 8519680.0)
-        sl = c0[None] * x0[:, None] + c2[None] * x2[:, None]
-        sh = c1[None] * x1[:, None] + c3[None] * x3[:, None]
-        return acc + (d * s0)[None, :, :, None] * sl + (d * s1)[None, :, :, None] * sh
-
-    @triton.jit
-    def _rows_q6_k(xr, mm, wa, wb, nm, nblk, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-                   NBC: tl.constexpr):
-        """Q6_K: 105 words per super-block of 256 (64 words of low nibbles, 32 of high bits, 8 of int8 scales, d);
-        tile [BN, NBC * 8, 8]: super-block, group r = 4h + 2q + half of 8 words of the low nibbles, word i."""
-        bq = tl.arange(0, NBC * 8)
-        i = tl.arange(0, 8)
-        r = bq % 8
-        acca = tl.zeros((MB, BN, NBC * 8, 8), dtype=tl.float32)
-        accb = tl.zeros((MB, BN, NBC * 8, 8), dtype=tl.float32)
-        for b0 in range(0, nblk, NBC):
-            sb = b0 + bq // 8
-            lo = (sb * 105 + 8 * r)[:, None] + i[None, :]
-            ho = (sb * 105 + 64 + 16 * (r // 4) + 8 * (r % 2))[:, None] + i[None, :]
-            xo = (sb * 256 + 128 * (r // 4) + 32 * ((r // 2) % 2) + 16 * (r % 2))[:, None] + 2 * i[None, :]
-            x0 = _xs(xr, mm, xo)                     # byte 2i of the word, low nibble
-            x1 = _xs(xr, mm, xo + 64) * (1.0 / 16)   # byte 2i, high nibble: quarter q + 2
-            x2 = _xs(xr, mm, xo + 1) * (1.0 / 256)
-            x3 = _xs(xr, mm, xo + 65) * (1.0 / 4096)
-            acca = _q6_k_acc(acca, wa, sb, r, lo, ho, nm, x0, x1, x2, x3)
-            if TWO:
-                accb = _q6_k_acc(accb, wb, sb, r, lo, ho, nm, x0, x1, x2, x3)
-        return tl.sum(tl.sum(acca, 3), 2), tl.sum(tl.sum(accb, 3), 2)
-
-    @triton.jit
-    def _rows(xr, mm, wa, wb, nm, nblk, K, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
-              BN: tl.constexpr, NBC: tl.constexpr):
-        if QT == 0:
-            ra, rb = _rows_f(xr, mm, wa, wb, nm, nblk, K, TWO, MB, BN, NBC)
-        elif QT == 1:
-            ra, rb = _rows_q8_0(xr, mm, wa, wb, nm, nblk, TWO, MB, BN, NBC)
-        elif QT == 2:
-            ra, rb = _rows_q4(xr, mm, wa, wb, nm, nblk, True, TWO, MB, BN, NBC)
-        elif QT == 3:
-            ra, rb = _rows_q4(xr, mm, wa, wb, nm, nblk, False, TWO, MB, BN, NBC)
-        elif QT == 4:
-            ra, rb = _rows_q6_k(xr, mm, wa, wb, nm, nblk, TWO, MB, BN, NBC)
+    def _x32(xr, blk, QT: tl.constexpr):
+        """The raw activations matching the codes of each word of blocks blk: q8_0 (2i, 2i + 1), else the nibbles
+        (2i, 2i + 16, 2i + 1, 2i + 17) of the word's two bytes."""
+        if QT == 1:
+            xo = blk[:, None] * 32 + 2 * tl.arange(0, 16)[None, :]
+            x0 = _xs(xr, xo)
+            return x0, _xs(xr, xo + 1), x0, x0
         else:
-            ra, rb = _rows_q4_k(xr, mm, wa, wb, nm, nblk, TWO, MB, BN, NBC)
-        return ra, rb
+            xo = blk[:, None] * 32 + 2 * tl.arange(0, 8)[None, :]
+            return _xs(xr, xo), _xs(xr, xo + 16), _xs(xr, xo + 1), _xs(xr, xo + 17)
+
+    @triton.jit
+    def _xf32(x0, x1, x2, x3, QT: tl.constexpr):
+        """Activations as float32, pre-scaled by 2^-p for a code kept at bit p of its word."""
+        if QT == 1:
+            return x0.to(tl.float32), x1.to(tl.float32) * (1.0 / 256), x0, x0
+        elif QT == 2:
+            return x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+        else:
+            return (x0.to(tl.float32), x1.to(tl.float32) * (1.0 / 16), x2.to(tl.float32) * (1.0 / 256),
+                    x3.to(tl.float32) * (1.0 / 4096))
+
+    @triton.jit
+    def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, mg, QT: tl.constexpr):
+        """acc + d * sum(code * x) over each word's codes (d: the block's float16 scale)."""
+        df = _half(d)[:, :, None]
+        if QT == 1:
+            # int8 code c as the float 2^23 + (c ^ 128): xor with 2^23's bits | 128 flips the sign bit in place
+            q0 = ((h & 0xFF) ^ (mg | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
+            q1 = ((h & 0xFF00) ^ (mg | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
+            return acc + df * (q0 * x0[:, None, :] + q1 * x1[:, None, :])
+        elif QT == 2:
+            qh = qa | (qb << 16)
+            i = tl.arange(0, 8)
+            hs = (qh[:, :, None] >> (2 * i)[None, None, :]) << 4     # qh bit 2i + t at bit 4 + t
+            q0 = ((h & 0x0F) | (hs & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
+            q1 = (((h >> 4) & 0x0F) | ((hs >> 16) & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
+            q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
+            q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
+        else:
+            q0 = _code(h, 0x000F, mg, 8388616.0)     # byte 2i, low nibble: value 2i
+            q1 = _code(h, 0x00F0, mg, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
+            q2 = _code(h, 0x0F00, mg, 8390656.0)     # byte 2i + 1, low: value 2i + 1 (* 256)
+            q3 = _code(h, 0xF000, mg, 8421376.0)     # byte 2i + 1, high: value 2i + 17 (* 4096)
+        s = q0 * x0[:, None, :] + q1 * x1[:, None, :] + q2 * x2[:, None, :] + q3 * x3[:, None, :]
+        return acc + df * s
+
+    @triton.jit
+    def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
+                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+        """Q8_0 / Q5_0 / Q4_0 rows. PF: the next step's words are loaded before this step's arithmetic."""
+        b = tl.arange(0, NBC)
+        WB: tl.constexpr = 16 if QT == 1 else 8
+        acca0 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
+        accb0 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
+        acca1 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
+        accb1 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
+        if PF:
+            ha, da, qaa, qba = _ld32(wa, b, nm, QT)
+            if TWO:
+                hb, db, qab, qbb = _ld32(wb, b, nm, QT)
+            x0, x1, x2, x3 = _x32(xr0, b, QT)
+            if MB == 2:
+                y0, y1, y2, y3 = _x32(xr1, b, QT)
+        for b0 in range(0, nblk, NBC):
+            if PF:                                   # the next step (the first again after the last)
+                nxt = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + b
+                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, nm, QT)
+                if TWO:
+                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, nm, QT)
+                x0_, x1_, x2_, x3_ = _x32(xr0, nxt, QT)
+                if MB == 2:
+                    y0_, y1_, y2_, y3_ = _x32(xr1, nxt, QT)
+            else:
+                blk = b0 + b
+                ha, da, qaa, qba = _ld32(wa, blk, nm, QT)
+                if TWO:
+                    hb, db, qab, qbb = _ld32(wb, blk, nm, QT)
+                x0, x1, x2, x3 = _x32(xr0, blk, QT)
+                if MB == 2:
+                    y0, y1, y2, y3 = _x32(xr1, blk, QT)
+            f0, f1, f2, f3 = _xf32(x0, x1, x2, x3, QT)
+            acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, mg, QT)
+            if TWO:
+                accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, mg, QT)
+            if MB == 2:
+                g0, g1, g2, g3 = _xf32(y0, y1, y2, y3, QT)
+                acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, mg, QT)
+                if TWO:
+                    accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, mg, QT)
+            if PF:
+                ha, da, qaa, qba = ha_, da_, qaa_, qba_
+                if TWO:
+                    hb, db, qab, qbb = hb_, db_, qab_, qbb_
+                x0, x1, x2, x3 = x0_, x1_, x2_, x3_
+                if MB == 2:
+                    y0, y1, y2, y3 = y0_, y1_, y2_, y3_
+        return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
+                tl.sum(tl.sum(accb1, 2), 0))
+
+    # ------------------------------------------------------------------------------------------- K-quant rows
+    # Q4_K, tile [NBC * 4, BN, 16]: super-block, 32-byte group g of the nibbles (sub-blocks 2g, 2g + 1), word i.
+    # Q6_K, tile [NBC * 8, BN, 8]: super-block, group r = 4h + 2q + half of the low nibbles (module docstring of
+    # moe_kernels), word i.
+
+    @triton.jit
+    def _ldk(w, sb, r, nm, QT: tl.constexpr):
+        """Raw words of one step of K-quant rows: codes (two tensors for q6_k), and the per-group scale words."""
+        if QT == 5:                                  # q4_k: 72 words (d, dmin, 6 of scales, 64 of nibbles)
+            i = tl.arange(0, 16)
+            base = sb * 72
+            h = _words(w, (base + 8 + 16 * r)[:, None] + i[None, :], nm)
+            # scale words of sub-blocks 2r, 2r + 1: W[r], W[r + 2], W[r - 2] (r >= 2), scales starting at word 2
+            sa = _word(w, base + 2 + r, nm)
+            sbw = _word(w, base + 4 + r, nm)
+            sc = _word(w, base + tl.where(r >= 2, r, r + 2), nm)
+            return h, h, _word(w, base, nm), _word(w, base + 1, nm), sa, sbw, sc
+        else:                                        # q6_k: 105 words (64 low nibbles, 32 high bits, 8 scales, d)
+            i = tl.arange(0, 8)
+            base = sb * 105
+            ql = _words(w, (base + 8 * r)[:, None] + i[None, :], nm)
+            qh = _words(w, (base + 64 + 16 * (r // 4) + 8 * (r % 2))[:, None] + i[None, :], nm)
+            si = r + 4 * (r // 4)                    # int8 scale of the low-nibble codes; + 4: the high ones
+            s0 = _word(w, base + 96 + si // 2, nm)
+            s1 = _word(w, base + 98 + si // 2, nm)
+            d = _word(w, base + 104, nm)
+            return ql, qh, d, d, s0, s1, s0
+
+    @triton.jit
+    def _xk(xr, sb, r, QT: tl.constexpr):
+        """Raw activations of each word's four codes (byte 2i / 2i + 1, low / high nibble)."""
+        if QT == 5:
+            xo = (sb * 256 + 64 * r)[:, None] + 2 * tl.arange(0, 16)[None, :]
+            return _xs(xr, xo), _xs(xr, xo + 32), _xs(xr, xo + 1), _xs(xr, xo + 33)
+        else:
+            xo = (sb * 256 + 128 * (r // 4) + 32 * ((r // 2) % 2) + 16 * (r % 2))[:, None] + \
+                2 * tl.arange(0, 8)[None, :]
+            return _xs(xr, xo), _xs(xr, xo + 64), _xs(xr, xo + 1), _xs(xr, xo + 65)
+
+    @triton.jit
+    def _dotk(acc, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, mg, QT: tl.constexpr):
+        f0 = x0.to(tl.float32)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        f3 = x3.to(tl.float32)
+        if QT == 5:
+            d = _half(wd)
+            dmin = _half(wm)
+            hi = (r >= 2)[:, None]
+            # ggml's get_scale_min_k4 for sub-blocks 2r (low bytes) and 2r + 1 (high bytes)
+            sce = tl.where(hi, (s1 & 15) | ((s2 >> 6) & 3) << 4, s0 & 63)
+            sco = tl.where(hi, ((s1 >> 8) & 15) | ((s2 >> 14) & 3) << 4, (s0 >> 8) & 63)
+            mne = tl.where(hi, ((s1 >> 4) & 15) | ((s0 >> 6) & 3) << 4, s1 & 63)
+            mno = tl.where(hi, ((s1 >> 12) & 15) | ((s0 >> 14) & 3) << 4, (s1 >> 8) & 63)
+            q0 = _code(ha, 0x000F, mg, 8388608.0)
+            q1 = _code(ha, 0x00F0, mg, 8388608.0)
+            q2 = _code(ha, 0x0F00, mg, 8388608.0)
+            q3 = _code(ha, 0xF000, mg, 8388608.0)
+            se = q0 * f0[:, None, :] + q2 * (f2 * (1.0 / 256))[:, None, :]
+            so = q1 * (f1 * (1.0 / 16))[:, None, :] + q3 * (f3 * (1.0 / 4096))[:, None, :]
+            acc += (d * sce.to(tl.float32))[:, :, None] * se + (d * sco.to(tl.float32))[:, :, None] * so
+            return acc - ((dmin * mne.to(tl.float32))[:, :, None] * (f0 + f2)[:, None, :] +
+                          (dmin * mno.to(tl.float32))[:, :, None] * (f1 + f3)[:, None, :])
+        else:
+            d = _half(wd)
+            si = r + 4 * (r // 4)
+            sh = ((si % 2) * 8)[:, None]
+            sc0 = (((s0 >> sh) & 255) ^ 128) - 128      # int8
+            sc1 = (((s1 >> sh) & 255) ^ 128) - 128
+            qm = (r // 2) % 2
+            q4 = hb << (4 - 2 * qm)[:, None, None]      # the code's 2 high bits right above its nibble
+            c0 = ((ha & 0x000F) | ((q4 & 0x00030) | mg)).to(tl.float32, bitcast=True) - 8388640.0
+            c1 = ((ha & 0x00F0) | ((q4 & 0x00300) | mg)).to(tl.float32, bitcast=True) - 8389120.0
+            c2 = ((ha & 0x0F00) | ((q4 & 0x03000) | mg)).to(tl.float32, bitcast=True) - 8396800.0
+            c3 = ((ha & 0xF000) | ((q4 & 0x30000) | mg)).to(tl.float32, bitcast=True) - 8519680.0
+            sl = c0 * f0[:, None, :] + c2 * (f2 * (1.0 / 256))[:, None, :]
+            sh_ = c1 * (f1 * (1.0 / 16))[:, None, :] + c3 * (f3 * (1.0 / 4096))[:, None, :]
+            return acc + (d * sc0.to(tl.float32))[:, :, None] * sl + (d * sc1.to(tl.float32))[:, :, None] * sh_
+
+    @triton.jit
+    def _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
+               BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+        """Q4_K / Q6_K rows, NBC super-blocks per step."""
+        G: tl.constexpr = 4 if QT == 5 else 8
+        WB: tl.constexpr = 16 if QT == 5 else 8
+        bq = tl.arange(0, NBC * G)
+        r = bq % G
+        acca0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        accb0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        acca1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        accb1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        if PF:
+            sb = bq // G
+            ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, nm, QT)
+            if TWO:
+                ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, nm, QT)
+            x0, x1, x2, x3 = _xk(xr0, sb, r, QT)
+            if MB == 2:
+                y0, y1, y2, y3 = _xk(xr1, sb, r, QT)
+        for b0 in range(0, nblk, NBC):
+            if PF:
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // G
+                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ldk(wa, sbn, r, nm, QT)
+                if TWO:
+                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ldk(wb, sbn, r, nm, QT)
+                x0_, x1_, x2_, x3_ = _xk(xr0, sbn, r, QT)
+                if MB == 2:
+                    y0_, y1_, y2_, y3_ = _xk(xr1, sbn, r, QT)
+            else:
+                sb = b0 + bq // G
+                ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, nm, QT)
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, nm, QT)
+                x0, x1, x2, x3 = _xk(xr0, sb, r, QT)
+                if MB == 2:
+                    y0, y1, y2, y3 = _xk(xr1, sb, r, QT)
+            acca0 = _dotk(acca0, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, mg, QT)
+            if TWO:
+                accb0 = _dotk(accb0, ga, gb, vd, vm, t0, t1, t2, r, x0, x1, x2, x3, mg, QT)
+            if MB == 2:
+                acca1 = _dotk(acca1, ha, hb, wd, wm, s0, s1, s2, r, y0, y1, y2, y3, mg, QT)
+                if TWO:
+                    accb1 = _dotk(accb1, ga, gb, vd, vm, t0, t1, t2, r, y0, y1, y2, y3, mg, QT)
+            if PF:
+                ha, hb, wd, wm, s0, s1, s2 = ha_, hb_, wd_, wm_, s0_, s1_, s2_
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = ga_, gb_, vd_, vm_, t0_, t1_, t2_
+                x0, x1, x2, x3 = x0_, x1_, x2_, x3_
+                if MB == 2:
+                    y0, y1, y2, y3 = y0_, y1_, y2_, y3_
+        return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
+                tl.sum(tl.sum(accb1, 2), 0))
+
+    @triton.jit
+    def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
+              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+        if QT == 0:
+            ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC)
+        elif QT <= 3:
+            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
+        else:
+            ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
+        return ra0, rb0, ra1, rb1
+
+    @triton.jit
+    def _out(o_ptr, p, ok, ra, rb, ord_ptr, wt_ptr, n, stride_om, UP: tl.constexpr):
+        """Store one window row's results: UP: SiLU(gate) * up at sorted position p; else times the routing weight
+        at the pair's own row. ok: [BN] mask."""
+        if UP:
+            act = ra * tl.sigmoid(ra) * rb
+            tl.store(o_ptr + p.to(tl.int64) * stride_om + n, act.to(o_ptr.dtype.element_ty), mask=ok)
+        else:
+            dst = tl.load(ord_ptr + p)
+            wt = tl.load(wt_ptr + dst).to(tl.float32)
+            tl.store(o_ptr + dst.to(tl.int64) * stride_om + n, (ra * wt).to(o_ptr.dtype.element_ty), mask=ok)
 
     # -------------------------------------------------------------------------------------------- the kernel
 
     @triton.jit
-    def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K,
+    def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K, mg,
                      stride_xm, stride_we, stride_wn, stride_om,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
-                     BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr):
+                     BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
-        all the expert's rows of the window. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted order); else
-        h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows zero when ZERO)."""
+        all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
+        order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
+        ZERO). mg: 0x4B000000, the bits of 2^23."""
         i = tl.program_id(0)
         nb = tl.program_id(1)
         e = tl.load(se_ptr + i)
         prev = tl.load(se_ptr + i - 1, mask=i > 0, other=-1)
         lead = (e < E) & (e != prev)
-        rr = i + tl.arange(0, BM)             # an expert has at most T rows (BM = pow2(T)): a count only
+        rr = i + tl.arange(0, BM)             # an expert has at most T rows (BM = pow2(T)): only counted
         rin = rr < tl.where(lead, NP, 0)
         cnt = tl.sum((rin & (tl.load(se_ptr + rr, mask=rin, other=-1) == e)).to(tl.int32), 0)
         if HAS_SLOT:
@@ -361,25 +448,18 @@ if HAVE_TRITON:
         wa = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
         wb = wa + N * stride_wn
         for m0 in range(0, rows, MB):
-            mr = m0 + tl.arange(0, MB)
-            mm = mr < rows
-            r = i + mr
+            p0 = i + m0
+            p1 = tl.where(m0 + 1 < rows, p0 + 1, p0)      # MB = 2: a second row, or the first again (not stored)
             if UP:
-                tok = tl.load(tok_ptr + r, mask=mm, other=0)
-                xr = x_ptr + tok.to(tl.int64) * stride_xm
+                xr0 = x_ptr + tl.load(tok_ptr + p0).to(tl.int64) * stride_xm
+                xr1 = x_ptr + tl.load(tok_ptr + p1).to(tl.int64) * stride_xm
             else:
-                xr = x_ptr + r.to(tl.int64) * stride_xm
-            ra, rb = _rows(xr, mm, wa, wb, nm, nblk, K, UP, QT, MB, BN, NBC)
-            om = mm[:, None] & nm[None, :]
-            if UP:
-                act = ra * tl.sigmoid(ra) * rb
-                tl.store(o_ptr + r[:, None].to(tl.int64) * stride_om + n[None, :], act.to(o_ptr.dtype.element_ty),
-                         mask=om)
-            else:
-                dst = tl.load(ord_ptr + r, mask=mm, other=0)
-                wt = tl.load(wt_ptr + dst, mask=mm, other=0.0).to(tl.float32)
-                tl.store(o_ptr + dst[:, None].to(tl.int64) * stride_om + n[None, :],
-                         (ra * wt[:, None]).to(o_ptr.dtype.element_ty), mask=om)
+                xr0 = x_ptr + p0.to(tl.int64) * stride_xm
+                xr1 = x_ptr + p1.to(tl.int64) * stride_xm
+            ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF)
+            _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
+            if MB == 2:
+                _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
 
 
 def _weights(w: Tensor, fmt: str) -> Tensor:
@@ -396,9 +476,9 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     c = chunk(K, fmt, cfg["KV"])
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
-    _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K,
+    _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), w.stride(1), h.stride(0), UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, num_warps=cfg["num_warps"],
+                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], num_warps=cfg["num_warps"],
                        num_stages=cfg["num_stages"])
 
 
@@ -412,7 +492,7 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     c = chunk(K, fmt, cfg["KV"])
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
-    _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K,
+    _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), w.stride(1), y.stride(0), UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, num_warps=cfg["num_warps"],
+                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], num_warps=cfg["num_warps"],
                        num_stages=cfg["num_stages"])
