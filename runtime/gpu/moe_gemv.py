@@ -21,6 +21,8 @@ weight format (None: the tl.dot kernels); `python bench/moe.py --tune-decode` me
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -33,17 +35,17 @@ if HAVE_TRITON:
 # BN_UP / BN_DOWN: weight rows per program (gate/up: BN gate rows and their BN up rows); KV: values of a row per loop
 # step (whole blocks, a power of two of them that divides the row); MB: window rows of one expert per pass
 GEMV_VARIANTS: dict[str, dict[str, int]] = {
-    "n16k256": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n16k512": {"BN_UP": 16, "BN_DOWN": 16, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n8k512": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n32k256w8": {"BN_UP": 32, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 1, "num_warps": 8, "num_stages": 1},
-    "n16k512np": {"BN_UP": 16, "BN_DOWN": 16, "KV": 512, "MB": 1, "PF": 0, "num_warps": 4, "num_stages": 1},
-    "n16k256m2": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 2, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n16": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n8": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n4": {"BN_UP": 4, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n16np": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 0, "num_warps": 4, "num_stages": 1},
+    "n8m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 2, "PF": 1, "num_warps": 4, "num_stages": 1},
+    "n32np": {"BN_UP": 32, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 0, "num_warps": 4, "num_stages": 1},
 }
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels); one choice serves
 # every window width, which keeps a row's bits independent of the width
-DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n16k512", "q5_0": "n16k512", "q4_0": "n16k512",
-                                      "q6_k": "n16k512", "q4_k": "n16k512"}
+DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8", "q5_0": "n8", "q4_0": "n8", "q6_k": "n8",
+                                      "q4_k": "n8"}
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
@@ -74,19 +76,41 @@ def chunk(k: int, fmt: str, kv: int) -> int:
 
 if HAVE_TRITON:
 
+    _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")      # the interpreter runs no PTX
+
     # Tiles are [A, BN, B]: A and B index the words of a loop step along the row (B: consecutive words), BN the
     # weight rows. Triton orders a tile's threads by contiguity (B), then by the lower dimension (A), so the BN rows
     # of a position land in one thread's registers and each activation it loads serves all of them.
 
     @triton.jit
-    def _words(w, wo, nm):
-        """16-bit words at offsets wo ([A, B]) of the weight rows w ([BN] pointers), as int32 [A, BN, B]."""
-        return tl.load(w[None, :, None] + wo[:, None, :], mask=nm[None, :, None], other=0).to(tl.int32)
+    def _or(v, mg):
+        """v | mg, opaque to the compiler on a GPU: otherwise it moves the or past the loop's back edge and carries
+        prefetched words as packed 16-bit pairs, which cost two instructions per word to unpack."""
+        if _ASM:
+            return tl.inline_asm_elementwise("or.b32 $0, $1, $2;", "=r,r,r", [v, mg], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        else:
+            return v | mg
 
     @triton.jit
-    def _word(w, o, nm):
-        """One 16-bit word per (position, row): offsets o [A] of the rows w [BN], as int32 [A, BN] (zero-extended)."""
-        return tl.load(w[None, :] + o[:, None], mask=nm[None, :], other=0).to(tl.int32) & 0xFFFF
+    def _words(w, wo, mg):
+        """16-bit words at offsets wo ([A, B]) of the weight rows w ([BN] pointers), or-ed with mg: int32
+        [A, BN, B]. The word sits in bits 0-15, mg's bits above (the bits of 2^23, or any constant there): a field
+        of the word under MASK as 2^23 + field * 2^p is then one and with MASK | 0xFFFF0000 (`_code`), and no
+        compiler can narrow the loop-carried words back to 16 bits."""
+        return _or(tl.load(w[None, :, None] + wo[:, None, :]).to(tl.uint16, bitcast=True).to(tl.int32), mg)
+
+    @triton.jit
+    def _word(w, o, mg):
+        """One 16-bit word per (position, row): offsets o [A] of the rows w [BN], or-ed with mg: int32 [A, BN]."""
+        return _or(tl.load(w[None, :] + o[:, None]).to(tl.uint16, bitcast=True).to(tl.int32), mg)
+
+    @triton.jit
+    def _rep(w, o, B: tl.constexpr, mg):
+        """The 16-bit word at offsets o [A] of the rows w [BN], repeated along B, or-ed with mg: int32 [A, BN, B].
+        Loaded as [B, A, BN] and permuted, so it gets the layout of a code tile without a shared-memory shuffle."""
+        p = w[None, None, :] + o[None, :, None] + (0 * tl.arange(0, B))[:, None, None]
+        return _or(tl.permute(tl.load(p), (1, 2, 0)).to(tl.uint16, bitcast=True).to(tl.int32), mg)
 
     @triton.jit
     def _half(v):
@@ -95,21 +119,29 @@ if HAVE_TRITON:
 
     @triton.jit
     def _xs(xr, xo):
-        """Activations at offsets xo ([A, B]) of the row at pointer xr (always a valid row), raw."""
-        return tl.load(xr + xo)
+        """Activations at offsets xo ([A, B]) of the row at pointer xr (always a valid row), raw. Loaded as [B, A]
+        and permuted, for the layout of a code tile's positions (see `_rep`)."""
+        return tl.permute(tl.load(xr + tl.permute(xo, (1, 0))), (1, 0))
 
     @triton.jit
-    def _code(h, MASK: tl.constexpr, mg, BIAS: tl.constexpr):
-        """(field - BIAS / 2^p) * 2^p as float32 for the field of h under MASK at bit p (p + width <= 23); mg holds
-        the bits of 2^23 (a register operand, so the and/or is one instruction)."""
-        return ((h & MASK) | mg).to(tl.float32, bitcast=True) - BIAS
+    def _code(h, MASK: tl.constexpr, BIAS: tl.constexpr):
+        """(field - BIAS / 2^p) * 2^p as float32 for the field under MASK (at bit p, p + width <= 23) of a word
+        or-ed with 2^23's bits (`_words`)."""
+        return (h & (MASK - 65536)).to(tl.float32, bitcast=True) - BIAS
 
     # ------------------------------------------------------------------------------------------------ float rows
 
     @triton.jit
+    def _ldf(p, kk, K, KMASK: tl.constexpr):
+        if KMASK:
+            return tl.load(p, mask=kk < K, other=0.0).to(tl.float32)
+        else:
+            return tl.load(p).to(tl.float32)
+
+    @triton.jit
     def _rows_f(xr0, xr1, wa, wb, nm, nk, K, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
-                KC: tl.constexpr):
-        """Float weights (bf16/fp16/fp32 rows), KC values per step, the tail masked; tile [BN, KC]."""
+                KC: tl.constexpr, KMASK: tl.constexpr):
+        """Float weights (bf16/fp16/fp32 rows), KC values per step (KMASK: the tail masked); tile [BN, KC]."""
         kk0 = tl.arange(0, KC)
         acca0 = tl.zeros((BN, KC), dtype=tl.float32)
         accb0 = tl.zeros((BN, KC), dtype=tl.float32)
@@ -117,16 +149,14 @@ if HAVE_TRITON:
         accb1 = tl.zeros((BN, KC), dtype=tl.float32)
         for k0 in range(0, nk, KC):
             kk = k0 + kk0
-            km = kk < K
-            wm = nm[:, None] & km[None, :]
-            x0 = tl.load(xr0 + kk, mask=km, other=0.0).to(tl.float32)
-            wv = tl.load(wa[:, None] + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+            x0 = _ldf(xr0 + kk, kk, K, KMASK)
+            wv = _ldf(wa[:, None] + kk[None, :], kk[None, :], K, KMASK)
             acca0 += wv * x0[None, :]
             if MB == 2:
-                x1 = tl.load(xr1 + kk, mask=km, other=0.0).to(tl.float32)
+                x1 = _ldf(xr1 + kk, kk, K, KMASK)
                 acca1 += wv * x1[None, :]
             if TWO:
-                wv = tl.load(wb[:, None] + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+                wv = _ldf(wb[:, None] + kk[None, :], kk[None, :], K, KMASK)
                 accb0 += wv * x0[None, :]
                 if MB == 2:
                     accb1 += wv * x1[None, :]
@@ -136,24 +166,25 @@ if HAVE_TRITON:
     # 32-value blocks; tile [NBC, BN, 8 or 16]: block, row, word of the block's codes
 
     @triton.jit
-    def _ld32(w, blk, nm, QT: tl.constexpr):
-        """Raw words of blocks blk [NBC] of the rows w: codes [NBC, BN, 16 or 8], d, and q5_0's two qh words."""
+    def _ld32(w, blk, mg, QT: tl.constexpr):
+        """Raw words of blocks blk [NBC] of the rows w, or-ed with mg: codes [NBC, BN, 16 or 8], and d and q5_0's
+        two qh words repeated along the block's words. Q8_0's codes come with their sign bits flipped (c ^ 128)."""
         if QT == 1:                                  # q8_0: 17 words (d, 16 words of two int8 codes)
             i = tl.arange(0, 16)
             do = blk * 17
-            h = _words(w, do[:, None] + 1 + i[None, :], nm)
-            d = _word(w, do, nm)
+            h = _words(w, do[:, None] + 1 + i[None, :], mg) ^ 0x8080
+            d = _rep(w, do, 16, mg)
             return h, d, d, d
         elif QT == 2:                                # q5_0: 11 words (d, qh as two words, 8 words of nibbles)
             i = tl.arange(0, 8)
             do = blk * 11
-            h = _words(w, do[:, None] + 3 + i[None, :], nm)
-            return h, _word(w, do, nm), _word(w, do + 1, nm), _word(w, do + 2, nm)
+            h = _words(w, do[:, None] + 3 + i[None, :], mg)
+            return h, _rep(w, do, 8, mg), _rep(w, do + 1, 8, mg), _rep(w, do + 2, 8, mg)
         else:                                        # q4_0: 9 words (d, 8 words of four nibbles)
             i = tl.arange(0, 8)
             do = blk * 9
-            h = _words(w, do[:, None] + 1 + i[None, :], nm)
-            d = _word(w, do, nm)
+            h = _words(w, do[:, None] + 1 + i[None, :], mg)
+            d = _rep(w, do, 8, mg)
             return h, d, d, d
 
     @triton.jit
@@ -180,28 +211,29 @@ if HAVE_TRITON:
                     x3.to(tl.float32) * (1.0 / 4096))
 
     @triton.jit
-    def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, mg, QT: tl.constexpr):
+    def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, QT: tl.constexpr):
         """acc + d * sum(code * x) over each word's codes (d: the block's float16 scale)."""
-        df = _half(d)[:, :, None]
+        df = _half(d)
         if QT == 1:
-            # int8 code c as the float 2^23 + (c ^ 128): xor with 2^23's bits | 128 flips the sign bit in place
-            q0 = ((h & 0xFF) ^ (mg | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
-            q1 = ((h & 0xFF00) ^ (mg | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
-            return acc + df * (q0 * x0[:, None, :] + q1 * x1[:, None, :])
+            # an int8 code c is the byte c ^ 128 (flipped when loaded) = c + 128 over 2^23's bits
+            q0 = _code(h, 0x00FF, 8388736.0)                    # low byte
+            q1 = _code(h, 0xFF00, 8421376.0)                    # high byte (* 256)
+            s = q0 * x0[:, None, :] + q1 * x1[:, None, :]
         elif QT == 2:
-            qh = qa | (qb << 16)
+            qh = (qa & 0xFFFF) | (qb << 16)
             i = tl.arange(0, 8)
-            hs = (qh[:, :, None] >> (2 * i)[None, None, :]) << 4     # qh bit 2i + t at bit 4 + t
-            q0 = ((h & 0x0F) | (hs & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
-            q1 = (((h >> 4) & 0x0F) | ((hs >> 16) & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
-            q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
-            q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | mg).to(tl.float32, bitcast=True) - 8388624.0
+            hs = (qh >> (2 * i)[None, None, :]) << 4                # qh bit 2i + t at bit 4 + t
+            q0 = ((h & -65521) | (hs & 0x10)).to(tl.float32, bitcast=True) - 8388624.0
+            q1 = (((h >> 4) & 0x0F) | ((hs >> 16) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
+            q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
+            q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
+            s = q0 * x0[:, None, :] + q1 * x1[:, None, :] + q2 * x2[:, None, :] + q3 * x3[:, None, :]
         else:
-            q0 = _code(h, 0x000F, mg, 8388616.0)     # byte 2i, low nibble: value 2i
-            q1 = _code(h, 0x00F0, mg, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
-            q2 = _code(h, 0x0F00, mg, 8390656.0)     # byte 2i + 1, low: value 2i + 1 (* 256)
-            q3 = _code(h, 0xF000, mg, 8421376.0)     # byte 2i + 1, high: value 2i + 17 (* 4096)
-        s = q0 * x0[:, None, :] + q1 * x1[:, None, :] + q2 * x2[:, None, :] + q3 * x3[:, None, :]
+            q0 = _code(h, 0x000F, 8388616.0)     # byte 2i, low nibble: value 2i
+            q1 = _code(h, 0x00F0, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
+            q2 = _code(h, 0x0F00, 8390656.0)     # byte 2i + 1, low: value 2i + 1 (* 256)
+            q3 = _code(h, 0xF000, 8421376.0)     # byte 2i + 1, high: value 2i + 17 (* 4096)
+            s = q0 * x0[:, None, :] + q1 * x1[:, None, :] + q2 * x2[:, None, :] + q3 * x3[:, None, :]
         return acc + df * s
 
     @triton.jit
@@ -215,45 +247,36 @@ if HAVE_TRITON:
         acca1 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
         accb1 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
         if PF:
-            ha, da, qaa, qba = _ld32(wa, b, nm, QT)
+            ha, da, qaa, qba = _ld32(wa, b, mg, QT)
             if TWO:
-                hb, db, qab, qbb = _ld32(wb, b, nm, QT)
-            x0, x1, x2, x3 = _x32(xr0, b, QT)
-            if MB == 2:
-                y0, y1, y2, y3 = _x32(xr1, b, QT)
+                hb, db, qab, qbb = _ld32(wb, b, mg, QT)
         for b0 in range(0, nblk, NBC):
-            if PF:                                   # the next step (the first again after the last)
+            blk = b0 + b
+            if PF:                                   # the next step's words (the first again after the last)
                 nxt = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + b
-                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, nm, QT)
+                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, mg, QT)
                 if TWO:
-                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, nm, QT)
-                x0_, x1_, x2_, x3_ = _x32(xr0, nxt, QT)
-                if MB == 2:
-                    y0_, y1_, y2_, y3_ = _x32(xr1, nxt, QT)
+                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, mg, QT)
             else:
-                blk = b0 + b
-                ha, da, qaa, qba = _ld32(wa, blk, nm, QT)
+                ha, da, qaa, qba = _ld32(wa, blk, mg, QT)
                 if TWO:
-                    hb, db, qab, qbb = _ld32(wb, blk, nm, QT)
-                x0, x1, x2, x3 = _x32(xr0, blk, QT)
-                if MB == 2:
-                    y0, y1, y2, y3 = _x32(xr1, blk, QT)
+                    hb, db, qab, qbb = _ld32(wb, blk, mg, QT)
+            x0, x1, x2, x3 = _x32(xr0, blk, QT)
+            if MB == 2:
+                y0, y1, y2, y3 = _x32(xr1, blk, QT)
             f0, f1, f2, f3 = _xf32(x0, x1, x2, x3, QT)
-            acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, mg, QT)
+            acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, QT)
             if TWO:
-                accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, mg, QT)
+                accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, QT)
             if MB == 2:
                 g0, g1, g2, g3 = _xf32(y0, y1, y2, y3, QT)
-                acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, mg, QT)
+                acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, QT)
                 if TWO:
-                    accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, mg, QT)
+                    accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, QT)
             if PF:
                 ha, da, qaa, qba = ha_, da_, qaa_, qba_
                 if TWO:
                     hb, db, qab, qbb = hb_, db_, qab_, qbb_
-                x0, x1, x2, x3 = x0_, x1_, x2_, x3_
-                if MB == 2:
-                    y0, y1, y2, y3 = y0_, y1_, y2_, y3_
         return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
                 tl.sum(tl.sum(accb1, 2), 0))
 
@@ -263,26 +286,26 @@ if HAVE_TRITON:
     # moe_kernels), word i.
 
     @triton.jit
-    def _ldk(w, sb, r, nm, QT: tl.constexpr):
+    def _ldk(w, sb, r, mg, QT: tl.constexpr):
         """Raw words of one step of K-quant rows: codes (two tensors for q6_k), and the per-group scale words."""
         if QT == 5:                                  # q4_k: 72 words (d, dmin, 6 of scales, 64 of nibbles)
             i = tl.arange(0, 16)
             base = sb * 72
-            h = _words(w, (base + 8 + 16 * r)[:, None] + i[None, :], nm)
+            h = _words(w, (base + 8 + 16 * r)[:, None] + i[None, :], mg)
             # scale words of sub-blocks 2r, 2r + 1: W[r], W[r + 2], W[r - 2] (r >= 2), scales starting at word 2
-            sa = _word(w, base + 2 + r, nm)
-            sbw = _word(w, base + 4 + r, nm)
-            sc = _word(w, base + tl.where(r >= 2, r, r + 2), nm)
-            return h, h, _word(w, base, nm), _word(w, base + 1, nm), sa, sbw, sc
+            sa = _word(w, base + 2 + r, mg)
+            sbw = _word(w, base + 4 + r, mg)
+            sc = _word(w, base + tl.where(r >= 2, r, r + 2), mg)
+            return h, h, _word(w, base, mg), _word(w, base + 1, mg), sa, sbw, sc
         else:                                        # q6_k: 105 words (64 low nibbles, 32 high bits, 8 scales, d)
             i = tl.arange(0, 8)
             base = sb * 105
-            ql = _words(w, (base + 8 * r)[:, None] + i[None, :], nm)
-            qh = _words(w, (base + 64 + 16 * (r // 4) + 8 * (r % 2))[:, None] + i[None, :], nm)
+            ql = _words(w, (base + 8 * r)[:, None] + i[None, :], mg)
+            qh = _words(w, (base + 64 + 16 * (r // 4) + 8 * (r % 2))[:, None] + i[None, :], mg)
             si = r + 4 * (r // 4)                    # int8 scale of the low-nibble codes; + 4: the high ones
-            s0 = _word(w, base + 96 + si // 2, nm)
-            s1 = _word(w, base + 98 + si // 2, nm)
-            d = _word(w, base + 104, nm)
+            s0 = _word(w, base + 96 + si // 2, mg)
+            s1 = _word(w, base + 98 + si // 2, mg)
+            d = _word(w, base + 104, mg)
             return ql, qh, d, d, s0, s1, s0
 
     @triton.jit
@@ -297,7 +320,7 @@ if HAVE_TRITON:
             return _xs(xr, xo), _xs(xr, xo + 64), _xs(xr, xo + 1), _xs(xr, xo + 65)
 
     @triton.jit
-    def _dotk(acc, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, mg, QT: tl.constexpr):
+    def _dotk(acc, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, QT: tl.constexpr):
         f0 = x0.to(tl.float32)
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
@@ -311,10 +334,10 @@ if HAVE_TRITON:
             sco = tl.where(hi, ((s1 >> 8) & 15) | ((s2 >> 14) & 3) << 4, (s0 >> 8) & 63)
             mne = tl.where(hi, ((s1 >> 4) & 15) | ((s0 >> 6) & 3) << 4, s1 & 63)
             mno = tl.where(hi, ((s1 >> 12) & 15) | ((s0 >> 14) & 3) << 4, (s1 >> 8) & 63)
-            q0 = _code(ha, 0x000F, mg, 8388608.0)
-            q1 = _code(ha, 0x00F0, mg, 8388608.0)
-            q2 = _code(ha, 0x0F00, mg, 8388608.0)
-            q3 = _code(ha, 0xF000, mg, 8388608.0)
+            q0 = _code(ha, 0x000F, 8388608.0)
+            q1 = _code(ha, 0x00F0, 8388608.0)
+            q2 = _code(ha, 0x0F00, 8388608.0)
+            q3 = _code(ha, 0xF000, 8388608.0)
             se = q0 * f0[:, None, :] + q2 * (f2 * (1.0 / 256))[:, None, :]
             so = q1 * (f1 * (1.0 / 16))[:, None, :] + q3 * (f3 * (1.0 / 4096))[:, None, :]
             acc += (d * sce.to(tl.float32))[:, :, None] * se + (d * sco.to(tl.float32))[:, :, None] * so
@@ -328,10 +351,10 @@ if HAVE_TRITON:
             sc1 = (((s1 >> sh) & 255) ^ 128) - 128
             qm = (r // 2) % 2
             q4 = hb << (4 - 2 * qm)[:, None, None]      # the code's 2 high bits right above its nibble
-            c0 = ((ha & 0x000F) | ((q4 & 0x00030) | mg)).to(tl.float32, bitcast=True) - 8388640.0
-            c1 = ((ha & 0x00F0) | ((q4 & 0x00300) | mg)).to(tl.float32, bitcast=True) - 8389120.0
-            c2 = ((ha & 0x0F00) | ((q4 & 0x03000) | mg)).to(tl.float32, bitcast=True) - 8396800.0
-            c3 = ((ha & 0xF000) | ((q4 & 0x30000) | mg)).to(tl.float32, bitcast=True) - 8519680.0
+            c0 = ((ha & (0x000F - 65536)) | (q4 & 0x00030)).to(tl.float32, bitcast=True) - 8388640.0
+            c1 = ((ha & (0x00F0 - 65536)) | (q4 & 0x00300)).to(tl.float32, bitcast=True) - 8389120.0
+            c2 = ((ha & (0x0F00 - 65536)) | (q4 & 0x03000)).to(tl.float32, bitcast=True) - 8396800.0
+            c3 = ((ha & (0xF000 - 65536)) | (q4 & 0x30000)).to(tl.float32, bitcast=True) - 8519680.0
             sl = c0 * f0[:, None, :] + c2 * (f2 * (1.0 / 256))[:, None, :]
             sh_ = c1 * (f1 * (1.0 / 16))[:, None, :] + c3 * (f3 * (1.0 / 4096))[:, None, :]
             return acc + (d * sc0.to(tl.float32))[:, :, None] * sl + (d * sc1.to(tl.float32))[:, :, None] * sh_
@@ -350,51 +373,42 @@ if HAVE_TRITON:
         accb1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
         if PF:
             sb = bq // G
-            ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, nm, QT)
+            ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, mg, QT)
             if TWO:
-                ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, nm, QT)
+                ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, mg, QT)
+        for b0 in range(0, nblk, NBC):
+            sb = b0 + bq // G
+            if PF:
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // G
+                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ldk(wa, sbn, r, mg, QT)
+                if TWO:
+                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ldk(wb, sbn, r, mg, QT)
+            else:
+                ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, mg, QT)
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, mg, QT)
             x0, x1, x2, x3 = _xk(xr0, sb, r, QT)
             if MB == 2:
                 y0, y1, y2, y3 = _xk(xr1, sb, r, QT)
-        for b0 in range(0, nblk, NBC):
-            if PF:
-                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // G
-                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ldk(wa, sbn, r, nm, QT)
-                if TWO:
-                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ldk(wb, sbn, r, nm, QT)
-                x0_, x1_, x2_, x3_ = _xk(xr0, sbn, r, QT)
-                if MB == 2:
-                    y0_, y1_, y2_, y3_ = _xk(xr1, sbn, r, QT)
-            else:
-                sb = b0 + bq // G
-                ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, nm, QT)
-                if TWO:
-                    ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, nm, QT)
-                x0, x1, x2, x3 = _xk(xr0, sb, r, QT)
-                if MB == 2:
-                    y0, y1, y2, y3 = _xk(xr1, sb, r, QT)
-            acca0 = _dotk(acca0, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, mg, QT)
+            acca0 = _dotk(acca0, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, QT)
             if TWO:
-                accb0 = _dotk(accb0, ga, gb, vd, vm, t0, t1, t2, r, x0, x1, x2, x3, mg, QT)
+                accb0 = _dotk(accb0, ga, gb, vd, vm, t0, t1, t2, r, x0, x1, x2, x3, QT)
             if MB == 2:
-                acca1 = _dotk(acca1, ha, hb, wd, wm, s0, s1, s2, r, y0, y1, y2, y3, mg, QT)
+                acca1 = _dotk(acca1, ha, hb, wd, wm, s0, s1, s2, r, y0, y1, y2, y3, QT)
                 if TWO:
-                    accb1 = _dotk(accb1, ga, gb, vd, vm, t0, t1, t2, r, y0, y1, y2, y3, mg, QT)
+                    accb1 = _dotk(accb1, ga, gb, vd, vm, t0, t1, t2, r, y0, y1, y2, y3, QT)
             if PF:
                 ha, hb, wd, wm, s0, s1, s2 = ha_, hb_, wd_, wm_, s0_, s1_, s2_
                 if TWO:
                     ga, gb, vd, vm, t0, t1, t2 = ga_, gb_, vd_, vm_, t0_, t1_, t2_
-                x0, x1, x2, x3 = x0_, x1_, x2_, x3_
-                if MB == 2:
-                    y0, y1, y2, y3 = y0_, y1_, y2_, y3_
         return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
                 tl.sum(tl.sum(accb1, 2), 0))
 
     @triton.jit
     def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
-              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr):
         if QT == 0:
-            ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC)
+            ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
         elif QT <= 3:
             ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         else:
@@ -417,9 +431,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K, mg,
-                     stride_xm, stride_we, stride_wn, stride_om,
+                     stride_xm, stride_we, stride_om, SWN: tl.constexpr, EVEN: tl.constexpr,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
-                     BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+                     BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
+                     KMASK: tl.constexpr):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
@@ -445,8 +460,11 @@ if HAVE_TRITON:
             rows = tl.where(run, cnt, 0)
         n = nb * BN + tl.arange(0, BN)
         nm = n < N
-        wa = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + n.to(tl.int64) * stride_wn
-        wb = wa + N * stride_wn
+        # the row stride SWN is a constant, so a thread's rows are constant offsets from one address; rows past N
+        # (N not a multiple of BN) read row N - 1 and are never stored: the weight loads need no mask
+        rw = tl.arange(0, BN) if EVEN else tl.minimum(n, N - 1) - nb * BN
+        wa = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64) + rw * SWN
+        wb = wa + N * SWN
         for m0 in range(0, rows, MB):
             p0 = i + m0
             p1 = tl.where(m0 + 1 < rows, p0 + 1, p0)      # MB = 2: a second row, or the first again (not stored)
@@ -456,10 +474,21 @@ if HAVE_TRITON:
             else:
                 xr0 = x_ptr + p0.to(tl.int64) * stride_xm
                 xr1 = x_ptr + p1.to(tl.int64) * stride_xm
-            ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF)
+            ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF, KMASK)
             _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
             if MB == 2:
                 _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
+
+
+def _warps(fmt: str, nbc: int, cfg_warps: int) -> int:
+    """Warps of a program: no more than the step's word groups need, so warps never split the rows (a thread's
+    rows stay constant offsets from one address)."""
+    q = QT[fmt]
+    if q == 0:
+        return cfg_warps
+    words = 16 if q in (1, 5) else 8                 # words of a group (threads along them)
+    groups = nbc * (4 if q == 5 else 8 if q == 4 else 1)
+    return max(1, min(cfg_warps, groups // (32 // words)))
 
 
 def _weights(w: Tensor, fmt: str) -> Tensor:
@@ -477,8 +506,8 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
-                       x.stride(0), w.stride(0), w.stride(1), h.stride(0), UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], num_warps=cfg["num_warps"],
+                       x.stride(0), w.stride(0), h.stride(0), SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
+                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, num_warps=_warps(fmt, c, cfg["num_warps"]),
                        num_stages=cfg["num_stages"])
 
 
@@ -493,6 +522,6 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
-                       h.stride(0), w.stride(0), w.stride(1), y.stride(0), UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], num_warps=cfg["num_warps"],
+                       h.stride(0), w.stride(0), y.stride(0), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
+                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, num_warps=_warps(fmt, c, cfg["num_warps"]),
                        num_stages=cfg["num_stages"])
