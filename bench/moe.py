@@ -1,6 +1,7 @@
 """The routed-expert layer alone on the Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, expert width 768).
 
     python bench/moe.py [--device cuda] [--check] [--formats bf16,q8_0,q4_0,q4_k] [--no-tune] [--max-seconds 170]
+    python bench/moe.py --tune-decode [--max-seconds 110]
 
 Decode windows (W = 1, 8, 16): the fused step's MoE (router top-k and grouping, gate/up, down, per-token sum) in a
 CUDA graph, rotating through 16 routings so the experts come from HBM, for BF16 and block-quantized experts. Bound:
@@ -17,6 +18,12 @@ experts are random blocks with small scales (bytes and shapes real, values meani
 --check: correctness only, for a first call on a new GPU: the kernels against plain torch on random data (BF16,
 every block format, slot tables and the miss path, dequantization bit for bit against gguf-py, graph capture).
 Writes bench/results/moe.json (or $OUT/moe.json).
+
+--tune-decode: the decode kernels' variants (runtime/gpu/moe_gemv.py GEMV_VARIANTS, and "dot", the tl.dot tiles) for
+BF16, Q8_0, Q4_0, Q4_K and Q6_K experts: built in parallel worker processes, checked against float32 math on the
+dequantized weights (relative error, and a row alone has the bits it has inside a 16-row window), timed at W = 1, 8,
+16 as above; a table with % of bound, then the DECODE_GEMV line to paste into the module. Writes
+moe_tune_decode.json.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from runtime.formats.registry import FORMATS  # noqa: E402
-from runtime.gpu import kernels, moe_kernels  # noqa: E402
+from runtime.gpu import kernels, moe_gemv, moe_kernels  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
 from runtime.models.target_config import Qwen3MoeConfig  # noqa: E402
 
@@ -69,11 +76,12 @@ def random_blocks(n: int, rows: int, cols: int, fmt: str, dev: str, g: torch.Gen
     return b.view(n, rows, nb * f.block_bytes)
 
 
-def experts_for(fmt: str, dev: str, g: torch.Generator, n: int = E, h: int = H, inter: int = NI
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def experts_for(fmt: str, dev: str, g: torch.Generator, n: int | None = None, h: int | None = None,
+                inter: int | None = None, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    n, h, inter = n or E, h or H, inter or NI
     if fmt == "bf16":
-        gu = torch.empty(n, 2 * inter, h, dtype=torch.bfloat16, device=dev).normal_(0, 0.02, generator=g)
-        dn = torch.empty(n, h, inter, dtype=torch.bfloat16, device=dev).normal_(0, 0.02, generator=g)
+        gu = torch.empty(n, 2 * inter, h, dtype=dtype, device=dev).normal_(0, 0.02, generator=g)
+        dn = torch.empty(n, h, inter, dtype=dtype, device=dev).normal_(0, 0.02, generator=g)
         return gu, dn
     return random_blocks(n, 2 * inter, h, fmt, dev, g), random_blocks(n, h, inter, fmt, dev, g)
 
@@ -140,8 +148,10 @@ def eager_ms(fn, reps: int = 5) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------- decode
-def decode_rows(fmt: str, widths: list[int], bw: float, dev: str, g: torch.Generator) -> list[dict[str, Any]]:
-    gu, dn = experts_for(fmt, dev, g)
+def decode_rows(fmt: str, widths: list[int], bw: float, dev: str, g: torch.Generator,
+                weights: tuple[torch.Tensor, torch.Tensor] | None = None, quiet: bool = False
+                ) -> list[dict[str, Any]]:
+    gu, dn = weights if weights is not None else experts_for(fmt, dev, g)
     per_expert = gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size()
     out = []
     for W in widths:
@@ -157,32 +167,183 @@ def decode_rows(fmt: str, widths: list[int], bw: float, dev: str, g: torch.Gener
         ms = graph_ms([lambda lg=lg: call(lg) for lg in logits])
         bound_ms = distinct * per_expert / bw * 1e3
         out.append({"format": fmt, "width": W, "ms": ms, "distinct_experts": distinct, "bytes_per_expert": per_expert,
-                    "bound_ms": bound_ms, "frac_of_bound": bound_ms / ms, "GBs": distinct * per_expert / ms / 1e6})
-        print(f"  decode {fmt} W={W}: {ms * 1e3:.0f} us (bound {bound_ms * 1e3:.0f} us, {distinct:.0f} experts)",
-              flush=True)
+                    "bound_ms": bound_ms, "frac_of_bound": bound_ms / ms, "GBs": distinct * per_expert / ms / 1e6,
+                    "kernel": decode_kernel(fmt)})
+        if not quiet:
+            print(f"  decode {fmt} W={W}: {ms * 1e3:.0f} us (bound {bound_ms * 1e3:.0f} us, {distinct:.0f} experts, "
+                  f"{decode_kernel(fmt)})", flush=True)
     return out
 
 
-def tune_decode(fmt: str, bw: float, dev: str, g: torch.Generator) -> dict[str, Any]:
-    """Tile shapes for quantized decode (MOE_QUP / MOE_QDOWN, W = 8): keeps the fastest for the rows after it."""
-    cands = [{"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}, {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3},
-             {"BN": 64, "BK": 16, "num_warps": 4, "num_stages": 4}, {"BN": 32, "BK": 64, "num_warps": 2, "num_stages": 3}]
-    res: dict[str, Any] = {"format": fmt, "tried": []}
-    best = None
-    for c in cands:
-        moe_kernels.MOE_QUP, moe_kernels.MOE_QDOWN = dict(c), dict(c)
-        try:
-            ms = decode_rows(fmt, [8], bw, dev, g)[0]["ms"]
-        except Exception as e:  # a shape this Triton cannot build: skip it
-            res["tried"].append({**c, "error": str(e)[:200]})
-            continue
-        res["tried"].append({**c, "ms": ms})
-        if best is None or ms < best[0]:
-            best = (ms, c)
-    if best is not None:
-        moe_kernels.MOE_QUP, moe_kernels.MOE_QDOWN = dict(best[1]), dict(best[1])
-        res["best"] = best[1]
+def decode_kernel(fmt: str) -> str:
+    """Which decode-window kernel the module runs for `fmt`: a GEMV variant's name, or "dot" (the tl.dot tiles)."""
+    return moe_gemv.DECODE_GEMV.get(fmt) or "dot"
+
+
+TUNE_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+TUNE_WIDTHS = (1, 8, 16)
+
+
+def _warm(job: tuple[str, str]) -> tuple[str, str, float, str]:
+    """Build one (format, variant)'s decode kernels in a worker process (they land in Triton's on-disk cache, so
+    the timing process only loads them): the argument types, strides and specialisations of the A3B runs (16
+    experts instead of 128: the expert count is not specialised)."""
+    fmt, var = job
+    t0 = time.perf_counter()
+    try:
+        torch.cuda.set_device(0)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        gu, dn = experts_for(fmt, "cuda", g, n=16)
+        moe_gemv.DECODE_GEMV[fmt] = None if var == "dot" else var
+        f = None if fmt == "bf16" else fmt
+        for T in (1, 16):
+            x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+            idx = torch.rand(T, 16, device="cuda", generator=g).topk(K, -1).indices
+            w = torch.rand(T, K, device="cuda", generator=g)
+            moe_kernels.moe_grouped(x, idx, w, gu, dn, fmt=f)
+        if f is not None and var == "dot":
+            moe_kernels.dequantize(gu[0, :64], f)
+        torch.cuda.synchronize()
+        return fmt, var, time.perf_counter() - t0, ""
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return fmt, var, time.perf_counter() - t0, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def warm_kernels(jobs: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """Compile every (format, variant) in parallel processes; {job: error or ""}."""
+    import multiprocessing as mp
+
+    n = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 15))
+    try:
+        with mp.get_context("spawn").Pool(n) as pool:
+            res = pool.map(_warm, jobs, chunksize=1)
+    except Exception as e:  # noqa: BLE001 - no worker processes here: the timing process builds them as it goes
+        print(f"parallel build failed ({type(e).__name__}: {e}); building in this process", flush=True)
+        return {}
+    return {(f, v): err for f, v, _, err in res}
+
+
+def _reference(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, guf: torch.Tensor, dnf: torch.Tensor
+               ) -> torch.Tensor:
+    """The routed experts pair by pair in float32 from dequantized weights (gguf-py's values), the gated
+    activations rounded to x's dtype as the kernels store them."""
+    T, k = idx.shape
+    out = torch.zeros(T, dnf.shape[1], device=x.device)
+    inter = guf.shape[1] // 2
+    for t in range(T):
+        xt = x[t].float()
+        for j in range(k):
+            e = int(idx[t, j])
+            gt = guf[e] @ xt
+            a = torch.nn.functional.silu(gt[:inter]) * gt[inter:]
+            out[t] += float(w[t, j]) * (dnf[e] @ a.to(x.dtype).float())
+    return out
+
+
+def _dequantized(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "bf16":
+        return t.float()
+    S, R, rb = t.shape
+    return moe_kernels.dequantize(t.reshape(S * R, rb), fmt).view(S, R, -1)
+
+
+def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str, ...] = TUNE_FORMATS
+                     ) -> dict[str, Any]:
+    """Every decode variant (moe_gemv.GEMV_VARIANTS, and "dot": the tl.dot tiles) for every format: checked against
+    float32 math on the dequantized weights (relative error; a row computed alone has the bits it has inside a
+    16-row window), then timed at W = 1, 8, 16 like `decode_rows`. The best passing variant per format is the one
+    with the highest geometric mean of its fraction of the bound over the widths."""
+    variants = list(moe_gemv.GEMV_VARIANTS) + ["dot"]
+    saved = dict(moe_gemv.DECODE_GEMV)
+    t0 = time.perf_counter()
+    built = warm_kernels([(f, v) for f in formats for v in variants])
+    res: dict[str, Any] = {"variants": moe_gemv.GEMV_VARIANTS, "build_seconds": time.perf_counter() - t0,
+                           "rows": [], "best": {}}
+    print(f"built {len(built)} (format, variant) kernel sets in {res['build_seconds']:.0f} s", flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for fmt in formats:
+        if deadline.left() < 8:
+            res["truncated"] = True
+            break
+        dt = torch.bfloat16 if dev.startswith("cuda") else torch.float16     # (the CPU interpreter: a dry run)
+        gu, dn = experts_for(fmt, dev, g, dtype=dt)
+        f = None if fmt == "bf16" else fmt
+        T = 16
+        x = torch.randn(T, H, device=dev, generator=g).to(dt)
+        idx = torch.randn(T, E, device=dev, generator=g).topk(K, -1).indices
+        w = torch.softmax(torch.randn(T, K, device=dev, generator=g), -1)
+        used = torch.unique(idx)
+        guf = torch.zeros(E, 2 * NI, H, device=dev)
+        dnf = torch.zeros(E, H, NI, device=dev)
+        guf[used] = _dequantized(gu[used], fmt)
+        dnf[used] = _dequantized(dn[used], fmt)
+        ref = _reference(x, idx, w, guf, dnf)
+        del guf, dnf
+        for var in variants:
+            row: dict[str, Any] = {"format": fmt, "variant": var}
+            res["rows"].append(row)
+            if built.get((fmt, var)):
+                row["error"] = built[(fmt, var)]
+                continue
+            if deadline.left() < 4:
+                row["error"] = "out of time"
+                continue
+            moe_gemv.DECODE_GEMV[fmt] = None if var == "dot" else var
+            try:
+                out = moe_kernels.moe_grouped(x, idx, w, gu, dn, fmt=f)
+                row["rel_err"] = _rel(out, ref)
+                row["row_invariant"] = all(torch.equal(moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1],
+                                                                               gu, dn, fmt=f)[0], out[i])
+                                           for i in (0, 7, 15))
+                row["ok"] = row["rel_err"] < 2e-2 and row["row_invariant"]
+                for r in decode_rows(fmt, list(TUNE_WIDTHS), bw, dev, g, weights=(gu, dn), quiet=True):
+                    row[f"us_w{r['width']}"] = r["ms"] * 1e3
+                    row[f"bound_us_w{r['width']}"] = r["bound_ms"] * 1e3
+                    row[f"frac_w{r['width']}"] = r["frac_of_bound"]
+                row["geo_frac"] = float(np.exp(np.mean(np.log([row[f"frac_w{W}"] for W in TUNE_WIDTHS]))))
+            except Exception as e:  # noqa: BLE001 - a variant this build cannot run: a row of the table
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(f"  {fmt} {var}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in row.items() if k not in ("format", "variant")), flush=True)
+        good = [r for r in res["rows"] if r["format"] == fmt and r.get("ok") and "geo_frac" in r]
+        if good:
+            res["best"][fmt] = max(good, key=lambda r: r["geo_frac"])["variant"]
+        del gu, dn
+        torch.cuda.empty_cache()
+    moe_gemv.DECODE_GEMV.clear()
+    moe_gemv.DECODE_GEMV.update(saved)
     return res
+
+
+def print_tuning(res: dict[str, Any], gpu: str | None, bw: float) -> None:
+    """The variants' table, then DECODE_GEMV as the measurements would set it (a line to paste into
+    runtime/gpu/moe_gemv.py)."""
+    rows = []
+    for r in res["rows"]:
+        cells: list[Any] = [r["format"], r["variant"]]
+        if "error" in r:
+            rows.append(cells + [r["error"][:60]] + [None] * (2 * len(TUNE_WIDTHS) + 1))
+            continue
+        cells.append(f"{r['rel_err']:.1e}, {'invariant' if r['row_invariant'] else 'NOT row-invariant'}")
+        for W in TUNE_WIDTHS:
+            cells += [r[f"us_w{W}"], 100 * r[f"frac_w{W}"]]
+        cells.append(100 * r["geo_frac"])
+        rows.append(cells)
+    cols = ["format", "variant", "check (rel err, rows)"]
+    for W in TUNE_WIDTHS:
+        cols += [f"W={W} us", f"W={W} %bound"]
+    cols.append("geo-mean %")
+    print_table(f"Decode MoE per variant (route + experts + sum, CUDA graph) on {gpu}, copy {bw / 1e9:,.0f} GB/s",
+                cols, rows)
+    best = res["best"]
+    line: dict[str, str | None] = {}
+    for f in ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
+        b = best.get("q4_0" if f == "q5_0" else f)            # q5_0 (not timed) takes Q4_0's tiles
+        line[f] = None if b in (None, "dot") else b
+    print("best per format (highest geometric mean of % of bound over W = 1, 8, 16; passing variants only):")
+    print("DECODE_GEMV = {" + ", ".join(f'"{k}": ' + ("None" if v is None else f'"{v}"') for k, v in line.items())
+          + "}")
+    res["paste"] = line
 
 
 # ---------------------------------------------------------------------------------------------------- prefill
@@ -453,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="bf16,q8_0,q4_0,q4_k", help="decode formats (comma-separated)")
     ap.add_argument("--widths", default="1,8,16")
     ap.add_argument("--chunks", default="512,2048,8192")
-    ap.add_argument("--no-tune", action="store_true", help="keep the module's tile shapes")
+    ap.add_argument("--no-tune", action="store_true", help="keep the module's prefill tile shapes")
+    ap.add_argument("--tune-decode", action="store_true",
+                    help="check and time every decode variant (moe_gemv.GEMV_VARIANTS) per format, then exit")
     ap.add_argument("--max-seconds", type=float, default=170)
     args = ap.parse_args(argv)
     formats = [f.strip().lower() for f in args.formats.split(",") if f.strip()]
@@ -473,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     if not dry:
         d = torch.device(dev)
         torch.cuda.set_device(d if d.index is not None else torch.device("cuda", 0))
-    deadline = Deadline(args.max_seconds)
+    # the tuning run is one device call of at most two minutes
+    deadline = Deadline(min(args.max_seconds, 110) if args.tune_decode else args.max_seconds)
     res: dict[str, Any] = {"machine": machine(), "args": vars(args),
                            "shape": {"experts": E, "top_k": K, "hidden": H, "expert_width": NI},
                            "routing": "random hidden states through a random router (independent per token)"}
@@ -484,6 +648,18 @@ def main(argv: list[str] | None = None) -> int:
         print_table(f"MoE kernels vs torch on {res['machine'].get('gpu')}", ["check", "result", "detail"], rows)
         write_json("moe_check.json", res)
         return 0 if all(r[1] in ("ok", "info") for r in rows) else 1
+
+    if args.tune_decode:
+        bw = copy_bandwidth()
+        res["copy_bandwidth_GBs"] = bw / 1e9
+        fmts = TUNE_FORMATS if args.formats == ap.get_default("formats") else \
+            tuple(f for f in TUNE_FORMATS if f in formats)
+        res["tune_decode"] = tune_decode_gemv(bw, dev, deadline, fmts)
+        print_tuning(res["tune_decode"], res["machine"].get("gpu"), bw)
+        res["seconds"] = time.perf_counter() - t0
+        path = write_json("moe_tune_decode.json", res)
+        print(f"wrote {path} ({res['seconds']:.0f} s)")
+        return 0 if res["tune_decode"]["best"] else 1
 
     g = torch.Generator(device=dev).manual_seed(0)
     bw = copy_bandwidth()
@@ -509,12 +685,12 @@ def main(argv: list[str] | None = None) -> int:
         if deadline.left() < 25:
             res["truncated"] = True
             break
-        if not args.no_tune and deadline.left() > 60:
-            res["tuning"][f"decode_{fmt}"] = tune_decode(fmt, bw, dev, g)
         res["decode"].extend(decode_rows(fmt, widths, bw, dev, g))
         torch.cuda.empty_cache()
     res["decode_tiles"] = {"bf16": {"up": moe_kernels.MOE_UP, "down": moe_kernels.MOE_DOWN},
-                           "quantized": {"up": moe_kernels.MOE_QUP, "down": moe_kernels.MOE_QDOWN}}
+                           "quantized": {"up": moe_kernels.MOE_QUP, "down": moe_kernels.MOE_QDOWN},
+                           "decode_gemv": dict(moe_gemv.DECODE_GEMV),
+                           "gemv_variants": {f: moe_gemv.variant(f) for f in moe_gemv.DECODE_GEMV}}
     for fmt in [f for f in formats if f != "bf16"][:2]:
         if deadline.left() > 20:
             res["prefill"].extend(prefill_rows(fmt, chunks[-2:], ["triton"], peak, dev, g, deadline))
@@ -522,8 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.perf_counter() - t0
 
     print_table(f"MoE decode (route + experts + sum, CUDA graph) on {res['machine'].get('gpu')}, copy "
-                f"{bw / 1e9:,.0f} GB/s", ["format", "W", "us", "distinct experts", "bound us", "% of bound", "GB/s"],
-                [[r["format"], r["width"], r["ms"] * 1e3, r["distinct_experts"], r["bound_ms"] * 1e3,
+                f"{bw / 1e9:,.0f} GB/s",
+                ["format", "kernel", "W", "us", "distinct experts", "bound us", "% of bound", "GB/s"],
+                [[r["format"], r["kernel"], r["width"], r["ms"] * 1e3, r["distinct_experts"], r["bound_ms"] * 1e3,
                   100 * r["frac_of_bound"], r["GBs"]] for r in res["decode"]])
     print_table(f"MoE prefill (SparseMoe.forward), bf16 matmul peak {peak / 1e12:,.0f} TFLOP/s",
                 ["format", "impl", "rows", "ms", "tok/s", "bound tok/s", "% of bound", "TFLOP/s"],

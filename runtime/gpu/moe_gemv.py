@@ -429,7 +429,7 @@ if HAVE_TRITON:
 
     # -------------------------------------------------------------------------------------------- the kernel
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NP", "E"])      # one build for every window width and expert count
     def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K, mg,
                      stride_xm, stride_we, stride_om, SWN: tl.constexpr, EVEN: tl.constexpr,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,

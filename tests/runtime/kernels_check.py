@@ -203,6 +203,64 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
                 assert rel(part, pref) < tol, (fmt, rel(part, pref))
 
 
+def check_moe_gemv() -> None:
+    """The decode-window GEMV kernels (runtime/gpu/moe_gemv.py): every variant on Q4_0 and Q8_0, and a test-only
+    variant with odd tiles (rows past N, a step shorter than a row, two window rows per pass) on every format,
+    against float32 math on gguf-py's values; a row alone has the bits it has in the window (rows sharing an expert
+    too); a slot table leaves missed pairs zero, and a miss path through the same kernels gives the all-resident
+    bits."""
+    from runtime.gpu import moe_gemv
+
+    saved = dict(moe_gemv.DECODE_GEMV)
+    moe_gemv.GEMV_VARIANTS["_odd"] = {"BN_UP": 64, "BN_DOWN": 64, "KV": 64, "MB": 2, "PF": 1, "num_warps": 4,
+                                      "num_stages": 1}
+    try:
+        E, k, T = 5, 2, 4
+        cases = [(v, f) for v in moe_gemv.GEMV_VARIANTS if v != "_odd" for f in ("q4_0", "q8_0")]
+        cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k")]
+        for n, (var, fmt) in enumerate(cases):
+            H, NI = (256, 256) if fmt in ("q4_k", "q6_k") else (40, 24) if fmt == "bf16" else (64, 96)
+            g = torch.Generator().manual_seed(20 + n)
+            if fmt == "bf16":             # rows of 40 and 24 values: steps of 16 with a masked tail
+                gub, dnb = (torch.randn(E, 2 * NI, H, generator=g) * 0.1), (torch.randn(E, H, NI, generator=g) * 0.1)
+                guf, dnf = gub, dnb
+            else:
+                gub, guf = expert_blocks(fmt, E, 2 * NI, H, g)
+                dnb, dnf = expert_blocks(fmt, E, H, NI, g)
+            x = torch.randn(T, H, generator=g)
+            idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+            idx[2, 1] = idx[0, 0] if idx[2, 0] != idx[0, 0] else idx[0, 1]     # rows 0 and 2 share an expert
+            w = torch.rand(T, k, generator=g)
+            f = None if fmt == "bf16" else fmt
+            moe_gemv.DECODE_GEMV[fmt] = var
+            out = moe_kernels.moe_grouped(x, idx, w, gub, dnb, fmt=f)
+            assert rel(out, ref_moe(x, idx, w, guf, dnf)) < 3e-3, (var, fmt, rel(out, ref_moe(x, idx, w, guf, dnf)))
+            for i in ((2,) if fmt in ("q4_k", "q6_k") else (0, 2)):
+                one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gub, dnb, fmt=f)
+                assert torch.equal(one[0], out[i]), (var, fmt, i)
+            if fmt in ("q4_k", "q6_k") or (var != "_odd" and fmt == "q8_0"):
+                continue
+            res = [2, 0, 4]                              # slot -> expert; experts 1 and 3 missed
+            slot = torch.full((E,), -1, dtype=torch.int32)
+            slot[res] = torch.arange(3, dtype=torch.int32)
+            gs, ds = gub[res].contiguous(), dnb[res].contiguous()
+            part = moe_kernels.moe_grouped(x, idx, w, gs, ds, fmt=f, slot=slot)
+            assert rel(part, ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in res)) < 3e-3, (var, fmt)
+            stage = torch.full((E,), -1, dtype=torch.int32)
+            stage[1], stage[3] = 0, 1
+            gst, dst = gub[[1, 3]].contiguous(), dnb[[1, 3]].contiguous()
+
+            def miss_fn(xx, rr, y, gst=gst, dst=dst, stage=stage, f=f):
+                moe_kernels.experts(xx, rr, gst, dst, fmt=f, slot=stage, y=y, zero_missing=False)
+
+            filled = moe_kernels.moe_grouped(x, idx, w, gs, ds, fmt=f, slot=slot, miss_fn=miss_fn)
+            assert torch.equal(filled, out), (var, fmt)
+    finally:
+        del moe_gemv.GEMV_VARIANTS["_odd"]
+        moe_gemv.DECODE_GEMV.clear()
+        moe_gemv.DECODE_GEMV.update(saved)
+
+
 def check_dequant() -> None:
     """The kernels' in-register dequantizer equals gguf-py bit for bit (every format, random blocks)."""
     for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
@@ -450,6 +508,10 @@ if __name__ == "__main__":
             check_moe_prefill(dt)
         check_fused_step_quant()
         print("moe kernels ok")
+        sys.exit(0)
+    if sys.argv[1:] == ["moe_gemv"]:    # its own run (tests/runtime/test_moe_kernels.py)
+        check_moe_gemv()
+        print("moe gemv kernels ok")
         sys.exit(0)
     if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow
         check_lattice_walk()

@@ -13,7 +13,7 @@ import torch
 from runtime.errors import QuantFormatError
 from runtime.formats.blocks import dequantize, quantize
 from runtime.formats.registry import FORMATS, QTYPES, block_format, row_bytes
-from runtime.gpu import moe_kernels
+from runtime.gpu import moe_gemv, moe_kernels
 from runtime.models.layers import SparseMoe
 from runtime.models.target_config import Qwen3MoeConfig
 from tests.runtime.tiny import single_thread, tiny_config  # noqa: F401
@@ -26,6 +26,35 @@ def test_moe_kernels_in_interpreter():
     script = Path(__file__).with_name("kernels_check.py")
     r = subprocess.run([sys.executable, str(script), "moe"], capture_output=True, text=True, timeout=280)
     assert r.returncode == 0 and "moe kernels ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_moe_gemv_variants_in_interpreter():
+    script = Path(__file__).with_name("kernels_check.py")
+    r = subprocess.run([sys.executable, str(script), "moe_gemv"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "moe gemv kernels ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_gemv_steps_divide_rows_and_warps_never_split_rows():
+    # A3B rows: gate/up rows of 2048 values, down rows of 768 (= 3 x 256: K-quant steps of one super-block)
+    assert moe_gemv.chunk(2048, "q4_0", 512) == 16 and moe_gemv.chunk(768, "q4_0", 512) == 8
+    assert moe_gemv.chunk(768, "q4_k", 512) == 1 and moe_gemv.chunk(2048, "q6_k", 512) == 2
+    assert moe_gemv.chunk(2048, "bf16", 256) == 256 and moe_gemv.chunk(40, "bf16", 256) == 16   # 40: masked tail
+    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
+        for k in (768, 2048):
+            c = moe_gemv.chunk(k, fmt, 512)
+            assert (k // moe_gemv.BLOCK_VALUES[moe_gemv.QT[fmt]]) % c == 0
+    # a q4_0 step of 8 blocks spans 4 x 8 threads per warp: 2 warps cover it, a third would split the rows
+    assert moe_gemv._warps("q4_0", 8, 4) == 2 and moe_gemv._warps("q4_0", 16, 4) == 4
+    assert moe_gemv._warps("q8_0", 8, 4) == 4 and moe_gemv._warps("q4_k", 1, 4) == 2
+
+
+def test_decode_gemv_names_a_variant(monkeypatch):
+    assert all(v is None or v in moe_gemv.GEMV_VARIANTS for v in moe_gemv.DECODE_GEMV.values())
+    assert set(moe_gemv.DECODE_GEMV) == set(moe_kernels.QCODE)
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q4_0", "nope")
+    with pytest.raises(ValueError, match="not in GEMV_VARIANTS"):
+        moe_gemv.variant("q4_0")
 
 
 @pytest.mark.parametrize("bm", [1, 4, 16])
