@@ -245,7 +245,7 @@ def check_moe_gemv() -> None:
             slot[res] = torch.arange(3, dtype=torch.int32)
             gs, ds = gub[res].contiguous(), dnb[res].contiguous()
             part = moe_kernels.moe_grouped(x, idx, w, gs, ds, fmt=f, slot=slot)
-            assert rel(part, ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in res)) < 3e-3, (var, fmt)
+            assert rel(part, ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in (2, 0, 4))) < 3e-3, (var, fmt)
             stage = torch.full((E,), -1, dtype=torch.int32)
             stage[1], stage[3] = 0, 1
             gst, dst = gub[[1, 3]].contiguous(), dnb[[1, 3]].contiguous()
