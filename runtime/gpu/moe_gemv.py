@@ -13,6 +13,13 @@ d * sum(code * x), instead of each dequantized weight, sum((d * code) * x): the 
 (every d * code is exact in fp32), summed in another order. Partial products stay in an fp32 accumulator shaped like
 the loaded tile and are reduced once per row at the end.
 
+What makes it fast is where values live, which Triton decides from the tiles (checked in the kernels' SASS): a
+thread holds all BN rows of its word positions (so an activation it loads serves BN rows, and the rows are constant
+offsets from one address: the row stride is a compile-time constant), warps never split the rows, scales and
+activations are loaded straight into the code tile's layout (no shared-memory shuffle), and the next step's words
+are loaded before this step's arithmetic (PF). On a GPU two inline PTX instructions keep the compiler from moving
+the magic-number or past the loop's back edge (it would then carry the words as packed 16-bit pairs).
+
 Row invariance (BN, the loop step and MB are the same for every window width; a row's reduction order depends only
 on its place in the tile), the slot table, missed experts' rows and graph capture are those of the tl.dot kernels of
 `moe_kernels.experts`, which calls these for decode windows. `DECODE_GEMV` picks a variant of `GEMV_VARIANTS` per
@@ -33,19 +40,21 @@ if HAVE_TRITON:
     import triton.language as tl
 
 # BN_UP / BN_DOWN: weight rows per program (gate/up: BN gate rows and their BN up rows); KV: values of a row per loop
-# step (whole blocks, a power of two of them that divides the row); MB: window rows of one expert per pass
+# step (whole blocks, a power of two of them that divides the row); MB: window rows of one expert per pass (1, 2);
+# PF: prefetch the next step's words; J: code words of a 32-value block per thread (1, 2; Q8_0 up to 4), whose sum
+# takes the block's scale once; num_warps: at most (fewer when a step has too few blocks to keep warps off the rows)
 GEMV_VARIANTS: dict[str, dict[str, int]] = {
-    "n16": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n8": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n4": {"BN_UP": 4, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n16np": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 0, "num_warps": 4, "num_stages": 1},
-    "n8m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 2, "PF": 1, "num_warps": 4, "num_stages": 1},
-    "n32np": {"BN_UP": 32, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 0, "num_warps": 4, "num_stages": 1},
+    "n8j2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
+    "n16j2": {"BN_UP": 16, "BN_DOWN": 16, "KV": 256, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
+    "n8j1": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "J": 1, "num_warps": 4, "num_stages": 1},
+    "n4j2": {"BN_UP": 4, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
+    "n8j2np": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 0, "J": 2, "num_warps": 4, "num_stages": 1},
+    "n8j2m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 256, "MB": 2, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
 }
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels); one choice serves
 # every window width, which keeps a row's bits independent of the width
-DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8", "q5_0": "n8", "q4_0": "n8", "q6_k": "n8",
-                                      "q4_k": "n8"}
+DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2", "q5_0": "n8j2", "q4_0": "n8j2",
+                                      "q6_k": "n8j2", "q4_k": "n8j2"}
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
@@ -78,19 +87,28 @@ if HAVE_TRITON:
 
     _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")      # the interpreter runs no PTX
 
-    # Tiles are [A, BN, B]: A and B index the words of a loop step along the row (B: consecutive words), BN the
-    # weight rows. Triton orders a tile's threads by contiguity (B), then by the lower dimension (A), so the BN rows
-    # of a position land in one thread's registers and each activation it loads serves all of them.
+    # Tiles are [A, BN, B] (or [A, BN, J, L]): A and B index the words of a loop step along the row (B: consecutive
+    # words), BN the weight rows. Triton orders a tile's threads by contiguity (B), then by the lower dimension (A),
+    # so the BN rows of a position land in one thread's registers and each activation it loads serves all of them.
 
     @triton.jit
-    def _or(v, mg):
-        """v | mg, opaque to the compiler on a GPU: otherwise it moves the or past the loop's back edge and carries
-        prefetched words as packed 16-bit pairs, which cost two instructions per word to unpack."""
+    def _or(v, mg, X: tl.constexpr = 0):
+        """(v ^ X) | mg, opaque to the compiler on a GPU: otherwise it moves the or past the loop's back edge and
+        carries prefetched words as packed 16-bit pairs, which cost two instructions per word to unpack."""
         if _ASM:
-            return tl.inline_asm_elementwise("or.b32 $0, $1, $2;", "=r,r,r", [v, mg], dtype=tl.int32, is_pure=True,
-                                             pack=1)
+            return tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {X}, $2, 0xBE;", "=r,r,r", [v, mg], dtype=tl.int32,
+                                             is_pure=True, pack=1)
         else:
-            return v | mg
+            return (v ^ X) | mg
+
+    @triton.jit
+    def _scale(v):
+        """float16 scales (16-bit words) as float32, converted where loaded (opaque on a GPU, as `_or`)."""
+        if _ASM:
+            return tl.inline_asm_elementwise("cvt.f32.f16 $0, $1;", "=f,h", [v.to(tl.float16, bitcast=True)],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            return v.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _words(w, wo, mg):
@@ -163,116 +181,128 @@ if HAVE_TRITON:
         return tl.sum(acca0, 1), tl.sum(accb0, 1), tl.sum(acca1, 1), tl.sum(accb1, 1)
 
     # ------------------------------------------------------------------------------------ Q8_0, Q4_0, Q5_0 rows
-    # 32-value blocks; tile [NBC, BN, 8 or 16]: block, row, word of the block's codes
+    # 32-value blocks; tile [NBC, BN, J, L]: block, row, and the block's code words i = j * L + l (16 for q8_0, 8
+    # else). Threads run along l and the blocks, so a thread holds J words of each block of its rows: their sum
+    # takes the block's scale once.
 
     @triton.jit
-    def _ld32(w, blk, mg, QT: tl.constexpr):
-        """Raw words of blocks blk [NBC] of the rows w, or-ed with mg: codes [NBC, BN, 16 or 8], and d and q5_0's
-        two qh words repeated along the block's words. Q8_0's codes come with their sign bits flipped (c ^ 128)."""
+    def _words4(w, wo, mg, X: tl.constexpr = 0):
+        """16-bit words at offsets wo ([A, J, L]) of the rows w ([BN]), xor-ed with X and or-ed with mg: int32
+        [A, BN, J, L]."""
+        v = tl.load(w[None, :, None, None] + wo[:, None, :, :]).to(tl.uint16, bitcast=True).to(tl.int32)
+        return _or(v, mg, X)
+
+    @triton.jit
+    def _rep_scale(w, o, L: tl.constexpr):
+        """The float16 scale at word offsets o [A] of the rows w [BN], repeated along L, as float32 [A, BN, L]
+        (loaded as [L, A, BN] and permuted, see `_rep`)."""
+        p = w[None, None, :] + o[None, :, None] + (0 * tl.arange(0, L))[:, None, None]
+        return _scale(tl.permute(tl.load(p), (1, 2, 0)))
+
+    @triton.jit
+    def _xs3(xr, xo):
+        """Activations at offsets xo ([A, J, L]) of the row at xr, raw; loaded as [L, A, J] (see `_xs`)."""
+        return tl.permute(tl.load(xr + tl.permute(xo, (2, 0, 1))), (1, 2, 0))
+
+    @triton.jit
+    def _ld32(w, blk, mg, QT: tl.constexpr, J: tl.constexpr):
+        """Words of blocks blk [NBC] of the rows w: codes or-ed with mg [NBC, BN, J, L] (Q8_0's with their sign bits
+        flipped, c ^ 128), the scale d as float32 [NBC, BN, L] and q5_0's two qh words (repeated along l)."""
+        L: tl.constexpr = (16 if QT == 1 else 8) // J
+        i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
         if QT == 1:                                  # q8_0: 17 words (d, 16 words of two int8 codes)
-            i = tl.arange(0, 16)
             do = blk * 17
-            h = _words(w, do[:, None] + 1 + i[None, :], mg) ^ 0x8080
-            d = _rep(w, do, 16, mg)
-            return h, d, d, d
+            h = _words4(w, do[:, None, None] + 1 + i[None, :, :], mg, 0x8080)
+            d = _rep_scale(w, do, L)
+            return h, d, h, h
         elif QT == 2:                                # q5_0: 11 words (d, qh as two words, 8 words of nibbles)
-            i = tl.arange(0, 8)
             do = blk * 11
-            h = _words(w, do[:, None] + 3 + i[None, :], mg)
-            return h, _rep(w, do, 8, mg), _rep(w, do + 1, 8, mg), _rep(w, do + 2, 8, mg)
+            h = _words4(w, do[:, None, None] + 3 + i[None, :, :], mg)
+            return h, _rep_scale(w, do, L), _rep(w, do + 1, L, mg), _rep(w, do + 2, L, mg)
         else:                                        # q4_0: 9 words (d, 8 words of four nibbles)
-            i = tl.arange(0, 8)
             do = blk * 9
-            h = _words(w, do[:, None] + 1 + i[None, :], mg)
-            d = _rep(w, do, 8, mg)
-            return h, d, d, d
+            h = _words4(w, do[:, None, None] + 1 + i[None, :, :], mg)
+            d = _rep_scale(w, do, L)
+            return h, d, h, h
 
     @triton.jit
-    def _x32(xr, blk, QT: tl.constexpr):
-        """The raw activations matching the codes of each word of blocks blk: q8_0 (2i, 2i + 1), else the nibbles
-        (2i, 2i + 16, 2i + 1, 2i + 17) of the word's two bytes."""
+    def _x32(xr, blk, QT: tl.constexpr, J: tl.constexpr):
+        """The activations of each word's codes of blocks blk, as float32 pre-scaled by 2^-p for a code kept at
+        bit p of its word: q8_0 (2i, 2i + 1 * 256), else the nibbles (2i, 2i + 16, 2i + 1, 2i + 17) of its two
+        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted)."""
+        L: tl.constexpr = (16 if QT == 1 else 8) // J
+        i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
+        xo = blk[:, None, None] * 32 + 2 * i[None, :, :]
         if QT == 1:
-            xo = blk[:, None] * 32 + 2 * tl.arange(0, 16)[None, :]
-            x0 = _xs(xr, xo)
-            return x0, _xs(xr, xo + 1), x0, x0
-        else:
-            xo = blk[:, None] * 32 + 2 * tl.arange(0, 8)[None, :]
-            return _xs(xr, xo), _xs(xr, xo + 16), _xs(xr, xo + 1), _xs(xr, xo + 17)
-
-    @triton.jit
-    def _xf32(x0, x1, x2, x3, QT: tl.constexpr):
-        """Activations as float32, pre-scaled by 2^-p for a code kept at bit p of its word."""
-        if QT == 1:
-            return x0.to(tl.float32), x1.to(tl.float32) * (1.0 / 256), x0, x0
+            x0 = _xs3(xr, xo).to(tl.float32)
+            return x0, _xs3(xr, xo + 1).to(tl.float32) * (1.0 / 256), x0, x0
         elif QT == 2:
-            return x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+            return (_xs3(xr, xo).to(tl.float32), _xs3(xr, xo + 16).to(tl.float32), _xs3(xr, xo + 1).to(tl.float32),
+                    _xs3(xr, xo + 17).to(tl.float32))
         else:
-            return (x0.to(tl.float32), x1.to(tl.float32) * (1.0 / 16), x2.to(tl.float32) * (1.0 / 256),
-                    x3.to(tl.float32) * (1.0 / 4096))
+            return (_xs3(xr, xo).to(tl.float32), _xs3(xr, xo + 16).to(tl.float32) * (1.0 / 16),
+                    _xs3(xr, xo + 1).to(tl.float32) * (1.0 / 256), _xs3(xr, xo + 17).to(tl.float32) * (1.0 / 4096))
 
     @triton.jit
-    def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, QT: tl.constexpr):
-        """acc + d * sum(code * x) over each word's codes (d: the block's float16 scale)."""
-        df = _half(d)
+    def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, QT: tl.constexpr, J: tl.constexpr):
+        """acc + d * sum(code * x) over each thread's words of a block (d: the block's float16 scale)."""
         if QT == 1:
             # an int8 code c is the byte c ^ 128 (flipped when loaded) = c + 128 over 2^23's bits
             q0 = _code(h, 0x00FF, 8388736.0)                    # low byte
             q1 = _code(h, 0xFF00, 8421376.0)                    # high byte (* 256)
-            s = q0 * x0[:, None, :] + q1 * x1[:, None, :]
+            s = q0 * x0[:, None] + q1 * x1[:, None]
         elif QT == 2:
+            L: tl.constexpr = 8 // J
             qh = (qa & 0xFFFF) | (qb << 16)
-            i = tl.arange(0, 8)
-            hs = (qh >> (2 * i)[None, None, :]) << 4                # qh bit 2i + t at bit 4 + t
+            i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
+            hs = (qh[:, :, None, :] >> (2 * i)[None, None, :, :]) << 4      # qh bit 2i + t at bit 4 + t
             q0 = ((h & -65521) | (hs & 0x10)).to(tl.float32, bitcast=True) - 8388624.0
             q1 = (((h >> 4) & 0x0F) | ((hs >> 16) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
-            s = q0 * x0[:, None, :] + q1 * x1[:, None, :] + q2 * x2[:, None, :] + q3 * x3[:, None, :]
+            s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
         else:
             q0 = _code(h, 0x000F, 8388616.0)     # byte 2i, low nibble: value 2i
             q1 = _code(h, 0x00F0, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
             q2 = _code(h, 0x0F00, 8390656.0)     # byte 2i + 1, low: value 2i + 1 (* 256)
             q3 = _code(h, 0xF000, 8421376.0)     # byte 2i + 1, high: value 2i + 17 (* 4096)
-            s = q0 * x0[:, None, :] + q1 * x1[:, None, :] + q2 * x2[:, None, :] + q3 * x3[:, None, :]
-        return acc + df * s
+            s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
+        return acc + d * tl.sum(s, 2)
 
     @triton.jit
     def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
-                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, J: tl.constexpr):
         """Q8_0 / Q5_0 / Q4_0 rows. PF: the next step's words are loaded before this step's arithmetic."""
         b = tl.arange(0, NBC)
-        WB: tl.constexpr = 16 if QT == 1 else 8
-        acca0 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
-        accb0 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
-        acca1 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
-        accb1 = tl.zeros((NBC, BN, WB), dtype=tl.float32)
+        L: tl.constexpr = (16 if QT == 1 else 8) // J
+        acca0 = tl.zeros((NBC, BN, L), dtype=tl.float32)
+        accb0 = tl.zeros((NBC, BN, L), dtype=tl.float32)
+        acca1 = tl.zeros((NBC, BN, L), dtype=tl.float32)
+        accb1 = tl.zeros((NBC, BN, L), dtype=tl.float32)
         if PF:
-            ha, da, qaa, qba = _ld32(wa, b, mg, QT)
+            ha, da, qaa, qba = _ld32(wa, b, mg, QT, J)
             if TWO:
-                hb, db, qab, qbb = _ld32(wb, b, mg, QT)
+                hb, db, qab, qbb = _ld32(wb, b, mg, QT, J)
         for b0 in range(0, nblk, NBC):
             blk = b0 + b
             if PF:                                   # the next step's words (the first again after the last)
                 nxt = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + b
-                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, mg, QT)
+                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, mg, QT, J)
                 if TWO:
-                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, mg, QT)
+                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, mg, QT, J)
             else:
-                ha, da, qaa, qba = _ld32(wa, blk, mg, QT)
+                ha, da, qaa, qba = _ld32(wa, blk, mg, QT, J)
                 if TWO:
-                    hb, db, qab, qbb = _ld32(wb, blk, mg, QT)
-            x0, x1, x2, x3 = _x32(xr0, blk, QT)
-            if MB == 2:
-                y0, y1, y2, y3 = _x32(xr1, blk, QT)
-            f0, f1, f2, f3 = _xf32(x0, x1, x2, x3, QT)
-            acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, QT)
+                    hb, db, qab, qbb = _ld32(wb, blk, mg, QT, J)
+            f0, f1, f2, f3 = _x32(xr0, blk, QT, J)
+            acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, QT, J)
             if TWO:
-                accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, QT)
+                accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, QT, J)
             if MB == 2:
-                g0, g1, g2, g3 = _xf32(y0, y1, y2, y3, QT)
-                acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, QT)
+                g0, g1, g2, g3 = _x32(xr1, blk, QT, J)
+                acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, QT, J)
                 if TWO:
-                    accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, QT)
+                    accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, QT, J)
             if PF:
                 ha, da, qaa, qba = ha_, da_, qaa_, qba_
                 if TWO:
@@ -406,11 +436,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
-              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr):
+              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr, J: tl.constexpr):
         if QT == 0:
             ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
         elif QT <= 3:
-            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
+            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF, J)
         else:
             ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         return ra0, rb0, ra1, rb1
@@ -434,7 +464,7 @@ if HAVE_TRITON:
                      stride_xm, stride_we, stride_om, SWN: tl.constexpr, EVEN: tl.constexpr,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
-                     KMASK: tl.constexpr):
+                     KMASK: tl.constexpr, J: tl.constexpr):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
@@ -474,21 +504,27 @@ if HAVE_TRITON:
             else:
                 xr0 = x_ptr + p0.to(tl.int64) * stride_xm
                 xr1 = x_ptr + p1.to(tl.int64) * stride_xm
-            ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF, KMASK)
+            ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF, KMASK, J)
             _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
             if MB == 2:
                 _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
 
 
-def _warps(fmt: str, nbc: int, cfg_warps: int) -> int:
+def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
+    """J: code words of one block a thread holds (32-value formats; K-quants 1)."""
+    q = QT[fmt]
+    return max(1, min(cfg.get("J", 1), (16 if q == 1 else 8) // 2)) if q in (1, 2, 3) else 1
+
+
+def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
     """Warps of a program: no more than the step's word groups need, so warps never split the rows (a thread's
     rows stay constant offsets from one address)."""
     q = QT[fmt]
     if q == 0:
         return cfg_warps
-    words = 16 if q in (1, 5) else 8                 # words of a group (threads along them)
+    lanes = (16 if q in (1, 5) else 8) // (j if q in (1, 2, 3) else 1)     # threads along a group's words
     groups = nbc * (4 if q == 5 else 8 if q == 4 else 1)
-    return max(1, min(cfg_warps, groups // (32 // words)))
+    return max(1, min(cfg_warps, groups // (32 // lanes)))
 
 
 def _weights(w: Tensor, fmt: str) -> Tensor:
@@ -503,11 +539,12 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     NP = se.numel()
     w = _weights(gate_up, fmt)
     c = chunk(K, fmt, cfg["KV"])
+    j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, num_warps=_warps(fmt, c, cfg["num_warps"]),
+                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
                        num_stages=cfg["num_stages"])
 
 
@@ -519,9 +556,10 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     NP = se.numel()
     w = _weights(down_w, fmt)
     c = chunk(K, fmt, cfg["KV"])
+    j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, num_warps=_warps(fmt, c, cfg["num_warps"]),
+                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
                        num_stages=cfg["num_stages"])

@@ -7,7 +7,9 @@ so each expert's weights are read once per tile. Gate/up matmul + SiLU gating in
 Two tilings share the kernels:
 - decode/verify windows (T <= DECODE_ROWS): the first pair of each expert (the "leader") takes every row of that
   expert, BM = pow2(T) rows; fixed tiles, no split-K, fixed loop order: row-invariant and shape-static (a CUDA
-  graph captures it). `route` does the router softmax, top-k and the grouping on the device.
+  graph captures it). `route` does the router softmax, top-k and the grouping on the device. For the weight
+  formats `moe_gemv.DECODE_GEMV` names (the block formats by default), runtime/gpu/moe_gemv.py's matrix-vector
+  kernels take the same leader tiling with BN weight rows per program instead (bound by reading the weights).
 - prefill chunks: a block table cuts each expert's rows into tiles of BM (a grouped GEMM, no host sync, no Python
   loop over experts); not row-invariant (it need not be), deterministic. `torch._grouped_mm` is the alternative for
   BF16 weights (PREFILL_IMPL), measured against these kernels in bench/moe.py.

@@ -212,7 +212,7 @@ def check_moe_gemv() -> None:
     from runtime.gpu import moe_gemv
 
     saved = dict(moe_gemv.DECODE_GEMV)
-    moe_gemv.GEMV_VARIANTS["_odd"] = {"BN_UP": 64, "BN_DOWN": 64, "KV": 64, "MB": 2, "PF": 1, "num_warps": 4,
+    moe_gemv.GEMV_VARIANTS["_odd"] = {"BN_UP": 64, "BN_DOWN": 64, "KV": 64, "MB": 2, "PF": 1, "J": 2, "num_warps": 4,
                                       "num_stages": 1}
     try:
         E, k, T = 5, 2, 4
