@@ -85,7 +85,8 @@ class Engine:
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.step = None   # runtime.gpu.static_step.StaticStep on CUDA, built at the first generate
+        self.steps: dict[int, Any] = {}   # runtime.gpu.static_step.StaticStep by width, on CUDA (built when used)
+        self.step = None                  # the step the last generate used
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
@@ -163,15 +164,31 @@ class Engine:
         return cls.build(**args)
 
     # ------------------------------------------------------------------------------------------------ running
+    @property
+    def step_width(self) -> int:
+        """Rows of this engine's fixed-width target step: its configured block (1 without a drafter), for drafted
+        and target-only windows alike (docs/models.md, "Numerics")."""
+        return min(self.block, self.drafter.max_block) if self.drafter is not None else 1
+
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
-                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
-        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does."""
+                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
+                 width: int | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
+
+        `width` (CUDA): the fixed step's rows for this run; default the engine's `step_width`, widened to `block`
+        when a run asks for wider windows. Greedy output is bit-identical between runs of the same width."""
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
         use = self.drafter if (draft and self.drafter is not None) else None
         blk = int(block if block is not None else self.block) if use is not None else 1
+        if use is not None:
+            blk = min(blk, use.max_block)
+        if width is None:
+            width = max(self.step_width, blk)
+        elif int(width) < blk:
+            raise EngineConfigError(f"width {width} is narrower than the block {blk}; give width >= block.")
         mp = float(spec_min_p if spec_min_p is not None else self.spec_min_p)
         detok = IncrementalDetokenizer(self.tokenizer)
 
@@ -186,7 +203,7 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step())
+                           step=self.static_step(int(width)))
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
@@ -195,19 +212,22 @@ class Engine:
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
-    def static_step(self):
-        """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every
-        window, target-only decoding included, so greedy output is the same with and without drafting in BF16
-        (runtime/static_step.py says why). None on CPU (the plain forward; fp32 there)."""
+    def static_step(self, width: int | None = None):
+        """On CUDA: the fixed-width (CUDA-graph) decode/verify step of `width` rows (default `step_width`: the
+        configured block, 1 without a drafter). Target-only decoding of this engine runs at the same width as its
+        drafted windows, so greedy output is the same with and without drafting in BF16, and a narrow block or an
+        engine without a drafter does not pay for rows it never fills (docs/models.md, "Numerics"). None on CPU
+        (the plain forward; fp32 there)."""
         if self.device.type != "cuda":
             return None
-        if self.step is None:
+        w = int(width if width is not None else self.step_width)
+        if w not in self.steps:
             from runtime.gpu.static_step import StaticStep
 
-            width = self.drafter.max_block if self.drafter is not None else 1
-            self.step = StaticStep(self.model, self.kv, width, graph=self.graphs)
+            self.steps[w] = StaticStep(self.model, self.kv, w, graph=self.graphs)
             if self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
                 self.drafter.graphs = self.drafter.make_graphs()
+        self.step = self.steps[w]
         return self.step
 
     # ------------------------------------------------------------------------------------------------ reporting

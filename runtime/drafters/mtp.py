@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.drafters.base import Proposal
+from runtime.drafters.base import Proposal, floor_keep
 from runtime.gpu import attention_kernels, kernels, moe_kernels
-from runtime.gpu.capture import GraphSet, cut_at_floor
+from runtime.gpu.capture import GraphSet
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
-from runtime.sampling import SamplingParams, draw, probs
+from runtime.sampling import SamplingParams, probs
 
 
 class MTPDrafter:
@@ -38,6 +38,8 @@ class MTPDrafter:
         self.last_g: Tensor | None = None
         self.next_pos = 0
         self.graphs = None   # MTPGraphs (below), set by the engine on CUDA (greedy windows)
+        # the eager chain stops at the floor on the host (a free read on a CPU), else runs on and cuts on the device
+        self.host_cut = p.device.type == "cpu"
 
     def reset(self) -> None:
         self.kv.reset()
@@ -90,34 +92,35 @@ class MTPDrafter:
                 return prop
         committed = self.kv.length
         dev = self.kv.k.device
-        tok = torch.tensor([anchor], device=dev)
+        cpu = self.host_cut
+        tok = torch.full((1,), int(anchor), dtype=torch.long, device=dev)   # a fill, not a host-to-device copy
         g = self.last_g[None]
-        out, qs, conf = [], [], []
+        toks, qs, confs = [], [], []
         for i in range(n):
             h = self._step(tok, g, pos + i)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
             lg = self.model.lm_head(h)[0].float()
             self.logits_buf[i].copy_(lg)
-            p1 = torch.softmax(lg, -1)
-            c = float(p1.max())
-            if min_p > 0 and c < min_p:
+            c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
+            if cpu and min_p > 0 and float(c) < min_p:
                 break
             if sampling is None or sampling.greedy:
-                t = int(torch.argmax(lg))
+                t = torch.argmax(lg, dim=-1, keepdim=True)
             else:
                 q = probs(lg, sampling)
-                t = draw(q, generator)
+                t = torch.multinomial(q, 1, generator=generator)
                 qs.append(q)
-            out.append(t)
-            conf.append(c)
-            tok = torch.tensor([t], device=dev)
-            g = h
+            toks.append(t)
+            confs.append(c)
+            tok, g = t, h
         self.kv.rollback(committed)
+        conf = torch.stack(confs) if confs else torch.zeros(0, device=dev)
         return Proposal(
-            tokens=torch.tensor(out, dtype=torch.long),
+            tokens=torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=dev),
             q=torch.stack(qs) if qs else None,
-            confidence=torch.tensor(conf, dtype=torch.float32),
+            confidence=conf,
+            keep=floor_keep(conf, min_p) if min_p > 0 and not cpu and confs else None,
         )
 
     def make_graphs(self) -> MTPGraphs:
@@ -171,7 +174,7 @@ class MTPGraphs(GraphSet):
             y = mlp(h)
         return mtp.norm(x + y)[0]
 
-    def _chain(self, n: int) -> tuple[Tensor, Tensor]:
+    def _chain(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
         lm_head = self.d.model.lm_head
         tok, g = self.scal[0:1], self.g_in
         p = self.scal[1:2]
@@ -183,7 +186,8 @@ class MTPGraphs(GraphSet):
             confs.append(torch.softmax(lg, dim=-1).gather(-1, t[:, None])[:, 0])
             toks.append(t)
             tok, g, p = t, h, p + 1
-        return torch.cat(toks), torch.cat(confs)
+        conf = torch.cat(confs)
+        return torch.cat(toks), conf, floor_keep(conf, self.floor)
 
     def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
         d = self.d
@@ -191,15 +195,15 @@ class MTPGraphs(GraphSet):
                 or pos - 1 + n > d.kv.capacity:
             return None
         self._set(anchor, pos)
+        self._set_floor(min_p)
         self.g_in.copy_(d.last_g[None])
         out = self._run(("chain", n), lambda: self._chain(n))
         if out is None:
             return None
-        toks, conf = out
+        toks, conf, keep = out
         d.kv.length = pos            # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
-        c = conf.tolist()
-        m = cut_at_floor(c, min_p)
-        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+        # all n rows and the floor's count, on the device: the loop reads nothing before verifying
+        return Proposal(tokens=toks.clone(), q=None, confidence=conf.clone(), keep=keep.clone())
 
     def _observe(self) -> None:
         R = self.R

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.drafters.base import Proposal
+from runtime.drafters.base import Proposal, floor_keep
 from runtime.drafters.dflash2.model import lattice_walk
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
-from runtime.gpu.capture import GraphSet, capture, cut_at_floor, stack_linears
+from runtime.gpu.capture import GraphSet, capture, stack_linears
 
 
 class DFlash2Graphs(GraphSet):
-    """Greedy drafting (draft forward + lattice selector walk, all rows; the floor cut on the host) and observing up
-    to `max_block` committed rows, for a `runtime.drafters.dflash2.loading.DFlash2Drafter`.
+    """Greedy drafting (draft forward + lattice selector walk + the floor cut, all on the device: one graph per block,
+    no host read) and observing up to `max_block` committed rows, for a `runtime.drafters.dflash2.loading.DFlash2Drafter`.
 
     Fast path (CUDA or the Triton interpreter, cache dtype = compute dtype, no sliding window): ~17 launches a layer
     instead of ~100: fused RMSNorm (+ the residual add), one launch per dynamic convolution, one matmul for q/k/v
@@ -167,13 +167,18 @@ class DFlash2Graphs(GraphSet):
         if not self.enabled or pos != self.d.cache.length or (self.fast and pos + n + 1 > self.d.cache.capacity):
             return None
         self._set(anchor, pos)
-        out = self._run(("draft", n + 1), lambda: self._draft(n + 1))
+        self._set_floor(min_p)
+        out = self._run(("draft", n + 1), lambda: self._draft_cut(n + 1))
         if out is None:
             return None
-        toks, conf = out
-        c = conf.tolist()
-        m = cut_at_floor(c, min_p)
-        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+        toks, conf, keep = out
+        # all rows and the floor's count, on the device: the loop reads nothing before verifying
+        return Proposal(tokens=toks.clone(), q=None, confidence=conf.clone(), keep=keep.clone())
+
+    def _draft_cut(self, width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """One block: draft forward, selector walk and the floor cut, one launch sequence (one graph)."""
+        toks, conf = self._draft(width)
+        return toks, conf, floor_keep(conf, self.floor)
 
     def _observe(self) -> None:
         if self.fast:

@@ -208,6 +208,8 @@ class DFlash2Drafter:
         self.cache = ContextCache(model, context, device=dev, dtype=kv_dtype or model.dtype)
         self.logits_buf = torch.zeros(self.max_block, self.geom.vocab_size, dtype=torch.float32, device=dev)
         self.graphs = None   # runtime.drafters.dflash2.graphs.DFlash2Graphs, set by the engine on CUDA (greedy windows)
+        # the floor cut on the host (a free read on a CPU), else on the device (`Proposal.keep`: no host read)
+        self.host_cut = dev.type == "cpu"
 
     @property
     def layout(self) -> str:
@@ -247,11 +249,13 @@ class DFlash2Drafter:
         logits = self.logits_buf[:n]
         logits.copy_(self.model.compute_logits(hs, lm_head))
         if self.model.candidate_selector is None:
-            walk = argmax_walk(logits, min_p=min_p, sampling=sampling if sampled else None, generator=generator)
+            walk = argmax_walk(logits, min_p=min_p, sampling=sampling if sampled else None, generator=generator,
+                               cut=self.host_cut)
         else:
             walk = select_walk(self.model.candidate_selector, hs, logits, int(anchor), min_p=min_p,
-                               temperature=sampling.temperature if sampled else 0.0, generator=generator)
-        return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence)
+                               temperature=sampling.temperature if sampled else 0.0, generator=generator,
+                               cut=self.host_cut)
+        return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence, keep=walk.keep)
 
     def make_graphs(self):
         """The CUDA graph runner for greedy windows (the engine attaches it on CUDA)."""

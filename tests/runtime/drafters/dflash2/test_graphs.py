@@ -59,10 +59,11 @@ def test_dflash2_graph_functions_make_no_host_reads(setup):
     d.model.to("meta")
     d.cache.k, d.cache.v = d.cache.k.to("meta"), d.cache.v.to("meta")
     g.scal, g.obs_taps, g.dev = g.scal.to("meta"), g.obs_taps.to("meta"), torch.device("meta")
+    g.floor = g.floor.to("meta")
     with torch.no_grad():
-        toks, conf = g._draft(6)
+        toks, conf, keep = g._draft_cut(6)      # forward, selector walk and the floor cut: one graph
         g._observe()
-    assert toks.shape == (5,) and conf.shape == (5,)
+    assert toks.shape == (5,) and conf.shape == (5,) and keep.shape == ()
 
 
 def _selector(V: int, k: int, r: int, seed: int, integer: bool):
