@@ -411,13 +411,13 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
     prev = torch.full((), int(anchor), dtype=torch.long, device=dev)     # a fill, not a host-to-device copy
     toks: list[Tensor] = []
     scores: list[Tensor] = []
-    for r in range(R):
-        score = unary[r] + succ[r] @ (pred[prev].float() * hp[r])
+    for r in range(R):     # gathers by device index (index_select), never a 0-d tensor index (a host read)
+        score = unary[r] + succ[r] @ (pred.index_select(0, prev.reshape(1))[0].float() * hp[r])
         if temperature > 0:
             idx = torch.multinomial(torch.softmax(score / temperature, dim=-1), 1, generator=generator)[0]
         else:
             idx = torch.argmax(score)
-        prev = cand[r, idx]
+        prev = cand[r].index_select(0, idx.reshape(1))[0]
         toks.append(idx)
         scores.append(score)
     if R == 0:
