@@ -11,7 +11,7 @@ from runtime.gpu import attention_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
-from runtime.sampling import SamplingParams, probs
+from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
 class MTPDrafter:
@@ -86,8 +86,8 @@ class MTPDrafter:
         if pos != self.next_pos or self.last_g is None:
             raise RuntimeError(f"MTP drafter asked to draft at position {pos}, it has observed up to {self.next_pos}.")
         n = min(n, self.max_block - 1)
-        if self.graphs is not None and (sampling is None or sampling.greedy):
-            prop = self.graphs.propose(anchor, pos, n, min_p)
+        if self.graphs is not None:
+            prop = self.graphs.propose(anchor, pos, n, min_p, sampling, generator)
             if prop is not None:
                 return prop
         committed = self.kv.length
@@ -134,8 +134,9 @@ class MTPDrafter:
 
 
 class MTPGraphs(GraphSet):
-    """Greedy chained drafting of n steps and observing up to `max_block` committed rows for an `MTPDrafter`
-    (needs the Triton kernels: the cached attention reads each row's slot on the device)."""
+    """Chained drafting of n steps (greedy, or sampled: a Gumbel-max draw from `probs` with uniforms filled before
+    the replay) and observing up to `max_block` committed rows for an `MTPDrafter`, one graph each (needs the
+    Triton kernels: the cached attention reads each row's slot on the device)."""
 
     def __init__(self, drafter) -> None:
         super().__init__(drafter.kv.k.device)
@@ -146,6 +147,7 @@ class MTPGraphs(GraphSet):
         self.g_in = torch.zeros(1, H, dtype=dt, device=self.dev)
         self.obs_tok = torch.zeros(self.R, dtype=torch.long, device=self.dev)
         self.obs_g = torch.zeros(self.R, H, dtype=dt, device=self.dev)
+        self.noise = torch.zeros(self.R, drafter.model.cfg.vocab_size, dtype=torch.float32, device=self.dev)
         self.enabled = kernels.available(drafter.kv.k)
 
     def _rows(self, tok: Tensor, g: Tensor, p: Tensor, slot: Tensor) -> Tensor:
@@ -174,36 +176,47 @@ class MTPGraphs(GraphSet):
             y = mlp(h)
         return mtp.norm(x + y)[0]
 
-    def _chain(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _chain(self, n: int, sp: SamplingParams | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         lm_head = self.d.model.lm_head
         tok, g = self.scal[0:1], self.g_in
         p = self.scal[1:2]
-        toks, confs = [], []
-        for _ in range(n):
+        toks, confs, qs = [], [], []
+        for i in range(n):
             h = self._rows(tok, g, p, (p - 1).to(torch.int32))
             lg = lm_head(h).float()
-            t = torch.argmax(lg, dim=-1)
-            confs.append(torch.softmax(lg, dim=-1).gather(-1, t[:, None])[:, 0])
+            confs.append(torch.softmax(lg, dim=-1).amax(-1))     # top-1 probability: the floor's statistic
+            if sp is None:
+                t = torch.argmax(lg, dim=-1)
+            else:
+                q = probs(lg, sp)
+                t = gumbel_pick(torch.log(q), self.noise[i:i + 1])
+                qs.append(q)
             toks.append(t)
             tok, g, p = t, h, p + 1
         conf = torch.cat(confs)
-        return torch.cat(toks), conf, floor_keep(conf, self.floor)
+        return torch.cat(toks), conf, floor_keep(conf, self.floor), torch.cat(qs) if qs else None
 
-    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+    def propose(self, anchor: int, pos: int, n: int, min_p: float, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal | None:
         d = self.d
         if not self.enabled or n <= 0 or d.last_g is None or d.kv.length != pos - 1 \
                 or pos - 1 + n > d.kv.capacity:
             return None
+        sk = sampling_key(sampling)
+        sp = sampling if sk is not None else None
         self._set(anchor, pos)
         self._set_floor(min_p)
         self.g_in.copy_(d.last_g[None])
-        out = self._run(("chain", n), lambda: self._chain(n))
+        if sp is not None:
+            self.noise[:n].uniform_(generator=generator)      # the draws' randomness, outside the graph
+        out = self._run(("chain", n, sk), lambda: self._chain(n, sp))
         if out is None:
             return None
-        toks, conf, keep = out
+        toks, conf, keep, q = out
         d.kv.length = pos            # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
         # all n rows and the floor's count, on the device: the loop reads nothing before verifying
-        return Proposal(tokens=toks.clone(), q=None, confidence=conf.clone(), keep=keep.clone())
+        return Proposal(tokens=toks.clone(), q=None if q is None else q.clone(), confidence=conf.clone(),
+                        keep=keep.clone())
 
     def _observe(self) -> None:
         R = self.R

@@ -154,6 +154,28 @@ def check_mtp_graphs() -> None:
         assert (got.stats["accepted"], got.stats["windows"]) == (ref.stats["accepted"], ref.stats["windows"]), \
             (got.stats["accepted"], ref.stats["accepted"])
         eng.drafter.graphs = None
+    # sampled chains through the graph: a draw from q at every step (q = the eager path's at the first step)
+    from runtime.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=3)
+    eng.drafter.graphs = MTPGraphs(eng.drafter)
+    out = eng.generate(ids, max_new_tokens=10, sampling=sp, stop_ids=set())
+    assert len(out.token_ids) == 10 and eng.drafter.graphs.enabled and not eng.drafter.graphs.errors
+    d, d_pos = eng.drafter, eng.drafter.next_pos
+    anchor = out.token_ids[-1]
+    gen = torch.Generator().manual_seed(1)
+    d.kv.length = d_pos - 1                   # the state a window starts from (the last window kept an entry)
+    fast = d.propose(anchor, d_pos, 3, min_p=0.0, sampling=sp, generator=gen)
+    assert d.graphs.replays == 0 and fast.keep is not None   # the graph path (eager on the CPU) made it
+    graphs, d.graphs = d.graphs, None
+    d.kv.length = d_pos - 1                   # both paths keep the first step's entry: draft from the same state
+    eager = d.propose(anchor, d_pos, 3, min_p=0.0, sampling=sp, generator=gen)
+    d.graphs = graphs
+    assert fast.q.shape == eager.q.shape == (3, eng.model.cfg.vocab_size)
+    assert torch.allclose(fast.q.sum(-1), torch.ones(3), atol=1e-5)
+    assert bool((fast.q.gather(-1, fast.tokens[:, None]) > 0).all())
+    assert torch.allclose(fast.q[0], eager.q[0], atol=1e-5)
+    d.graphs = None
 
 
 def check_dyn_conv(dt: torch.dtype) -> None:

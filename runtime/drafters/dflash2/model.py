@@ -434,10 +434,10 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
         if min_p > 0:
             qk = _floor_q(qk, conf_all >= min_p)
         q = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter(-1, cand, qk)
-    return _cut(tokens, conf, q, min_p, cut)
+    return cut_walk(tokens, conf, q, min_p, cut)
 
 
-def _cut(tokens: Tensor, conf: Tensor, q: Tensor | None, min_p: float, cut: bool) -> Walk:
+def cut_walk(tokens: Tensor, conf: Tensor, q: Tensor | None, min_p: float, cut: bool) -> Walk:
     """Rows up to the floor: cut here (one host read), or all rows with the device count (`cut=False`)."""
     if not cut:
         return Walk(tokens=tokens, confidence=conf, q=q, keep=floor_keep(conf, min_p) if min_p > 0 else None)
@@ -506,4 +506,4 @@ def argmax_walk(logits: Tensor, *, min_p: float = 0.0, sampling: SamplingParams 
     else:
         q, toks = None, torch.argmax(logits, dim=-1)
     conf = p1.gather(-1, toks[:, None])[:, 0]
-    return _cut(toks, conf, q, min_p, cut)
+    return cut_walk(toks, conf, q, min_p, cut)
