@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=170.0, help="training time of both phases together")
     ap.add_argument("--split", type=float, default=0.55, help="share of --seconds for the from-scratch phase")
-    ap.add_argument("--long-prompts", type=int, default=3072)
+    ap.add_argument("--long-prompts", type=int, default=2048)
     ap.add_argument("--short-prompts", type=int, default=4096)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="nano")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. long continuations (run_all.py stage 2) and a held-out set for the proxy
     t = time.time()
     seqs = make_distill_set(model, data["train"], args.long_prompts, plen, preset.distill_new, dev, log,
-                            seed=args.seed + 1)
+                            seed=args.seed + 1, batch=1024)
     eval_seqs = make_distill_set(model, data["eval"], max(8, args.long_prompts // 24), plen, preset.distill_new,
                                  dev, log, seed=args.seed + 2)
     metrics["distill_long"] = {"sequences": int(seqs.shape[0]), "seconds": round(time.time() - t, 1)}
