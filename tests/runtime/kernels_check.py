@@ -242,6 +242,21 @@ def check_dflash2_graphs() -> None:
                 fast = graphs.propose(anchor, pos, 5, 0.0)
                 assert torch.equal(fast.tokens, eager.tokens), (fast.tokens, eager.tokens)
                 assert torch.allclose(fast.confidence, eager.confidence, atol=1e-5)
+                # sampled through the fast path: a draw from its q rows; row 0's q is the eager walk's
+                from runtime.sampling import SamplingParams
+
+                sp = SamplingParams(temperature=0.8, seed=2)
+                out = eng.generate(ids, max_new_tokens=14, sampling=sp, stop_ids=set())
+                assert len(out.token_ids) == 14 and dr.graphs.fast and not dr.graphs.errors, dr.graphs.errors
+                n = dr.cache.length
+                anchor = out.token_ids[-1]
+                s_fast = graphs.propose(anchor, n, 5, 0.0, sp, torch.Generator().manual_seed(0))
+                dr.graphs = None
+                s_eager = dr.propose(anchor, n, 5, min_p=0.0, sampling=sp, generator=torch.Generator().manual_seed(0))
+                dr.graphs = graphs
+                assert torch.allclose(s_fast.q.sum(-1), torch.ones(5), atol=1e-5)
+                assert bool((s_fast.q.gather(-1, s_fast.tokens[:, None]) > 0).all())
+                assert torch.allclose(s_fast.q[0], s_eager.q[0], atol=1e-5)
 
 
 def check_lattice_walk() -> None:
