@@ -7,7 +7,7 @@ What the target is, exactly (also in bench/README.md):
 - The pack's trained target (setup_wizard/bundled/strata-nano, BF16) decides every token: its logits, hidden states
   and taps are what the drafters see and what acceptance compares against, so tokens per window are real.
 - Beside it runs "the tower": a model of the Qwen3-30B-A3B shape with random BF16 weights (48 layers, hidden 2048,
-  32 query / 4 KV heads of 128, 128 experts top-8 of width 768, vocab 151936; bench/decode.py's builder) with honest
+  32 query / 4 KV heads of 128, 128 experts top-8 of width 768, vocab 151936; bench/common.py's builder) with honest
   routing: embeddings at std 1, each layer's attention o_proj and experts' down_proj at 0.05 x 0.02, so a token's
   router input stays its own and a window of W tokens touches about as many experts as independent top-8 choices
   (a std-0.02 random model sends nearly every token to the same experts and flatters wide windows). The tower reads
@@ -47,18 +47,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    A3B_SHAPE,
     NANO,
     NANO_DFLASH2,
     ROOT,
     Deadline,
+    build_random_a3b,
     copy_bandwidth,
+    distinct_experts,
     machine,
     median,
     print_table,
     task_prompts,
     write_json,
 )
-from bench.decode import A3B, build_random_on_gpu  # noqa: E402
 from runtime.gpu.static_step import StaticStep  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
@@ -68,25 +70,17 @@ from runtime.speculative import generate_ids  # noqa: E402
 
 NANO_TURBO = ROOT / "setup_wizard" / "bundled" / "strata-nano-dflash2-turbo"
 # a toy tower for `--shape tiny` (CPU smoke runs of this script; no figure from it means anything)
-TINY = {**A3B, "vocab_size": 8192, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+TINY = {**A3B_SHAPE, "vocab_size": 8192, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
         "moe_intermediate_size": 32, "intermediate_size": 128}
-HONEST_EMBED_STD, HONEST_RESIDUAL, BASE_STD = 1.0, 0.05, 0.02
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9, seed=1234)
 
 
 # ------------------------------------------------------------------------------------------------ the target
 def build_tower(shape: dict, device: str, seed: int = 0):
-    """The A3B-shaped tower with honest routing (module docstring): bench/decode.py's random builder (std 0.02,
-    experts stacked), then embeddings scaled to std 1 and o_proj / down_proj to 0.05 x 0.02."""
-    m = build_random_on_gpu(shape, seed=seed, std=BASE_STD, device=device)
-    with torch.no_grad():
-        m.model.embed_tokens.weight.mul_(HONEST_EMBED_STD / BASE_STD)
-        for layer in m.model.layers:
-            layer.self_attn.o_proj.weight.mul_(HONEST_RESIDUAL)
-            if isinstance(layer.mlp, SparseMoe):
-                layer.mlp.down.mul_(HONEST_RESIDUAL)     # the experts' down_proj weights are views of it
-    return m
+    """The A3B-shaped tower with honest routing (module docstring; bench/common.py builds it, experts stacked)."""
+    model, _ = build_random_a3b(shape, device=device, seed=seed, honest=True)
+    return model
 
 
 class ScaledTarget:
@@ -145,7 +139,7 @@ class Harness:
         self.dtype = self.nano.lm_head.weight.dtype
         self.drafters: dict[str, Any] = {"mtp": eng.drafter}
         t0 = time.perf_counter()
-        self.tower = build_tower(TINY if args.shape == "tiny" else A3B, args.device)
+        self.tower = build_tower(TINY if args.shape == "tiny" else A3B_SHAPE, args.device)
         c = self.tower.cfg
         self.tower_kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, args.context,
                                 dtype=self.tower.lm_head.weight.dtype, device=self.dev)
@@ -241,32 +235,12 @@ def verify_cost(h: Harness, ids: list[int], widths: list[int], reps: int) -> dic
                 times.append(dt)
         ms[w] = median(times)
     h.tower_kv.length = L
-    experts = distinct_experts(h.tower, ids[:256], widths)
+    experts = {}
+    for w in widths:
+        d = distinct_experts(h.tower, ids[:256], w)
+        experts[w] = {"mean": d["mean"], "uniform": d["uniform"]}
     return {"context": L, "step_ms": ms, "relative": {w: ms[w] / ms[widths[0]] for w in widths},
             "distinct_experts_per_layer": experts, "routing": "honest (embeddings std 1, residual writes x 0.05)"}
-
-
-@torch.no_grad()
-def distinct_experts(model, ids: list[int], widths: list[int]) -> dict[int, dict[str, float]]:
-    """Distinct experts per MoE layer touched by windows of `width` consecutive tokens of `ids` (mean over layers of
-    the median over non-overlapping windows), and what independent uniform top-k choices would give."""
-    moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
-    k, E = moe[0].top_k, moe[0].n_exp
-    picks: list[torch.Tensor] = []
-    hooks = [m.gate.register_forward_hook(lambda mod, inp, out: picks.append(out.topk(k, dim=-1).indices))
-             for m in moe]
-    try:
-        model(torch.tensor([ids], device=model.lm_head.weight.device), logits_to_keep=-1)
-    finally:
-        for hk in hooks:
-            hk.remove()
-    out = {}
-    for w in widths:
-        n = len(ids) // w
-        per_layer = [median([float(torch.unique(r).numel()) for r in p.reshape(-1, k)[: n * w].reshape(n, w * k)])
-                     for p in picks]
-        out[w] = {"mean": sum(per_layer) / len(per_layer), "uniform": E * (1 - (1 - k / E) ** w)}
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ the arms
