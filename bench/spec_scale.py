@@ -2,6 +2,7 @@
 a Qwen3-30B-A3B-shaped model run beside it.
 
     python bench/spec_scale.py [--full] [--check] [--device cuda] [--new-tokens 128] [--max-seconds 230]
+                               [--extra-head PATH[:LABEL]]
 
 What the target is, exactly (also in bench/README.md):
 - The pack's trained target (setup_wizard/bundled/strata-nano, BF16) decides every token: its logits, hidden states
@@ -250,6 +251,11 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
         arms.append({"arm": f"MTP chain {chain} (b{chain + 1})", "kind": "mtp", "block": chain + 1, "family": "mtp"})
     for b in (4, 6, 8):
         arms.append({"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "block": b, "family": "dflash2", "quant": "bf16"})
+    if "extra" in h.drafters:
+        label = h.extra_label
+        for b in (4, 6, 8):
+            arms.append({"arm": f"DFlash2 {label} bf16 b{b}", "kind": "extra", "block": b, "family": "dflash2",
+                         "quant": "bf16"})
     if "turbo" in h.drafters:
         for b in (12, 16):
             arms.append({"arm": f"DFlash2 turbo bf16 b{b}", "kind": "turbo", "block": b, "family": "dflash2",
@@ -262,8 +268,12 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
     return arms
 
 
-def load_drafters(h: Harness, tmp: Path) -> Path | None:
+def load_drafters(h: Harness, tmp: Path, extra: str = "") -> Path | None:
     h.add_dflash2("dflash2", NANO_DFLASH2)
+    if extra:                                   # another head for this target, e.g. the one a re-training replaces
+        path, _, label = extra.partition(":")
+        h.add_dflash2("extra", Path(path))
+        h.extra_label = label or "extra"
     if (NANO_TURBO / "model.safetensors").is_file():
         h.add_dflash2("turbo", NANO_TURBO)
     try:
@@ -473,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="code,math,prose,long")
     ap.add_argument("--shape", choices=("a3b", "tiny"), default="a3b", help="tiny: a toy tower for CPU smoke runs")
     ap.add_argument("--max-seconds", type=float, default=230)
+    ap.add_argument("--extra-head", default="", metavar="PATH[:LABEL]",
+                    help="another DFlash2 head for the pack's target, measured at blocks 4/6/8 beside the default")
     args = ap.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.full else 2
@@ -492,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                            "prompt_tokens": {t: len(v) for t, v in prompts.items()},
                            "target": "strata-nano (trained, decides every token) + A3B-shaped tower (cost; logits x 0)"}
     with tempfile.TemporaryDirectory() as td:
-        gdir = load_drafters(h, Path(td))
+        gdir = load_drafters(h, Path(td), args.extra_head)
         arms = arm_list(h, gdir)
         for a in arms:
             a["name"] = a["arm"]
