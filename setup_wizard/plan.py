@@ -462,14 +462,18 @@ def drafter_geometry(head: HeadOption | Artifact | Path | None) -> DFlash2Geomet
 
 
 def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry | None, *,
-                  dtype: str | None = None, kv_dtype: str | None = None) -> B.BudgetInputs:
-    """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype`)."""
+                  dtype: str | None = None, kv_dtype: str | None = None,
+                  prefill_chunk: int | None = None) -> B.BudgetInputs:
+    """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype` incl. "q8_0",
+    `prefill_chunk`)."""
     dtype_bytes = B.DTYPE_BYTES.get(dtype or "", 2 if hw.device_type == "cuda" else 4)
     kv_dtype_bytes = B.DTYPE_BYTES.get(kv_dtype or "", dtype_bytes)
+    kv_quant = kv_dtype if kv_dtype in B.KV_QUANTS else None     # 8-bit target cache; the drafters' stay at dtype
     block = KINDS[plan.drafter].max_block(dgeo, None) if (dgeo is not None or plan.drafter != "dflash2") else 1
     return B.BudgetInputs(context=context, block=block, device_type=hw.device_type,
                           available_bytes=hw.free_bytes, total_bytes=hw.total_bytes,
-                          reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes)
+                          reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes,
+                          kv_quant=kv_quant, prefill_chunk=prefill_chunk)
 
 
 def compute(plan: Plan, geo: TargetGeometry, dgeo: DFlash2Geometry | None) -> B.Budget:
@@ -759,7 +763,8 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware) -> B.Budget:
                 drafter=kind, head=None, quant=drafter.get("quantization"), context=int(mem["context"]),
                 reserve_mib=int(mem.get("reserve_mib", 0)), calibrate=False, offline=True,
                 config_path=Path(), hardware=hw)
-    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"))
+    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"),
+                           prefill_chunk=mem.get("prefill_chunk"))
     return B.compute_budget(geo, kind, inputs, dflash2=dgeo, quant=plan.quant or "bf16")
 
 
