@@ -22,6 +22,8 @@ from runtime.kv import KV_CHUNK, Q8_BLOCK, split_chunks
 
 SPLIT_PROGRAMS = 128    # programs per (row, KV head) at most; each walks chunks first, first + 128, ...
 REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant: it fixes the summation order)
+# positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
+SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 
 if HAVE_TRITON:
     import triton
@@ -272,11 +274,12 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         raise ValueError(f"attention partials hold {part.numel()} floats, {need} needed.")
     acc, ml = part[:n_acc], part[n_acc:need]
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
-    BS = 64 if hd <= 128 else 32
+    t = SPLIT_TILE
+    BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     _attn_split_kernel[(W, nkv, min(nc, SPLIT_PROGRAMS))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, G=G, GP=pow2(G), HD=hd, BS=BS, CHUNK=chunk, Q8=q8, NB=nb, QB=qb,
-        num_warps=4, num_stages=3)
+        num_warps=t["num_warps"], num_stages=t["num_stages"])
     o = torch.empty_like(q)
     _attn_reduce_kernel[(W, nh)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, CHUNK=chunk,
                                  NCB=REDUCE_TILE, num_warps=4)
