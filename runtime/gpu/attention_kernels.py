@@ -144,9 +144,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
-                            HD: tl.constexpr, CHUNK: tl.constexpr, NCB: tl.constexpr):
-        """Program (row, head): the row's chunk partials combined. Lane j of an NCB-wide tile takes chunks j,
-        j + NCB, ... in order, then the lanes are summed: a fixed order for a given position."""
+                            HD: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr, NCB: tl.constexpr):
+        """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
+        an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
+        given position (each column's arithmetic is the same whichever program does it)."""
         row = tl.program_id(0)
         h = tl.program_id(1)
         nh = tl.num_programs(1)
@@ -154,14 +155,14 @@ if HAVE_TRITON:
         n_valid = (pos + CHUNK) // CHUNK
         slot0 = (row * nh + h).to(tl.int64) * NC
         j = tl.arange(0, NCB)
-        d = tl.arange(0, HD)
+        d = tl.program_id(2) * DB + tl.arange(0, DB)
         mv = tl.full((NCB,), float("-inf"), dtype=tl.float32)
         for c0 in range(0, n_valid, NCB):
             c = c0 + j
             mv = tl.maximum(mv, tl.load(ml_ptr + (slot0 + c) * 2, mask=c < n_valid, other=float("-inf")))
         m_all = tl.max(mv, 0)
         lv = tl.zeros((NCB,), dtype=tl.float32)
-        ov = tl.zeros((NCB, HD), dtype=tl.float32)
+        ov = tl.zeros((NCB, DB), dtype=tl.float32)
         for c0 in range(0, n_valid, NCB):
             c = c0 + j
             cm = c < n_valid
@@ -217,7 +218,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, o_ptr, end, stride_qh, stride_qs, stride_sh, stride_ss, stride_oh, stride_os,
                         NB: tl.constexpr, QB: tl.constexpr, BS: tl.constexpr):
-        h = tl.program_id(0)
+        h = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1) * BS + tl.arange(0, BS)
         sm = s < end
         b = tl.arange(0, NB)
@@ -281,8 +282,9 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         kc.stride(1), ssh, sss, nc, G=G, GP=pow2(G), HD=hd, BS=BS, CHUNK=chunk, Q8=q8, NB=nb, QB=qb,
         num_warps=t["num_warps"], num_stages=t["num_stages"])
     o = torch.empty_like(q)
-    _attn_reduce_kernel[(W, nh)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, CHUNK=chunk,
-                                 NCB=REDUCE_TILE, num_warps=4)
+    db = 32 if hd % 32 == 0 else hd
+    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, CHUNK=chunk,
+                                           NCB=REDUCE_TILE, num_warps=2)
     return o
 
 

@@ -3,7 +3,9 @@
 Why: on a GPU a small model's decode step is dominated by kernel launches (hundreds per step); a CUDA graph replays
 them as one. A graph needs static shapes, so every window runs at one width `W` (a narrower window is padded with
 rows at position -1, which write nothing and read nothing) and attention reads each row's own length from a device
-tensor (runtime/kernels.py), so one graph serves every position and every window size up to W.
+tensor (runtime/gpu/attention_kernels.py: the context split into chunks fixed by position, a grid over the whole
+capacity), so one graph serves every position and every window size up to W. A q8_0 cache (runtime/kv.py) is
+written and read by the same kernels.
 
 Why one width also for the one-token decode: in BF16 a 1-row and a k-row matmul can round differently and flip a
 near-tie, which would break "greedy speculative output == target-only greedy output". At one width every row goes
