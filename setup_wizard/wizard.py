@@ -1,6 +1,6 @@
 """The interactive questions (questionary) → `Choices`, and the summary the user confirms.
 
-Only asks and calls: every answer lands in `plan.Choices`, and `plan.resolve` makes the recommendations, so
+Only asks and calls: every answer lands in `Choices`, and `resolve` makes the recommendations, so
 the scripted path (`--yes`, `--answers`) and this one produce the same plan. Questions already answered by a
 flag are not asked. `input`/`output` are passed through to prompt_toolkit so tests can drive the flow.
 """
@@ -15,17 +15,19 @@ import questionary
 from rich.console import Console
 from rich.table import Table
 
-from setup_wizard import plan as P
+from runtime.drafters.registry import KINDS
+from runtime.errors import UsageError
+from runtime.formats.registry import FORMATS
 from setup_wizard.budget import MIB, Budget
+from setup_wizard.choices import Choices
 from setup_wizard.hardware import Hardware
+from setup_wizard.inspection import target_geometry
+from setup_wizard.plan import Plan, recommended_target, resolve
+from setup_wizard.services import Services
 
 LOCAL = "__local__"
-QUANT_LABELS = {
-    "bf16": "BF16 — original weights, most accurate (recommended)",
-    "q8_0": "Q8_0 — about half the memory, near-identical drafts",
-    "q4_0": "Q4_0 — about a quarter of the memory, leaves the most room for experts",
-    "q5_0": "Q5_0 — between Q8_0 and Q4_0",
-}
+RECOMMENDED_QUANT = "bf16"
+QUANT_LABELS = {q: f.label + (" (recommended)" if q == RECOMMENDED_QUANT else "") for q, f in FORMATS.items()}
 
 
 def _ask(question: questionary.Question) -> Any:
@@ -39,16 +41,16 @@ def _size(n: int) -> str:
     return f"{n / MIB:.1f} MiB"
 
 
-def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = None,
-        output: Any = None) -> P.Choices:
-    """Ask what the flags left open, in the issue's order: target, drafter, DFlash2 head and quantization, context,
+def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None,
+        output: Any = None) -> Choices:
+    """Ask what the flags left open, in this order: target, drafter, DFlash2 head and quantization, context,
     reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
     io = {"input": input, "output": output}
     ans = replace(choices)
 
     if ans.target is None:
         options = services.targets()
-        rec, why = P.recommended_target(options) if options else (None, "")
+        rec, why = recommended_target(options) if options else (None, "")
         items = []
         # what is here first, then the bundled pack, then what can be downloaded; unpinned entries last
         options = sorted(options, key=lambda o: (not (o.available and o.source != "bundled"),
@@ -76,18 +78,19 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
         ans.target = picked
 
     # what the plan would recommend from here on (also validates the target)
-    draft = P.resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
+    draft = resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
     target = draft.target
     heads = services.heads(target.name) if target.source != "local" else []
 
     if ans.drafter is None and not (ans.dflash2_head or ans.dflash2_quant):
-        items = [
-            questionary.Choice("MTP — the target's own draft head (default, well tested)", value="mtp",
-                               disabled=None if target.has_mtp is not False else "this target has no MTP head"),
-            questionary.Choice("DFlash2 — block-diffusion drafter (experimental)", value="dflash2",
-                               disabled=None if heads else "no DFlash2 head fits this target"),
-            questionary.Choice("None — run the target alone", value="none"),
-        ]
+        def why_not(kind) -> str | None:
+            if kind.name == "mtp" and target.has_mtp is False:
+                return "this target has no MTP head"
+            if kind.needs_file and not heads:
+                return f"no {kind.name} head fits this target"
+            return None
+
+        items = [questionary.Choice(k.label, value=k.name, disabled=why_not(k)) for k in KINDS.values()]
         ans.drafter = _ask(questionary.select(
             "Which speculative drafter?", choices=items, default=draft.drafter,
             instruction=f"(recommended: {draft.drafter} — {draft.why.get('drafter', '')})", **io))
@@ -95,10 +98,10 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
     elif ans.drafter is None:
         ans.drafter = "dflash2"
 
-    if ans.drafter == "dflash2":
+    if KINDS[ans.drafter].needs_file:
         if ans.dflash2_head is None:
             if not heads:
-                raise P.UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
+                raise UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
                                    "local folder.")
             default = next((h.name for h in heads if h.default), heads[0].name)
             items = [questionary.Choice(
@@ -111,15 +114,17 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
             if ans.dflash2_head == default:
                 ans.notes["dflash2_head"] = "the official head (catalog default)"
         if ans.dflash2_quant is None:
-            items = [questionary.Choice(QUANT_LABELS[q], value=q) for q in ("bf16", "q8_0", "q4_0")]
+            items = [questionary.Choice(QUANT_LABELS[q], value=q) for q, f in FORMATS.items() if f.offered]
+            more = [q for q, f in FORMATS.items() if not f.offered]
             ans.dflash2_quant = _ask(questionary.select(
-                "DFlash2 weight format (converted locally to GGUF)?", choices=items, default="bf16",
-                instruction="(Q5_0 is available with --dflash2-quant q5_0)", **io))
-            if ans.dflash2_quant == "bf16":
+                "DFlash2 weight format (converted locally to GGUF)?", choices=items, default=RECOMMENDED_QUANT,
+                instruction=f"({', '.join(m.upper() for m in more)} available with --dflash2-quant)" if more else None,
+                **io))
+            if ans.dflash2_quant == RECOMMENDED_QUANT:
                 ans.notes["dflash2_quant"] = "original weights; Q8_0/Q4_0 save memory"
 
     if ans.context is None:
-        rec = P.resolve(ans, hw, services)  # recommended with the default (or given) reserve
+        rec = resolve(ans, hw, services)  # recommended with the default (or given) reserve
         limit = _model_limit(rec)
         text = _ask(questionary.text(
             "Context length in tokens?", default=str(rec.context),
@@ -128,7 +133,7 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
         ans.context = int(text)
         _note(ans, "context", ans.context == rec.context, rec.why)
     if ans.vram_reserve_mib is None:
-        rec = P.resolve(ans, hw, services)
+        rec = resolve(ans, hw, services)
         where = "GPU memory" if hw.device_type == "cuda" else "RAM"
         text = _ask(questionary.text(
             f"Memory to keep free for other programs, in MiB ({where})?", default=str(rec.reserve_mib),
@@ -149,18 +154,18 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
     return ans
 
 
-def _note(ans: P.Choices, key: str, took_default: bool, why: dict[str, str]) -> None:
+def _note(ans: Choices, key: str, took_default: bool, why: dict[str, str]) -> None:
     if took_default and why.get(key):
         ans.notes[key] = why[key]
 
 
-def _model_limit(plan: P.Plan) -> int | None:
+def _model_limit(plan: Plan) -> int | None:
     """The target's max_position_embeddings when its config is here (else no upper bound yet)."""
     if plan.target.local_path is None:
         return None
     try:
-        return P.target_geometry(plan.target.local_path).max_position
-    except P.UsageError:
+        return target_geometry(plan.target.local_path).max_position
+    except UsageError:
         return None
 
 
@@ -203,7 +208,7 @@ def budget_table(budget: Budget, title: str = "Memory budget") -> Table:
     return t
 
 
-def summary_table(plan: P.Plan) -> Table:
+def summary_table(plan: Plan) -> Table:
     t = Table(title="Setup plan", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value", overflow="fold")
@@ -211,7 +216,7 @@ def summary_table(plan: P.Plan) -> Table:
     t.add_row("device", plan.hardware.describe(), "; ".join(plan.hardware.notes))
     t.add_row("target", f"{plan.target.name} ({plan.target.source})", plan.why.get("target", ""))
     t.add_row("drafter", plan.drafter, plan.why.get("drafter", ""))
-    if plan.drafter == "dflash2" and plan.head:
+    if KINDS[plan.drafter].needs_file and plan.head:
         t.add_row("DFlash2 head", plan.head.name, plan.why.get("dflash2_head", ""))
         t.add_row("quantization", plan.quant or "", plan.why.get("dflash2_quant", ""))
     t.add_row("context", f"{plan.context} tokens", plan.why.get("context", ""))
@@ -224,12 +229,37 @@ def summary_table(plan: P.Plan) -> Table:
     return t
 
 
-def show_plan(plan: P.Plan, console: Console) -> None:
+def offload_lines(budget: Budget, links: tuple[float, float] | None, hit_rate: float | None = None,
+                  source: str = "") -> list[str]:
+    """What an offloaded setup will do: slots, the expected hit rate and the decode estimate it allows."""
+    if not budget.offloaded:
+        return []
+    from setup_wizard.budget import decode_estimate
+
+    if hit_rate is None:
+        hit_rate = budget.static_hit_rate()
+        source = "no routing profile yet, so every expert counts alike; calibration records one"
+    out = [f"Experts: {budget.expert_cache_slots} of {budget.total_experts} on the GPU "
+           f"({budget.dynamic_slots} of those slots cache recently fetched experts); expected hit rate "
+           f"{100 * hit_rate:.0f}% ({source})."]
+    if links is None:
+        out.append("Decode estimate: unknown (the GPU's bandwidths were not measured).")
+    else:
+        est = decode_estimate(budget, hit_rate, links[0], links[1])
+        out.append(f"Decode estimate: about {est.tok_s:,.1f} tok/s target-only at most ({est.resident_bytes / 1e9:.2f} "
+                   f"GB per token from GPU memory at {links[0] / 1e9:,.0f} GB/s, {est.missed_bytes / 1e9:.2f} GB from "
+                   f"host memory at {links[1] / 1e9:,.1f} GB/s).")
+    return out
+
+
+def show_plan(plan: Plan, console: Console) -> None:
     console.print(summary_table(plan))
     if plan.budget is not None:
         console.print(budget_table(plan.budget))
         for note in plan.budget.notes:
             console.print(f"[dim]{note}[/dim]")
+        for line in offload_lines(plan.budget, plan.hardware.links):
+            console.print(line)
         if not plan.budget.fits:
             console.print(f"[red]{plan.budget.reason}[/red]")
     else:
