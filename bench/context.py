@@ -275,8 +275,8 @@ def prefill_rows(model, args, peak: float, deadline: Deadline) -> list[dict[str,
 
     rows = []
     chunks = [args.prefill_chunk or default_prefill_chunk("cuda")] + [int(x) for x in args.extra_chunks]
-    for kv_kind in args.kv:
-        for n in args.prefill:
+    for kv_kind in args.kv:   # q8_0: the middle prompt length only (its prefill differs by the dequantization)
+        for n in args.prefill if kv_kind == "bf16" else [sorted(args.prefill)[len(args.prefill) // 2]]:
             for ch in chunks if kv_kind == "bf16" else chunks[:1]:
                 if deadline.over():
                     print("  (time budget spent: prefill rows skipped)", flush=True)
@@ -365,7 +365,7 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
     c = model.cfg
     rows = []
     tiles = tiles or [dict(ak.SPLIT_TILE)]
-    saved = dict(ak.SPLIT_TILE)
+    saved, saved_pps = dict(ak.SPLIT_TILE), ak.PROGRAMS_PER_SM
     try:
         for ctx in contexts:
             for kv_kind in KV_KINDS:
@@ -387,8 +387,9 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
                         if deadline is not None and deadline.over():
                             return rows
                         chunk = tile.get("CHUNK", KV_CHUNK)
+                        ak.PROGRAMS_PER_SM = tile.get("PPS", saved_pps)
                         ak.SPLIT_TILE.clear()
-                        ak.SPLIT_TILE.update({k: v for k, v in tile.items() if k != "CHUNK"})
+                        ak.SPLIT_TILE.update({k: v for k, v in tile.items() if k not in ("CHUNK", "PPS")})
                         q = torch.randn(w, c.num_attention_heads, c.head_dim, device=DEV, dtype=DT)
                         pos = torch.arange(ctx - w, ctx, device=DEV, dtype=torch.int32)
                         part = torch.empty((w * c.num_attention_heads * -(-(ctx + 16) // chunk) * (c.head_dim + 2)),
@@ -416,6 +417,7 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
     finally:
         ak.SPLIT_TILE.clear()
         ak.SPLIT_TILE.update(saved)
+        ak.PROGRAMS_PER_SM = saved_pps
     return rows
 
 
@@ -697,9 +699,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tiles = None
     if args.tune:
-        tiles = [dict(BS=b, num_warps=w, num_stages=s, CHUNK=ch) for b, w, s, ch in
-                 ((64, 4, 3, 256), (32, 4, 3, 256), (64, 4, 2, 256), (64, 8, 3, 256), (128, 8, 2, 256),
-                  (64, 4, 4, 256), (64, 4, 3, 512), (128, 8, 2, 512), (64, 4, 3, 128))]
+        tiles = [dict(BS=b, num_warps=w, num_stages=s, CHUNK=ch, PPS=pps) for b, w, s, ch, pps in
+                 ((64, 4, 2, 256, 4), (64, 4, 3, 256, 4), (32, 4, 2, 256, 4), (128, 4, 2, 256, 4),
+                  (64, 8, 2, 256, 4), (128, 8, 2, 256, 4), (64, 4, 2, 512, 4), (64, 4, 2, 128, 4),
+                  (64, 4, 2, 256, 2), (64, 4, 2, 256, 8))]
     attn = attention_rows(model, bw, tiles=tiles, widths=(1, 8) if DEV == "cuda" else (1,), deadline=deadline,
                           contexts=(32768, 131072) if DEV == "cuda" else (600,))
     rows = decode_rows(model, args, bw, dist, Deadline(min(deadline.left(), args.max_seconds * 0.45)))
@@ -740,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"prefill (bound: bf16 matmul {peak / 1e12:.0f} TFLOP/s / FLOPs per token)",
                 ["prompt", "kv", "chunk", "impl", "tok/s", "bound tok/s", "% bound"], ptable)
     print_table(f"split attention kernel alone (copy {bw / 1e9:,.0f} GB/s)",
-                ["context", "kv", "W", "tile BS/warps/stages(/chunk)", "us/layer", "GB/s", "% copy"],
+                ["context", "kv", "W", "tile BS/warps/stages(/chunk/per SM)", "us/layer", "GB/s", "% copy"],
                 [[a["context"], a["kv_dtype"], a["width"], "/".join(str(v) for v in a["tile"].values()), a["us"],
                   a["GBs"], 100 * a["frac_of_copy"]] for a in attn])
     write_json("context.json", res)

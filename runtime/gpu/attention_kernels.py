@@ -8,11 +8,13 @@ float16 scale per 32; `ks`/`vs` are the scales).
 the chunk's unnormalised output, max and sum; a second kernel combines a row's chunks in a fixed order. Chunk
 boundaries are absolute positions and every tile size is a constant, so a row's bits depend only on that row's
 query, its position and the cache, never on the window width, the other rows or the cache capacity (docs/models.md,
-"Numerics"). The grid covers the capacity; programs past a row's last chunk do nothing, so one CUDA graph serves
-every position.
+"Numerics"). The grid is fixed by the capacity (programs walk every n-th chunk; those past a row's last chunk do
+nothing), so one CUDA graph serves every position.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -20,10 +22,22 @@ from torch import Tensor
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 from runtime.kv import KV_CHUNK, Q8_BLOCK, split_chunks
 
-SPLIT_PROGRAMS = 128    # programs per (row, KV head) at most; each walks chunks first, first + 128, ...
 REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant: it fixes the summation order)
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
-SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
+SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 2}
+PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
+
+
+@functools.cache
+def _sm_count(device: str) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
+
+
+def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:
+    """Programs per (row, KV head) of the split kernel, each walking chunks j, j + n, j + 2n, ...: enough for about
+    PROGRAMS_PER_SM per SM when every chunk is busy (a full wave, no tail), few enough that programs with nothing to
+    do (positions short of the capacity) cost little. Which program computes a chunk never changes its bits."""
+    return max(1, min(chunks, -(-_sm_count(str(device)) * PROGRAMS_PER_SM // (rows * kv_heads))))
 
 if HAVE_TRITON:
     import triton
@@ -277,7 +291,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
     t = SPLIT_TILE
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
-    _attn_split_kernel[(W, nkv, min(nc, SPLIT_PROGRAMS))](
+    _attn_split_kernel[(W, nkv, split_programs(W, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, G=G, GP=pow2(G), HD=hd, BS=BS, CHUNK=chunk, Q8=q8, NB=nb, QB=qb,
         num_warps=t["num_warps"], num_stages=t["num_stages"])
