@@ -5,7 +5,7 @@ next to the hardware bounds.
     python bench/context.py --check     # correctness only (first GPU call): exit 1 when a check fails
     python bench/context.py [--quick]   # timing: prints tables, writes bench/results/context.json ($OUT if set)
 
-Target: random BF16 weights of the A3B shape built on the GPU (bench/decode.py), with honest routing (embeddings at
+Target: random BF16 weights of the A3B shape built on the GPU (bench/common.py), with honest routing (embeddings at
 std 1, attention output and expert down projections scaled by 0.05, so a window's rows pick independent experts;
 the distinct experts per layer of a window are measured and reported). Decode rows do not run a long prefill: the
 KV cache is filled with random values of the right scale (K ~ N(0, 1) as after k_norm, V ~ N(0, 0.9^2) as v_proj
@@ -36,6 +36,7 @@ from bench.common import (  # noqa: E402
     Deadline,
     copy_bandwidth,
     machine,
+    matmul_peak,
     median,
     print_table,
     task_prompts,
@@ -58,44 +59,20 @@ SMOKE = dict(contexts=(300,), widths=(1, 2), prefill=(256,), hf_decode=(300,), h
 
 # ----------------------------------------------------------------------------------------------------- the target
 def build_a3b(seed: int = 0):
-    """The A3B-shaped random target with honest routing (see the module docstring)."""
-    from bench.decode import A3B, build_random_on_gpu
+    """The A3B-shaped random target with honest routing (bench/common.py), and its config dict."""
+    from bench.common import A3B_SHAPE, build_random_a3b
 
-    cfg = A3B if DEV == "cuda" else {**A3B, **SMOKE_CFG}
-    model = build_random_on_gpu(cfg, seed=seed, device=DEV)
-    if DT != torch.bfloat16:
-        model = model.to(DT)
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, SparseMoe):
-                layer.mlp.bind_stacked(layer.mlp.gate_up.to(DT), layer.mlp.down.to(DT))
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(1 / 0.02)            # std 0.02 -> 1
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.05)
-            if isinstance(layer.mlp, SparseMoe):
-                layer.mlp.down.mul_(0.05)
+    cfg = A3B_SHAPE if DEV == "cuda" else {**A3B_SHAPE, **SMOKE_CFG}
+    model, _ = build_random_a3b(cfg, device=DEV, seed=seed, dtype=DT)
     return model, cfg
 
 
-def distinct_experts(model, widths=(1, 8, 16), n: int = 64) -> dict[int, float]:
-    """Mean distinct experts per MoE layer touched by a window of W consecutive rows of a random prompt."""
-    logits: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: logits.append(o.detach()))
-             for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
-    ids = torch.randint(0, model.cfg.vocab_size, (1, n), device=DEV, generator=gen(3))
-    try:
-        with torch.no_grad():
-            model(ids, logits_to_keep=1)
-    finally:
-        for h in hooks:
-            h.remove()
-    k = model.cfg.num_experts_per_tok
-    out = {}
-    for w in widths:
-        counts = [len(set(lg.reshape(-1, lg.shape[-1])[s:s + w].topk(k, -1).indices.flatten().tolist()))
-                  for lg in logits for s in range(0, n - w + 1, w)]
-        out[w] = sum(counts) / len(counts)
-    return out
+def experts_per_window(model, widths=(1, 8, 16), n: int = 64) -> dict[int, float]:
+    """Mean distinct experts per MoE layer in windows of W consecutive tokens of a random prompt."""
+    from bench.common import distinct_experts
+
+    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    return {w: distinct_experts(model, ids, w)["mean"] for w in widths}
 
 
 def make_kv(model, ctx: int, kv_kind: str, capacity: int | None = None, seed: int = 0) -> KVCache:
@@ -145,23 +122,6 @@ def prefill_flops_per_token(model, n: int) -> float:
     moe_w = H * c.num_experts + c.num_experts_per_tok * 3 * H * c.moe_intermediate_size
     per_layer = 2 * (attn_w + moe_w) + 4 * c.num_attention_heads * hd * (n + 1) / 2
     return c.num_hidden_layers * per_layer
-
-
-def matmul_peak(n: int = 8192, repeats: int = 10) -> float:
-    """Measured BF16 matmul rate, FLOP/s (median of repeats of an n x n x n product)."""
-    a = torch.randn(n, n, device=DEV, dtype=DT)
-    b = torch.randn(n, n, device=DEV, dtype=DT)
-    for _ in range(3):
-        a @ b
-    times = []
-    timer = Timer()
-    for _ in range(repeats):
-        timer.start()
-        a @ b
-        times.append(timer.stop())
-    del a, b
-    free_cuda()
-    return 2 * n ** 3 / median(times)
 
 
 def free_cuda() -> None:
@@ -687,11 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "kv_chunk": KV_CHUNK}
     bw = copy_bandwidth() if DEV == "cuda" else 1e11
-    peak = matmul_peak(8192 if DEV == "cuda" else 256)
+    peak = matmul_peak() if DEV == "cuda" else 1e12
     res.update(copy_bandwidth_GBs=bw / 1e9, matmul_peak_TFLOPs=peak / 1e12)
     print(f"copy {bw / 1e9:,.0f} GB/s (read + write), bf16 matmul {peak / 1e12:,.0f} TFLOP/s", flush=True)
     model, cfg_json = build_a3b()
-    dist = distinct_experts(model)
+    dist = experts_per_window(model)
     res["distinct_experts_per_layer"] = dist
     print(f"distinct experts per layer (honest routing): {dist}", flush=True)
 
