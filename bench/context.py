@@ -630,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         res = checks(args)
         res["seconds"] = time.perf_counter() - t0
         res["machine"] = machine()
-        write_json("context_check.json", res)
+        if not args.smoke:
+            write_json("context_check.json", res)
         print(f"context checks: {'ok' if res['ok'] else 'FAILED'} in {res['seconds']:.0f} s")
         return 0 if res["ok"] else 1
 
@@ -706,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
                 ["context", "kv", "W", "tile BS/warps/stages(/chunk/per SM)", "us/layer", "GB/s", "% copy"],
                 [[a["context"], a["kv_dtype"], a["width"], "/".join(str(v) for v in a["tile"].values()), a["us"],
                   a["GBs"], 100 * a["frac_of_copy"]] for a in attn])
-    write_json("context.json", res)
+    if not args.smoke:
+        write_json("context.json", res)
     print(f"total {res['seconds']:.0f} s")
     return 0
 
