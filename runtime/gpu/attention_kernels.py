@@ -39,6 +39,7 @@ def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) 
     do (positions short of the capacity) cost little. Which program computes a chunk never changes its bits."""
     return max(1, min(chunks, -(-_sm_count(str(device)) * PROGRAMS_PER_SM // (rows * kv_heads))))
 
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
