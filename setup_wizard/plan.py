@@ -254,14 +254,18 @@ def default_config_path(target: str, drafter: str, quant: str | None = None) -> 
 
 
 def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry | None, *,
-                  dtype: str | None = None, kv_dtype: str | None = None) -> B.BudgetInputs:
-    """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype`)."""
+                  dtype: str | None = None, kv_dtype: str | None = None,
+                  prefill_chunk: int | None = None) -> B.BudgetInputs:
+    """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype` incl. "q8_0",
+    `prefill_chunk`)."""
     dtype_bytes = B.DTYPE_BYTES.get(dtype or "", 2 if hw.device_type == "cuda" else 4)
     kv_dtype_bytes = B.DTYPE_BYTES.get(kv_dtype or "", dtype_bytes)
+    kv_quant = kv_dtype if kv_dtype in B.KV_QUANTS else None     # 8-bit target cache; the drafters' stay at dtype
     block = KINDS[plan.drafter].max_block(dgeo, None) if (dgeo is not None or not KINDS[plan.drafter].needs_file) else 1
     return B.BudgetInputs(context=context, block=block, device_type=hw.device_type,
                           available_bytes=hw.free_bytes, total_bytes=hw.total_bytes,
-                          reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes)
+                          reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes,
+                          kv_quant=kv_quant, prefill_chunk=prefill_chunk)
 
 
 def compute(plan: Plan, geo: TargetGeometry, dgeo: DFlash2Geometry | None) -> B.Budget:

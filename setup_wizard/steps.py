@@ -299,5 +299,6 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware, *, vram_limit_mib: int 
                 drafter=kind, head=None, quant=drafter.get("quantization"), context=int(mem["context"]),
                 reserve_mib=int(mem.get("reserve_mib", 0)), calibrate=False, offline=True,
                 config_path=Path(), hardware=hw)
-    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"))
+    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"),
+                           prefill_chunk=mem.get("prefill_chunk"))
     return B.compute_budget(geo, kind, inputs, dflash2=dgeo, quant=plan.quant or "bf16")
