@@ -12,7 +12,10 @@ client takes the metadata from the redirect and fetches the bytes from the CDN U
 Fault injection: `tamper[(repo, path)] = bytes` serves other bytes of the same size; `drop[(repo, path)] = n`
 sends the full Content-Length, then only n bytes, then closes the connection (once, on the first GET
 without a Range header); `pad[(repo, path)] = bytes` appends bytes to every GET body while HEAD and the
-redirect still report the true size (a server that sends more than it announced).
+redirect still report the true size (a server that sends more than it announced); `short[(repo, path)] = n`
+answers a GET with only the first n bytes of the body and a Content-Length that says so (a server whose copy ends
+early); `flaky[(repo, path)] = (n, k)` cuts each of the next k GETs after n bytes, Range or not (a link that drops
+every n bytes); `delay = s` sleeps s seconds per 64 KiB sent (a slow link, so that runs overlap).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class FakeHub:
         self.tamper: dict[tuple[str, str], bytes] = {}
         self.drop: dict[tuple[str, str], int] = {}
         self.pad: dict[tuple[str, str], bytes] = {}               # extra bytes after a GET body (HEAD: true size)
+        self.short: dict[tuple[str, str], int] = {}
+        self.flaky: dict[tuple[str, str], tuple[int, int]] = {}
+        self.delay = 0.0
         self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header), bytes served
         self.redirects: list[str] = []                             # resolve paths answered with a 302
         self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
@@ -141,6 +147,8 @@ class FakeHub:
                 return
             status = 206
         body = data[start:end + 1] + (b"" if head else self.pad.get((repo, rel), b""))
+        if not head and (repo, rel) in self.short:
+            body = body[:max(self.short[(repo, rel)] - start, 0)]
         h.send_response(status)
         h.send_header("ETag", f'"{etag}"')
         h.send_header("X-Repo-Commit", rev)
@@ -153,6 +161,14 @@ class FakeHub:
         if head:
             return
         cut = self.drop.pop((repo, rel), None) if rng is None else None  # only a whole-file GET is cut
+        with self._lock:
+            if (repo, rel) in self.flaky:
+                n, k = self.flaky[(repo, rel)]
+                cut = n
+                if k <= 1:
+                    del self.flaky[(repo, rel)]
+                else:
+                    self.flaky[(repo, rel)] = (n, k - 1)
         if cut is not None and cut < len(body):
             h.wfile.write(body[:cut])
             h.wfile.flush()
@@ -163,5 +179,13 @@ class FakeHub:
                 h.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            return
+        if self.delay:
+            import time
+
+            for i in range(0, len(body), 1 << 16):
+                h.wfile.write(body[i:i + (1 << 16)])
+                h.wfile.flush()
+                time.sleep(self.delay)
             return
         h.wfile.write(body)
