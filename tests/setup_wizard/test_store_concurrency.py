@@ -131,15 +131,18 @@ def test_gc_in_the_middle_of_a_setup_keeps_its_items(slow_hub, home, tmp_path, m
     class GcWhileCalibrating(RealServices):
         def calibrate(self, doc, *, force, max_seconds):
             seen["gc"] = _in_threads(collect_garbage)[0]        # another process's gc, as a thread
-            key = key_for_config(doc, device=(doc["device"]["name"], doc["device"]["total_mib"]))
+            d = doc if isinstance(doc, dict) else tomllib.loads(Path(doc).read_text())
+            key = key_for_config(d, device=(d["device"]["name"], d["device"]["total_mib"]))
             return CalibrationResult(block=3, spec_min_p=0.3, source="calibrated", decision="winner", reason="",
                                      key=key, record={})
 
     cfg = tmp_path / "mine.toml"
     c = Choices(target="nano", drafter="dflash2", dflash2_quant="q4_0", calibrate=True, context=256,
                 config_out=cfg)
-    execute(resolve(c, fake_cpu(ram_gib=8), GcWhileCalibrating()), GcWhileCalibrating())
-    gc = seen["gc"]
-    assert gc["removed"] == [] and len(gc["busy"]) == 3       # target, head and converted drafter: all held
+    try:
+        execute(resolve(c, fake_cpu(ram_gib=8), GcWhileCalibrating()), GcWhileCalibrating())
+    finally:
+        gc = seen["gc"]
+        assert gc["removed"] == [] and len(gc["busy"]) == 3   # target, head and converted drafter: all held
     check_config_artifacts(load(cfg))
     assert collect_garbage()["removed"] == []

@@ -129,9 +129,10 @@ def test_a_linked_part_file_is_never_written_through(tiny_repo, hub, home, tmp_p
     d = home / "downloads" / "tiny-org--tiny-dflash2" / REV
     d.mkdir(parents=True)
     (d / "model.safetensors.part").symlink_to(victim)
-    (d / "config.json").symlink_to(victim)                 # a link where a final file belongs
-    res = pull("tiny-head")
-    assert victim.read_bytes() == b"precious"
+    try:
+        res = pull("tiny-head")
+    finally:
+        assert victim.read_bytes() == b"precious"
     for rel, data in tiny_repo["files"].items():
         p = res.path / rel
         assert not p.is_symlink() and p.read_bytes() == data
@@ -141,23 +142,23 @@ def test_a_linked_part_file_is_never_written_through(tiny_repo, hub, home, tmp_p
 def test_a_linked_bundled_copy_is_never_written_through_or_marked_verified(home, tmp_path):
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"precious")
-    d = home / NANO_DIR
-    rev = next(iter(_nano_revs()))
-    (d / rev).mkdir(parents=True)
-    (d / rev / "model.safetensors.part").symlink_to(victim)
-    (d / rev / "tokenizer.json").symlink_to(victim)
+    d = home / NANO_DIR / _nano_rev()
+    d.mkdir(parents=True)
+    (d / "model.safetensors.part").symlink_to(victim)
     r = setup_cmd("models", "pull", "strata-nano", "--json")
     assert r.exit_code == 0, r.output
-    assert victim.read_bytes() == b"precious"
-    assert not (d / rev / "tokenizer.json").is_symlink() and not (d / rev / "model.safetensors").is_symlink()
+    assert victim.read_bytes() == b"precious" and not (d / "model.safetensors").is_symlink()
     # a file replaced by a link (even to identical bytes) fails verification and is marked
     copy = tmp_path / "copy.json"
-    copy.write_bytes((d / rev / "tokenizer.json").read_bytes())
-    (d / rev / "tokenizer.json").unlink()
-    (d / rev / "tokenizer.json").symlink_to(copy)
+    copy.write_bytes((d / "tokenizer.json").read_bytes())
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.json").symlink_to(copy)
     r = setup_cmd("models", "verify", "strata-nano")
     assert r.exit_code == 1 and "symbolic link" in r.output
-    assert Store().read_manifest(d / rev)["verify_failed"]
+    assert Store().read_manifest(d)["verify_failed"]
+    # a link where a final file belongs is replaced by the checked copy, never written through
+    assert setup_cmd("models", "pull", "strata-nano").exit_code == 0
+    assert not (d / "tokenizer.json").is_symlink() and copy.read_bytes() == (d / "tokenizer.json").read_bytes()
 
 
 def test_a_linked_store_folder_is_refused_in_one_sentence(tiny_repo, hub, home, tmp_path):
@@ -170,10 +171,10 @@ def test_a_linked_store_folder_is_refused_in_one_sentence(tiny_repo, hub, home, 
     assert list(outside.rglob("*")) == []
 
 
-def _nano_revs() -> list[str]:
+def _nano_rev() -> str:
     from setup_wizard.catalog import load_catalog
 
-    return [load_catalog().get("strata-nano").revision]
+    return load_catalog().get("strata-nano").revision
 
 
 # ------------------------------------------------------------------------------------------------ changed bytes
