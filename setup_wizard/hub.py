@@ -157,6 +157,7 @@ class _HashingWriter:
                  what: str = "the file") -> None:
         self._fd, self.hasher, self._on, self._limit, self._what = fd, hasher, on_bytes, limit, what
         self.size = os.fstat(fd).st_size
+        self._pos = self.size       # where http_get believes it is (it seeks back when a server ignores Range)
 
     def write(self, data: bytes) -> int:
         if self._limit is not None and self.size + len(data) > self._limit:
@@ -166,24 +167,26 @@ class _HashingWriter:
                                 f"pin is wrong.")
         _write_all(self._fd, data)
         self.size += len(data)
+        self._pos = self.size
         self.hasher.update(data)
         self._on(len(data))
         return len(data)
 
     def tell(self) -> int:
-        return self.size
+        return self._pos
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        return self.size          # O_APPEND: every write lands at the end whatever the position
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self.size + pos)
+        return self._pos
 
     def truncate(self, size: int | None = None) -> int:
-        pos = self.size if size is None else size
+        pos = self._pos if size is None else size
         if pos != 0:
             raise DownloadError("the server restarted a resumed download at an unexpected offset; retry.")
         self.hasher = hashlib.sha256()  # the server ignored our Range: everything comes again from byte 0
         self._on(-1)
-        os.ftruncate(self._fd, 0)
-        self.size = 0
+        os.ftruncate(self._fd, 0)       # O_APPEND: the next write lands at byte 0 of the emptied file
+        self.size = self._pos = 0
         return 0
 
     def flush(self) -> None:

@@ -11,6 +11,7 @@ them; a second setup that needs the same item waits for the first one.
 from __future__ import annotations
 
 import hashlib
+import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -48,8 +49,6 @@ def _lock_path(root: Path, key: str) -> Path:
     with open_dir(root, folder) as dfd:            # the locks folder is a real folder inside the store
         st = lstat_in(dfd, f"{key}.lock")
         if st is not None and stat.S_ISLNK(st.st_mode):
-            import os
-
             os.unlink(f"{key}.lock", dir_fd=dfd)   # never lock (and truncate) through a planted link
     return folder / f"{key}.lock"
 

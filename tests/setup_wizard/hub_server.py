@@ -15,7 +15,8 @@ without a Range header); `pad[(repo, path)] = bytes` appends bytes to every GET 
 redirect still report the true size (a server that sends more than it announced); `short[(repo, path)] = n`
 answers a GET with only the first n bytes of the body and a Content-Length that says so (a server whose copy ends
 early); `flaky[(repo, path)] = (n, k)` cuts each of the next k GETs after n bytes, Range or not (a link that drops
-every n bytes); `delay = s` sleeps s seconds per 64 KiB sent (a slow link, so that runs overlap).
+every n bytes); `delay = s` sleeps s seconds per 64 KiB sent (a slow link, so that runs overlap);
+`ignore_range = True` answers every GET with the whole file (200), as some CDNs do.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class FakeHub:
         self.short: dict[tuple[str, str], int] = {}
         self.flaky: dict[tuple[str, str], tuple[int, int]] = {}
         self.delay = 0.0
+        self.ignore_range = False
         self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header), bytes served
         self.redirects: list[str] = []                             # resolve paths answered with a 302
         self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
@@ -130,7 +132,7 @@ class FakeHub:
         with self._lock:
             self.log.append((h.command, path, rng))
         start, end, status = 0, total - 1, 200
-        if rng and not head:
+        if rng and not head and not self.ignore_range:
             r = _RANGE.match(rng.strip())
             if r is None:
                 return self._error(h, 416, "RangeNotSatisfiable", "bad range")

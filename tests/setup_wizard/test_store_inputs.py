@@ -251,3 +251,14 @@ def test_a_link_that_drops_every_700_kb_still_finishes(hub, home, tmp_path, monk
     offsets = [int(g[6:-1]) for g in gets[1:]]
     assert gets[0] is None and len(gets) >= 6
     assert all(b > a for a, b in zip([0, *offsets], offsets, strict=False))   # every attempt kept its bytes
+
+
+def test_a_server_that_ignores_range_restarts_the_file_cleanly(tiny_repo, hub, home):
+    data = tiny_repo["files"]["model.safetensors"]
+    d = home / "downloads" / "tiny-org--tiny-dflash2" / REV
+    d.mkdir(parents=True)
+    (d / "model.safetensors.part").write_bytes(data[:1000])
+    hub.ignore_range = True
+    res = setup_cmd("models", "pull", "tiny-head")
+    assert res.exit_code == 0, res.output
+    assert (d / "model.safetensors").read_bytes() == data and hub.gets("model.safetensors")[-1] == "bytes=1000-"
