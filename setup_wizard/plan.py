@@ -43,7 +43,7 @@ class Plan:
         if self.target.source != "local":
             s.append(f"download {self.target.name}" + (" (verified, here)" if self.target.available else ""))
         else:
-            s.append(f"hash local target {self.target.local_path}")
+            s.append(f"check and hash local target {self.target.local_path}")
         if self.drafter == "dflash2" and self.head and self.head.description == "local folder":
             s.append(f"use local DFlash2 head {self.head.local_path}")
         elif self.drafter == "dflash2" and self.head:

@@ -10,6 +10,7 @@ path written in it (its text is searched), so a half-edited file never lets `gc`
 
 from __future__ import annotations
 
+import errno
 import json
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ from typing import Any
 from runtime.config import parse
 from runtime.errors import ConfigError
 from runtime.fileio import atomic_write_text
-from setup_wizard.store_fs import open_dir, writing
+from setup_wizard.store_fs import open_dir, os_error_sentence, writing
 from setup_wizard.store_locks import store_lock
 
 REGISTRY = "config-registry.json"
@@ -109,10 +110,16 @@ def register_config(config: Path, root: Path) -> bool:
     refs = read_refs(path)
     if refs is None or not points_into(refs, root):
         return False
-    with writing(root, "the config registry"), store_lock(root, "registry", what="the config registry"):
-        have = _read(root)
-        if str(path) not in have:
-            _write(root, [*have, str(path)])
+    try:
+        with store_lock(root, "registry", what="the config registry"):
+            have = _read(root)
+            if str(path) not in have:
+                _write(root, [*have, str(path)])
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return False    # a read-only store: nothing can remove what the config uses, so nothing to record
+        better = os_error_sentence(exc, root, "the config registry", then="run strata-setup again")
+        raise (better or exc) from None
     return True
 
 

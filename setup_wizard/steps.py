@@ -1,6 +1,7 @@
-"""The plan carried out, step by step: target, drafter (download, convert), budget, config, calibration. Every step
+"""The plan carried out, step by step: target, drafter (download, convert), budget, calibration, config. Every step
 is idempotent: a verified download, a cached conversion or a calibration with a matching key is reused, and an
-interruption leaves only complete, verified results behind (each step writes atomically)."""
+interruption or a failure leaves only complete, verified results behind (each step writes atomically; the config is
+written once, last)."""
 
 from __future__ import annotations
 

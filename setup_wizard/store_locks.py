@@ -10,6 +10,7 @@ them; a second setup that needs the same item waits for the first one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -58,22 +59,12 @@ def locked(root: Path, key: str, *, what: str, wait: bool = True, keep: bool = T
            on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold the lock `key` of the store at `root` for the block. Reentrant within a thread. `wait=False` raises
     ItemBusy instead of waiting. Inside `hold_locks`, a lock taken with `keep` stays held until that block ends."""
-    path = str(_lock_path(root, key))
-    held = _held()
-    if path in held:
+    got = _acquire(root, key, what=what, wait=wait, on_wait=on_wait)
+    if got is None:       # already held by this thread, or a read-only store (no command can change it)
         yield
         return
-    lock = FileLock(path)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        if not wait:
-            raise ItemBusy(f"{what} is in use by another strata-setup command (a setup, pull or gc); run this again "
-                           f"when it has finished.") from None
-        if on_wait is not None:
-            on_wait(f"waiting for another strata-setup command that is using {what}")
-        lock.acquire()
-    held[path] = lock
+    path, lock = got
+    _held()[path] = lock
     session = getattr(_local, "session", None)
     try:
         yield
@@ -81,8 +72,32 @@ def locked(root: Path, key: str, *, what: str, wait: bool = True, keep: bool = T
         if keep and session is not None:
             session.append(path)
         else:
-            held.pop(path, None)
+            _held().pop(path, None)
             lock.release()
+
+
+def _acquire(root: Path, key: str, *, what: str, wait: bool,
+             on_wait: Callable[[str], None] | None) -> tuple[str, FileLock] | None:
+    """(its path, the acquired lock), or None when this thread holds it already or the store is read-only."""
+    try:
+        path = str(_lock_path(root, key))
+        if path in _held():
+            return None
+        lock = FileLock(path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:            # (a TimeoutError, so an OSError: handled before the read-only case below)
+            if not wait:
+                raise ItemBusy(f"{what} is in use by another strata-setup command (a setup, pull or gc); run this "
+                               f"again when it has finished.") from None
+            if on_wait is not None:
+                on_wait(f"waiting for another strata-setup command that is using {what}")
+            lock.acquire()
+        return path, lock
+    except OSError as exc:
+        if isinstance(exc, Timeout | ItemBusy) or exc.errno != errno.EROFS:
+            raise
+        return None
 
 
 def item_lock(root: Path, folder: Path, *, what: str, wait: bool = True,

@@ -61,7 +61,14 @@ class FakeHub:
             def do_GET(self) -> None:
                 hub._serve(self, head=False)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:  # a client that went away (killed): quiet
+                import sys
+
+                if not isinstance(sys.exc_info()[1], ConnectionError):
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.cdn_url = f"http://localhost:{self.server.server_address[1]}/cdn"

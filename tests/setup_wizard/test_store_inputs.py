@@ -177,6 +177,16 @@ def test_a_read_only_store_is_one_sentence(cpu, monkeypatch):
     one_sentence(setup_cmd("--yes", "--no-calibrate"), 2, "Read-only file system", "STRATA_HOME")
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_read_only_store_still_serves_what_it_verified(cpu, tmp_path, monkeypatch):
+    assert setup_cmd("models", "pull", "strata-nano").exit_code == 0
+    _ReadOnly(monkeypatch, cpu)
+    cfg = tmp_path / "ro.toml"
+    res = setup_cmd("--yes", "--no-calibrate", "--context", "128", "--config-out", str(cfg))
+    assert res.exit_code == 0, res.output
+    assert cfg.is_file() and not (cpu / "config-registry.json").exists()
+
+
 def test_a_full_disk_mid_download_says_so_and_resumes(tiny_repo, hub, home, monkeypatch):
     size = len(tiny_repo["files"]["model.safetensors"])
     real_write = os.write
