@@ -60,6 +60,12 @@ class CorruptArtifactError(WorkError):
     item failed: a checksum failure, repaired by pulling or setting up again."""
 
 
+def one_of(choices) -> str:
+    """"a, b or c": how messages list the allowed values."""
+    items = [str(c) for c in choices]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__
 

@@ -25,9 +25,9 @@ if HAVE_TRITON:
         dt = o_ptr.dtype.element_ty
         acc = tl.zeros((BH,), dtype=tl.float32)
         for o in tl.static_range(K):
-            ok = t >= o
             src = tl.maximum(t - o, 0)
-            v = tl.load(h_ptr + src * stride_h + c, mask=m & ok, other=0.0).to(tl.float32)
+            # masks from vector comparisons only (boolean in the interpreter)
+            v = tl.load(h_ptr + src * stride_h + c, mask=c < tl.where(t >= o, H, 0), other=0.0).to(tl.float32)
             b = tl.load(b_ptr + o * H + c, mask=m, other=0.0).to(tl.float32)
             dy = tl.load(d_ptr + t * stride_d + o * NG + c // G, mask=m, other=0.0).to(tl.float32)
             acc = (acc + (b * v).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -36,7 +36,7 @@ if HAVE_TRITON:
 
 
 def dyn_conv(h: Tensor, dyn: Tensor, half: int, base: Tensor, kernel_size: int, group_size: int) -> Tensor:
-    """DFlash2's grouped dynamic causal convolution over one window's rows in one launch (ARTIFACTS §2 step 4):
+    """DFlash2's grouped dynamic causal convolution over one window's rows in one launch (docs/models.md ("DFlash2 drafter", step 4)):
     h [W, H]; dyn [W, 2*K*H/G] = kernel_projection(h_in) (the `half` 0 for prepare, 1 for finish); base [K, H].
     out[t] = Σ_o base[o] * h[t-o] + dyn[t, half, o] * h[t-o], rounded in h's dtype after every product and add,
     in the order of `GroupedDynamicCausalConv.conv` (so the bits are the module's)."""

@@ -1,4 +1,4 @@
-"""DFlash2 model pieces against hand-computed cases and a literal re-implementation of ARTIFACTS §2."""
+"""DFlash2 model pieces against hand-computed cases and a literal re-implementation of docs/models.md ("DFlash2 drafter")."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def shared(vocab: int = 80, hidden: int = 64, seed: int = 1):
 # ------------------------------------------------------------------------------------------------ convolution
 
 def naive_conv(h, dyn, base, G):
-    """ARTIFACTS §2 step 4, literally: out[t] = Σ_{o<K, t-o>=0} base[o]*h[t-o] + dyn[t,o] (per group) * h[t-o]."""
+    """docs/models.md ("DFlash2 drafter", step 4), literally: out[t] = Σ_{o<K, t-o>=0} base[o]*h[t-o] + dyn[t,o] (per group) * h[t-o]."""
     B, W, H = h.shape
     K = base.shape[0]
     out = torch.zeros_like(h)
@@ -147,7 +147,7 @@ def test_sampled_walk_keeps_q_over_candidates():
 # ------------------------------------------------------------------------------------------------ whole forward
 
 def naive_window(model: DFlash2Model, ctx_taps, anchor: int, P: int, W: int, embed_w, head_w):
-    """ARTIFACTS §2 steps 1-5 written out with plain tensor ops, one head at a time (fp32)."""
+    """docs/models.md ("DFlash2 drafter", steps 1-5) written out with plain tensor ops, one head at a time (fp32)."""
     g = model.geom
     sd = {k: v.float() for k, v in model.state_dict().items()}
     eps, hd, nh, nkv = g.rms_norm_eps, g.head_dim, g.num_heads, g.num_kv_heads
