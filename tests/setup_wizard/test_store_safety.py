@@ -227,3 +227,19 @@ def test_converted_drafters_are_found_by_their_head_name(cpu, tmp_path):
     assert r.exit_code == 2 and str(cfg) in " ".join(r.output.split())
     manifest = json.loads((Path(drafter).parent / MANIFEST).read_text())
     assert manifest["source_name"] == head and manifest["name"] == f"{head}:q8_0"
+
+
+def test_temp_files_of_a_killed_run_do_not_survive_a_rerun(tiny_repo, hub, home, tmp_path):
+    """A run killed while writing a GGUF or a manifest leaves `.model.gguf.<pid>.tmp` / `..strata-manifest.json.*.tmp`;
+    the next run that takes the item removes them, whether it rebuilds or reuses."""
+    from setup_wizard.convert import convert_to_store
+    from setup_wizard.hub import pull
+
+    pulled = pull("tiny-head")
+    conv = convert_to_store(pulled.path, "q8_0")
+    planted = [conv.path.parent / ".model.gguf.4242.tmp", conv.path.parent / f"..{MANIFEST}.0a1b2c3d.tmp",
+               pulled.path / f"..{MANIFEST}.deadbeef.tmp"]
+    for p in planted:
+        p.write_bytes(b"\0" * 1000)
+    assert pull("tiny-head").reused and convert_to_store(pulled.path, "q8_0").reused
+    assert [p for p in planted if p.exists()] == []
