@@ -44,7 +44,7 @@ class Plan:
         if self.target.source != "local":
             s.append(f"download {self.target.name}" + (" (verified, here)" if self.target.available else ""))
         else:
-            s.append(f"hash local target {self.target.local_path}")
+            s.append(f"check and hash local target {self.target.local_path}")
         if KINDS[self.drafter].needs_file and self.head and self.head.description == "local folder":
             s.append(f"use local DFlash2 head {self.head.local_path}")
         elif KINDS[self.drafter].needs_file and self.head:
