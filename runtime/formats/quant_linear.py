@@ -52,7 +52,8 @@ class QuantLinear(nn.Module):
         if x.is_cuda and self.qtype != "bf16":
             from runtime.gpu import dense_kernels, kernels
 
-            if kernels.available(x):   # dequantized in registers: no float copy of the matrix, one launch
+            # dequantized in registers: no float copy of the matrix, one launch (K-quants: the fallback below)
+            if kernels.available(x) and self.qtype in dense_kernels.QCODE:
                 y = dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

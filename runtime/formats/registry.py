@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from runtime.errors import QuantFormatError
 
 __all__ = ["BLOCK", "FORMATS", "QTYPES", "BlockFormat", "block_format", "by_tensor_type", "cols_from_row_bytes",
-           "row_bytes"]
+           "row_bytes", "writable_format"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class BlockFormat:
     file: LlamaFileType    # general.file_type of a file whose matrices are mostly in this format
     label: str             # one line for help texts and the wizard
     offered: bool = True   # the wizard lists it (the others are chosen by flag)
+    writable: bool = True  # Strata quantizes to it (K-quants are read from files others made, never written)
 
     @property
     def ggml_type(self) -> int:
@@ -64,8 +65,13 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
                 offered=False),
     BlockFormat("q4_0", GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0,
                 "Q4_0 — about a quarter of the memory, leaves the most room for experts"),
+    # read only (runtime/formats/kquants.py): what most published Qwen3-MoE GGUF files use (Q4_K_M mixes the two)
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K, "Q6_K — read from existing GGUF files",
+                offered=False, writable=False),
+    BlockFormat("q4_k", GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M,
+                "Q4_K — read from existing GGUF files (Q4_K_M mixes it with Q6_K)", offered=False, writable=False),
 )}
-QTYPES: tuple[str, ...] = tuple(FORMATS)
+QTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writable)   # what a converter may write
 BLOCK = 32
 
 
@@ -74,6 +80,14 @@ def block_format(name: str) -> BlockFormat:
     f = FORMATS.get(str(name).lower())
     if f is None:
         raise QuantFormatError(f"unknown quantization {name!r}; use one of {', '.join(QTYPES)}.")
+    return f
+
+
+def writable_format(name: str) -> BlockFormat:
+    """`block_format`, refusing the read-only formats (one sentence naming the ones Strata writes)."""
+    f = block_format(name)
+    if not f.writable:
+        raise QuantFormatError(f"Strata reads {f.name} but does not write it; use one of {', '.join(QTYPES)}.")
     return f
 
 
