@@ -79,6 +79,16 @@ def _stop_ids(folder: Path, cfg_eos: list[int]) -> set[int]:
     return ids
 
 
+def _load_target(target: Path, dtype: torch.dtype, *, with_mtp: bool):
+    """(model on the CPU, tokenizer) from a Hugging Face folder or a qwen3moe GGUF file (runtime/loading_gguf.py:
+    its tokenizer comes from the file's metadata, so the file runs by itself)."""
+    from runtime.loading_gguf import is_gguf, load_target_gguf, load_tokenizer_gguf
+
+    if is_gguf(target):
+        return load_target_gguf(target, device="cpu", dtype=dtype, with_mtp=with_mtp), load_tokenizer_gguf(target)
+    return load_target(target, device="cpu", dtype=dtype, with_mtp=with_mtp), load_tokenizer(target)
+
+
 class Engine:
     def __init__(self, *, model, tokenizer, kv: KVCache, drafter, drafter_kind: str, experts: ExpertCache,
                  device: torch.device, block: int, spec_min_p: float, stop_ids: set[int], target_dir: Path,
@@ -98,7 +108,8 @@ class Engine:
               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
               kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True) -> Engine:
-        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU."""
+        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU.
+        `target_dir` is a Hugging Face folder or a qwen3moe `.gguf` file (docs/formats.md)."""
         if drafter_kind not in KINDS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
@@ -111,15 +122,15 @@ class Engine:
         dt = _dtype(dtype) or default_dtype(dev)
         kdt = _dtype(kv_dtype) or dt
         target_dir = Path(target_dir).expanduser()
-        model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
-        tokenizer = load_tokenizer(target_dir)
+        model, tokenizer = _load_target(target_dir, dt, with_mtp=drafter_kind == "mtp")
         experts = ExpertCache(model, dev, expert_slots)
         experts.place(model)
         cfg = model.cfg
         kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
         kind = KINDS[drafter_kind]
         if drafter_kind == "mtp" and model.mtp is None:
-            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
+            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors, or no MTP file beside the GGUF); "
+                            f"use another drafter.")
         if kind.needs_file and drafter_path is None:
             raise EngineConfigError(f"a {drafter_kind} drafter needs its artifact path (drafter.path in the config).")
         drafter = kind.load(LoadRequest(target=model, path=Path(drafter_path).expanduser() if drafter_path else None,

@@ -19,7 +19,17 @@ from runtime.models.layers import SparseMoe
 
 
 def _nbytes(m: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in m.parameters())
+    """Weight bytes of a module: parameters, and ggml blocks of a quantized expert (`QuantLinear.blocks`)."""
+    return (sum(p.numel() * p.element_size() for p in m.parameters())
+            + sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n.endswith("blocks")))
+
+
+def _where(m: nn.Module) -> tuple[torch.device, torch.dtype | None]:
+    """Device of an expert's weights and the dtype to feed it (None: its input's own, for ggml blocks)."""
+    p = next(m.parameters(), None)
+    if p is not None:
+        return p.device, p.dtype
+    return next(m.buffers()).device, None
 
 
 class ExpertCache:
@@ -56,9 +66,20 @@ class ExpertCache:
         for p in model.parameters():
             if id(p) not in offloaded:
                 p.data = p.data.to(self.device)
+        # experts held as ggml blocks (a quantized GGUF target) move as stacks: `SparseMoe.place_blocks`
+        blocked = [m for m in model.modules() if isinstance(m, SparseMoe) and m.fmt is not None]
+        inside = {id(x) for m in blocked for x in m.experts.modules()}
         for mod in model.modules():
+            if id(mod) in inside:
+                continue
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
+        mtp_blk = getattr(getattr(model, "mtp", None), "layers", [None])[0]
+        for m in blocked:
+            if m is getattr(mtp_blk, "mlp", None):
+                m.place_blocks(self.device, set(range(m.n_exp)))     # drafter weights, always on the device
+            else:
+                m.place_blocks(self.device, {e for (li, e) in self.resident if li == m.layer_idx})
         if self.device.type == "cuda":
             # layers whose experts are all resident: stacked, for the grouped Triton kernel (same bytes)
             for li, blk in self.blocks.items():
@@ -74,8 +95,8 @@ class ExpertCache:
             self.hits += rows.shape[0]
             return expert(rows)
         self.misses += rows.shape[0]
-        w = expert.gate_proj.weight
-        y = expert(rows.to(w.device, w.dtype))
+        dev, dt = _where(expert)
+        y = expert(rows.to(dev, dt or rows.dtype))
         return y.to(rows.device, rows.dtype)
 
     def count_rows(self, layer: int, n: int) -> None:

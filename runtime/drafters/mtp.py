@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from runtime.drafters.base import Proposal
-from runtime.gpu import attention_kernels, kernels, moe_kernels
+from runtime.gpu import attention_kernels, kernels
 from runtime.gpu.capture import GraphSet, cut_at_floor
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
@@ -31,7 +31,7 @@ class MTPDrafter:
             raise ValueError("the target has no MTP head (no mtp.* tensors); choose another drafter.")
         self.model, self.mtp, self.max_block, self.chunk = model, model.mtp, max_block, chunk
         cfg = model.cfg
-        p = model.lm_head.weight
+        p = model.model.norm.weight          # the model's dtype and device (lm_head may hold ggml blocks)
         self.kv = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype=kv_dtype or p.dtype,
                           device=p.device)
         self.logits_buf = torch.zeros(max_block, cfg.vocab_size, dtype=torch.float32, device=p.device)
@@ -138,7 +138,7 @@ class MTPGraphs(GraphSet):
         super().__init__(drafter.kv.k.device)
         self.d = drafter
         H = drafter.model.cfg.hidden_size
-        dt = drafter.model.lm_head.weight.dtype
+        dt = drafter.model.model.norm.weight.dtype
         self.R = drafter.max_block
         self.g_in = torch.zeros(1, H, dtype=dt, device=self.dev)
         self.obs_tok = torch.zeros(self.R, dtype=torch.long, device=self.dev)
@@ -162,11 +162,11 @@ class MTPGraphs(GraphSet):
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe):
-            if mlp.gate_up is None:
-                raise RuntimeError("the MTP layer's experts are not stacked; no graph.")
+            if not mlp.grouped_ok():
+                raise RuntimeError("the MTP layer's experts are not stacked for the grouped kernel; no graph.")
             w, idx = mlp.route(h[0])
             idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
-            y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+            y = mlp.grouped(h[0], idx, w)[None]
         else:
             y = mlp(h)
         return mtp.norm(x + y)[0]

@@ -171,7 +171,8 @@ def add_metadata(w: Any, cfg: Qwen3MoeConfig, *, file_type: int, name: str, mtp:
     w.add_quantization_version(GGML_QUANT_VERSION)
 
 
-def _key(template: str) -> str:
+def arch_key(template: str) -> str:
+    """A `{arch}` key of gguf-py's `Keys` for qwen3moe."""
     return template.format(arch=ARCH)
 
 
@@ -184,13 +185,13 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int
         raise LoadError(f"{source} holds a {arch!r} model; Strata runs {ARCH} (Qwen3-MoE) targets only.")
 
     def need(template: str) -> Any:
-        k = _key(template)
+        k = arch_key(template)
         if k not in meta:
             raise LoadError(f"{source} lacks the metadata key {k}; it is not a complete {ARCH} file.")
         return meta[k]
 
     def opt(template: str, default: Any = None) -> Any:
-        return meta.get(_key(template), default)
+        return meta.get(arch_key(template), default)
 
     nextn = int(opt(Keys.LLM.NEXTN_PREDICT_LAYERS, 0) or 0)
     layers = int(need(Keys.LLM.BLOCK_COUNT)) - nextn

@@ -38,7 +38,7 @@ class StaticStep:
         p = next(model.parameters())
         moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
         self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
-                            and all(m.gate_up is not None for m in moe))
+                            and all(m.grouped_ok() for m in moe))
         cfg = model.cfg
         # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
         self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
@@ -46,6 +46,7 @@ class StaticStep:
         if self.fused:
             for layer in model.model.layers:
                 layer.self_attn.stack_qkv()
+            self.fused = all(layer.self_attn.has_qkv for layer in model.model.layers)
         self.use_graph = bool(graph) and dev.type == "cuda" and self.use_kernels
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self.replays = 0
@@ -84,7 +85,7 @@ class StaticStep:
             a = layer.self_attn
             kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = torch.nn.functional.linear(h, a.qkv_weight)
+            qkv = a.qkv(h)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
                                  a.hd, eps)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale)
@@ -92,7 +93,7 @@ class StaticStep:
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
             idx, w, se, order, tok = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
-            x = moe_kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
+            x = mlp.routed(h, x, idx, w, se, order, tok)
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
@@ -122,7 +123,7 @@ class StaticStep:
             if isinstance(mlp, SparseMoe) and self.use_kernels:
                 w, idx = mlp.route(h[0])
                 idx = torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp)   # padded rows use no expert
-                y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+                y = mlp.grouped(h[0], idx, w)[None]
             else:
                 y = mlp(h)
             x = x + y

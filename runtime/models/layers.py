@@ -135,11 +135,37 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
+        self.qkv_blocks = None                  # the same for block-format q/k/v (a `QuantLinear` over their rows)
+
+    def qkv(self, h: Tensor) -> Tensor:
+        """q, k and v projections in one matmul (after `stack_qkv`; `has_qkv` says whether it stacked)."""
+        if self.qkv_weight is not None:
+            return F.linear(h, self.qkv_weight)
+        return self.qkv_blocks(h)
+
+    @property
+    def has_qkv(self) -> bool:
+        return self.qkv_weight is not None or self.qkv_blocks is not None
 
     def stack_qkv(self) -> None:
         """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
         bytes; parameter names unchanged)."""
-        if self.qkv_weight is not None:
+        if self.qkv_weight is not None or self.qkv_blocks is not None:
+            return
+        from runtime.formats.quant_linear import QuantLinear
+
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        if all(isinstance(p, QuantLinear) for p in projs):
+            if len({p.qtype for p in projs}) != 1 or any(p.bias is not None for p in projs):
+                return                      # mixed formats (a K-quant mix): the three projections stay apart
+            cat = torch.cat([p.blocks for p in projs], 0)   # rows are independent blocks: stacking is exact
+            o = 0
+            for p in projs:
+                p.blocks = cat[o:o + p.out_features]
+                o += p.out_features
+            self.qkv_blocks = QuantLinear.from_blocks(cat, projs[0].qtype, projs[0].in_features)
+            return
+        if any(isinstance(p, QuantLinear) for p in projs):
             return
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         cat = torch.cat([w.data for w in ws], 0)
@@ -201,10 +227,17 @@ class SparseMoe(nn.Module):
         # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
         self.gate_up: Tensor | None = None
         self.down: Tensor | None = None
+        # None: the stacks are floats in the model's dtype. A block format name ("q8_0", "q4_k", ...): gate_up and
+        # down are uint8 [E, rows, row_bytes] in that ggml format (a quantized GGUF target: runtime/loading_gguf.py),
+        # and each expert's projections are `QuantLinear` views of them (never a float copy of the experts)
+        self.fmt: str | None = None
+        self.down_fmt: str | None = None
 
     def stack_experts(self) -> None:
         """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
         make each expert's parameters views into them, so the grouped kernel (runtime/kernels.py) reads them."""
+        if self.fmt is not None:   # block stacks are made stacked (`bind_blocks`)
+            return
         w0 = self.experts[0].gate_proj.weight
         inter, hidden = w0.shape
         gu = torch.empty(self.n_exp, 2 * inter, hidden, dtype=w0.dtype, device=w0.device)
@@ -224,6 +257,59 @@ class SparseMoe(nn.Module):
             ex.down_proj.weight.data = down[e]
         self.gate_up, self.down = gate_up, down
 
+    def bind_blocks(self, gate_up: Tensor, down: Tensor, fmt: str, down_fmt: str) -> None:
+        """Hold the experts as ggml blocks: gate_up uint8 [E, 2I, row_bytes(H)] (gate rows, then up rows), down uint8
+        [E, H, row_bytes(I)]. Each expert's projections become `QuantLinear` views of the stacks, so the eager path
+        dequantizes one expert at a time and the stacks are the only copy of the weights."""
+        from runtime.formats.quant_linear import QuantLinear
+
+        inter, hidden = gate_up.shape[1] // 2, down.shape[1]
+        for e, ex in enumerate(self.experts):
+            ex.gate_proj = QuantLinear.from_blocks(gate_up[e, :inter], fmt, hidden)
+            ex.up_proj = QuantLinear.from_blocks(gate_up[e, inter:], fmt, hidden)
+            ex.down_proj = QuantLinear.from_blocks(down[e], down_fmt, inter)
+        self.gate_up, self.down, self.fmt, self.down_fmt = gate_up, down, fmt, down_fmt
+
+    def place_blocks(self, device: torch.device, resident: set[int]) -> None:
+        """Move block stacks to `device`: whole when every expert is resident (the grouped kernel reads them there),
+        else only the resident experts' blocks (the others stay views of the host stacks)."""
+        if self.fmt is None or self.gate_up is None or self.down is None:
+            return
+        if len(resident) >= self.n_exp:
+            self.bind_blocks(self.gate_up.to(device), self.down.to(device), self.fmt, self.down_fmt or self.fmt)
+            return
+        for e in resident:
+            for proj in (self.experts[e].gate_proj, self.experts[e].up_proj, self.experts[e].down_proj):
+                proj.blocks = proj.blocks.to(device)
+
+    def grouped_ok(self) -> bool:
+        """Whether the grouped Triton kernels can read this layer's stacks: float stacks always, block stacks once
+        runtime/gpu/moe_kernels.py lists their format in `BLOCK_FORMATS` (gate_up and down in one format)."""
+        if self.gate_up is None:
+            return False
+        if self.fmt is None:
+            return True
+        from runtime.gpu import moe_kernels
+
+        return self.down_fmt == self.fmt and self.fmt in getattr(moe_kernels, "BLOCK_FORMATS", ())
+
+    def grouped(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """The grouped kernel over this layer's stacks (`grouped_ok` first): x [T, H], idx/w [T, k] -> [T, H]."""
+        from runtime.gpu import moe_kernels
+
+        if self.fmt is None:
+            return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down)
+        return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, fmt=self.fmt)
+
+    def routed(self, x: Tensor, residual: Tensor, idx: Tensor, w: Tensor, se: Tensor, order: Tensor,
+               tok: Tensor) -> Tensor:
+        """residual + experts(x) with the routing of `moe_kernels.route` (the fused step)."""
+        from runtime.gpu import moe_kernels
+
+        if self.fmt is None:
+            return moe_kernels.moe_routed(x, residual, idx, w, se, order, tok, self.gate_up, self.down)
+        return moe_kernels.moe_routed(x, residual, idx, w, se, order, tok, self.gate_up, self.down, fmt=self.fmt)
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
@@ -236,12 +322,12 @@ class SparseMoe(nn.Module):
         x = x.reshape(-1, shape[-1])
         w, idx = self.route(x)
         if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
-            from runtime.gpu import kernels, moe_kernels
+            from runtime.gpu import kernels
 
-            if kernels.available(x):   # experts grouped: each touched expert's weights read once
+            if kernels.available(x) and self.grouped_ok():   # experts grouped: each touched expert read once
                 if self.counter is not None:
                     self.counter(self.layer_idx, x.shape[0])
-                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
+                return self.grouped(x, idx, w).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)
         flat = idx.flatten()

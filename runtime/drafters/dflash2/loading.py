@@ -178,7 +178,7 @@ def load_dflash2_drafter(path: str | Path, target_model: nn.Module, *, device: t
     device defaults to the target's lm_head device; dtype to fp32 on CPU and BF16 on CUDA (compute and draft KV).
     `context` is the draft KV capacity in positions (the engine's context length).
     """
-    head_w = target_model.lm_head.weight
+    head_w = target_model.model.norm.weight     # where the target lives (its lm_head may hold ggml blocks)
     dev = torch.device(device) if device is not None else head_w.device
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     geom, layout, tensors = read_dflash2(path)
