@@ -137,7 +137,10 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], *, source: str = "the GGUF 
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise LoadError(f"{source} lists a token twice; its tokenizer cannot be rebuilt.")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as exc:   # tokenizers raises a bare Exception for a merge outside the vocabulary
+        raise LoadError(f"{source} has a tokenizer that cannot be rebuilt ({exc}).") from None
     if pre == "qwen2":
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([

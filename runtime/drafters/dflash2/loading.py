@@ -243,7 +243,7 @@ class DFlash2Drafter:
             if prop is not None:
                 return prop
         embed, lm_head = self._shared
-        hs = self.model.draft_hidden(int(anchor), pos, n + 1, self.cache, embed.weight)
+        hs = self.model.draft_hidden(int(anchor), pos, n + 1, self.cache, embed)
         logits = self.logits_buf[:n]
         logits.copy_(self.model.compute_logits(hs, lm_head))
         if self.model.candidate_selector is None:
