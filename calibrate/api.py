@@ -26,9 +26,9 @@ from calibrate.fixtures import (
     prompt_set_sha256,
 )
 from calibrate.key import CalibrationConfigError, CalibrationKey, drafter_kind, key_for_config
-from calibrate.report import progress_bar, stderr_console, summary_lines, sweep_table
 from calibrate.results import CalibrationResult, ResultStore
 from calibrate.search import FLOORS, Arm, Plan, RunOutcome, Search, SearchResult, candidate_arms
+from runtime.progress import ProgressFn
 
 DEFAULT_MAX_SECONDS = 110.0       # the issue's bar: the bundled pack calibrates in under two minutes on a GPU
 METHOD = "coarse-to-fine + successive halving, head-to-head confirmation, 3% bar"
@@ -194,15 +194,15 @@ def _load_config(config: dict[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = None, force: bool = False,
-                         max_seconds: float | None = DEFAULT_MAX_SECONDS, progress: bool = True,
+                         max_seconds: float | None = DEFAULT_MAX_SECONDS, on_progress: ProgressFn | None = None,
                          store_dir: str | Path | None = None, device: tuple[str, int] | None = None,
                          prompts: dict[str, str] | None = None, new_tokens: int = NEW_TOKENS,
-                         plan: Plan | None = None, clock: Callable[[], float] = time.perf_counter,
-                         console: Any = None) -> CalibrationResult:
+                         plan: Plan | None = None, clock: Callable[[], float] = time.perf_counter) -> CalibrationResult:
     """Calibrate (block, spec_min_p) for a strata-setup config on this machine, or reuse the stored result.
 
-    Raises `CalibrationConfigError` (bad input, exit 2) and `calibrate.search.LosslessError` (a runtime bug: an
-    arm changed greedy output, exit 1). `progress=False` prints nothing (for `--json`).
+    Progress goes to `on_progress("calibrating: ...", runs done, runs planned)`; nothing is printed (the caller
+    shows `report.sweep_table(result.record)` and `report.summary_lines(result)`). Raises `CalibrationConfigError`
+    (bad input, exit 2) and `calibrate.search.LosslessError` (a runtime bug: an arm changed greedy output, exit 1).
     """
     cfg = _load_config(config)
     source = config if not isinstance(config, dict) else cfg     # a path: relative paths resolve against it
@@ -212,34 +212,28 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
                                  reason="the config has no drafter (kind none): there is nothing to calibrate.")
     key = key_for_config(cfg, device=device)
     store = ResultStore(store_dir)
-    console = console or stderr_console()
     if not force:
         rec = store.load(key)
         if rec is not None:
-            res = CalibrationResult.from_record(key, rec, reused=True, path=str(store.path_for(key)))
-            if progress:
-                for line in summary_lines(res):
-                    console.print(line)
-            return res
+            return CalibrationResult.from_record(key, rec, reused=True, path=str(store.path_for(key)))
     t0 = time.perf_counter()
     if engine is None:
         from runtime.engine import Engine
 
         engine = Engine.from_config(source)
     build_s = time.perf_counter() - t0
-    with progress_bar(console, enabled=progress) as bar:
-        sr, facts = calibrate_engine(engine, config=cfg, prompts=prompts, new_tokens=new_tokens,
-                                     max_seconds=max_seconds, plan=plan, clock=clock, progress=bar,
-                                     context=key.context)
+
+    def bar(message: str, done: int, planned: int) -> None:
+        if on_progress is not None:
+            on_progress(f"calibrating: {message}", done, max(planned, done, 1))
+
+    sr, facts = calibrate_engine(engine, config=cfg, prompts=prompts, new_tokens=new_tokens, max_seconds=max_seconds,
+                                 plan=plan, clock=clock, progress=bar, context=key.context)
     facts["engine_build_s"] = round(build_s, 3)
     facts["total_s"] = round(time.perf_counter() - t0, 3)
     res = result_from_search(key, sr, facts)
     if res.source == "calibrated":
         res.path = str(store.save(key, res.record))
-    if progress:
-        console.print(sweep_table(res.record, sr.tasks))
-        for line in summary_lines(res):
-            console.print(line)
     return res
 
 
@@ -252,10 +246,3 @@ def result_from_search(key: CalibrationKey | None, sr: SearchResult, facts: dict
               "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
     return CalibrationResult(block=sr.chosen.block, spec_min_p=sr.chosen.spec_min_p, source=record["source"],
                              decision=sr.decision, reason=sr.reason, reused=False, key=key, record=record)
-
-
-def calibrate_config(config: dict[str, Any] | str | Path, *, force: bool = False, max_seconds: float | None = None,
-                     progress: bool = True, **kw: Any) -> dict[str, Any]:
-    """The wizard's entry point: `calibrate_for_config(...).to_dict()` (None budget = the default budget)."""
-    budget = DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds
-    return calibrate_for_config(config, force=force, max_seconds=budget, progress=progress, **kw).to_dict()

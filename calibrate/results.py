@@ -8,25 +8,15 @@ key stored inside it equals the requested key; a damaged file is ignored (recali
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from calibrate.key import CalibrationKey
 from runtime.fileio import atomic_write_text
+from runtime.paths import strata_home
 
 RECORD_VERSION = 1
-
-
-def strata_home() -> Path:
-    """`$STRATA_HOME`, else the platformdirs user data dir for `strata` (PRODUCT.md)."""
-    env = os.environ.get("STRATA_HOME")
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("strata"))
 
 
 def default_store_dir() -> Path:

@@ -8,43 +8,36 @@ on every start). A config without recorded times falls back to hashing the files
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
+from runtime.config import StrataConfig
 from runtime.errors import StaleArtifactError
 from runtime.fileio import sha256_file
 
 
-def _check_file(path: Path, meta: Mapping[str, Any], what: str) -> None:
+def _check_file(path: Path, size: int | None, sha256: str | None, mtime_ns: int | None, what: str) -> None:
     if not path.is_file():
         raise StaleArtifactError(f"the {what} {path} is missing; rerun strata-setup to fetch it again.")
     st = path.stat()
-    if "size" in meta and st.st_size != int(meta["size"]):
+    if size is not None and size >= 0 and st.st_size != size:
         raise StaleArtifactError(f"the {what} {path} changed size since strata-setup verified it "
-                                 f"({st.st_size} bytes, expected {int(meta['size'])}); rerun strata-setup.")
-    recorded = meta.get("mtime_ns")
-    if recorded is not None and int(recorded) == st.st_mtime_ns:
+                                 f"({st.st_size} bytes, expected {size}); rerun strata-setup.")
+    if mtime_ns is not None and mtime_ns == st.st_mtime_ns:
         return
-    want = meta.get("sha256")
-    if want and sha256_file(path) != want:
+    if sha256 and sha256_file(path) != sha256:
         raise StaleArtifactError(f"the {what} {path} changed since strata-setup verified it (sha256 differs); "
                                  f"rerun strata-setup to fetch it again.")
 
 
-def check_config_artifacts(doc: Mapping[str, Any], resolve: Callable[[str], Path]) -> None:
+def check_config_artifacts(cfg: StrataConfig) -> None:
     """Raise StaleArtifactError when a file the config lists is missing or changed."""
-    target = doc.get("target") or {}
-    files = target.get("files") or {}
-    if files and "path" in target:
-        root = resolve(target["path"])
-        for rel, meta in files.items():
-            if isinstance(meta, Mapping):
-                _check_file(root / rel, meta, "target file")
-    drafter = doc.get("drafter") or {}
-    if drafter.get("kind") == "dflash2" and drafter.get("path"):
-        dpath = resolve(drafter["path"])
+    root = cfg.resolve(cfg.target.path)
+    for rel, rec in cfg.target.files.items():
+        _check_file(root / rel, rec.size, rec.sha256, rec.mtime_ns, "target file")
+    d = cfg.drafter
+    if d.kind == "dflash2" and d.path:
+        dpath = cfg.resolve(d.path)
         if dpath.is_dir():      # an HF-folder drafter: the loader validates its files; no single-file pin to check
             return
-        if "size" in drafter or "sha256" in drafter:
-            _check_file(dpath, drafter, "DFlash2 drafter")
+        if d.size is not None or d.sha256:
+            _check_file(dpath, d.size, d.sha256, d.mtime_ns, "DFlash2 drafter")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import platform
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +13,10 @@ from typing import Any
 import torch
 
 from runtime.artifact_check import check_config_artifacts
+from runtime.config import StrataConfig, load, parse
 from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
-from runtime.errors import LoadError, UsageError
+from runtime.errors import ConfigError, LoadError
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
@@ -31,8 +31,8 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 
 
-class EngineConfigError(UsageError):
-    """A config or argument the engine cannot use (bad input: one clear sentence)."""
+# a config or argument the engine cannot use: the config error of runtime/errors.py (one class, exit code 2)
+EngineConfigError = ConfigError
 
 
 @dataclass
@@ -123,6 +123,10 @@ class Engine:
         kdt = _dtype(kv_dtype) or dt
         target_dir = Path(target_dir).expanduser()
         model, tokenizer = _load_target(target_dir, dt, with_mtp=drafter_kind == "mtp")
+        limit = model.cfg.max_position_embeddings
+        if int(context) > limit:
+            raise EngineConfigError(f"context {int(context)} is beyond the model's maximum of {limit} tokens; set "
+                                    f"[memory] context to {limit} or less (or rerun strata-setup).")
         experts = ExpertCache(model, dev, expert_slots)
         experts.place(model)
         cfg = model.cfg
@@ -145,41 +149,26 @@ class Engine:
                    prefill_chunk=prefill_chunk, graphs=graphs)
 
     @classmethod
-    def from_config(cls, config: str | Path | dict, **overrides: Any) -> Engine:
-        """Build from a strata-setup config (TOML schema 1, or its dict). Relative paths are relative to the file."""
-        base = Path.cwd()
-        if isinstance(config, dict):
-            doc = config
+    def from_config(cls, config: str | Path | dict | StrataConfig, **overrides: Any) -> Engine:
+        """Build from a strata-setup config (a file, its dict or a parsed `StrataConfig`; runtime/config.py checks
+        every key). Relative paths are relative to the file. Artifacts changed since setup are refused first."""
+        if isinstance(config, StrataConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = parse(config)
         else:
             p = Path(config).expanduser()
             if not p.is_file():
                 raise EngineConfigError(f"config file {p} does not exist; run strata-setup first or pass --config.")
-            try:
-                doc = tomllib.loads(p.read_text())
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-                raise EngineConfigError(f"config file {p} is not valid TOML ({e}).") from e
-            base = p.parent
-        if doc.get("schema", 1) != 1:
-            raise EngineConfigError(f"config schema {doc.get('schema')!r} is not supported; this runtime reads schema 1.")
-        tgt, dra = doc.get("target") or {}, doc.get("drafter") or {}
-        spec, mem, devt = doc.get("speculative") or {}, doc.get("memory") or {}, doc.get("device") or {}
-        if "path" not in tgt:
-            raise EngineConfigError("config has no [target] path; re-run strata-setup.")
-
-        def resolve(x: str | None) -> Path | None:
-            if x is None:
-                return None
-            q = Path(x).expanduser()
-            return q if q.is_absolute() else base / q
-
-        check_config_artifacts(doc, resolve)
-        kind = dra.get("kind", "none")
+            cfg = load(p)
+        check_config_artifacts(cfg)
+        kind = cfg.drafter.kind
         args: dict[str, Any] = dict(
-            target_dir=resolve(tgt["path"]), drafter_kind=kind,
-            drafter_path=resolve(dra.get("path")) if kind != "none" else None,
-            device=devt.get("type"), dtype=devt.get("dtype"), context=int(mem.get("context", 4096)),
-            expert_slots=mem.get("expert_cache_slots"), block=spec.get("block"), spec_min_p=spec.get("spec_min_p"),
-            kv_dtype=mem.get("kv_dtype"),
+            target_dir=cfg.resolve(cfg.target.path), drafter_kind=kind,
+            drafter_path=cfg.resolve(cfg.drafter.path) if kind != "none" else None,
+            device=cfg.device.type, dtype=cfg.device.dtype, context=cfg.memory.context,
+            expert_slots=cfg.memory.expert_cache_slots, block=cfg.speculative.block,
+            spec_min_p=cfg.speculative.spec_min_p, kv_dtype=cfg.memory.kv_dtype,
         )
         args.update(overrides)
         return cls.build(**args)

@@ -39,16 +39,35 @@ def _version(value: bool) -> None:
 
 # Seams the tests replace: the machine, the other areas' functions, and whether a person is at the terminal.
 def get_hardware():
+    from runtime.paths import strata_home
     from setup_wizard.hardware import detect
-    from setup_wizard.plan import strata_home
 
     return detect(strata_home())
 
 
-def get_services(json_out: bool = False):
-    from setup_wizard.plan import RealServices
+def get_services(on_progress=None):
+    from setup_wizard.services import RealServices
 
-    return RealServices(console=Console(stderr=True) if json_out else None)
+    return RealServices(on_progress)
+
+
+class _Relay:
+    """A progress callback whose bars exist only while a step runs (never under a question on the terminal)."""
+
+    sink = None
+
+    def __call__(self, label: str, done: float, total: float | None, unit: str = "") -> None:
+        if self.sink is not None:
+            self.sink(label, done, total, unit)
+
+
+def _print_calibration(result, console: Console) -> None:
+    from calibrate.report import summary_lines, sweep_table
+
+    if result.record.get("arms") and not result.reused:
+        console.print(sweep_table(result.record, list(result.record.get("prompts") or [])))
+    for line in summary_lines(result):
+        console.print(line)
 
 
 def is_interactive() -> bool:
@@ -91,13 +110,13 @@ def main_callback(
     """Without a subcommand: the setup wizard (interactive with a terminal, scripted with --yes)."""
     if ctx.invoked_subcommand is not None:
         return
-    from setup_wizard import plan as P
+    from setup_wizard.choices import Choices, load_answers, merge_choices
 
-    flags = P.Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
+    flags = Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
                       context=context, vram_reserve_mib=vram_reserve_mib, calibrate=calibrate, offline=offline,
                       config_out=config_out)
     try:
-        choices = P.merge_choices(P.load_answers(answers), flags) if answers else flags
+        choices = merge_choices(load_answers(answers), flags) if answers else flags
         choices.validate()
         scripted = yes or answers is not None
         if not scripted and not is_interactive():
@@ -119,21 +138,25 @@ def main_callback(
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
               output: Any = None, calibrate_seconds: float | None = None) -> int:
     """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run command."""
-    from setup_wizard import plan as P
+    from runtime.errors import WorkError
     from setup_wizard import wizard as W
+    from setup_wizard.plan import resolve
+    from setup_wizard.progress_view import progress_bars
+    from setup_wizard.steps import execute
 
     out = Console(stderr=True) if json_out else Console()
     hw = get_hardware()
-    services = get_services(json_out) if json_out else get_services()
+    relay = _Relay()
+    services = get_services(relay)
     if interactive:
         choices = W.ask(choices, hw, services, input=input, output=output)
-    plan = P.resolve(choices, hw, services)
+    plan = resolve(choices, hw, services)
     if json_out and dry_run:
         print(json.dumps({"dry_run": True, "plan": plan.to_dict()}, indent=2))
         return 0
     W.show_plan(plan, out)
     if plan.budget is not None and not plan.budget.fits:
-        raise P.StepError(plan.budget.reason)
+        raise WorkError(plan.budget.reason)
     if dry_run:
         out.print("[dim]Dry run: nothing was downloaded, converted or written.[/dim]")
         return 0
@@ -149,7 +172,11 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
         else:
             out.print(f"[green]✓[/green] {step}")
 
-    result = P.execute(plan, services, report=report, max_calibration_seconds=calibrate_seconds)
+    with progress_bars(Console(stderr=True)) as bars:
+        relay.sink = bars
+        result = execute(plan, services, report=report, max_calibration_seconds=calibrate_seconds)
+    if result.calibration is not None:
+        _print_calibration(result.calibration, Console(stderr=True))
     if plan.budget is None or plan.budget.table() != result.budget.table():
         out.print(W.budget_table(result.budget))  # known only now (after the download) or changed
     cmd = result.run_command()
@@ -172,7 +199,7 @@ def budget_cmd(
     """Recompute the memory budget of a setup on this machine and print it."""
     from setup_wizard import wizard as W
     from setup_wizard.config import load_config, stale_reasons, write_config
-    from setup_wizard.plan import budget_for_doc
+    from setup_wizard.steps import budget_for_doc
 
     try:
         doc = load_config(config)
@@ -212,7 +239,7 @@ def calibrate_cmd(
 ) -> None:
     """Calibrate block size and spec_min_p for a setup and write the result into its config."""
     from setup_wizard.config import load_config, stale_reasons, write_config
-    from setup_wizard.plan import apply_calibration
+    from setup_wizard.steps import apply_calibration
 
     try:
         doc = load_config(config)
@@ -223,8 +250,12 @@ def calibrate_cmd(
         stale = stale_reasons(doc)
         if stale:
             _fail(f"The config {config} is stale: {stale[0]}; rerun strata-setup.", 2, False)
-        results = get_services().calibrate(Path(config), force=force, max_seconds=max_seconds)
-        apply_calibration(doc, results)
+        from setup_wizard.progress_view import progress_bars
+
+        with progress_bars(Console(stderr=True)) as bars:
+            result = get_services(bars).calibrate(doc, force=force, max_seconds=max_seconds)
+        _print_calibration(result, Console(stderr=True))
+        apply_calibration(doc, result)
         write_config(config, doc)
     except typer.Exit:
         raise

@@ -18,10 +18,13 @@ from typing import Any
 
 import tomli_w
 
+from runtime.config import (
+    SCHEMA,  # noqa: E402,F401  (one schema version)
+    parse,
+    read_toml,
+)
 from runtime.errors import ConfigError, WorkError
 from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-exported: one formula)
-
-SCHEMA = 1
 
 # The keys strata-setup writes, per table. A key not listed here is the user's and survives a rerun; a table
 # marked None is replaced as a whole (its contents are all ours).
@@ -77,6 +80,7 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
         raise ConfigWriteError(f"Cannot create the folder for the config {path} ({exc.strerror or exc}); pass "
                                f"--config-out elsewhere.") from exc
     doc = _drop_none(doc)
+    parse(doc, where=str(path))   # never write what strata-run would refuse
     if keep_user_keys and path.exists():
         try:
             old = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -141,37 +145,16 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    """Read and validate the shape of a config; ConfigError (one sentence) when it cannot be used."""
+    """Read a config and check it with the one schema strata-run uses (runtime/config.py), requiring the tables
+    setup always writes; paths in the returned document are resolved against the config's folder, as strata-run
+    resolves them. ConfigError (one sentence) when it cannot be used."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"No config at {path}; run strata-setup to create one, or pass the right --config path.")
-    try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"The config {path} is not valid TOML ({exc}); fix it or rerun strata-setup.") from None
-    schema = doc.get("schema")
-    if schema != SCHEMA:
-        raise ConfigError(
-            f"The config {path} has schema {schema!r}, but this version reads schema {SCHEMA}; rerun strata-setup."
-        )
-    for table, keys in (("target", ("path",)), ("drafter", ("kind",)), ("memory", ("context",))):
-        t = doc.get(table)
-        if not isinstance(t, dict):
-            raise ConfigError(f"The config {path} has no [{table}] table; rerun strata-setup to rewrite it.")
-        for k in keys:
-            if k not in t:
-                raise ConfigError(f"The config {path} has no '{table}.{k}'; rerun strata-setup to rewrite it.")
-    # a hand edit of the wrong type is bad input, named here, not a crash further on
-    for table, key, want in (("target", "path", str), ("drafter", "path", str), ("memory", "context", int),
-                             ("memory", "reserve_mib", int), ("drafter", "kind", str)):
-        v = doc[table].get(key)
-        if v is not None and (not isinstance(v, want) or isinstance(v, bool)):
-            kind = "a whole number" if want is int else "a string"
-            raise ConfigError(f"The config {path} has '{table}.{key}' = {v!r}, which is not {kind}; fix it or rerun "
-                              f"strata-setup.")
-    if doc["drafter"]["kind"] not in ("mtp", "dflash2", "none"):
-        raise ConfigError(f"The config {path} names an unknown drafter kind {doc['drafter']['kind']!r}; "
-                          "use mtp, dflash2 or none.")
+    doc = read_toml(path)
+    cfg = parse(doc, where=str(path), base=path.expanduser().parent, complete=True)
+    doc["target"]["path"] = str(cfg.resolve(cfg.target.path))
+    for key in ("path", "source_path"):
+        if doc["drafter"].get(key):
+            doc["drafter"][key] = str(cfg.resolve(doc["drafter"][key]))
     return doc
 
 

@@ -4,7 +4,8 @@
 (HEAD: size, commit), `http_get` (its session, retries, and Range resume within a run), `build_hf_headers`
 (HF_TOKEN), `HfApi.parse_safetensors_file_metadata` (ranged read of a safetensors header). Around them we add what
 the library does not do: sha256 computed while the bytes are written (the file is never read twice), a `.part` file
-that a later run resumes with a Range request (re-hashing the bytes already there), a disk-space check, rich progress
+that a later run resumes with a Range request (re-hashing the bytes already there), a disk-space check, progress reported through
+a callback
 bars, a header check of DFlash2 weights against the contract *before* they are downloaded, and an atomic rename
 into the store once size and sha256 match the catalog. `bundled` entries are copied from the package folder through
 the same hashing and checks. Offline (HF_HUB_OFFLINE or `offline=True`) serves only what the store has verified.
@@ -20,17 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
 from runtime.errors import WorkError
+from runtime.progress import ProgressFn
 from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, bundled_root, load_catalog, safe_join
 from setup_wizard.store import (
     PART_SUFFIX,
@@ -133,7 +125,7 @@ def verified_entry(entry: CatalogEntry, store: Store | None = None, *, rehash: b
 # hashing writer + progress
 
 class _HashingWriter:
-    """A file object for `http_get`: hashes every byte written and advances a progress bar."""
+    """A file object for `http_get`: hashes every byte written and reports how many."""
 
     def __init__(self, f: BinaryIO, hasher: Any, on_bytes: Callable[[int], None], limit: int | None = None,
                  what: str = "the file") -> None:
@@ -167,10 +159,20 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _progress(console: Console | None, enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=console or Console(stderr=True), disable=not enabled, transient=False)
+class _FileMeter:
+    """Bytes of one file so far, reported as `on_progress(label, done, total)` (runtime/progress.py)."""
+
+    def __init__(self, on_progress: ProgressFn | None, label: str, total: int, done: int = 0) -> None:
+        self.fn, self.label, self.total, self.done = on_progress, label, total, done
+        self._report()
+
+    def _report(self) -> None:
+        if self.fn is not None:
+            self.fn(self.label, self.done, self.total, "B")
+
+    def add(self, n: int) -> None:
+        self.done = 0 if n < 0 else self.done + n     # -1: the server restarted the file from byte 0
+        self._report()
 
 
 def _hash_existing(path: Path, hasher: Any, limit: int) -> int:
@@ -238,7 +240,8 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
-def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path, progress: Progress) -> None:
+def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path,
+                   on_progress: ProgressFn | None) -> None:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
@@ -271,16 +274,9 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
             resume = 0
         else:
             resume = _hash_existing(part, hasher, resume)
-    task = progress.add_task(f"{entry.name}/{rel}", total=int(want["size"]), completed=resume)
-
-    def on_bytes(n: int) -> None:
-        if n < 0:
-            progress.reset(task, total=int(want["size"]))
-        else:
-            progress.update(task, advance=n)
-
+    meter = _FileMeter(on_progress, f"{entry.name}/{rel}", int(want["size"]), resume)
     with open(part, "ab") as f:
-        w = _HashingWriter(f, hasher, on_bytes, int(want["size"]), f"{rel} of {entry.name}")
+        w = _HashingWriter(f, hasher, meter.add, int(want["size"]), f"{rel} of {entry.name}")
         try:
             http_get(location, w, resume_size=resume, headers=headers, expected_size=int(want["size"]),
                      displayed_filename=rel)
@@ -341,8 +337,8 @@ def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # bundled
 
-def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path, progress: Progress,
-                       root: Path) -> None:
+def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path,
+                       on_progress: ProgressFn | None, root: Path) -> None:
     src_dir = safe_join(root, entry.repo or "", f"{entry.name} bundled folder")
     src = safe_join(src_dir, rel, f"{entry.name} file")
     if not src.is_file():
@@ -352,12 +348,12 @@ def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], d
     part = final.with_name(final.name + PART_SUFFIX)
     final.parent.mkdir(parents=True, exist_ok=True)
     hasher = hashlib.sha256()
-    task = progress.add_task(f"{entry.name}/{rel}", total=int(want["size"]))
+    meter = _FileMeter(on_progress, f"{entry.name}/{rel}", int(want["size"]))
     with open(src, "rb") as fi, open(part, "wb") as fo:
         while block := fi.read(1 << 22):
             hasher.update(block)
             fo.write(block)
-            progress.update(task, advance=len(block))
+            meter.add(len(block))
     _finish_file(part, final, rel, hasher.hexdigest(), want, entry.name)
 
 
@@ -365,8 +361,7 @@ def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], d
 # the entry point
 
 def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: bool | None = None,
-                   console: Console | None = None, progress: bool = True,
-                   bundled_dir: Path | None = None) -> Pulled:
+                   on_progress: ProgressFn | None = None, bundled_dir: Path | None = None) -> Pulled:
     """Make `entry` present and verified in the store; returns where. Raises UnpinnedError (exit 2),
     DownloadError / ChecksumError / HeaderCheckError / StoreError (exit 1)."""
     store = store or Store()
@@ -401,20 +396,19 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
     hf_bars_were_off = are_progress_bars_disabled()
     disable_progress_bars()
     try:
-        with _progress(console, progress) as bars:
-            header_checked = False
-            for rel in order:
-                if entry.source == "bundled":
-                    _copy_bundled_file(entry, rel, files[rel], dest, bars, bundled_dir or bundled_root())
-                    continue
-                if entry.kind == "dflash2" and rel.endswith(".safetensors") and not header_checked:
-                    cfg = dest / "config.json"
-                    if not cfg.is_file():
-                        raise HeaderCheckError(f"Entry {entry.name} does not list config.json; a DFlash2 head "
-                                               f"needs it.")
-                    check_remote_header(entry, cfg)
-                    header_checked = True
-                _fetch_hf_file(entry, rel, files[rel], dest, bars)
+        header_checked = False
+        for rel in order:
+            if entry.source == "bundled":
+                _copy_bundled_file(entry, rel, files[rel], dest, on_progress, bundled_dir or bundled_root())
+                continue
+            if entry.kind == "dflash2" and rel.endswith(".safetensors") and not header_checked:
+                cfg = dest / "config.json"
+                if not cfg.is_file():
+                    raise HeaderCheckError(f"Entry {entry.name} does not list config.json; a DFlash2 head "
+                                           f"needs it.")
+                check_remote_header(entry, cfg)
+                header_checked = True
+            _fetch_hf_file(entry, rel, files[rel], dest, on_progress)
     finally:
         if not hf_bars_were_off:
             enable_progress_bars()
@@ -430,7 +424,7 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
 
 
 def pull(name: str, *, store: Store | None = None, catalog: Catalog | None = None, offline: bool | None = None,
-         console: Console | None = None, progress: bool = True) -> Pulled:
+         on_progress: ProgressFn | None = None) -> Pulled:
     """Download and verify one catalog entry by name (and nothing else)."""
     cat = catalog or load_catalog()
-    return download_entry(cat.get(name), store, offline=offline, console=console, progress=progress)
+    return download_entry(cat.get(name), store, offline=offline, on_progress=on_progress)

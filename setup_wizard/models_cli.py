@@ -245,8 +245,13 @@ def pull_cmd(name: str = typer.Argument(..., help="Catalog entry to download and
              json_out: bool = JSON, debug: bool = DEBUG) -> None:
     """Download and verify one catalog entry (and nothing else)."""
     from setup_wizard.hub import pull
+    from setup_wizard.progress_view import progress_bars
 
-    res = _run(lambda: pull(name, offline=offline or None, console=Console(stderr=True)), debug)
+    def work():
+        with progress_bars(Console(stderr=True)) as bars:
+            return pull(name, offline=offline or None, on_progress=bars)
+
+    res = _run(work, debug)
     doc = {"name": res.name, "path": str(res.path), "revision": res.revision, "sha256": res.sha256,
            "size": res.size, "reused": res.reused, "files": res.files}
     if json_out:
@@ -317,9 +322,8 @@ def convert_cmd(
     debug: bool = DEBUG,
 ) -> None:
     """Convert a DFlash2 checkpoint to GGUF (validated, streamed, verified by reading it back)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from setup_wizard.convert import convert_dflash2
+    from setup_wizard.progress_view import progress_bars
 
     if out.is_dir():
         Console(stderr=True).print(f"[red]Error:[/red] -o {out} is a folder; pass the output file path, such as "
@@ -327,11 +331,9 @@ def convert_cmd(
         raise typer.Exit(2)
 
     def work():
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      console=Console(stderr=True), transient=True) as p:
-            task = p.add_task(f"converting to {quant}", total=None)
+        with progress_bars(Console(stderr=True)) as bars:
             return convert_dflash2(src, quant, out, source_repo=source_repo, source_revision=source_revision,
-                                   on_tensor=lambda n, i, tot: p.update(task, completed=i, total=tot))
+                                   on_tensor=lambda n, i, tot: bars(f"converting to {quant}", i, tot))
 
     res = _run(work, debug)
     doc = {"path": str(res.path), "sha256": res.sha256, "size": res.size, "quant": res.quant,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import os
 import shutil
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -26,6 +25,7 @@ from typing import Any
 
 from runtime.errors import WorkError
 from runtime.fileio import atomic_write_text, sha256_file  # noqa: F401  (re-exported)
+from runtime.paths import strata_home
 
 MANIFEST = ".strata-manifest.json"
 PART_SUFFIX = ".part"
@@ -33,16 +33,6 @@ PART_SUFFIX = ".part"
 
 class StoreError(WorkError, OSError):
     """A store operation failed (disk, permissions, a corrupt manifest); one sentence saying what to do."""
-
-
-def strata_home() -> Path:
-    """$STRATA_HOME, else the platformdirs user data dir for `strata`."""
-    env = os.environ.get("STRATA_HOME")
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("strata"))
 
 
 def manifest_sha256(files: Mapping[str, Mapping[str, Any]]) -> str:

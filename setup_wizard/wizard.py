@@ -1,6 +1,6 @@
 """The interactive questions (questionary) → `Choices`, and the summary the user confirms.
 
-Only asks and calls: every answer lands in `plan.Choices`, and `plan.resolve` makes the recommendations, so
+Only asks and calls: every answer lands in `Choices`, and `resolve` makes the recommendations, so
 the scripted path (`--yes`, `--answers`) and this one produce the same plan. Questions already answered by a
 flag are not asked. `input`/`output` are passed through to prompt_toolkit so tests can drive the flow.
 """
@@ -15,9 +15,13 @@ import questionary
 from rich.console import Console
 from rich.table import Table
 
-from setup_wizard import plan as P
+from runtime.errors import UsageError
 from setup_wizard.budget import MIB, Budget
+from setup_wizard.choices import Choices
 from setup_wizard.hardware import Hardware
+from setup_wizard.inspection import target_geometry
+from setup_wizard.plan import Plan, recommended_target, resolve
+from setup_wizard.services import Services
 
 LOCAL = "__local__"
 QUANT_LABELS = {
@@ -39,8 +43,8 @@ def _size(n: int) -> str:
     return f"{n / MIB:.1f} MiB"
 
 
-def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = None,
-        output: Any = None) -> P.Choices:
+def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None,
+        output: Any = None) -> Choices:
     """Ask what the flags left open, in the issue's order: target, drafter, DFlash2 head and quantization, context,
     reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
     io = {"input": input, "output": output}
@@ -48,7 +52,7 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
 
     if ans.target is None:
         options = services.targets()
-        rec, why = P.recommended_target(options) if options else (None, "")
+        rec, why = recommended_target(options) if options else (None, "")
         items = []
         # what is here first, then the bundled pack, then what can be downloaded; unpinned entries last
         options = sorted(options, key=lambda o: (not (o.available and o.source != "bundled"),
@@ -76,7 +80,7 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
         ans.target = picked
 
     # what the plan would recommend from here on (also validates the target)
-    draft = P.resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
+    draft = resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
     target = draft.target
     heads = services.heads(target.name) if target.source != "local" else []
 
@@ -98,7 +102,7 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
     if ans.drafter == "dflash2":
         if ans.dflash2_head is None:
             if not heads:
-                raise P.UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
+                raise UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
                                    "local folder.")
             default = next((h.name for h in heads if h.default), heads[0].name)
             items = [questionary.Choice(
@@ -119,7 +123,7 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
                 ans.notes["dflash2_quant"] = "original weights; Q8_0/Q4_0 save memory"
 
     if ans.context is None:
-        rec = P.resolve(ans, hw, services)  # recommended with the default (or given) reserve
+        rec = resolve(ans, hw, services)  # recommended with the default (or given) reserve
         limit = _model_limit(rec)
         text = _ask(questionary.text(
             "Context length in tokens?", default=str(rec.context),
@@ -128,7 +132,7 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
         ans.context = int(text)
         _note(ans, "context", ans.context == rec.context, rec.why)
     if ans.vram_reserve_mib is None:
-        rec = P.resolve(ans, hw, services)
+        rec = resolve(ans, hw, services)
         where = "GPU memory" if hw.device_type == "cuda" else "RAM"
         text = _ask(questionary.text(
             f"Memory to keep free for other programs, in MiB ({where})?", default=str(rec.reserve_mib),
@@ -149,18 +153,18 @@ def ask(choices: P.Choices, hw: Hardware, services: P.Services, *, input: Any = 
     return ans
 
 
-def _note(ans: P.Choices, key: str, took_default: bool, why: dict[str, str]) -> None:
+def _note(ans: Choices, key: str, took_default: bool, why: dict[str, str]) -> None:
     if took_default and why.get(key):
         ans.notes[key] = why[key]
 
 
-def _model_limit(plan: P.Plan) -> int | None:
+def _model_limit(plan: Plan) -> int | None:
     """The target's max_position_embeddings when its config is here (else no upper bound yet)."""
     if plan.target.local_path is None:
         return None
     try:
-        return P.target_geometry(plan.target.local_path).max_position
-    except P.UsageError:
+        return target_geometry(plan.target.local_path).max_position
+    except UsageError:
         return None
 
 
@@ -203,7 +207,7 @@ def budget_table(budget: Budget, title: str = "Memory budget") -> Table:
     return t
 
 
-def summary_table(plan: P.Plan) -> Table:
+def summary_table(plan: Plan) -> Table:
     t = Table(title="Setup plan", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value", overflow="fold")
@@ -224,7 +228,7 @@ def summary_table(plan: P.Plan) -> Table:
     return t
 
 
-def show_plan(plan: P.Plan, console: Console) -> None:
+def show_plan(plan: Plan, console: Console) -> None:
     console.print(summary_table(plan))
     if plan.budget is not None:
         console.print(budget_table(plan.budget))

@@ -44,13 +44,13 @@ def test_a_body_longer_than_the_pin_is_cut_off_and_discarded(tiny_repo, hub, hom
     size = len(tiny_repo["files"]["model.safetensors"])
     hub.pad[(REPO, "model.safetensors")] = b"\0" * (3 << 20)  # 3 MiB the pin does not allow
     with pytest.raises(ChecksumError, match="more than the"):
-        pull("tiny-head", progress=False)
+        pull("tiny-head")
     d = home / "downloads" / "tiny-org--tiny-dflash2" / REV
     assert not (d / "model.safetensors").exists()
     part = d / "model.safetensors.part"
     assert not part.exists() or part.stat().st_size <= size  # never more on disk than the pin allows
     hub.pad.clear()
-    res = pull("tiny-head", progress=False)
+    res = pull("tiny-head")
     assert (res.path / "model.safetensors").read_bytes() == tiny_repo["files"]["model.safetensors"]
 
 
@@ -76,7 +76,7 @@ def test_a_download_edited_after_its_check_is_not_served_as_verified(tiny_repo, 
     from setup_wizard.catalog import load_catalog
     from setup_wizard.hub import pull, verified_entry
 
-    res = pull("tiny-head", progress=False)
+    res = pull("tiny-head")
     w = res.path / "model.safetensors"
     good = w.read_bytes()
     bad = bytearray(good)
@@ -91,7 +91,7 @@ def test_a_download_edited_after_its_check_is_not_served_as_verified(tiny_repo, 
     from setup_wizard.hub import DownloadError
 
     with pytest.raises(DownloadError, match="offline"):  # offline mode does not serve it
-        pull("tiny-head", offline=True, progress=False)
-    fixed = pull("tiny-head", progress=False)  # online: fetched again, checked
+        pull("tiny-head", offline=True)
+    fixed = pull("tiny-head")  # online: fetched again, checked
     assert not fixed.reused and w.read_bytes() == good
     assert verified_entry(entry) is not None

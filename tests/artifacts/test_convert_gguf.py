@@ -188,7 +188,7 @@ def test_sharded_source_converts_to_the_same_tensors(ckpt, tmp_path):
 def test_pulled_head_converts_through_the_cache(tiny_repo, hub, home):
     from setup_wizard.hub import pull
 
-    p = pull("tiny-head", progress=False)
+    p = pull("tiny-head")
     sha = p.files["model.safetensors"]["sha256"]
     c = convert_to_store(p.path, "q8_0", source_name="tiny-head", source_repo="tiny-org/tiny-dflash2",
                          source_revision=p.revision, source_sha=sha)

@@ -13,7 +13,7 @@ from setup_wizard.store import MANIFEST, Store
 
 
 def _pull(name="tiny-head", **kw):
-    return pull(name, progress=False, **kw)
+    return pull(name, **kw)
 
 
 def test_pinned_download_lands_verified_and_is_reused(tiny_repo, hub, home):
@@ -156,13 +156,13 @@ def test_bundled_source_goes_through_the_same_checks(tmp_path, home):
     src = write_checkpoint(root / "tiny-pack")
     files = tuple(CatalogFile(**p) for p in file_pins(src))
     e = CatalogEntry("tiny-pack", "dflash2", "bundled", "tiny-pack", None, files, ("t",))
-    res = download_entry(e, progress=False, bundled_dir=root, offline=True)
+    res = download_entry(e, bundled_dir=root, offline=True)
     assert (res.path / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
     assert Store().read_manifest(res.path)["verified"]
     bad = CatalogEntry("tiny-pack2", "dflash2", "bundled", "tiny-pack", None,
                        (files[0], CatalogFile("model.safetensors", "a" * 64, files[1].size)), ("t",))
     with pytest.raises(ChecksumError, match="model.safetensors"):
-        download_entry(bad, progress=False, bundled_dir=root)
+        download_entry(bad, bundled_dir=root)
 
 
 def test_hf_token_is_sent(tiny_repo, hub, home, monkeypatch):

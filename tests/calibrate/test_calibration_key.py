@@ -8,7 +8,7 @@ import json
 import pytest
 import tomli_w
 
-from calibrate.api import calibrate_config, calibrate_for_config
+from calibrate.api import calibrate_for_config
 from calibrate.key import CalibrationConfigError, CalibrationKey, key_for_config
 from calibrate.results import ResultStore
 from calibrate.search import Plan
@@ -90,7 +90,7 @@ def fake(clock: FakeClock, best=(5, 0.3)) -> FakeEngine:
 
 def calib(doc, tmp_path, engine, clock, **kw):
     return calibrate_for_config(doc, engine=engine, store_dir=tmp_path, device=DEV, prompts=FAKE_PROMPTS,
-                                new_tokens=16, clock=clock, progress=False, max_seconds=None, **kw)
+                                new_tokens=16, clock=clock, max_seconds=None, **kw)
 
 
 def test_calibrate_stores_then_reuses_then_forces(tmp_path):
@@ -141,7 +141,7 @@ def test_a_damaged_or_foreign_record_is_not_reused(tmp_path):
 def test_no_drafter_has_nothing_to_calibrate(tmp_path):
     doc = config()
     doc["drafter"] = {"kind": "none"}
-    res = calibrate_for_config(doc, store_dir=tmp_path, device=DEV, progress=False)
+    res = calibrate_for_config(doc, store_dir=tmp_path, device=DEV)
     assert res.block is None and res.decision == "nothing_to_calibrate" and "nothing to calibrate" in res.reason
     assert res.to_dict()["source"] == "default"
     assert not list(tmp_path.iterdir())
@@ -160,8 +160,8 @@ def test_result_dict_is_toml_safe_and_reads_back(tmp_path):
 
 def test_wizard_entry_point_returns_the_table(tmp_path):
     clock = FakeClock()
-    out = calibrate_config(config(), engine=fake(clock), store_dir=tmp_path, device=DEV, prompts=FAKE_PROMPTS,
-                           new_tokens=16, clock=clock, progress=False, plan=Plan(confirm_repeats=1))
+    out = calibrate_for_config(config(), engine=fake(clock), store_dir=tmp_path, device=DEV, prompts=FAKE_PROMPTS,
+                               new_tokens=16, clock=clock, plan=Plan(confirm_repeats=1)).to_dict()
     assert out["block"] == 5 and out["spec_min_p"] == 0.3 and out["source"] == "calibrated"
     assert out["budget_s"] == 110.0
 
@@ -169,9 +169,9 @@ def test_wizard_entry_point_returns_the_table(tmp_path):
 def test_config_file_path_and_bad_file(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("schema = 1\n[drafter]\nkind = 'none'\n")
-    assert calibrate_for_config(p, progress=False, store_dir=tmp_path).decision == "nothing_to_calibrate"
+    assert calibrate_for_config(p, store_dir=tmp_path).decision == "nothing_to_calibrate"
     p.write_text("not = [toml")
     with pytest.raises(CalibrationConfigError, match="not valid TOML"):
-        calibrate_for_config(p, progress=False, store_dir=tmp_path)
+        calibrate_for_config(p, store_dir=tmp_path)
     with pytest.raises(CalibrationConfigError, match="cannot read"):
-        calibrate_for_config(tmp_path / "missing.toml", progress=False, store_dir=tmp_path)
+        calibrate_for_config(tmp_path / "missing.toml", store_dir=tmp_path)

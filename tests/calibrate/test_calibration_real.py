@@ -53,7 +53,7 @@ def config(target, head, kind: str) -> dict:
 def test_real_dflash2_calibration_on_cpu(models, tmp_path):
     target, head = models
     res = calibrate_for_config(config(target, head, "dflash2"), store_dir=tmp_path, device=DEV, new_tokens=4,
-                               plan=SMALL, max_seconds=60, progress=False)
+                               plan=SMALL, max_seconds=60)
     rec = res.record
     assert res.source == "calibrated" and not res.reused
     assert 2 <= res.block <= 4 and res.spec_min_p in (0.0, 0.3, 0.5, 0.7)
@@ -69,7 +69,7 @@ def test_real_dflash2_calibration_on_cpu(models, tmp_path):
     assert rec["prompts"]["long"]["truncated"] and rec["prompts"]["long"]["full_tokens"] > 2048
     stored = json.loads(open(res.path).read())
     assert stored["settings"] == {"block": res.block, "spec_min_p": res.spec_min_p}
-    again = calibrate_for_config(config(target, head, "dflash2"), store_dir=tmp_path, device=DEV, progress=False)
+    again = calibrate_for_config(config(target, head, "dflash2"), store_dir=tmp_path, device=DEV)
     assert again.reused and (again.block, again.spec_min_p) == (res.block, res.spec_min_p)
 
 
@@ -77,7 +77,7 @@ def test_real_mtp_calibration_honours_a_small_budget(models, tmp_path):
     target, head = models
     budget = 1.5
     res = calibrate_for_config(config(target, head, "mtp"), store_dir=tmp_path, device=DEV, new_tokens=6,
-                               plan=SMALL, max_seconds=budget, progress=False)
+                               plan=SMALL, max_seconds=budget)
     rec = res.record
     assert rec["max_block"] == 16 and rec["grid_size"] == 60
     assert rec["seconds"] <= budget + 0.3               # the budget holds (estimates are per run, conservative)

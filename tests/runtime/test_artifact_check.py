@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from runtime.artifact_check import check_config_artifacts
 from runtime.cli import app
+from runtime.config import parse
 from runtime.errors import StaleArtifactError
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
@@ -47,24 +48,24 @@ def _flip_one_byte(path, keep_mtime=False):
 
 def test_unchanged_artifacts_pass(setup):
     folder, doc, _ = setup
-    check_config_artifacts(doc, lambda p: folder.parent / p)
+    check_config_artifacts(parse(doc, base=folder.parent))
 
 
 def test_same_size_edit_is_caught_by_its_new_time(setup):
     folder, doc, _ = setup
     _flip_one_byte(folder / "model.safetensors")
     with pytest.raises(StaleArtifactError, match="model.safetensors changed since strata-setup verified it"):
-        check_config_artifacts(doc, lambda p: folder.parent / p)
+        check_config_artifacts(parse(doc, base=folder.parent))
 
 
 def test_without_recorded_times_the_files_are_hashed(setup):
     folder, doc, _ = setup
     for meta in doc["target"]["files"].values():
         del meta["mtime_ns"]
-    check_config_artifacts(doc, lambda p: folder.parent / p)
+    check_config_artifacts(parse(doc, base=folder.parent))
     _flip_one_byte(folder / "config.json", keep_mtime=True)
     with pytest.raises(StaleArtifactError, match="sha256 differs"):
-        check_config_artifacts(doc, lambda p: folder.parent / p)
+        check_config_artifacts(parse(doc, base=folder.parent))
 
 
 def test_missing_and_resized_files(setup):
@@ -72,10 +73,10 @@ def test_missing_and_resized_files(setup):
     with open(folder / "tokenizer.json", "ab") as f:
         f.write(b" ")
     with pytest.raises(StaleArtifactError, match="tokenizer.json changed size"):
-        check_config_artifacts(doc, lambda p: folder.parent / p)
+        check_config_artifacts(parse(doc, base=folder.parent))
     (folder / "tokenizer.json").unlink()
     with pytest.raises(StaleArtifactError, match="tokenizer.json is missing"):
-        check_config_artifacts(doc, lambda p: folder.parent / p)
+        check_config_artifacts(parse(doc, base=folder.parent))
 
 
 def test_strata_run_refuses_a_tampered_target_in_one_sentence(setup):

@@ -131,7 +131,7 @@ def test_target_items_by_hand_cpu_fp32():
 @pytest.mark.parametrize("kw", [dict(mlp_only_layers=(1,)), dict(decoder_sparse_step=2, tie=True), dict()])
 def test_config_arithmetic_matches_a_real_checkpoint_inventory(tmp_path, kw):
     """Element counts from config.json equal the tensors of a real tiny checkpoint (MTP head included)."""
-    from setup_wizard.plan import safetensors_inventory
+    from setup_wizard.inspection import safetensors_inventory
     from tests.runtime.tiny import make_tiny_target
 
     folder = make_tiny_target(tmp_path, mtp=True, **kw)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry, weight_bytes
 from setup_wizard.cli import app
-from setup_wizard.plan import target_geometry
+from setup_wizard.inspection import target_geometry
 from tests.wizard.wizard_fakes import fake_cpu
 
 

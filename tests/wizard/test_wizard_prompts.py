@@ -9,7 +9,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 from setup_wizard import cli
-from setup_wizard.plan import Choices
+from setup_wizard.choices import Choices
 
 ENTER, DOWN, CTRL_C = "\r", "\x1b[B", "\x03"
 

@@ -40,7 +40,7 @@ def test_config_write_failure_is_one_sentence_and_leaves_the_old_file(tmp_path, 
     from setup_wizard import config as C
 
     path = tmp_path / "c.toml"
-    C.write_config(path, {"schema": 1, "memory": {"context": 1}})
+    C.write_config(path, {"schema": 1, "target": {"path": "t"}, "memory": {"context": 2}})
     before = path.read_bytes()
 
     def full(src, dst):
@@ -48,7 +48,7 @@ def test_config_write_failure_is_one_sentence_and_leaves_the_old_file(tmp_path, 
 
     monkeypatch.setattr(os, "replace", full)
     with pytest.raises(C.ConfigWriteError, match=r"Cannot write the config .*No space left on device.*--config-out"):
-        C.write_config(path, {"schema": 1, "memory": {"context": 2}})
+        C.write_config(path, {"schema": 1, "target": {"path": "t"}, "memory": {"context": 3}})
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]

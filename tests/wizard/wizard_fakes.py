@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from calibrate.results import CalibrationResult
 from setup_wizard.config import manifest_sha256, sha256_file
 from setup_wizard.hardware import GPU, Hardware
-from setup_wizard.plan import Artifact, HeadOption, TargetOption, hash_folder
+from setup_wizard.inspection import hash_folder
+from setup_wizard.services import Artifact, HeadOption, TargetOption
 
 GIB = 1 << 30
 
@@ -92,13 +94,12 @@ class FakeServices:
             tmp.rename(out)
         return Artifact(path=out, sha256=sha256_file(out), size=out.stat().st_size, reused=reused)
 
-    def calibrate(self, config_path: Path, *, force: bool, max_seconds: float | None) -> dict[str, Any]:
-        self.calls.append(("calibrate", str(config_path)))
+    def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
+        self.calls.append(("calibrate", doc["target"]["path"]))
         self._check("calibrate")
-        import tomllib
-
         from calibrate.key import key_for_config
 
-        doc = tomllib.loads(Path(config_path).read_text())
         key = key_for_config(doc, device=(doc["device"]["name"], doc["device"]["total_mib"]))
-        return {**self.calibration, "key": key.to_dict()}  # the shape of calibrate.api.calibrate_config
+        c = self.calibration
+        return CalibrationResult(block=c["block"], spec_min_p=c["spec_min_p"], source=c["source"],
+                                 decision=c["decision"], reason="", key=key, record={"seconds": c["seconds"]})

@@ -1,0 +1,122 @@
+"""The seam between the plan and the parts that do the work: the `Services` protocol (catalog, verified download,
+conversion, calibration), the records it returns, and `RealServices`, which calls the real parts. The plan is tested
+with fakes through this seam, and the question layer never touches the parts themselves. Long steps report through
+a progress callback (runtime/progress.py); the command line draws it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from calibrate.api import DEFAULT_MAX_SECONDS, calibrate_for_config
+from calibrate.results import CalibrationResult
+from runtime.progress import ProgressFn
+from setup_wizard import catalog as C
+from setup_wizard import convert as V
+from setup_wizard import hub as H
+
+
+@dataclass(frozen=True)
+class TargetOption:
+    name: str
+    source: str  # "bundled" | "hf" | "local"
+    local_path: Path | None = None  # where it is when already here (bundled, downloaded or a local folder)
+    pinned: bool = True
+    size_bytes: int = 0
+    has_mtp: bool | None = None
+    description: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.local_path is not None
+
+
+@dataclass(frozen=True)
+class HeadOption:
+    name: str
+    default: bool = False
+    pinned: bool = True
+    size_bytes: int = 0
+    local_path: Path | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A verified file or folder in the store with what the config records about it."""
+
+    path: Path
+    sha256: str
+    size: int = 0
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # folder artifacts: rel path → sha256, size
+    revision: str | None = None
+    reused: bool = False  # True when nothing had to be fetched or built
+    source_sha256: str | None = None  # converted artifacts: the sha256 of what they were converted from
+    repo: str | None = None
+
+
+class Services(Protocol):
+    def targets(self) -> list[TargetOption]: ...
+    def heads(self, target: str) -> list[HeadOption]: ...
+    def fetch(self, name: str, *, offline: bool) -> Artifact: ...
+    def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact: ...
+    def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult: ...
+
+
+class RealServices:
+    """Catalog, verified download, conversion and calibration, by the parts that own them; `on_progress` receives
+    their progress (the command line turns it into bars on stderr)."""
+
+    def __init__(self, on_progress: ProgressFn | None = None) -> None:
+        self.on_progress = on_progress
+
+    def targets(self) -> list[TargetOption]:
+        return [TargetOption(name=e.name, source=e.source, local_path=_local_copy(e), pinned=e.pinned,
+                             size_bytes=e.size, has_mtp=e.mtp, description=e.description)
+                for e in C.load_catalog().targets()]
+
+    def heads(self, target: str) -> list[HeadOption]:
+        return [HeadOption(name=e.name, default=e.default, pinned=e.pinned, size_bytes=e.size,
+                           local_path=_local_copy(e), description=e.description)
+                for e in C.load_catalog().heads(target)]
+
+    def fetch(self, name: str, *, offline: bool) -> Artifact:
+        pulled = H.pull(name, offline=True if offline else None, on_progress=self.on_progress)
+        repo = C.load_catalog().get(name).repo    # recorded in the converted GGUF
+        return Artifact(path=Path(pulled.path), sha256=pulled.sha256, size=pulled.size, files=dict(pulled.files),
+                        revision=pulled.revision, reused=pulled.reused, repo=repo)
+
+    def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact:
+        report = self.on_progress
+
+        def on_tensor(name: str, i: int, n: int) -> None:
+            if report is not None:
+                report(f"convert → {quant}", i, n)
+
+        res = V.convert_to_store(head_dir, quant, source_repo=source.repo or "",
+                                 source_revision=source.revision or "", on_tensor=on_tensor)
+        return Artifact(path=Path(res.path), sha256=res.sha256, size=res.size, reused=res.reused,
+                        source_sha256=res.source_sha256)
+
+    def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
+        budget = DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds
+        return calibrate_for_config(doc, force=force, max_seconds=budget, on_progress=self.on_progress)
+
+
+def _local_copy(entry: C.CatalogEntry) -> Path | None:
+    """Where a catalog entry already is: the store's verified copy (by pinned revision), or the bundled folder
+    shipped with the package (the download step copies and verifies it into the store)."""
+    if entry.pinned:
+        try:
+            pulled = H.verified_entry(entry)
+        except Exception:  # a store that cannot answer means "not here"; the download step will say why
+            pulled = None
+        if pulled is not None:
+            return Path(pulled.path)
+    if entry.source == "bundled" and entry.repo:
+        folder = C.safe_join(C.bundled_root(), entry.repo, f"catalog entry {entry.name!r} repo")
+        if folder.is_dir() and all((folder / f.path).is_file() for f in entry.files):
+            return folder
+    return None
