@@ -5,8 +5,9 @@ tested by hand and reused by `strata-setup budget`. Names follow docs/INTERFACES
 reports the same names from `Engine.memory_report()` and a test compares the two.
 
 What is counted (bytes):
-- `target_dense_weights`: every target tensor except routed experts and `mtp.*`, at the runtime dtype.
-- `drafter_weights`: MTP = the `mtp.*` tensors at the runtime dtype; DFlash2 = as stored (45 norm/conv/selector tensors
+- `target_dense_weights`: every target tensor except routed experts and `mtp.*`, at the runtime dtype; for a
+  quantized target (Q8_0/Q4_0 GGUF) its matrices as ggml blocks and its norms and router at the runtime dtype.
+- `drafter_weights`: MTP = the `mtp.*` tensors, stored as the target is; DFlash2 = as stored (45 norm/conv/selector tensors
   BF16, 36 backbone matrices BF16 or in Q8_0/Q5_0/Q4_0 blocks); none = 0. On CPU the runtime widens the BF16
   tensors to its fp32 dtype, so there they count 4 B/element (quantized blocks stay as stored).
 - `target_kv = n_layers * 2 * n_kv_heads * head_dim * kv_bytes * context`.
@@ -195,23 +196,26 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
     logits buffers, the drafter's matrices and its cache. Their sum is close to the exact items; the list is what
     `segment_bytes` rounds."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
-    out = [t.vocab * h * wb] * (1 if t.tie_embeddings else 2) + [h * wb]
+    mi = t.moe_intermediate
+
+    def mat(rows: int, cols: int) -> int:      # floats, or ggml blocks for a quantized target
+        return t.matrix_bytes(rows, cols, wb)
+
+    out = [mat(t.vocab, h)] * (1 if t.tie_embeddings else 2) + [h * wb]
     for i in range(t.layers):
         sparse = i in t.sparse_layers
-        out += [(q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb, t.head_dim * wb, t.head_dim * wb]
+        out += [mat(q + 2 * kv, h), mat(h, q), h * wb, h * wb, t.head_dim * wb, t.head_dim * wb]
         if sparse:
-            out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
-                    t.experts * h * t.moe_intermediate * wb]
+            out += [t.experts * h * wb, t.experts * mat(2 * mi, h), t.experts * mat(h, mi)]
         else:
-            out += [t.intermediate * h * wb] * 3
+            out += [mat(t.intermediate, h)] * 2 + [mat(h, t.intermediate)]
     out += [t.layers * kv * context * kb] * 2
     out.append(block * t.vocab * 4)
     if drafter == "mtp":
-        out += [h * wb] * 3 + [2 * h * h * wb, (q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb]
+        out += [h * wb] * 3 + [mat(h, 2 * h), mat(q + 2 * kv, h), mat(h, q), h * wb, h * wb]
         out += [t.head_dim * wb] * 2
         if t.mtp_sparse:
-            out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
-                    t.experts * h * t.moe_intermediate * wb]
+            out += [t.experts * h * wb, t.experts * mat(2 * mi, h), t.experts * mat(h, mi)]
         out += [kv * context * kb] * 2 + [block * t.vocab * 4]
     elif drafter == "dflash2" and dflash2 is not None:
         d = dflash2
@@ -293,7 +297,7 @@ def compute_budget(
 
     wb, kb, ctx = inputs.weight_bytes, inputs.kv_bytes, inputs.context
     block = inputs.block if drafter != "none" else 1
-    items: dict[str, int] = {"target_dense_weights": target.dense_elems() * wb}
+    items: dict[str, int] = {"target_dense_weights": target.dense_bytes(wb)}
     items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
     items["target_kv"] = kv_bytes(target.layers, target.kv_heads, target.head_dim, kb, ctx)
     items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
@@ -316,7 +320,7 @@ def compute_budget(
     items["headroom"] = headroom_bytes(inputs.device_type, inputs.total_bytes) if hr is None else hr
     items["reserve"] = inputs.reserve_bytes
 
-    expert = target.expert_elems() * wb
+    expert = target.expert_bytes(wb)
     fixed = sum(items.values())
     room = inputs.available_bytes - fixed
     if expert > 0 and room > 0:

@@ -125,7 +125,9 @@ class MTPDrafter:
         return MTPGraphs(self)
 
     def memory_report(self) -> dict[str, int]:
-        w = sum(p.numel() * p.element_size() for p in self.mtp.parameters())
+        from runtime.memory import weight_tensors
+
+        w = sum(t.numel() * t.element_size() for _, t in weight_tensors(self.mtp))   # floats and ggml blocks
         return {"drafter_weights": w, "drafter_kv": self.kv.nbytes,
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
 

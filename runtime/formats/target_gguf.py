@@ -242,3 +242,68 @@ def config_from_metadata(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=list(dict.fromkeys(eos)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the budget's view of a file
+
+_FLOAT_TENSORS = ("F32", "F16", "BF16")
+
+
+def _parts(tensors: list[Any]) -> tuple[int, int]:
+    """(block bytes, float elements) of some GGUF tensors."""
+    blocks = sum(int(t.n_bytes) for t in tensors if t.tensor_type.name not in _FLOAT_TENSORS)
+    floats = sum(int(t.n_elements) for t in tensors if t.tensor_type.name in _FLOAT_TENSORS)
+    return blocks, floats
+
+
+def file_quant(meta: Mapping[str, Any], tensors: list[Any]) -> str:
+    """The target's storage label: Strata's `strata.quantization`, else the block format most of the expert bytes
+    are in (a llama.cpp Q4_K_M file says "q4_k"), else "bf16" for a float file."""
+    from runtime.formats.registry import by_tensor_type
+
+    q = meta.get("strata.quantization")
+    if isinstance(q, str) and q:
+        return q
+    by: dict[str, int] = {}
+    for t in tensors:
+        f = by_tensor_type(t.tensor_type.name)
+        if is_expert_stack(t.name) and f is not None:
+            by[f.name] = by.get(f.name, 0) + int(t.n_bytes)
+    blocked = {k: v for k, v in by.items() if k != "bf16"}
+    return max(blocked, key=blocked.__getitem__) if blocked else "bf16"
+
+
+def read_geometry(path: Any):
+    """The budget geometry of a qwen3moe GGUF target (and its MTP file), exact from the tensor table: block tensors
+    by their bytes, float tensors by their elements (the runtime holds those in its own dtype). Reads no weights."""
+    from pathlib import Path
+
+    from runtime.formats.gguf_meta import metadata, open_gguf
+    from runtime.models.target_config import TargetGeometry
+
+    path = Path(path)
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    tensors = list(reader.tensors)
+    shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in tensors}
+    cfg = config_from_metadata(meta, shapes, source=path.name)
+    experts = [t for t in tensors if is_expert_stack(t.name)]
+    dense = [t for t in tensors if not is_expert_stack(t.name)]
+    per_layer: dict[str, list[Any]] = {}
+    for t in experts:
+        per_layer.setdefault(t.name.split(".")[1], []).append(t)
+    one = max((_parts(ts) for ts in per_layer.values()), key=lambda p: p[0] + 4 * p[1], default=(0, 0))
+    e = max(cfg.num_experts, 1)
+    mtp_parts = None
+    mtp_name = meta.get(KEY_MTP_FILE)
+    if isinstance(mtp_name, str) and "/" not in mtp_name and "\\" not in mtp_name and (path.parent / mtp_name).is_file():
+        mtp_tensors = list(open_gguf(path.parent / mtp_name).tensors)
+        mtp_parts = _parts(mtp_tensors)
+        cfg.mtp_layers = 1
+        cfg.mtp_sparse = any(t.name == tensor_name(T.FFN_GATE_INP, cfg.num_hidden_layers) for t in mtp_tensors)
+    geo = TargetGeometry.from_target_config(cfg, has_mtp=mtp_parts is not None)
+    from dataclasses import replace
+
+    return replace(geo, mtp_sparse=cfg.mtp_sparse if mtp_parts else geo.mtp_sparse, quant=file_quant(meta, tensors),
+                   gguf_dense=_parts(dense), gguf_expert=(one[0] // e, one[1] // e), gguf_mtp=mtp_parts)
