@@ -36,9 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import NANO, Deadline, copy_bandwidth, machine, median, print_table, task_prompts, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    NANO,
+    Deadline,
+    copy_bandwidth,
+    machine,
+    median,
+    print_table,
+    task_prompts,
+    write_json,
+)
 from runtime.formats.quant_linear import QuantEmbedding, QuantLinear  # noqa: E402
-from runtime.formats.registry import FORMATS, row_bytes  # noqa: E402
+from runtime.formats.registry import FORMATS  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
 from runtime.models.layers import Rotary, SparseMoe  # noqa: E402
 from runtime.models.qwen3_moe import Qwen3MoeModel  # noqa: E402

@@ -32,6 +32,8 @@ def _check_file(path: Path, size: int | None, sha256: str | None, mtime_ns: int 
 def check_config_artifacts(cfg: StrataConfig) -> None:
     """Raise StaleArtifactError when a file the config lists is missing or changed."""
     root = cfg.resolve(cfg.target.path)
+    if root.suffix.lower() == ".gguf":
+        root = root.parent            # a GGUF target's files (it and its MTP file) are named relative to its folder
     for rel, rec in cfg.target.files.items():
         _check_file(root / rel, rec.size, rec.sha256, rec.mtime_ns, "target file")
     d = cfg.drafter

@@ -38,8 +38,8 @@ from runtime.models.target_config import Qwen3MoeConfig
 from setup_wizard.convert import ConvertError, add_provenance, close_quietly, reuse_verified, write_verified
 from setup_wizard.store import Store, manifest_sha256, now_iso, sha256_file
 
+TARGET_QUANTS = TG.TARGET_QUANTS
 CONVERTER_VERSION = "t1"          # "t": the target converter (the drafter's has its own numbering)
-TARGET_QUANTS = ("bf16", "q8_0", "q4_0")
 TARGET_FILE = "model.gguf"
 _FLOAT_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 # the files of a target folder that go into the converted file (and so into its source hash)

@@ -33,6 +33,7 @@ from runtime.errors import ConfigError, LoadError
 from runtime.models.target_config import Qwen3MoeConfig
 
 ARCH = MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]            # "qwen3moe"
+TARGET_QUANTS = ("bf16", "q8_0", "q4_0")                 # what Strata converts a target to (--target-quant)
 MTP_FILE = "mtp.gguf"
 KEY_MTP_FILE = "strata.mtp.file"                         # in the target file: the MTP file beside it
 # llama.cpp's qwen3moe always renormalises the top-k routing weights; a checkpoint that does not is written with
