@@ -157,3 +157,13 @@ def test_cpu_budget_counts_blocks(bpe, qservices):
     dense = {q: p.budget.items["target_dense_weights"] for q, p in plans.items()}
     assert dense["bf16"] > dense["q8_0"] > dense["q4_0"]
     assert plans["q4_0"].budget.expert_bytes < plans["bf16"].budget.expert_bytes / 3   # fp32 on CPU vs 18 B / 32
+
+
+def test_quality_note_is_the_measured_figure():
+    """The size question quotes bench/quant_target.py's measurement (bench/results/quant_target.json)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "quant_target.json").read_text())
+    for q, a in TS.AGREEMENT.items():
+        assert round(data["agreement"]["quants"][q]["top1"], 3) == a
