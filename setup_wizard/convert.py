@@ -1,4 +1,4 @@
-"""DFlash2 checkpoint (config.json + BF16 safetensors) -> GGUF v3 (ARTIFACTS.md §4), and the converted-artifact cache.
+"""DFlash2 checkpoint (config.json + BF16 safetensors) -> GGUF v3 (docs/formats.md, "Converted DFlash2 GGUF"), and the converted-artifact cache.
 
 The source is validated before anything is written: config.json through `DFlash2Geometry`, the tensor table (names,
 shapes, BF16) through `check_inventory`, and, for a quantized output, every backbone row length against the 32-value

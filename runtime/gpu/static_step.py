@@ -37,8 +37,12 @@ class StaticStep:
         self.pos = torch.full((self.width,), -1, dtype=torch.int32, device=dev)
         p = next(model.parameters())
         moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
+        # experts in an offload pool (runtime/experts.py): size it for this width before anything is captured
+        caches = {id(c): c for m in moe if (c := getattr(m.offload, "__self__", None)) is not None}
+        for c in caches.values():
+            c.ensure_window(self.width)
         self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
-                            and all(m.grouped_ok() for m in moe))
+                            and all(m.offload is not None or m.grouped_ok() for m in moe))
         cfg = model.cfg
         # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
         self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
@@ -47,7 +51,8 @@ class StaticStep:
             for layer in model.model.layers:
                 layer.self_attn.stack_qkv()
             self.fused = all(layer.self_attn.has_qkv for layer in model.model.layers)
-        self.use_graph = bool(graph) and dev.type == "cuda" and self.use_kernels
+        self.use_graph = (bool(graph) and dev.type == "cuda" and self.use_kernels
+                          and all(c.graphable for c in caches.values()))
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self.replays = 0
         self.errors: list[str] = []      # fallbacks taken (a kernel or a capture that failed), for the benchmarks
@@ -93,7 +98,12 @@ class StaticStep:
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
             idx, w, se, order, tok = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
-            x = mlp.routed(h, x, idx, w, se, order, tok)
+            if mlp.recorder is not None:
+                mlp.recorder(i, idx)
+            if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
+                x = x + mlp.offload(i, h, idx, w)
+            else:
+                x = mlp.routed(h, x, idx, w, se, order, tok)
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
@@ -123,7 +133,12 @@ class StaticStep:
             if isinstance(mlp, SparseMoe) and self.use_kernels:
                 w, idx = mlp.route(h[0])
                 idx = torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp)   # padded rows use no expert
-                y = mlp.grouped(h[0], idx, w)[None]
+                if mlp.recorder is not None:
+                    mlp.recorder(i, idx)
+                if mlp.offload is not None:
+                    y = mlp.offload(i, h[0], idx, w)[None]
+                else:
+                    y = mlp.grouped(h[0], idx, w)[None]
             else:
                 y = mlp(h)
             x = x + y

@@ -11,7 +11,7 @@ import torch
 from calibrate.api import calibrate_for_config
 from calibrate.fixtures import TASKS
 from calibrate.search import Plan
-from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
+from tests.runtime.drafters.dflash2.helpers import drafter_config, write_hf_drafter
 from tests.runtime.tiny import make_tiny_target
 
 DEV = ("cpu: test", 1024)

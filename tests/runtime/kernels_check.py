@@ -184,7 +184,7 @@ def check_dflash2_graphs() -> None:
 
     from runtime.drafters.dflash2.graphs import DFlash2Graphs
     from runtime.engine import Engine
-    from tests.dflash2.dflash2_helpers import drafter_config, write_hf_drafter
+    from tests.runtime.drafters.dflash2.helpers import drafter_config, write_hf_drafter
     from tests.runtime.tiny import make_tiny_target
 
     with tempfile.TemporaryDirectory() as d:
@@ -226,7 +226,7 @@ def check_lattice_walk() -> None:
     """The one-launch selector chain equals the torch chain (tokens exactly, confidences to rounding), ties too."""
     from runtime.drafters.dflash2.contract import DFlash2Geometry
     from runtime.drafters.dflash2.model import CandidateSelector, lattice_walk
-    from tests.dflash2.dflash2_helpers import drafter_config
+    from tests.runtime.drafters.dflash2.helpers import drafter_config
 
     sel = CandidateSelector(DFlash2Geometry.from_config(drafter_config(hidden=16, vocab=40, top_k=16, rank=8)))
     for seed in range(4):
@@ -245,7 +245,7 @@ def check_lattice_walk() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["dflash2"]:     # its own run (tests/dflash2/test_drafter_graphs.py): the interpreter is slow
+    if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow
         check_lattice_walk()
         check_dflash2_graphs()
         print("dflash2 graphs ok")

@@ -19,8 +19,8 @@ from runtime.loading_gguf import load_target_gguf, load_tokenizer_gguf, read_tar
 from runtime.models.layers import SparseMoe
 from runtime.speculative import generate_ids
 from setup_wizard.convert_target import convert_target
-from tests.artifacts.target_gguf_helpers import BUNDLED, corpus, llamacpp_style_gguf, make_bpe_target
 from tests.runtime.tiny import single_thread  # noqa: F401
+from tests.setup_wizard.target_gguf_helpers import BUNDLED, corpus, llamacpp_style_gguf, make_bpe_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

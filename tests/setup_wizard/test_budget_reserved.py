@@ -1,0 +1,111 @@
+"""The GPU items that make the budget a prediction of reserved memory: cuBLAS workspaces, CUDA-graph pools and the
+caching allocator's segments, against hand-computed figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.models.target_config import TargetGeometry
+from setup_wizard.budget import (
+    MIB,
+    BudgetInputs,
+    alloc_size,
+    compute_budget,
+    cublas_workspace_bytes,
+    persistent_tensors,
+    segment_bytes,
+)
+from tests.setup_wizard.test_budget import DF, TINY
+
+KIB = 1024
+
+
+def test_cublas_workspace_is_torchs_default_per_architecture():
+    assert cublas_workspace_bytes((9, 0)) == 32 * MIB             # sm90: 4096 KiB x 8
+    assert cublas_workspace_bytes((8, 0)) == 8 * MIB + 128 * KIB  # elsewhere: 4096 KiB x 2 + 16 KiB x 8
+    assert cublas_workspace_bytes((12, 0)) == 8 * MIB + 128 * KIB
+    assert cublas_workspace_bytes(None) == 32 * MIB               # unknown GPU: the larger one
+    assert cublas_workspace_bytes((9, 0), ":4096:2:16:8") == 8 * MIB + 128 * KIB
+    assert cublas_workspace_bytes((8, 0), ":4096:8") == 32 * MIB
+    assert cublas_workspace_bytes((9, 0), "garbage") == 32 * MIB
+
+
+def test_segments_follow_the_caching_allocator():
+    assert alloc_size(1) == 512 and alloc_size(512) == 512 and alloc_size(513) == 1024
+    assert segment_bytes([]) == 0
+    assert segment_bytes([100]) == 2 * MIB                       # small request: a 2 MiB segment
+    assert segment_bytes([1 * MIB, 1 * MIB]) == 2 * MIB           # <= 1 MiB is small; two fill one segment
+    assert segment_bytes([1 * MIB, 1 * MIB, 512]) == 4 * MIB
+    assert segment_bytes([1 * MIB + 1]) == 20 * MIB               # 1..10 MiB: a 20 MiB segment
+    assert segment_bytes([6 * MIB, 6 * MIB, 2 * MIB, 2 * MIB]) == 20 * MIB   # strata-nano's KV + embeddings at 4k
+    assert segment_bytes([8 * MIB, 8 * MIB, 8 * MIB]) == 40 * MIB  # the third does not fit the first segment
+    assert segment_bytes([11 * MIB]) == 12 * MIB                  # >= 10 MiB: own segment, 2 MiB granularity
+    assert segment_bytes([192 * MIB, 192 * MIB, 2 * MIB, 2 * MIB]) == 404 * MIB   # nano at 128k (measured: 404)
+
+
+def _cuda(context=128, block=8, **kw):
+    return BudgetInputs(context=context, block=block, device_type="cuda", available_bytes=1 << 30,
+                        total_bytes=1 << 30, capability=(9, 0), **kw)
+
+
+@pytest.mark.parametrize("drafter,graphs_mib", [("none", 4), ("mtp", 8), ("dflash2", 10)])
+def test_tiny_model_reserves_one_small_segment_plus_workspaces_and_graph_pools(drafter, graphs_mib):
+    """Everything of the tiny model (weights, KV, transients) is < 1 MiB in all, so it lives in one 2 MiB
+    segment; two 32 MiB workspaces (default + capture stream); one 2 MiB pool per captured graph (target step
+    + 0/2/3 drafter graphs) and one for the capture stream's warm-up."""
+    t = TargetGeometry.from_config(TINY, has_mtp=True)
+    b = compute_budget(t, drafter, _cuda(block=1 if drafter == "none" else 8), dflash2=DFlash2Geometry.from_config(DF))
+    it = b.table()
+    assert it["workspace"] == 64 * MIB
+    assert it["graph_pool"] == graphs_mib * MIB
+    reserved = sum(v for k, v in it.items() if k not in ("headroom", "reserve"))
+    assert reserved == 2 * MIB + 64 * MIB + graphs_mib * MIB
+
+
+def test_persistent_tensor_list_sums_to_the_exact_items():
+    t = TargetGeometry.from_config(TINY, has_mtp=True)
+    g = DFlash2Geometry.from_config(DF)
+    for drafter in ("none", "mtp", "dflash2"):
+        for quant in ("bf16", "q4_0"):
+            b = compute_budget(t, drafter, _cuda(), dflash2=g, quant=quant)
+            exact = sum(b.table()[k] for k in ("target_dense_weights", "drafter_weights", "target_kv",
+                                                "drafter_kv", "logits", "expert_cache"))
+            block = 1 if drafter == "none" else 8
+            assert sum(persistent_tensors(t, drafter, 2, 2, 128, block, g, quant)) == exact
+
+
+def test_no_graphs_one_workspace_no_pool_and_cpu_has_none_of_these():
+    t = TargetGeometry.from_config(TINY, has_mtp=False)
+    b = compute_budget(t, "none", _cuda(block=1, graphs=False))
+    assert b.items["workspace"] == 32 * MIB and b.items["graph_pool"] == 0
+    cpu = compute_budget(t, "none", BudgetInputs(context=128, block=1, device_type="cpu", available_bytes=1 << 30,
+                                                 total_bytes=1 << 30, weight_bytes=4, kv_bytes=4))
+    assert not {"workspace", "graph_pool", "allocator"} & set(cpu.items)
+
+
+def test_flash_scratch_does_not_grow_with_context_on_cuda():
+    """The CUDA prefill attention keeps no [chunk x context] scores, so the transient is context-free there; the
+    CPU path (math kernel) still counts them."""
+    t = TargetGeometry.from_config(TINY, has_mtp=False)
+    a = compute_budget(t, "none", _cuda(context=1024, block=1)).items
+    b = compute_budget(t, "none", _cuda(context=4096, block=1)).items
+    assert a["scratch"] == b["scratch"]
+    cpu = dict(block=1, device_type="cpu", available_bytes=1 << 30, total_bytes=1 << 30)
+    c1 = compute_budget(t, "none", BudgetInputs(context=1024, **cpu)).items["scratch"]
+    c2 = compute_budget(t, "none", BudgetInputs(context=4096, **cpu)).items["scratch"]
+    assert c2 - c1 == 512 * t.heads * (4096 - 1024) * 4
+
+
+def test_nano_at_128k_reserves_what_the_h200_measured():
+    """strata-nano, no drafter, 128k context (bench/results/h200_budget/budget.json: 482 MiB reserved):
+    small pool 10 MiB + large 404 MiB + 2 x 32 MiB workspaces + 2 x 2 MiB graph pools."""
+    import json
+
+    from bench.budget import inventory
+    from bench.common import NANO
+
+    geo = TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
+    b = compute_budget(geo, "none", _cuda(context=131072, block=1))
+    reserved = sum(v for k, v in b.table().items() if k not in ("headroom", "reserve"))
+    assert reserved == (10 + 404 + 64 + 4) * MIB
