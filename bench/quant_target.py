@@ -37,8 +37,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    A3B_SHAPE,
+    HONEST,
     NANO,
     Deadline,
+    build_random_a3b,
     copy_bandwidth,
     machine,
     median,
@@ -55,14 +58,7 @@ from runtime.models.target_config import Qwen3MoeConfig  # noqa: E402
 from runtime.speculative import generate_ids  # noqa: E402
 
 QUANTS = ("bf16", "q8_0", "q4_0")
-A3B = {
-    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "num_experts": 128,
-    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-    "eos_token_id": 151645, "bos_token_id": None,
-}
+A3B = A3B_SHAPE
 STD = 0.02
 
 
@@ -120,21 +116,26 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------------ the A3B model
 
-def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: str = "cuda") -> torch.Tensor:
-    """uint8 [rows, row_bytes] of random ggml blocks whose values have about STD standard deviation."""
+def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: str = "cuda",
+                  std: float = STD) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of random ggml blocks whose values have about `std` standard deviation."""
     f = FORMATS[fmt]
     nb = cols // f.block_values
     b = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, device=device, generator=g)
     code_std = 74.0 if fmt == "q8_0" else 4.6 if fmt == "q4_0" else 9.2     # uniform int8 / nibble / 5-bit codes
-    d = torch.full((rows, nb, 1), STD / code_std, dtype=torch.float16, device=device)
+    d = torch.full((rows, nb, 1), std / code_std, dtype=torch.float16, device=device)
     b[..., :2] = d.view(torch.uint8).reshape(rows, nb, 2)
     return b.reshape(rows, nb * f.block_bytes)
 
 
 def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") -> Qwen3MoeModel:
-    """The A3B-shaped model on the GPU: BF16 floats, or (Q8_0/Q4_0) every matrix and the experts as random blocks
-    held the way runtime/loading_gguf.py holds a quantized file (norms and router BF16)."""
+    """The A3B-shaped model on the GPU with honest routing (bench/common.py): BF16 floats (`build_random_a3b`), or
+    (Q8_0/Q4_0) every matrix and the experts as random blocks held the way runtime/loading_gguf.py holds a quantized
+    file (norms and router BF16), with the same scales (embeddings std 1, residual contributions x 0.05)."""
+    if fmt == "bf16":
+        return build_random_a3b(cfg_json, device=device, seed=seed)[0]
     dev = torch.device(device)
+    res = HONEST["residual_scale"]
     cfg = Qwen3MoeConfig.from_dict(cfg_json)
     with torch.device("meta"):
         model = Qwen3MoeModel(cfg)
@@ -147,32 +148,26 @@ def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") 
     h, mi = cfg.hidden_size, cfg.moe_intermediate_size
     for layer in model.model.layers:
         mlp = layer.mlp
-        if fmt == "bf16":
-            gu, dn = rand(mlp.n_exp, 2 * mi, h), rand(mlp.n_exp, h, mi)
-            for e, ex in enumerate(mlp.experts):
-                ex.gate_proj.weight = nn.Parameter(gu[e, :mi], requires_grad=False)
-                ex.up_proj.weight = nn.Parameter(gu[e, mi:], requires_grad=False)
-                ex.down_proj.weight = nn.Parameter(dn[e], requires_grad=False)
-            mlp.gate_up, mlp.down = gu, dn
-        else:
-            gu = random_blocks(mlp.n_exp * 2 * mi, h, fmt, g, device).reshape(mlp.n_exp, 2 * mi, -1)
-            dn = random_blocks(mlp.n_exp * h, mi, fmt, g, device).reshape(mlp.n_exp, h, -1)
-            mlp.bind_blocks(gu, dn, fmt, fmt)
-            a = layer.self_attn
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                lin = getattr(a, name)
-                setattr(a, name, QuantLinear.from_blocks(random_blocks(lin.out_features, lin.in_features, fmt, g, device),
-                                                         fmt, lin.in_features))
-    if fmt != "bf16":
-        model.model.embed_tokens = QuantEmbedding.from_blocks(random_blocks(cfg.vocab_size, h, fmt, g, device), fmt, h,
-                                                              torch.bfloat16)
-        model.lm_head = QuantLinear.from_blocks(random_blocks(cfg.vocab_size, h, fmt, g, device), fmt, h)
+        gu = random_blocks(mlp.n_exp * 2 * mi, h, fmt, g, device).reshape(mlp.n_exp, 2 * mi, -1)
+        dn = random_blocks(mlp.n_exp * h, mi, fmt, g, device, STD * res).reshape(mlp.n_exp, h, -1)
+        mlp.bind_blocks(gu, dn, fmt, fmt)
+        a = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(a, name)
+            std = STD * (res if name == "o_proj" else 1.0)
+            blocks = random_blocks(lin.out_features, lin.in_features, fmt, g, device, std)
+            setattr(a, name, QuantLinear.from_blocks(blocks, fmt, lin.in_features))
+    model.model.embed_tokens = QuantEmbedding.from_blocks(
+        random_blocks(cfg.vocab_size, h, fmt, g, device, HONEST["embed_std"]), fmt, h, torch.bfloat16)
+    model.lm_head = QuantLinear.from_blocks(random_blocks(cfg.vocab_size, h, fmt, g, device), fmt, h)
     for name, p in list(model.named_parameters()):
         if p.is_meta:
             owner, _, attr = name.rpartition(".")
             val = torch.ones(p.shape, dtype=torch.bfloat16, device=dev) if "norm" in name else rand(*p.shape)
             setattr(model.get_submodule(owner), attr, nn.Parameter(val, requires_grad=False))
     model.rotary = Rotary(cfg).to(dev)
+    for layer in model.model.layers:      # as ExpertCache.place does on CUDA: q/k/v stacked before the first step
+        layer.self_attn.stack_qkv()
     return model.eval()
 
 
