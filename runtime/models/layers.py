@@ -301,6 +301,8 @@ class SparseMoe(nn.Module):
             return False
         if self.fmt is None:
             return True
+        if self.gate_up.device.type != "cuda":     # partly resident: the stacks stay in host memory
+            return False
         from runtime.gpu import moe_kernels
 
         return self.down_fmt == self.fmt and self.fmt in getattr(moe_kernels, "BLOCK_FORMATS", ())
