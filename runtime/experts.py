@@ -38,17 +38,12 @@ KERNEL_ROWS = 64         # SparseMoe.forward's limit for the grouped kernel (mor
 
 
 def _nbytes(m: nn.Module) -> int:
-    """Weight bytes of a module: parameters, and ggml blocks of a quantized expert (`QuantLinear.blocks`)."""
-    return (sum(p.numel() * p.element_size() for p in m.parameters())
-            + sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n.endswith("blocks")))
+    return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
-def _where(m: nn.Module) -> tuple[torch.device, torch.dtype | None]:
-    """Device of an expert's weights and the dtype to feed it (None: its input's own, for ggml blocks)."""
-    p = next(m.parameters(), None)
-    if p is not None:
-        return p.device, p.dtype
-    return next(m.buffers()).device, None
+def _stack_nbytes(blk: SparseMoe) -> int:
+    """Bytes of a layer's experts held as ggml block stacks."""
+    return sum(t.numel() * t.element_size() for t in (blk.gate_up, blk.down) if t is not None)
 
 
 class ExpertCache:
@@ -84,11 +79,13 @@ class ExpertCache:
         self.profile = profile or uniform_profile(layers, self.n_exp)
         self.profiled = profile is not None
         self.lru_slots = int(lru_slots)
-        # experts held as ggml blocks (a quantized target): the slot pool and its arena move float experts only,
-        # so a partial cache of block experts is the legacy one (resident lowest ids, the rest served on the host)
+        # experts held as ggml blocks (a quantized target, `SparseMoe.bind_blocks`): resident only for now (the
+        # arena, the slot pool and the host miss paths move and compute float experts)
         self.blocked = any(blk.fmt is not None for blk in self.blocks.values())
-        self.mode = "resident" if slots >= self.total else (
-            "legacy" if miss == "legacy" or self.blocked else "pool")
+        if self.blocked and slots < self.total:
+            raise UsageError(f"a quantized target needs all {self.total} experts on the GPU, but the memory leaves "
+                             f"room for {slots}; choose a smaller size (strata-setup --target-quant) or context.")
+        self.mode = "resident" if slots >= self.total else ("legacy" if miss == "legacy" else "pool")
         self.miss = miss if self.mode == "pool" else "none"
         self.probe: dict[str, Any] = {}
         self.arena: ExpertArena | None = arena
@@ -131,20 +128,12 @@ class ExpertCache:
         for p in model.parameters():
             if id(p) not in off:
                 p.data = p.data.to(self.device)
-        # experts held as ggml blocks (a quantized GGUF target) move as stacks: `SparseMoe.place_blocks`
-        blocked = [m for m in model.modules() if isinstance(m, SparseMoe) and m.fmt is not None]
-        inside = {id(x) for m in blocked for x in m.experts.modules()}
         for mod in model.modules():
-            if id(mod) in inside:
-                continue
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
-        mtp_blk = getattr(getattr(model, "mtp", None), "layers", [None])[0]
-        for m in blocked:
-            if m is getattr(mtp_blk, "mlp", None):
-                m.place_blocks(self.device, set(range(m.n_exp)))     # drafter weights, always on the device
-            else:
-                m.place_blocks(self.device, {e for (li, e) in self.resident if li == m.layer_idx})
+        for m in model.modules():     # experts held as ggml blocks (target and MTP layer): their two stacks move
+            if isinstance(m, SparseMoe) and m.fmt is not None:
+                m.gate_up, m.down = m.gate_up.to(self.device), m.down.to(self.device)
         if cuda:
             if stacked is not None:
                 for li, blk in self.blocks.items():    # the grouped Triton kernel reads them stacked (same bytes)
@@ -361,8 +350,8 @@ class ExpertCache:
             self.hits += rows.shape[0]
             return expert(rows)
         self.misses += rows.shape[0]
-        dev, dt = _where(expert)
-        y = expert(rows.to(dev, dt or rows.dtype))
+        wt = expert.gate_proj.weight
+        y = expert(rows.to(wt.device, wt.dtype))
         return y.to(rows.device, rows.dtype)
 
     # alias kept for callers of the old API
@@ -427,12 +416,16 @@ class ExpertCache:
         """Bytes of the expert weights held on the device (on CPU-only machines: all experts)."""
         if self.mode == "pool":
             return self._ready().nbytes
+        if self.blocked:
+            return sum(_stack_nbytes(blk) for blk in self.blocks.values())
         return sum(_nbytes(self.blocks[li].experts[e]) for li, e in self.resident)
 
     @property
     def expert_nbytes(self) -> int:
         """Bytes of one routed expert (the budget's unit)."""
         blk = next(iter(self.blocks.values()), None)
+        if blk is not None and self.blocked:
+            return _stack_nbytes(blk) // blk.n_exp
         return _nbytes(blk.experts[0]) if blk is not None else 0
 
     def expected_hit_rate(self) -> float:

@@ -7,8 +7,8 @@ file mixes types):
 - F32, F16 and BF16 tensors become floats in the runtime dtype (BF16 on CUDA, fp32 on CPU), as from a folder;
 - block-format matrices (Q8_0, Q5_0, Q4_0, Q6_K, Q4_K) stay as ggml blocks: `QuantLinear` for dense matrices,
   `QuantEmbedding` for `token_embd`, and each MoE layer's experts as two stacked uint8 tensors
-  (`SparseMoe.bind_blocks`) that the grouped kernel reads and the eager path dequantizes one expert at a time.
-  There is never a float copy of the experts.
+  (`SparseMoe.bind_blocks`) that the grouped kernels read (dequantized in registers) and the torch fallback
+  dequantizes one expert at a time. There is never a float copy of the experts.
 - The tokenizer comes from the file's own metadata (runtime/formats/gguf_tokenizer.py), so a GGUF file runs by
   itself; a converted file's tokenizer is the source folder's `tokenizer.json`, encoded identically.
 - The MTP head, when the file names one (`strata.mtp.file`), is read from that file beside it; its provenance must
@@ -242,8 +242,8 @@ def _load_experts(blk: SparseMoe, prefix: str, where: dict, dt: torch.dtype) -> 
     gate_up[:, :gate.shape[1]] = gate
     gate_up[:, gate.shape[1]:] = up
     del gate, up
-    blk.bind_blocks(gate_up, file.blocks(down_g), by_tensor_type(kinds["gate"]).name,
-                    by_tensor_type(kinds["down"]).name)
+    blk.bind_blocks(gate_up, file.blocks(down_g), (by_tensor_type(kinds["gate"]).name,
+                                                   by_tensor_type(kinds["down"]).name))
 
 
 def load_tokenizer_gguf(path: str | Path):

@@ -120,6 +120,9 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
     budget = compute(plan, geo, dgeo)
     if not budget.fits:
         raise WorkError(budget.reason)
+    if geo.quant != "bf16" and budget.expert_cache_slots < budget.total_experts:
+        raise WorkError(f"Does not fit: a {geo.quant} target keeps all {budget.total_experts} experts on the GPU, "
+                        f"but only {budget.expert_cache_slots} fit; choose a smaller --target-quant or --context.")
     mark(step, "done", expert_cache_slots=budget.expert_cache_slots)
 
     # 4. config (written before calibration, so an interrupted calibration leaves a usable uncalibrated setup;

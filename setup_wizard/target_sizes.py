@@ -48,12 +48,21 @@ class SizeOption:
     def exact(self) -> bool:
         return self.budget is not None
 
+    @property
+    def fits(self) -> bool | None:
+        """None before the download. A quantized size fits only with every expert resident (runtime/experts.py
+        keeps ggml-block experts on the GPU whole)."""
+        b = self.budget
+        if b is None:
+            return None
+        return b.fits and (self.quant == "bf16" or b.expert_cache_slots >= b.total_experts)
+
     def fit(self) -> str:
         b = self.budget
         if b is None:
             return "fit known after download"
-        if not b.fits:
-            return "does not fit"
+        if not self.fits:
+            return "does not fit" + ("" if not b.fits else " (a quantized target keeps every expert on the GPU)")
         where = "GPU" if b.device_type == "cuda" else "RAM"
         if b.expert_cache_slots >= b.total_experts:
             return f"fits ({where}, all experts resident, {self.context} tokens)"
@@ -102,11 +111,11 @@ def recommend(options: list[SizeOption]) -> tuple[str, str]:
     if exact:
         for q in TARGET_QUANTS:
             o = by.get(q)
-            if o is not None and o.budget is not None and o.budget.fits and \
+            if o is not None and o.budget is not None and o.fits and \
                     o.budget.expert_cache_slots >= o.budget.total_experts:
                 return q, ("the original weights, and every expert fits" if q == "bf16"
                            else "the most precise size whose experts all fit")
-        fitting = [o for o in exact if o.budget.fits]   # type: ignore[union-attr]
+        fitting = [o for o in exact if o.fits]
         if fitting:
             best = max(fitting, key=lambda o: (o.budget.expert_cache_slots / max(o.budget.total_experts, 1),  # type: ignore[union-attr]
                                                -TARGET_QUANTS.index(o.quant)))

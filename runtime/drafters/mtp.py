@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from runtime.drafters.base import Proposal
-from runtime.gpu import attention_kernels, kernels
+from runtime.gpu import attention_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet, cut_at_floor
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
@@ -128,6 +128,9 @@ class MTPDrafter:
         from runtime.memory import weight_tensors
 
         w = sum(t.numel() * t.element_size() for _, t in weight_tensors(self.mtp))   # floats and ggml blocks
+        mlp = self.mtp.layers[0].mlp
+        if getattr(mlp, "fmt", None) is not None:        # experts as ggml block stacks (not registered tensors)
+            w += sum(t.numel() * t.element_size() for t in (mlp.gate_up, mlp.down))
         return {"drafter_weights": w, "drafter_kv": self.kv.nbytes,
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
 
@@ -164,11 +167,12 @@ class MTPGraphs(GraphSet):
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe):
-            if not mlp.grouped_ok():
-                raise RuntimeError("the MTP layer's experts are not stacked for the grouped kernel; no graph.")
+            if mlp.gate_up is None:
+                raise RuntimeError("the MTP layer's experts are not stacked; no graph.")
             w, idx = mlp.route(h[0])
             idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
-            y = mlp.grouped(h[0], idx, w)[None]
+            y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
+                                        miss_fn=mlp.miss_fn)[None]
         else:
             y = mlp(h)
         return mtp.norm(x + y)[0]

@@ -25,7 +25,7 @@ class BlockFormat:
     file: LlamaFileType    # general.file_type of a file whose matrices are mostly in this format
     label: str             # one line for help texts and the wizard
     offered: bool = True   # the wizard lists it (the others are chosen by flag)
-    writable: bool = True  # Strata quantizes to it (K-quants are read from files others made, never written)
+    writable: bool = True  # Strata quantizes to it; False: read from others' files only (K-quants)
 
     @property
     def ggml_type(self) -> int:
@@ -65,13 +65,13 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
                 offered=False),
     BlockFormat("q4_0", GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0,
                 "Q4_0 — about a quarter of the memory, leaves the most room for experts"),
-    # read only (runtime/formats/kquants.py): what most published Qwen3-MoE GGUF files use (Q4_K_M mixes the two)
-    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K, "Q6_K — read from existing GGUF files",
+    # read only: the K-quants of llama.cpp's files (a Q4_K_M file mixes Q4_K and Q6_K tensors)
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K, "Q6_K — read from llama.cpp files",
                 offered=False, writable=False),
     BlockFormat("q4_k", GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M,
-                "Q4_K — read from existing GGUF files (Q4_K_M mixes it with Q6_K)", offered=False, writable=False),
+                "Q4_K — read from llama.cpp files (Q4_K_M mixes it with Q6_K)", offered=False, writable=False),
 )}
-QTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writable)   # what a converter may write
+QTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writable)   # what Strata writes
 BLOCK = 32
 
 
@@ -87,16 +87,19 @@ def writable_format(name: str) -> BlockFormat:
     """`block_format`, refusing the read-only formats (one sentence naming the ones Strata writes)."""
     f = block_format(name)
     if not f.writable:
-        raise QuantFormatError(f"Strata reads {f.name} but does not write it; use one of {', '.join(QTYPES)}.")
+        raise QuantFormatError(f"{f.name} is read only (llama.cpp's K-quants): Strata reads it but does not write "
+                               f"it; use one of {', '.join(QTYPES)}.")
     return f
 
 
 def by_tensor_type(tensor_type: str) -> BlockFormat | None:
-    """The format of a GGUF tensor type name ("Q4_0"), None when it is not one of ours (F32, K-quants, ...)."""
+    """The format of a GGUF tensor type name ("Q4_0"), None when it is not in the table (F32, IQ-quants, ...)."""
     return next((f for f in FORMATS.values() if f.tensor_type == str(tensor_type).upper()), None)
 
 
 def _check_qtype(qtype: str) -> str:
+    """A format runtime/formats/blocks.py dequantizes (every row of the table: the K-quants through
+    runtime/formats/kquants.py); quantizing asks `writable_format`."""
     return block_format(qtype).name
 
 

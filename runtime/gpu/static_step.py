@@ -42,7 +42,7 @@ class StaticStep:
         for c in caches.values():
             c.ensure_window(self.width)
         self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
-                            and all(m.offload is not None or m.grouped_ok() for m in moe))
+                            and all(m.gate_up is not None or m.offload is not None for m in moe))
         cfg = model.cfg
         # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
         self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
@@ -97,13 +97,14 @@ class StaticStep:
             d = a.o_proj(o.reshape(-1, a.nh * a.hd))
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            idx, w, se, order, tok = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
+            r = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
-                mlp.recorder(i, idx)
+                mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
-                x = x + mlp.offload(i, h, idx, w)
+                x = x + mlp.offload(i, h, r.idx, r.w)
             else:
-                x = mlp.routed(h, x, idx, w, se, order, tok)
+                x = moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
+                                           miss_fn=mlp.miss_fn)
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
@@ -138,7 +139,8 @@ class StaticStep:
                 if mlp.offload is not None:
                     y = mlp.offload(i, h[0], idx, w)[None]
                 else:
-                    y = mlp.grouped(h[0], idx, w)[None]
+                    y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
+                                                miss_fn=mlp.miss_fn)[None]
             else:
                 y = mlp(h)
             x = x + y

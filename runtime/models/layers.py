@@ -221,12 +221,15 @@ class SparseMoe(nn.Module):
     """Router softmax (fp32) → top-k → optional renormalisation → weighted sum of SiLU experts.
 
     `runner`, when set (runtime/experts.py), computes one expert on a set of rows wherever that expert lives;
-    otherwise the experts are called in place.
+    otherwise the experts are called in place. With stacked weights (`gate_up`/`down`, floats or ggml blocks in
+    format `fmt`, indexed through the expert->slot table `slot`, misses filled by `miss_fn`) the grouped kernels of
+    runtime/gpu/moe_kernels.py run instead: decode windows, prefill chunks (CUDA), or their torch fallback.
     """
 
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
         self.top_k, self.n_exp, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
+        self.inter = cfg.moe_intermediate_size
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
@@ -239,11 +242,9 @@ class SparseMoe(nn.Module):
         # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
         self.gate_up: Tensor | None = None
         self.down: Tensor | None = None
-        # None: the stacks are floats in the model's dtype. A block format name ("q8_0", "q4_k", ...): gate_up and
-        # down are uint8 [E, rows, row_bytes] in that ggml format (a quantized GGUF target: runtime/loading_gguf.py),
-        # and each expert's projections are `QuantLinear` views of them (never a float copy of the experts)
-        self.fmt: str | None = None
-        self.down_fmt: str | None = None
+        self.fmt: str | tuple[str, str] | None = None   # ggml block format of gate_up/down (None: floats)
+        self.slot: Tensor | None = None     # int32 [E]: expert id -> index into gate_up/down's first dim, -1: none
+        self.miss_fn = None                 # callable(x, routing, y): fills the rows of the pairs without a slot
 
     def stack_experts(self) -> None:
         """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
@@ -269,60 +270,24 @@ class SparseMoe(nn.Module):
             ex.down_proj.weight.data = down[e]
         self.gate_up, self.down = gate_up, down
 
-    def bind_blocks(self, gate_up: Tensor, down: Tensor, fmt: str, down_fmt: str) -> None:
-        """Hold the experts as ggml blocks: gate_up uint8 [E, 2I, row_bytes(H)] (gate rows, then up rows), down uint8
-        [E, H, row_bytes(I)]. Each expert's projections become `QuantLinear` views of the stacks, so the eager path
-        dequantizes one expert at a time and the stacks are the only copy of the weights."""
-        from runtime.formats.quant_linear import QuantLinear
+    def bind_blocks(self, gate_up: Tensor, down: Tensor, fmt: str | tuple[str, str]) -> None:
+        """Hold the experts as ggml blocks (docs/formats.md, "Block formats"): uint8 gate_up [S, 2I, row_bytes(H)]
+        and down [S, H, row_bytes(I)] in `fmt` (one name, or gate_up's and down's), read by the grouped kernels;
+        the per-expert modules go (no float copy of any expert is kept). S = E, or the slots of `slot`."""
+        from runtime.errors import QuantFormatError
+        from runtime.formats.registry import block_format, row_bytes
 
-        inter, hidden = gate_up.shape[1] // 2, down.shape[1]
-        for e, ex in enumerate(self.experts):
-            ex.gate_proj = QuantLinear.from_blocks(gate_up[e, :inter], fmt, hidden)
-            ex.up_proj = QuantLinear.from_blocks(gate_up[e, inter:], fmt, hidden)
-            ex.down_proj = QuantLinear.from_blocks(down[e], down_fmt, inter)
-        self.gate_up, self.down, self.fmt, self.down_fmt = gate_up, down, fmt, down_fmt
-
-    def place_blocks(self, device: torch.device, resident: set[int]) -> None:
-        """Move block stacks to `device`: whole when every expert is resident (the grouped kernel reads them there),
-        else only the resident experts' blocks (the others stay views of the host stacks)."""
-        if self.fmt is None or self.gate_up is None or self.down is None:
-            return
-        if len(resident) >= self.n_exp:
-            self.bind_blocks(self.gate_up.to(device), self.down.to(device), self.fmt, self.down_fmt or self.fmt)
-            return
-        for e in resident:
-            for proj in (self.experts[e].gate_proj, self.experts[e].up_proj, self.experts[e].down_proj):
-                proj.blocks = proj.blocks.to(device)
-
-    def grouped_ok(self) -> bool:
-        """Whether the grouped Triton kernels can read this layer's stacks: float stacks always, block stacks once
-        runtime/gpu/moe_kernels.py lists their format in `BLOCK_FORMATS` (gate_up and down in one format)."""
-        if self.gate_up is None:
-            return False
-        if self.fmt is None:
-            return True
-        if self.gate_up.device.type != "cuda":     # partly resident: the stacks stay in host memory
-            return False
-        from runtime.gpu import moe_kernels
-
-        return self.down_fmt == self.fmt and self.fmt in getattr(moe_kernels, "BLOCK_FORMATS", ())
-
-    def grouped(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        """The grouped kernel over this layer's stacks (`grouped_ok` first): x [T, H], idx/w [T, k] -> [T, H]."""
-        from runtime.gpu import moe_kernels
-
-        if self.fmt is None:
-            return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down)
-        return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, fmt=self.fmt)
-
-    def routed(self, x: Tensor, residual: Tensor, idx: Tensor, w: Tensor, se: Tensor, order: Tensor,
-               tok: Tensor) -> Tensor:
-        """residual + experts(x) with the routing of `moe_kernels.route` (the fused step)."""
-        from runtime.gpu import moe_kernels
-
-        if self.fmt is None:
-            return moe_kernels.moe_routed(x, residual, idx, w, se, order, tok, self.gate_up, self.down)
-        return moe_kernels.moe_routed(x, residual, idx, w, se, order, tok, self.gate_up, self.down, fmt=self.fmt)
+        fg, fd = (fmt, fmt) if isinstance(fmt, str) else fmt
+        fg, fd = block_format(fg).name, block_format(fd).name
+        hidden, inter = self.gate.in_features, self.inter
+        want_gu = (gate_up.shape[0], 2 * inter, row_bytes(hidden, fg))
+        want_dn = (gate_up.shape[0], hidden, row_bytes(inter, fd))
+        if gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 or tuple(gate_up.shape) != want_gu \
+                or tuple(down.shape) != want_dn:
+            raise QuantFormatError(f"expert blocks {tuple(gate_up.shape)} / {tuple(down.shape)} are not {fg} "
+                                   f"{want_gu} / {fd} {want_dn} (uint8) for hidden {hidden}, expert width {inter}.")
+        self.experts = nn.ModuleList()
+        self.gate_up, self.down, self.fmt = gate_up, down, (fg, fd) if fg != fd else fg
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
@@ -330,6 +295,10 @@ class SparseMoe(nn.Module):
         if self.norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(x.dtype), idx
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt not in (None, "bf16", ("bf16", "bf16"))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -339,13 +308,19 @@ class SparseMoe(nn.Module):
             self.recorder(self.layer_idx, idx)
         if self.offload is not None:
             return self.offload(self.layer_idx, x, idx, w).view(shape)
-        if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
-            from runtime.gpu import kernels
+        # block stacks (`bind_blocks`) are the experts' only copy: they take this path with autograd on too
+        if self.gate_up is not None and (not torch.is_grad_enabled() or self.fmt is not None):
+            from runtime.gpu import kernels, moe_kernels
 
-            if kernels.available(x) and self.grouped_ok():   # experts grouped: each touched expert read once
+            kw = {"fmt": self.fmt, "slot": self.slot, "miss_fn": self.miss_fn}
+            T = x.shape[0]
+            # experts grouped: each touched expert's weights read once (decode windows; prefill chunks on CUDA)
+            if kernels.available(x) and (T <= moe_kernels.DECODE_ROWS or x.is_cuda):
                 if self.counter is not None:
-                    self.counter(self.layer_idx, x.shape[0])
-                return self.grouped(x, idx, w).view(shape)
+                    self.counter(self.layer_idx, T)
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, **kw).view(shape)
+            if self.quantized or self.slot is not None or self.miss_fn is not None:
+                return moe_kernels.moe_torch(x, idx, w, self.gate_up, self.down, **kw).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)
         flat = idx.flatten()
