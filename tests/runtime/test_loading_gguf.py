@@ -4,6 +4,11 @@ blocks; K-quant (Q4_K_M-style) files read as gguf-py dequantizes them; drafters 
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -248,3 +253,12 @@ def test_bad_files_one_sentence(tmp_path, files):
     (lonely.parent / "mtp.gguf").write_bytes(out["q4_0"].mtp_path.read_bytes())
     with pytest.raises(LoadError, match="was not converted with"):
         load_target_gguf(lonely, with_mtp=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_quantized_fused_step_in_interpreter():
+    """The GPU path of a quantized target (fused step: block q/k/v, o_proj, lm_head, embedding and experts) under the
+    Triton interpreter against the plain forward (tests/runtime/kernels_check.py gguf)."""
+    script = Path(__file__).with_name("kernels_check.py")
+    r = subprocess.run([sys.executable, str(script), "gguf"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "gguf step ok" in r.stdout, r.stderr[-3000:]
