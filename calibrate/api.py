@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import time
 import tomllib
 from collections.abc import Callable
@@ -54,6 +55,13 @@ class EngineRunner:
         self.prompts = prompts
         self.new_tokens = new_tokens
         self.sampling = _greedy()
+        # an engine whose fixed-width step can follow the block: each arm runs at its own width (what it will cost
+        # once chosen), the target alone at width 1; on a GPU the widths' greedy bits may differ (BF16)
+        try:
+            self.widths = "width" in inspect.signature(engine.generate).parameters
+        except (TypeError, ValueError):
+            self.widths = False
+        self.width_sensitive = self.widths and getattr(getattr(engine, "device", None), "type", None) == "cuda"
 
     def __call__(self, arm: Arm | None, task: str) -> RunOutcome:
         # no stop tokens: every run generates exactly `new_tokens`, so runs and arms are comparable
@@ -64,7 +72,19 @@ class EngineRunner:
             kw["draft"] = False
         else:
             kw.update(draft=True, block=arm.block, spec_min_p=arm.spec_min_p)
-        res = self.engine.generate(list(self.prompts[task].ids), **kw)
+        if self.widths:
+            kw["width"] = 1 if arm is None else arm.block
+        return self._outcome(self.engine.generate(list(self.prompts[task].ids), **kw))
+
+    def target_at(self, width: int, task: str) -> RunOutcome:
+        """The target alone through the fixed step of `width` rows."""
+        kw: dict[str, Any] = {"max_new_tokens": self.new_tokens, "stop_ids": set(), "draft": False, "width": width}
+        if self.sampling is not None:
+            kw["sampling"] = self.sampling
+        return self._outcome(self.engine.generate(list(self.prompts[task].ids), **kw))
+
+    @staticmethod
+    def _outcome(res: Any) -> RunOutcome:
         st = res.stats
         n = len(res.token_ids)
         decode_s = float(st.get("decode_s") or 0.0)

@@ -16,11 +16,11 @@ from typing import Any
 
 from runtime.drafters.registry import KINDS
 from runtime.errors import ConfigError
-from runtime.formats.registry import QTYPES
+from runtime.formats.registry import FORMATS, QTYPES
 
 SCHEMA = 1
 DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
-KV_DTYPES = DTYPES
+KV_DTYPES = DTYPES + ("q8_0",)     # q8_0: the target's KV cache in 8 bits (runtime/kv.py)
 DEVICE_TYPES = ("auto", "cpu", "cuda")
 SETTING_SOURCES = ("default", "calibrated", "user")
 EXPERT_MISS = ("auto", "stream", "cpu", "legacy")   # how experts off the GPU are served (runtime/experts.py)
@@ -45,6 +45,9 @@ class TargetSection:
     sha256: str = ""
     revision: str | None = None
     has_mtp: bool | None = None
+    quantization: str | None = None           # how the target is stored (docs/formats.md); None: bf16
+    source_sha256: str | None = None          # a converted target: the checkpoint it was converted from
+    source_path: str | None = None
     files: dict[str, FileRecord] = field(default_factory=dict)
 
 
@@ -73,6 +76,7 @@ class MemorySection:
     context: int = 4096
     dtype: str | None = None
     kv_dtype: str | None = None
+    prefill_chunk: int | None = None          # prompt tokens per prefill forward (None: runtime/memory.py's default)
     reserve_mib: int = 0
     expert_cache_slots: int | None = None
     total_experts: int | None = None
@@ -224,7 +228,10 @@ def parse(doc: Mapping[str, Any], *, where: str = "", base: Path | None = None,
     target = TargetSection(
         path=c.get(t, "target", "path", "str"), name=c.get(t, "target", "name", "str", ""),
         source=c.get(t, "target", "source", "str", "local"), sha256=c.get(t, "target", "sha256", "str", ""),
-        revision=c.get(t, "target", "revision", "str"), has_mtp=c.get(t, "target", "has_mtp", "bool"), files=files)
+        revision=c.get(t, "target", "revision", "str"), has_mtp=c.get(t, "target", "has_mtp", "bool"),
+        quantization=c.get(t, "target", "quantization", "str", choices=tuple(FORMATS)),
+        source_sha256=c.get(t, "target", "source_sha256", "str"), source_path=c.get(t, "target", "source_path", "str"),
+        files=files)
 
     d = c.table(doc, "drafter", required=complete)
     if complete and "kind" not in d:
@@ -253,6 +260,7 @@ def parse(doc: Mapping[str, Any], *, where: str = "", base: Path | None = None,
         context=c.get(m, "memory", "context", "int", 4096, lo=2),
         dtype=c.get(m, "memory", "dtype", "str", choices=DTYPES),
         kv_dtype=c.get(m, "memory", "kv_dtype", "str", choices=KV_DTYPES),
+        prefill_chunk=c.get(m, "memory", "prefill_chunk", "int", lo=1),
         reserve_mib=c.get(m, "memory", "reserve_mib", "int", 0, lo=0),
         expert_cache_slots=c.get(m, "memory", "expert_cache_slots", "int", lo=0),
         total_experts=c.get(m, "memory", "total_experts", "int", lo=0),

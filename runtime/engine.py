@@ -18,9 +18,9 @@ from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
 from runtime.errors import ConfigError, LoadError
 from runtime.experts import ExpertCache
-from runtime.kv import KVCache
+from runtime.kv import KV_QUANTS, KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
-from runtime.memory import NAMES, buffers_bytes, cap_device_memory, target_dense_bytes
+from runtime.memory import NAMES, buffers_bytes, cap_device_memory, default_prefill_chunk, target_dense_bytes
 from runtime.routing_profile import RoutingProfile
 from runtime.sampling import SamplingParams
 from runtime.speculative import generate_ids
@@ -49,6 +49,16 @@ def _dtype(x: str | torch.dtype | None) -> torch.dtype | None:
     if x not in _DTYPES:
         raise EngineConfigError(f"unknown dtype {x!r}; use one of {', '.join(sorted(_DTYPES))}.")
     return _DTYPES[x]
+
+
+def _kv_format(x: str | torch.dtype | None, dt: torch.dtype) -> tuple[torch.dtype, str | None]:
+    """`[memory] kv_dtype` -> (the KV cache's compute dtype, its 8-bit format or None). "q8_0" keeps the target's
+    cache in 8 bits (runtime/kv.py); the drafters' caches stay in the compute dtype."""
+    if isinstance(x, str) and x in KV_QUANTS:
+        return dt, x
+    if isinstance(x, str) and x not in _DTYPES:
+        raise EngineConfigError(f"unknown kv_dtype {x!r}; use one of {', '.join(sorted(_DTYPES) + list(KV_QUANTS))}.")
+    return _dtype(x) or dt, None
 
 
 def _device(x: str | torch.device | None) -> torch.device:
@@ -80,13 +90,24 @@ def _stop_ids(folder: Path, cfg_eos: list[int]) -> set[int]:
     return ids
 
 
+def _load_target(target: Path, dtype: torch.dtype, *, with_mtp: bool):
+    """(model on the CPU, tokenizer) from a Hugging Face folder or a qwen3moe GGUF file (runtime/loading_gguf.py:
+    its tokenizer comes from the file's metadata, so the file runs by itself)."""
+    from runtime.loading_gguf import is_gguf, load_target_gguf, load_tokenizer_gguf
+
+    if is_gguf(target):
+        return load_target_gguf(target, device="cpu", dtype=dtype, with_mtp=with_mtp), load_tokenizer_gguf(target)
+    return load_target(target, device="cpu", dtype=dtype, with_mtp=with_mtp), load_tokenizer(target)
+
+
 class Engine:
     def __init__(self, *, model, tokenizer, kv: KVCache, drafter, drafter_kind: str, experts: ExpertCache,
                  device: torch.device, block: int, spec_min_p: float, stop_ids: set[int], target_dir: Path,
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.step = None   # runtime.gpu.static_step.StaticStep on CUDA, built at the first generate
+        self.steps: dict[int, Any] = {}   # runtime.gpu.static_step.StaticStep by width, on CUDA (built when used)
+        self.step = None                  # the step the last generate used
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
@@ -98,13 +119,16 @@ class Engine:
     def build(cls, target_dir: str | Path, drafter_kind: str = "none", drafter_path: str | Path | None = None,
               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
-              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True,
+              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int | None = None, graphs: bool = True,
               expert_miss: str = "auto", routing_profile: str | Path | RoutingProfile | None = None,
               expert_lru_slots: int = 0, vram_limit_mib: int | None = None) -> Engine:
         """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU.
         With fewer `expert_slots` than experts (CUDA), the routing profile (a file recorded by calibration) places
         the slots and `expert_miss` says how the other experts are served (runtime/experts.py). `vram_limit_mib`
-        caps what this process may reserve on the GPU (runtime/memory.py `cap_device_memory`)."""
+        caps what this process may reserve on the GPU (runtime/memory.py `cap_device_memory`). `kv_dtype`: a dtype
+        name or "q8_0" (the target's KV cache in 8 bits); `prefill_chunk`: prompt tokens per prefill forward
+        (default per device, runtime/memory.py). `target_dir` is a Hugging Face folder or a qwen3moe `.gguf` file
+        (docs/formats.md)."""
         if drafter_kind not in KINDS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
@@ -113,29 +137,36 @@ class Engine:
             raise EngineConfigError(f"block must be >= 1, got {block}.")
         if spec_min_p is not None and not 0 <= float(spec_min_p) <= 1:
             raise EngineConfigError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
+        if prefill_chunk is not None and int(prefill_chunk) < 1:
+            raise EngineConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}.")
         dev = _device(device)
+        prefill_chunk = int(prefill_chunk or default_prefill_chunk(dev.type))
         if vram_limit_mib is not None and dev.type == "cuda":
             cap_device_memory(vram_limit_mib, dev.index or 0)
         dt = _dtype(dtype) or default_dtype(dev)
-        kdt = _dtype(kv_dtype) or dt
+        kdt, kv_quant = _kv_format(kv_dtype, dt)
         target_dir = Path(target_dir).expanduser()
         profile = routing_profile
         if profile is not None and not isinstance(profile, RoutingProfile):
             profile = RoutingProfile.load(Path(profile).expanduser())
-        model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
+        model, tokenizer = _load_target(target_dir, dt, with_mtp=drafter_kind == "mtp")
         limit = model.cfg.max_position_embeddings
         if int(context) > limit:
             raise EngineConfigError(f"context {int(context)} is beyond the model's maximum of {limit} tokens; set "
                                     f"[memory] context to {limit} or less (or rerun strata-setup).")
-        tokenizer = load_tokenizer(target_dir)
         experts = ExpertCache(model, dev, expert_slots, miss=expert_miss, profile=profile,
                               lru_slots=int(expert_lru_slots))
         experts.place(model)
         cfg = model.cfg
-        kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
+        try:
+            kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt,
+                         device=dev, quant=kv_quant)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         kind = KINDS[drafter_kind]
         if drafter_kind == "mtp" and model.mtp is None:
-            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
+            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors, or no MTP file beside the GGUF); "
+                            f"use another drafter.")
         if kind.needs_file and drafter_path is None:
             raise EngineConfigError(f"a {drafter_kind} drafter needs its artifact path (drafter.path in the config).")
         drafter = kind.load(LoadRequest(target=model, path=Path(drafter_path).expanduser() if drafter_path else None,
@@ -172,6 +203,7 @@ class Engine:
             device=cfg.device.type, dtype=cfg.device.dtype, context=cfg.memory.context,
             expert_slots=cfg.memory.expert_cache_slots, block=cfg.speculative.block,
             spec_min_p=cfg.speculative.spec_min_p, kv_dtype=cfg.memory.kv_dtype,
+            prefill_chunk=cfg.memory.prefill_chunk,
             expert_miss=cfg.memory.expert_miss, routing_profile=cfg.resolve(cfg.memory.routing_profile),
             expert_lru_slots=cfg.memory.expert_lru_slots, vram_limit_mib=cfg.device.vram_limit_mib,
         )
@@ -179,17 +211,35 @@ class Engine:
         return cls.build(**args)
 
     # ------------------------------------------------------------------------------------------------ running
+    @property
+    def step_width(self) -> int:
+        """Rows of this engine's fixed-width target step: its configured block (1 without a drafter), for drafted
+        and target-only windows alike (docs/models.md, "Numerics")."""
+        return min(self.block, self.drafter.max_block) if self.drafter is not None else 1
+
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
                  stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
-                 cancel: Callable[[], bool] | None = None) -> GenerateResult:
+                 cancel: Callable[[], bool] | None = None, width: int | None = None) -> GenerateResult:
         """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
-        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled"."""
+        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled".
+
+        `width` (CUDA): the fixed step's rows for this run; default the engine's `step_width`, widened to `block`
+        when a run asks for wider windows. Greedy output is bit-identical between runs of the same width."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
         use = self.drafter if (draft and self.drafter is not None) else None
         blk = int(block if block is not None else self.block) if use is not None else 1
+        if use is not None:
+            blk = min(blk, use.max_block)
+        widest = self.drafter.max_block if self.drafter is not None else 1
+        if width is None:
+            width = max(self.step_width, blk)
+        elif not blk <= int(width) <= widest:
+            # wider than the drafter's largest window would resize the expert pool under captured graphs
+            raise EngineConfigError(f"width {width} must be between the block {blk} and the drafter's largest "
+                                    f"window {widest}.")
         mp = float(spec_min_p if spec_min_p is not None else self.spec_min_p)
         detok = IncrementalDetokenizer(self.tokenizer)
 
@@ -204,7 +254,7 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step(), should_stop=cancel)
+                           step=self.static_step(int(width)), should_stop=cancel)
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
@@ -214,17 +264,18 @@ class Engine:
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
     def use_routing_profile(self, profile: RoutingProfile) -> None:
-        """Place the expert slots by `profile` (offloaded experts only; otherwise it is just kept); the step's
-        captured graphs read the old pool, so the step is rebuilt at the next window."""
+        """Place the expert slots by `profile` (offloaded experts only; otherwise it is just kept); the steps'
+        captured graphs read the old pool, so the steps are rebuilt at the next window."""
         if self.experts.use_profile(profile):
+            self.steps.clear()
             self.step = None
 
     def record_routing(self, on: bool = True) -> None:
         """Count every MoE layer's router choices from now on (`experts.routing_profile()` reads them); the
         captured step graphs are dropped so the next ones include (or leave out) the counting."""
         self.experts.record_routing(on)
-        if self.step is not None:
-            self.step.graphs.clear()
+        for st in self.steps.values():
+            st.graphs.clear()
 
     def encode(self, text: str) -> list[int]:
         """The token ids `generate` uses for a text prompt (callers that must count them first use this too)."""
@@ -235,19 +286,22 @@ class Engine:
         """Tokens the KV cache holds: prompt plus generated tokens must fit in it."""
         return self.kv.capacity
 
-    def static_step(self):
-        """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every
-        window, target-only decoding included, so greedy output is the same with and without drafting in BF16
-        (runtime/static_step.py says why). None on CPU (the plain forward; fp32 there)."""
+    def static_step(self, width: int | None = None):
+        """On CUDA: the fixed-width (CUDA-graph) decode/verify step of `width` rows (default `step_width`: the
+        configured block, 1 without a drafter). Target-only decoding of this engine runs at the same width as its
+        drafted windows, so greedy output is the same with and without drafting in BF16, and a narrow block or an
+        engine without a drafter does not pay for rows it never fills (docs/models.md, "Numerics"). None on CPU
+        (the plain forward; fp32 there)."""
         if self.device.type != "cuda":
             return None
-        if self.step is None:
+        w = int(width if width is not None else self.step_width)
+        if w not in self.steps:
             from runtime.gpu.static_step import StaticStep
 
-            width = self.drafter.max_block if self.drafter is not None else 1
-            self.step = StaticStep(self.model, self.kv, width, graph=self.graphs)
+            self.steps[w] = StaticStep(self.model, self.kv, w, graph=self.graphs)
             if self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
                 self.drafter.graphs = self.drafter.make_graphs()
+        self.step = self.steps[w]
         return self.step
 
     # ------------------------------------------------------------------------------------------------ reporting
@@ -264,7 +318,9 @@ class Engine:
         rep["expert_cache"] = self.experts.resident_nbytes
         rep["target_kv"] = self.kv.nbytes
         rep["logits"] = self.logits_buf.numel() * self.logits_buf.element_size()
-        rep["scratch"] = buffers_bytes(self.model)
+        rep["scratch"] = buffers_bytes(self.model) + self.kv.scratch_nbytes
+        if self.step is not None and self.step.part is not None:
+            rep["scratch"] += self.step.part.numel() * self.step.part.element_size()
         if self.drafter is not None:
             if hasattr(self.drafter, "memory_report"):
                 for k, v in self.drafter.memory_report().items():

@@ -28,7 +28,7 @@ app = typer.Typer(
 
 FLAGS_HINT = (
     "strata-setup needs a terminal to ask questions; pass --yes to take the recommended answers "
-    "(with any of --target, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
+    "(with any of --target, --target-quant, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
     "--calibrate/--no-calibrate, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
 )
 
@@ -93,7 +93,9 @@ def main_callback(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No questions: take the recommended answer for the rest."),
-    target: str | None = typer.Option(None, help="Catalog name or a local model folder."),
+    target: str | None = typer.Option(None, help="Catalog name, a local model folder or a local qwen3moe .gguf file."),
+    target_quant: str | None = typer.Option(
+        None, "--target-quant", help="bf16 | q8_0 | q4_0: the target's size (default: recommended from the budget)."),
     drafter: str | None = typer.Option(None, help=" | ".join(KINDS) + " (default: mtp when the target has a head)."),
     dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
     dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help=" | ".join(QTYPES) + "."),
@@ -118,8 +120,8 @@ def main_callback(
     from setup_wizard.choices import Choices, load_answers, merge_choices
 
     flags = Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
-                      context=context, vram_reserve_mib=vram_reserve_mib, vram_limit_mib=vram_limit_mib,
-                      calibrate=calibrate, offline=offline,
+                      target_quant=target_quant, context=context, vram_reserve_mib=vram_reserve_mib,
+                      vram_limit_mib=vram_limit_mib, calibrate=calibrate, offline=offline,
                       config_out=config_out)
     try:
         choices = merge_choices(load_answers(answers), flags) if answers else flags
@@ -238,6 +240,7 @@ def budget_cmd(
             mem.update({"expert_cache_slots": budget.expert_cache_slots, "total_experts": budget.total_experts,
                         "expert_bytes": budget.expert_bytes, "budget": budget.table()})
             write_config(config, doc)
+            _register(config)
     except typer.Exit:
         raise
     except Exception as exc:
@@ -286,6 +289,7 @@ def calibrate_cmd(
         _print_calibration(result, Console(stderr=True))
         apply_calibration(doc, result)
         write_config(config, doc)
+        _register(config)
     except typer.Exit:
         raise
     except KeyboardInterrupt:
@@ -303,6 +307,14 @@ def calibrate_cmd(
                         f"written to {config}")
         if doc["memory"].get("routing_profile"):
             Console().print(f"routing profile: {doc['memory']['routing_profile']}")
+
+
+def _register(config: Path) -> None:
+    """Record a config strata-setup (re)wrote in the store's registry, so gc keeps what it uses."""
+    from runtime.paths import strata_home
+    from setup_wizard.registry import register_config
+
+    register_config(config, strata_home())
 
 
 from setup_wizard.models_cli import convert_cmd, models_app  # noqa: E402

@@ -3,9 +3,10 @@
 The source is validated before anything is written: config.json through `DFlash2Geometry`, the tensor table (names,
 shapes, BF16) through `check_inventory`, and, for a quantized output, every backbone row length against the 32-value
 block. The file is then written tensor by tensor (the safetensors data is memory-mapped; one tensor is in memory at
-a time) to a temporary name; every tensor is checked finite as it is read. The temporary file is read back with
-`gguf.GGUFReader` (metadata, tensor table, types, sizes) and only then renamed. Any error removes the temporary
-file: nothing is left behind.
+a time) to a temporary name created new (never through a link); every tensor is checked finite as it is read. The
+temporary file is read back with `gguf.GGUFReader` (metadata, tensor table, types, sizes) and only then renamed. Any
+error removes the temporary file and the folders this conversion created: nothing is left behind. In the store, a
+conversion holds its item's lock, and a failed one leaves no folder (docs/store.md).
 
 Backbone matrices (36 for L = 5) are quantized with `runtime.formats.blocks.quantize` (byte-identical to gguf-py); the norm,
 convolution and selector tensors keep their BF16 bits.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,23 @@ from runtime.drafters.dflash2.contract import (
     write_gguf_metadata,
 )
 from runtime.errors import ContractError, WorkError
+from runtime.fileio import CLOEXEC, NOFOLLOW
 from runtime.formats import blocks as Q
 from runtime.formats.gguf_meta import metadata
 from runtime.formats.safetensors_files import TensorRef, checkpoint_files, tensor_refs
-from setup_wizard.store import Store, check_disk_space, manifest_sha256, now_iso, sha256_file
+from setup_wizard.store import (
+    Store,
+    StoreError,
+    StoreNotWritable,
+    check_disk_space,
+    manifest_sha256,
+    now_iso,
+    open_dir,
+    regular_file_problem,
+    sha256_file,
+)
+from setup_wizard.store_fs import FULL_ERRNOS, unlink_tmp_files, writing
+from setup_wizard.store_locks import item_lock
 
 CONVERTER_VERSION = "1"
 
@@ -153,6 +167,91 @@ def _gguf_order(gname: str) -> tuple:
     return (0 if gname in ("fc.weight", "hidden_norm.weight") else 2, 0, gname)
 
 
+def write_verified(out: Path, nbytes: int, write: Callable[[Path], None], check: Callable[[Path], list[str]],
+                   what: str) -> tuple[str, int]:
+    """The one way a converted file comes into being: the missing parent folders made (and removed again on
+    failure), a new temporary file beside `out` created without following links, enough free disk for `nbytes`,
+    `write(tmp)`, `check(tmp)` reading it back (a problem raises ConvertError), sha256, rename. Any failure removes
+    the temporary file and the folders made for it. Returns (sha256, size)."""
+    made = _make_parents(out.parent)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _create_new(tmp)
+        check_disk_space(Store(out.parent), nbytes + (1 << 20), out.parent, what)
+        write(tmp)
+        problems = check(tmp)
+        if problems:
+            raise ConvertError(f"The converted file failed its read-back check ({problems[0]}); nothing was kept.")
+        digest = sha256_file(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, out)
+    except BaseException:
+        _undo(tmp, made)
+        raise
+    return digest, size
+
+
+def _cannot_write(folder: Path, exc: OSError) -> Exception:
+    why = exc.strerror or str(exc)
+    if exc.errno in FULL_ERRNOS:
+        return StoreError(f"The disk holding {folder} is full ({why}); free some space or choose another output "
+                          f"folder.")
+    return StoreNotWritable(f"Cannot create files in {folder} ({why}); choose an output path in a folder you can "
+                            f"write.")
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create the missing folders above an output file; returns them (outermost first) so a failure can remove
+    exactly these and nothing else."""
+    missing = []
+    p = Path(folder)
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    made = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+    except OSError as exc:
+        _undo(None, made)
+        raise _cannot_write(d, exc) from None
+    return made
+
+
+def _create_new(tmp: Path) -> None:
+    """Create the temporary output file as a new regular file (a stale one of a dead run with this pid, or a link
+    planted in its place, is removed first, never followed)."""
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o666)
+    except OSError as exc:
+        raise _cannot_write(tmp.parent, exc) from None
+    os.close(fd)
+
+
+def _undo(tmp: Path | None, made: list[Path]) -> None:
+    if tmp is not None:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def close_quietly(w) -> None:
+    """Close a `gguf.GGUFWriter` after a failure (its own error, if any, would hide the first one)."""
+    try:
+        w.close()
+    except Exception:
+        pass
+
+
 def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo: str = "", source_revision: str = "",
                     source_sha: str | None = None, on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
     """Convert a DFlash2 checkpoint to GGUF at `out` (atomically). ContractError for a bad source (nothing written),
@@ -166,55 +265,54 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
     sha = source_sha or source_sha256(source.files)
     plan = _plan(source, quant)
     total = sum(nb for *_, nb in plan)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    check_disk_space(Store(out.parent), total + (1 << 20), out.parent, f"the converted {quant} file")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         w = gguf.GGUFWriter(tmp, ARCH)
-        w.add_file_type(Q.FORMATS[quant].file_type)
-        w.add_custom_alignment(ALIGNMENT)
-        write_gguf_metadata(w, source.geom)
-        # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and docs/formats.md
-        # requires every strata.* key (an empty repo/revision means "converted from a local folder")
-        for key, val in ((KEY_SOURCE_REPO, source_repo or ""), (KEY_SOURCE_REVISION, source_revision or ""),
-                         (KEY_SOURCE_SHA256, sha), (KEY_QUANTIZATION, quant),
-                         (KEY_CONVERTER_VERSION, CONVERTER_VERSION)):
-            w.add_key_value(key, val, gguf.GGUFValueType.STRING)
-        for _name, gname, qt, shape, nbytes in plan:
-            byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
-            w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,
-                              raw_dtype=Q.FORMATS[qt].ggml)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for i, (name, _gname, qt, shape, nbytes) in enumerate(plan):
-            bits = _bf16_bits(source.tensors[name])
-            if ((bits & 0x7F80) == 0x7F80).any():
-                raise ContractError(f"tensor {name!r} holds NaN or infinite values; the checkpoint is damaged.")
-            if qt == "bf16":
-                data = bits.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
-            else:
-                data = Q.quantize_bf16(bits.reshape(-1, shape[-1]), qt)
-            assert data.nbytes == nbytes
-            w.write_tensor_data(np.ascontiguousarray(data))
-            del bits, data
-            if on_tensor:
-                on_tensor(name, i + 1, len(plan))
-        w.close()
-        problems = check_gguf(tmp, source.geom, quant, sha)
-        if problems:
-            raise ConvertError(f"The converted file failed its read-back check ({problems[0]}); nothing was kept.")
-        digest = sha256_file(tmp)
-        size = tmp.stat().st_size
-        os.replace(tmp, out)
-    except BaseException:
         try:
-            w.close()  # type: ignore[possibly-undefined]
-        except Exception:
-            pass
-        tmp.unlink(missing_ok=True)
-        raise
+            w.add_file_type(Q.FORMATS[quant].file_type)
+            w.add_custom_alignment(ALIGNMENT)
+            write_gguf_metadata(w, source.geom)
+            # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and docs/formats.md
+            # requires every strata.* key (an empty repo/revision means "converted from a local folder")
+            add_provenance(w, source_repo, source_revision, sha, quant, CONVERTER_VERSION)
+            for _name, gname, qt, shape, nbytes in plan:
+                byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
+                w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,
+                                  raw_dtype=Q.FORMATS[qt].ggml)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for i, (name, _gname, qt, shape, nbytes) in enumerate(plan):
+                bits = _bf16_bits(source.tensors[name])
+                if ((bits & 0x7F80) == 0x7F80).any():
+                    raise ContractError(f"tensor {name!r} holds NaN or infinite values; the checkpoint is damaged.")
+                if qt == "bf16":
+                    data = bits.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+                else:
+                    data = Q.quantize_bf16(bits.reshape(-1, shape[-1]), qt)
+                assert data.nbytes == nbytes
+                w.write_tensor_data(np.ascontiguousarray(data))
+                del bits, data
+                if on_tensor:
+                    on_tensor(name, i + 1, len(plan))
+            w.close()
+        except BaseException:
+            close_quietly(w)
+            raise
+
+    digest, size = write_verified(out, total, write, lambda p: check_gguf(p, source.geom, quant, sha),
+                                  f"the converted {quant} file")
     return Converted(out, digest, size, quant, sha)
+
+
+def add_provenance(w, repo: str, revision: str, sha: str, quant: str, version: str) -> None:
+    """The strata.* keys of every converted file (docs/formats.md); written even when empty (gguf-py's add_string
+    would drop an empty value)."""
+    import gguf
+
+    for key, val in ((KEY_SOURCE_REPO, repo or ""), (KEY_SOURCE_REVISION, revision or ""), (KEY_SOURCE_SHA256, sha),
+                     (KEY_QUANTIZATION, quant), (KEY_CONVERTER_VERSION, version)):
+        w.add_key_value(key, val, gguf.GGUFValueType.STRING)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,30 +370,62 @@ def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha:
 # ---------------------------------------------------------------------------------------------------------------
 # the artifact cache
 
+def reuse_verified(store: Store, d: Path, checks: Mapping[str, Callable[[Path], list[str]]]) -> dict | None:
+    """The manifest of the converted item in `d` when it can be used as is: verified, exactly the files `checks`
+    names, each with its recorded size, passing its read-back check and hashing to its recorded sha256 (the sha256
+    the config records must be the file's: a same-size edit passes every other check). None otherwise."""
+    m = store.read_manifest(d)
+    if not (m and m.get("verified")):
+        return None
+    files = {str(m.get("file", "model.gguf")): {"sha256": m.get("sha256"), "size": m.get("size")},
+             **dict(m.get("extra_files") or {})}
+    if set(files) != set(checks):
+        return None
+    for name, want in files.items():
+        p = d / name
+        if regular_file_problem(store.root, p) is not None or p.stat().st_size != want.get("size"):
+            return None
+        if checks[name](p) or sha256_file(p) != want.get("sha256"):
+            return None
+    return m
+
+
 def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *, source_name: str = "",
                      source_repo: str = "", source_revision: str = "", source_sha: str | None = None,
                      on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
     """The converted artifact for (source sha256, quant, converter version): reused from the store after its
-    metadata, tensor table, size and sha256 check out, else (re)built. Returns where it is."""
+    metadata, tensor table, size and sha256 check out, else (re)built. Holds the item's lock while it works (inside
+    `store_locks.hold_locks`, until that block ends); a failed conversion leaves no folder. Returns where it is."""
     store = store or Store()
     quant = _check_quant(quant)
     source = validate_source(Path(src), quant)
     sha = source_sha or source_sha256(source.files)
     d = store.converted_dir(sha, quant, CONVERTER_VERSION)
     gg = d / "model.gguf"
-    m = store.read_manifest(d)
-    if m and m.get("verified") and gg.is_file() and gg.stat().st_size == m.get("size"):
-        # the sha256 the config will record must be the file's: a same-size edit passes every other check
-        if not check_gguf(gg, source.geom, quant, sha) and sha256_file(gg) == m.get("sha256"):
+    label = f"{source_name or sha[:12]}:{quant}"
+    with writing(store.root, f"the converted drafter {label}", then="run the command again"), \
+            item_lock(store.root, d, what=f"the converted drafter {label}"):
+        unlink_tmp_files(store.root, d)       # a temporary GGUF or manifest an interrupted run left
+        m = reuse_verified(store, d, {"model.gguf": lambda p: check_gguf(p, source.geom, quant, sha)})
+        if m is not None:
+            if source_name and not m.get("source_name"):
+                store.write_manifest(d, {**m, "source_name": source_name, "name": label})
             return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
-    store.invalidate(d)
-    res = convert_dflash2(src, quant, gg, source_repo=source_repo, source_revision=source_revision, source_sha=sha,
-                          on_tensor=on_tensor)
-    store.write_manifest(d, {"kind": "converted", "file": "model.gguf", "quant": quant, "source_sha256": sha,
-                             "name": f"{source_name or sha[:12]}:{quant}", "source_name": source_name,
-                             "source_repo": source_repo, "source_revision": source_revision,
-                             "source_path": str(Path(src).resolve()), "converter_version": CONVERTER_VERSION,
-                             "sha256": res.sha256, "size": res.size, "verified": True, "verified_at": now_iso()})
+        store.invalidate(d)
+        try:
+            with open_dir(store.root, d):
+                pass                          # the item folder, reached and created without links
+            res = convert_dflash2(src, quant, gg, source_repo=source_repo, source_revision=source_revision,
+                                  source_sha=sha, on_tensor=on_tensor)
+        except BaseException:
+            store.remove(d)                   # nothing in it is verified: no empty or half folder stays
+            raise
+        store.write_manifest(d, {"kind": "converted", "file": "model.gguf", "quant": quant, "source_sha256": sha,
+                                 "name": label, "source_name": source_name,
+                                 "source_repo": source_repo, "source_revision": source_revision,
+                                 "source_path": str(Path(src).resolve()), "converter_version": CONVERTER_VERSION,
+                                 "sha256": res.sha256, "size": res.size, "mtime_ns": gg.stat().st_mtime_ns,
+                                 "verified": True, "verified_at": now_iso()})
     return res
 
 

@@ -1,6 +1,7 @@
-"""The plan carried out, step by step: target, drafter (download, convert), budget, config, calibration. Every step
+"""The plan carried out, step by step: target, drafter (download, convert), budget, calibration, config. Every step
 is idempotent: a verified download, a cached conversion or a calibration with a matching key is reused, and an
-interruption leaves only complete, verified results behind (each step writes atomically)."""
+interruption or a failure leaves only complete, verified results behind (each step writes atomically; the config is
+written once, last)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from runtime.config import tomlable
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError, WorkError
+from runtime.loading import check_target_tensors
+from runtime.paths import strata_home
 from runtime.version import __version__
 from setup_wizard import budget as B
 from setup_wizard.config import sha256_file, write_config
 from setup_wizard.hardware import MIB, Hardware
-from setup_wizard.inspection import drafter_geometry, hash_folder, target_geometry
-from setup_wizard.plan import Plan, budget_inputs, compute
+from setup_wizard.inspection import drafter_geometry, hash_target, is_gguf_target, target_geometry
+from setup_wizard.plan import Plan, budget_inputs, choose_target_quant, compute, stored_geometry
+from setup_wizard.registry import register_config
 from setup_wizard.services import Artifact, Services, TargetOption
+from setup_wizard.store_locks import hold_locks
 
 
 @dataclass
@@ -49,8 +54,16 @@ Reporter = Callable[[str, str], None]  # (step, status) status in start|done|ski
 
 def execute(plan: Plan, services: Services, *, report: Reporter | None = None, force_calibration: bool = False,
             max_calibration_seconds: float | None = None) -> Result:
-    """Run the steps in order. An interruption leaves only complete, verified results behind (each step writes
-    atomically), so a rerun resumes where this one stopped."""
+    """Run the steps in order. An interruption or a failure leaves only complete, verified results behind (each step
+    writes atomically, and the config is written once, last), so a rerun resumes where this one stopped. The store
+    items this run uses stay locked until its config is written and registered (docs/store.md, "Locks")."""
+    with hold_locks():
+        return _execute(plan, services, report=report, force_calibration=force_calibration,
+                        max_calibration_seconds=max_calibration_seconds)
+
+
+def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_calibration: bool,
+             max_calibration_seconds: float | None) -> Result:
     say = report or (lambda step, status: None)
     steps: list[dict[str, Any]] = []
 
@@ -59,17 +72,19 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         if status != "start":
             steps.append({"step": step, "status": status, **extra})
 
-    # 1. target
+    # 1. target (a local folder is checked like a head: tensors and shapes against its config.json, every weight
+    #    finite, in the same pass that hashes it; exit 2 before anything is written)
     if plan.target.source == "local":
-        step = "hash target"
+        step = "check and hash target"
         mark(step, "start")
-        target = hash_folder(plan.target.local_path)  # type: ignore[arg-type]
+        target = hash_target(plan.target.local_path)  # type: ignore[arg-type]
         mark(step, "done", path=str(target.path))
     else:
         step = f"download {plan.target.name}"
         mark(step, "start")
         target = services.fetch(plan.target.name, offline=plan.offline)
         mark(step, "skipped" if target.reused else "done", path=str(target.path))
+        check_target_tensors(target.path)
     geo = target_geometry(target.path)
     if plan.drafter == "mtp" and not geo.has_mtp:
         raise WorkError(f"The target {plan.target.name} has no MTP head (no mtp.* tensors); rerun with "
@@ -83,35 +98,52 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         assert plan.head is not None and plan.quant is not None
         if plan.head.local_path is not None and plan.head.description == "local folder":
             head_art = Artifact(path=plan.head.local_path, sha256=_head_source_sha(plan.head.local_path),
-                                reused=True)
+                                reused=True, name=plan.head.name)
         else:
             step = f"download {plan.head.name}"
             mark(step, "start")
             head_art = services.fetch(plan.head.name, offline=plan.offline)
             mark(step, "skipped" if head_art.reused else "done", path=str(head_art.path))
+        if not head_art.name:
+            head_art = replace(head_art, name=plan.head.name)
         step = f"convert {plan.head.name} to {plan.quant}"
         mark(step, "start")
         drafter_art = services.convert(head_art.path, plan.quant, source=head_art)
         mark(step, "skipped" if drafter_art.reused else "done", path=str(drafter_art.path))
         dgeo = drafter_geometry(head_art.path) or drafter_geometry(drafter_art.path)
 
+    # 2b. the target's size (recommended now if it could only be estimated before the download), and its conversion
+    source_target: Artifact | None = None
+    if not plan.target_quant_given:
+        plan.target = replace(plan.target, local_path=Path(target.path))    # here now: its folder can be checked
+        choose_target_quant(plan, geo, dgeo, given=None, context=plan.context if plan.context_given else None)
+    if plan.converts_target:
+        step = f"convert {plan.target.name} to {plan.target_quant}"
+        mark(step, "start")
+        source_target, target = target, services.convert_target(target.path, plan.target_quant, source=target)
+        mark(step, "skipped" if target.reused else "done", path=str(target.path))
+        geo = target_geometry(target.path)          # exact, from the converted file's tensor table
+
     # 3. budget (the context is recommended now if it could not be before the download)
     step = "budget"
     mark(step, "start")
     if not plan.context_given:
         plan.context, plan.why["context"] = B.recommend_context(
-            geo, plan.drafter, budget_inputs(plan, plan.hardware, 0, dgeo), dflash2=dgeo, quant=plan.quant or "bf16")
+            stored_geometry(plan, geo), plan.drafter, budget_inputs(plan, plan.hardware, 0, dgeo), dflash2=dgeo,
+            quant=plan.quant or "bf16")
     elif plan.context > geo.max_position:
         raise UsageError(f"--context {plan.context} is longer than the model's limit of {geo.max_position} tokens; "
                          "pass a smaller --context.")
     budget = compute(plan, geo, dgeo)
     if not budget.fits:
         raise WorkError(budget.reason)
+    if geo.quant != "bf16" and budget.expert_cache_slots < budget.total_experts:
+        raise WorkError(f"Does not fit: a {geo.quant} target keeps all {budget.total_experts} experts on the GPU, "
+                        f"but only {budget.expert_cache_slots} fit; choose a smaller --target-quant or --context.")
     mark(step, "done", expert_cache_slots=budget.expert_cache_slots)
 
-    # 4. config (written before calibration, so an interrupted calibration leaves a usable uncalibrated setup;
-    #    calibration works on the document in memory and the config is rewritten with its result)
-    doc = build_doc(plan, target, drafter_art, head_art, budget, dgeo)
+    # 4. calibration, on the document in memory (a failed or interrupted calibration writes nothing)
+    doc = build_doc(plan, target, drafter_art, head_art, budget, dgeo, source_target)
     previous = _read_previous(plan.config_path)
     reuse = _reusable_calibration(previous, doc)
     if reuse:
@@ -120,13 +152,6 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         kept = ((previous or {}).get("memory") or {}).get("routing_profile")
         if budget.offloaded and kept and Path(kept).is_file():
             doc["memory"]["routing_profile"] = kept
-    step = "write config"
-    mark(step, "start")
-    write_config(plan.config_path, doc)
-    mark(step, "done", path=str(plan.config_path))
-
-    # 5. calibration (an offloaded setup first records its routing profile, which places the expert slots; with
-    #    no drafter that is all there is to measure)
     calibrated: CalibrationResult | None = None
     profile_only = plan.drafter == "none" and budget.offloaded and plan.record_routing
     if (plan.calibrate and plan.drafter != "none") or profile_only:
@@ -138,9 +163,15 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
             mark(step, "start")
             calibrated = services.calibrate(doc, force=force_calibration, max_seconds=max_calibration_seconds)
             apply_calibration(doc, calibrated)
-            write_config(plan.config_path, doc)
             mark(step, "done", block=doc["speculative"]["block"], spec_min_p=doc["speculative"]["spec_min_p"],
                  routing_profile=doc["memory"].get("routing_profile"))
+
+    # 5. config: written once, last, and recorded in the store's registry so gc keeps what it uses
+    step = "write config"
+    mark(step, "start")
+    write_config(plan.config_path, doc)
+    register_config(plan.config_path, strata_home())
+    mark(step, "done", path=str(plan.config_path))
     return Result(config_path=plan.config_path, doc=doc, budget=budget, steps=steps, calibration=calibrated)
 
 
@@ -190,8 +221,10 @@ def apply_calibration(doc: dict[str, Any], result: CalibrationResult) -> None:
 
 
 def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Artifact | None,
-              budget: B.Budget, dgeo: DFlash2Geometry | None = None) -> dict[str, Any]:
-    """The schema-1 document (docs/INTERFACES.md "Config")."""
+              budget: B.Budget, dgeo: DFlash2Geometry | None = None,
+              source_target: Artifact | None = None) -> dict[str, Any]:
+    """The schema-1 document (docs/INTERFACES.md "Config"). A converted target's `path` is its GGUF file, its
+    `files` the GGUF files (relative to their folder) and `source_sha256`/`source_path` the checkpoint's."""
     hw = plan.hardware
     kind = KINDS[plan.drafter]   # uncalibrated: the kind's defaults (DFlash2: the head's own block_size)
     block, floor = kind.default_block(dgeo), kind.default_spec_min_p
@@ -206,6 +239,7 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
             "sha256": target.sha256,
             "revision": target.revision,
             "has_mtp": bool(plan.target.has_mtp) if plan.target.has_mtp is not None else None,
+            "quantization": plan.target_quant,
             "files": target.files,
         },
         "drafter": {"kind": plan.drafter},
@@ -228,6 +262,9 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
             "dtype": dtype,
         },
     }
+    if source_target is not None:
+        doc["target"]["source_sha256"] = source_target.sha256
+        doc["target"]["source_path"] = str(Path(source_target.path).resolve())
     if hw.gpus:
         doc["device"]["capability"] = f"{hw.gpus[0].capability[0]}.{hw.gpus[0].capability[1]}"
     if hw.vram_limit_mib is not None:
@@ -255,6 +292,8 @@ def _record_mtimes(doc: dict[str, Any]) -> None:
     """Record each verified file's modification time: strata-run trusts an unchanged file by size and time and
     re-hashes one whose time moved (runtime/artifact_check.py)."""
     tpath = Path(doc["target"]["path"])
+    if is_gguf_target(tpath):
+        tpath = tpath.parent            # a GGUF target's files are named relative to its folder
     files = {rel: dict(meta) for rel, meta in (doc["target"].get("files") or {}).items()}
     for rel, meta in files.items():
         f = tpath / rel
@@ -298,6 +337,7 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware, *, vram_limit_mib: int 
     plan = Plan(target=TargetOption(name=target.get("name", ""), source=target.get("source", "local")),
                 drafter=kind, head=None, quant=drafter.get("quantization"), context=int(mem["context"]),
                 reserve_mib=int(mem.get("reserve_mib", 0)), calibrate=False, offline=True,
-                config_path=Path(), hardware=hw)
-    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"))
+                config_path=Path(), hardware=hw, target_quant=geo.quant)
+    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"),
+                           prefill_chunk=mem.get("prefill_chunk"))
     return B.compute_budget(geo, kind, inputs, dflash2=dgeo, quant=plan.quant or "bf16")

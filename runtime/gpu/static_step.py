@@ -3,7 +3,9 @@
 Why: on a GPU a small model's decode step is dominated by kernel launches (hundreds per step); a CUDA graph replays
 them as one. A graph needs static shapes, so every window runs at one width `W` (a narrower window is padded with
 rows at position -1, which write nothing and read nothing) and attention reads each row's own length from a device
-tensor (runtime/kernels.py), so one graph serves every position and every window size up to W.
+tensor (runtime/gpu/attention_kernels.py: the context split into chunks fixed by position, a grid over the whole
+capacity), so one graph serves every position and every window size up to W. A q8_0 cache (runtime/kv.py) is
+written and read by the same kernels.
 
 Why one width also for the one-token decode: in BF16 a 1-row and a k-row matmul can round differently and flip a
 near-tie, which would break "greedy speculative output == target-only greedy output". At one width every row goes
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
-from runtime.kv import KVCache
+from runtime.gpu.capture import HostScalars
+from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
 from runtime.models.layers import SparseMoe, project_qkv
 from runtime.models.qwen3_moe import TargetOutput
 
@@ -35,21 +38,29 @@ class StaticStep:
         dev = kv.k.device
         self.ids = torch.zeros(1, self.width, dtype=torch.long, device=dev)
         self.pos = torch.full((self.width,), -1, dtype=torch.int32, device=dev)
+        # (start, rows) from the host through pinned buffers; the rows' positions are made on the device, inside
+        # the graph: a window costs no host sync before its forward
+        self.host = HostScalars(dev, 2)
+        self.ar = torch.arange(self.width, dtype=torch.long, device=dev)
         p = next(model.parameters())
         moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
         # experts in an offload pool (runtime/experts.py): size it for this width before anything is captured
         caches = {id(c): c for m in moe if (c := getattr(m.offload, "__self__", None)) is not None}
         for c in caches.values():
             c.ensure_window(self.width)
-        self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
+        self.use_kernels = (kernels.available(kv.k) and kv.dtype == p.dtype
                             and all(m.gate_up is not None or m.offload is not None for m in moe))
         cfg = model.cfg
+        # the split attention's partials, one buffer for every layer (runtime/kv.py `split_partials_bytes`)
+        self.part = (attention_kernels.split_scratch(self.width, cfg.num_attention_heads, kv.capacity, cfg.head_dim,
+                                                     dev) if self.use_kernels else None)
         # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
         self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
                       and cfg.head_dim % 2 == 0)
         if self.fused:
             for layer in model.model.layers:
                 layer.self_attn.stack_qkv()
+            self.fused = all(layer.self_attn.has_qkv for layer in model.model.layers)
         self.use_graph = (bool(graph) and dev.type == "cuda" and self.use_kernels
                           and all(c.graphable for c in caches.values()))
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
@@ -59,15 +70,21 @@ class StaticStep:
     # ----------------------------------------------------------------------------------------------- the forward
     def _attend(self, a, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
         """q [W, nh, hd], k/v [W, nkv, hd] -> [W, nh, hd]: write the window's K/V, attend up to each row's position."""
-        kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]          # [nkv, S, hd]
+        kc, vc, ks, vs = self.kv.layer(i).kernel_args()      # [nkv, S, hd] (q8_0: scales [nkv, S, hd/32])
         pos = self.pos
         if self.use_kernels:
-            attention_kernels.kv_write(k, v, kc, vc, pos)
-            return attention_kernels.attention(q, kc, vc, pos, a.scale)
+            attention_kernels.kv_write(k, v, kc, vc, pos, ks, vs)
+            return attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
         valid = pos >= 0
         idx = pos[valid].long()
-        kc[:, idx] = k[valid].transpose(0, 1).to(kc.dtype)
-        vc[:, idx] = v[valid].transpose(0, 1).to(vc.dtype)
+        kn, vn = k[valid].transpose(0, 1), v[valid].transpose(0, 1)
+        if ks is None:
+            kc[:, idx] = kn.to(kc.dtype)
+            vc[:, idx] = vn.to(vc.dtype)
+        else:
+            kc[:, idx], ks[:, idx] = quantize_q8_0(kn)
+            vc[:, idx], vs[:, idx] = quantize_q8_0(vn)
+            kc, vc = dequantize_q8_0(kc, ks, q.dtype), dequantize_q8_0(vc, vs, q.dtype)
         S = kc.shape[1]
         mask = torch.arange(S, device=pos.device)[None, :] <= pos.long()[:, None]
         mask[:, 0] |= ~valid                                     # padded rows: any finite result
@@ -87,12 +104,12 @@ class StaticStep:
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
-            kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
+            kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = torch.nn.functional.linear(h, a.qkv_weight)
-            q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
-                                 a.hd, eps)
-            o = attention_kernels.attention(q, kc, vc, pos, a.scale)
+            qkv = a.qkv(h)
+            q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
+                                           a.nkv, a.hd, eps, ks=ks, vs=vs)
+            o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
             d = a.o_proj(o.reshape(-1, a.nh * a.hd))
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
@@ -110,6 +127,12 @@ class StaticStep:
         logits = m.lm_head(hidden).float()
         tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
         return logits, hidden, tap_t
+
+    def _step(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The captured function: positions from the device scalars (rows past the window at -1), then the forward."""
+        start, rows = self.host.t[0:1], self.host.t[1:2]
+        self.pos.copy_(torch.where(self.ar < rows, start + self.ar, -1))
+        return self._forward(taps)
 
     def _forward(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.fused:
@@ -153,9 +176,9 @@ class StaticStep:
     def _capture(self, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, tuple]:
         from runtime.gpu.capture import capture
 
-        self.pos.fill_(-1)            # warm-up and capture write nothing to the cache
+        self.host.set(0, 0)           # warm-up and capture write nothing to the cache (every row at -1)
         self.ids.zero_()
-        return capture(lambda: self._forward(taps))
+        return capture(lambda: self._step(taps))
 
     def _degrade(self, e: Exception) -> None:
         """Step down one level (fused -> unfused kernels -> plain torch, no graph) and remember why."""
@@ -182,20 +205,15 @@ class StaticStep:
             raise ValueError(f"window of {T} rows does not fit the static step width {self.width}.")
         if start + T > kv.capacity:
             raise ValueError(f"{start + T} positions exceed the KV cache capacity {kv.capacity}; raise the context.")
-        p = torch.full((self.width,), -1, dtype=torch.int32)
-        p[:T] = torch.arange(start, start + T, dtype=torch.int32)
-        self.pos.copy_(p, non_blocking=True)
-        self.ids[:, :T].copy_(window)
-        if T < self.width:
-            self.ids[:, T:].zero_()
         key = tuple(taps)
         if self.use_graph and key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(key)
             except Exception as e:  # a kernel that does not build or a capture that fails: run eagerly instead
                 self._degrade(e)
-            self.pos.copy_(p)
-            self.ids[:, :T].copy_(window)
+        self.host.set(start, T)
+        self.ids[:, :T].copy_(window)
+        if T < self.width:
             self.ids[:, T:].zero_()
         if self.use_graph and key in self.graphs:
             g, out = self.graphs[key]
@@ -203,12 +221,12 @@ class StaticStep:
             self.replays += 1
         else:
             try:
-                out = self._forward(key)
+                out = self._step(key)
             except Exception as e:
                 if not self.use_kernels:
                     raise
                 self._degrade(e)
-                out = self._forward(key)
+                out = self._step(key)
         logits, hidden, tap_t = out
         if self.use_kernels:      # the kernels bypass SparseMoe.forward: count the T real rows from the host
             for layer in self.model.model.layers:
