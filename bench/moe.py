@@ -149,7 +149,7 @@ def eager_ms(fn, reps: int = 5) -> float:
 
 # ----------------------------------------------------------------------------------------------------- decode
 def decode_rows(fmt: str, widths: list[int], bw: float, dev: str, g: torch.Generator,
-                weights: tuple[torch.Tensor, torch.Tensor] | None = None, quiet: bool = False
+                weights: tuple[torch.Tensor, torch.Tensor] | None = None, quiet: bool = False, reps: int = 20
                 ) -> list[dict[str, Any]]:
     gu, dn = weights if weights is not None else experts_for(fmt, dev, g)
     per_expert = gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size()
@@ -164,7 +164,7 @@ def decode_rows(fmt: str, widths: list[int], bw: float, dev: str, g: torch.Gener
             r = moe_kernels.route(lg, pos, K, True)
             moe_kernels.moe_routed(x, x, r, gu, dn, fmt=None if fmt == "bf16" else fmt)
 
-        ms = graph_ms([lambda lg=lg: call(lg) for lg in logits])
+        ms = graph_ms([lambda lg=lg: call(lg) for lg in logits], reps)
         bound_ms = distinct * per_expert / bw * 1e3
         out.append({"format": fmt, "width": W, "ms": ms, "distinct_experts": distinct, "bytes_per_expert": per_expert,
                     "bound_ms": bound_ms, "frac_of_bound": bound_ms / ms, "GBs": distinct * per_expert / ms / 1e6,
@@ -180,7 +180,7 @@ def decode_kernel(fmt: str) -> str:
     return moe_gemv.DECODE_GEMV.get(fmt) or "dot"
 
 
-TUNE_FORMATS = ("bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+TUNE_FORMATS = ("q4_0", "q8_0", "bf16", "q4_k", "q6_k")       # issue 15's formats first, in case time runs out
 TUNE_WIDTHS = (1, 8, 16)
 
 
@@ -296,7 +296,7 @@ def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str
                                                                                gu, dn, fmt=f)[0], out[i])
                                            for i in (0, 7, 15))
                 row["ok"] = row["rel_err"] < 2e-2 and row["row_invariant"]
-                for r in decode_rows(fmt, list(TUNE_WIDTHS), bw, dev, g, weights=(gu, dn), quiet=True):
+                for r in decode_rows(fmt, list(TUNE_WIDTHS), bw, dev, g, weights=(gu, dn), quiet=True, reps=10):
                     row[f"us_w{r['width']}"] = r["ms"] * 1e3
                     row[f"bound_us_w{r['width']}"] = r["bound_ms"] * 1e3
                     row[f"frac_w{r['width']}"] = r["frac_of_bound"]
@@ -598,6 +598,13 @@ def run_check(dev: str) -> list[list[Any]]:
         w = torch.rand(2, K, device=dev, generator=g2).to(torch.bfloat16)
         e = _rel(moe_kernels.moe_grouped(x, idx, w, agu, adn), _ref(x, idx, w, agu, adn))
         record("A3B widths (16 experts), bf16", e < 2e-2, f"rel err {e:.1e}")
+        for f in ("q8_0", "q4_0", "q4_k", "q6_k"):       # the module's decode kernels (DECODE_GEMV) at full width
+            qgu, qdn = experts_for(f, dev, g2, n=16)
+            out = moe_kernels.moe_grouped(x, idx, w, qgu, qdn, fmt=f)
+            e = _rel(out, _ref(x, idx, w, qgu, qdn, fmt=f))
+            inv = torch.equal(moe_kernels.moe_grouped(x[1:], idx[1:], w[1:], qgu, qdn, fmt=f)[0], out[1])
+            record(f"A3B widths (16 experts), {f} ({decode_kernel(f)})", e < 2e-2 and inv,
+                   f"rel err {e:.1e}, row-invariant {inv}")
 
     if cuda:
         guard("a3b", a3b_shape)
