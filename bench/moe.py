@@ -337,10 +337,16 @@ def print_tuning(res: dict[str, Any], gpu: str | None, bw: float) -> None:
                 cols, rows)
     best = res["best"]
     line: dict[str, str | None] = {}
+    kept = []
     for f in ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
-        b = best.get("q4_0" if f == "q5_0" else f)            # q5_0 (not timed) takes Q4_0's tiles
-        line[f] = None if b in (None, "dot") else b
-    print("best per format (highest geometric mean of % of bound over W = 1, 8, 16; passing variants only):")
+        src = "q4_0" if f == "q5_0" else f                   # q5_0 (not timed) takes Q4_0's tiles
+        if src in best:
+            line[f] = None if best[src] == "dot" else best[src]
+        else:                                                # not measured (or nothing passed): as the module has it
+            line[f] = moe_gemv.DECODE_GEMV.get(f)
+            kept.append(f)
+    print("best per format (highest geometric mean of % of bound over W = 1, 8, 16; passing variants only"
+          + (f"; kept as the module has them, not measured: {', '.join(kept)}" if kept else "") + "):")
     print("DECODE_GEMV = {" + ", ".join(f'"{k}": ' + ("None" if v is None else f'"{v}"') for k, v in line.items())
           + "}")
     res["paste"] = line
