@@ -132,8 +132,10 @@ class Engine:
             block = 1
         elif block is None:
             block = kind.default_block(getattr(drafter, "geom", None))   # DFlash2: the head's own block_size
+        if spec_min_p is None:       # no configured floor: the kind's uncalibrated default (an explicit 0 wins)
+            spec_min_p = kind.default_spec_min_p if drafter is not None else 0.0
         return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
-                   experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p or 0.0),
+                   experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
                    prefill_chunk=prefill_chunk, graphs=graphs)
 

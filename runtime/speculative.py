@@ -59,6 +59,11 @@ def _accept_greedy(logits: Tensor, draft: list[int]) -> tuple[int, list[int]]:
     return acc, draft[:acc] + [tgt[acc]]
 
 
+def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """m draws of U[0, 1) for the acceptance test (0 included: float32 rand can return exactly 0)."""
+    return torch.rand(m, generator=gen, device=device)
+
+
 def _accept_sampled(logits: Tensor, draft: list[int], q: Tensor | None, sp: SamplingParams,
                     gen: torch.Generator) -> tuple[int, list[int]]:
     p = probs(logits, sp)                       # [m+1, V]
@@ -70,8 +75,10 @@ def _accept_sampled(logits: Tensor, draft: list[int], q: Tensor | None, sp: Samp
         idx = torch.arange(m, device=p.device)
         d = torch.tensor(draft, device=p.device)
         px, qx = p[idx, d], q[idx, d]
-        u = torch.rand(m, generator=gen, device=p.device)
-        ok = (u * qx <= px).tolist()             # u < p/q, without dividing
+        u = _uniforms(m, gen, p.device)
+        # u < p/q without dividing; strict, so a token the target cannot emit (p = 0) is never accepted, not
+        # even when u draws exactly 0 (once in 2^24 draws in float32)
+        ok = (u * qx < px).tolist()
         for i in range(m):
             if not ok[i]:
                 resid = torch.clamp(p[i] - q[i], min=0.0)

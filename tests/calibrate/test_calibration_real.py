@@ -109,3 +109,13 @@ def test_calibration_grid_bench_runs_on_cpu(models, tmp_path, capsys):
     assert verdict["chosen_over_best"] == pytest.approx(verdict["chosen_grid_geomean_tok_s"] / best, abs=2e-3)
     assert verdict["within_3pct"] == (verdict["chosen_over_best"] >= 0.97)
     assert verdict["calibration_seconds"] > 0 and verdict["grid_timed_runs"] == 12 * 4
+
+
+def test_grid_verdict_is_judged_on_the_exact_ratio():
+    from bench.calibration_grid import fmt_ratio, within_bar
+
+    assert not within_bar(0.9695)          # rounds to 0.970 at three decimals, but is not within 3%
+    assert not within_bar(0.96999999)
+    assert within_bar(0.97) and within_bar(1.0)
+    assert not within_bar(None)
+    assert fmt_ratio(0.9695) == "0.9695" and fmt_ratio(None) == "-"

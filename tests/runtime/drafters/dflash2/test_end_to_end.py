@@ -66,11 +66,17 @@ def test_greedy_speculative_equals_target_only(setup, art):
 
 @pytest.fixture(scope="module")
 def trained(setup):
-    """A drafter fitted to the target's greedy continuation of one prompt, as HF BF16 and GGUF Q8_0."""
+    """A drafter fitted to the target's greedy continuation of one prompt, as HF BF16 and GGUF Q8_0: trained
+    until its BF16 weights, walking the continuation greedily in the training forward, accept 5 proposals a
+    window (with a score margin), so the long-run property below does not hang on how far a fixed number of steps
+    gets on this CPU. The test then asserts the runs through the real loop (inference path, BF16 and Q8_0)."""
     root, target, _arts, _ref, base = setup
     ids = base.tokenizer.encode(PROMPTS[1]).ids
-    out = base.generate(ids, max_new_tokens=40).token_ids
-    state = train_on_sequence(_drafter_cfg(), base.model, torch.tensor(ids + out), first_anchor=len(ids) - 1)
+    W = _drafter_cfg()["dflash_config"]["block_size"]
+    longer = base.generate(ids, max_new_tokens=40 + W).token_ids     # every window of a 40-token run is whole
+    out = longer[:40]
+    state = train_on_sequence(_drafter_cfg(), base.model, torch.tensor(ids + longer), first_anchor=len(ids) - 1,
+                              until_runs=5.0, walk_from=len(ids))
     hf = write_hf_drafter(root / "trained", _drafter_cfg(), state)
     return ids, out, {"hf": hf, "q8_0": write_gguf_drafter(root / "trained-q8_0.gguf", hf, quant="q8_0")}
 
