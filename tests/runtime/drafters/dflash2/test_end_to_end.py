@@ -101,3 +101,23 @@ def test_sampled_speculative_is_seeded(setup):
     a = eng.generate(PROMPTS[0], max_new_tokens=N_NEW, sampling=sp)
     b = eng.generate(PROMPTS[0], max_new_tokens=N_NEW, sampling=sp)
     assert a.token_ids == b.token_ids and a.stats["proposed"] > 0
+
+
+def test_an_unconfigured_floor_is_the_kinds_default_and_an_explicit_zero_wins(setup):
+    """No floor in the config: a DFlash2 run uses 0.5 (the kind table's uncalibrated default) and its head's own
+    block size; `spec_min_p = 0` stays 0."""
+    from runtime.drafters.registry import KINDS
+
+    _root, target, arts, _ref, _ = setup
+    eng = Engine.build(target, "dflash2", drafter_path=arts["hf"], device="cpu", context=64)
+    assert eng.spec_min_p == KINDS["dflash2"].default_spec_min_p == 0.5
+    assert eng.block == 8                                      # the head's block_size
+    res = eng.generate(PROMPTS[0], max_new_tokens=4)
+    assert res.stats["spec_min_p"] == 0.5
+    zero = Engine.build(target, "dflash2", drafter_path=arts["hf"], device="cpu", context=64, spec_min_p=0.0)
+    assert zero.spec_min_p == 0.0
+    doc = {"schema": 1, "target": {"path": str(target)}, "drafter": {"kind": "dflash2", "path": str(arts["hf"])},
+           "memory": {"context": 64}, "device": {"type": "cpu"}}
+    assert Engine.from_config(doc).spec_min_p == 0.5
+    doc["speculative"] = {"spec_min_p": 0.0}
+    assert Engine.from_config(doc).spec_min_p == 0.0
