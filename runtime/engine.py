@@ -85,7 +85,7 @@ class Engine:
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.step = None   # runtime.gpu.static_step.StaticStep on CUDA, built at the first generate
+        self.step = None   # runtime.gpu.static_step.StaticStep, built at the first generate
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
@@ -198,17 +198,16 @@ class Engine:
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
     def static_step(self):
-        """On CUDA: the fixed-width (CUDA-graph) decode/verify step. Its width is the drafter's max_block for every
-        window, target-only decoding included, so greedy output is the same with and without drafting in BF16
-        (runtime/static_step.py says why). None on CPU (the plain forward; fp32 there)."""
-        if self.device.type != "cuda":
-            return None
+        """The fixed-width decode/verify step: a CUDA graph on CUDA, eager row-invariant torch on the CPU. Its
+        width is the drafter's max_block for every window, target-only decoding included, so greedy output is the
+        same bits with and without drafting (runtime/gpu/static_step.py says why)."""
         if self.step is None:
             from runtime.gpu.static_step import StaticStep
 
+            cuda = self.device.type == "cuda"
             width = self.drafter.max_block if self.drafter is not None else 1
-            self.step = StaticStep(self.model, self.kv, width, graph=self.graphs)
-            if self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
+            self.step = StaticStep(self.model, self.kv, width, graph=self.graphs and cuda)
+            if cuda and self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
                 self.drafter.graphs = self.drafter.make_graphs()
         return self.step
 
