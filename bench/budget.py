@@ -15,6 +15,19 @@ id), and a check of the chunked-prefill attention on the GPU (equal to the mask 
 Rows run context by context in the order given (default 4k, 128k, 32k, 8k) so a timeout loses the least needed;
 the JSON is rewritten after every row. `--rescore saved.json` scores the current budget code against a saved run's
 measured peaks on the CPU.
+
+    python bench/budget.py --a3b [--caps 12,16,24] [--contexts 4096,131072,32768,8192,65536] [--max-seconds 300]
+
+`--a3b`: the Qwen3-30B-A3B shape (random BF16 weights, experts in a pinned host arena, built once) on cards of
+`--caps` GiB: for each (cap, context) the budget with `available = total = cap`, then, in this process under that
+cap (`--vram-limit-mib`'s mechanism: the allocator refuses to reserve past it), the engine's allocations (dense
+weights, the expert slot pool the budget sized, KV cache, logits buffer, graphed step), the last two prefill chunks
+of a prompt filling the context and 4 decoded tokens, and the peak `torch.cuda.max_memory_reserved`. A chunk's peak
+does not depend on where it sits in the context (static KV cache, flash attention), so the first
+`context - 8 - 1024` positions are left as zeros rather than computed (a full 128k prefill with most experts off the
+GPU would take minutes). Rows the budget says do not fit are reported, not run. Between rows the cuBLAS workspaces
+and cached segments are released, so each row starts as a fresh process would (the dense weights stay: they are the
+first allocations of every row and count in its peak).
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import torch  # noqa: E402
 
 from bench.common import NANO, NANO_DFLASH2, Deadline, machine, print_table, write_json  # noqa: E402
 from runtime.drafters.dflash2.contract import DFlash2Geometry  # noqa: E402
+from runtime.memory import cap_device_memory  # noqa: E402
 from runtime.models.target_config import TargetGeometry  # noqa: E402
 
 MIB = 1 << 20
@@ -131,9 +145,12 @@ def check_attention() -> dict[str, Any]:
     return out
 
 
-def measure_fresh(kind: str, path: Path | None, context: int, slots: int, timeout: float) -> dict[str, Any]:
+def measure_fresh(kind: str, path: Path | None, context: int, slots: int, timeout: float,
+                  limit_mib: int | None = None) -> dict[str, Any]:
     """`measure` in a fresh Python process (its JSON comes back on the last stdout line)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps([kind, str(path or ""), context, slots])]
+    if limit_mib is not None:
+        cmd += ["--vram-limit-mib", str(limit_mib)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 5))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
     if r.returncode != 0 or not lines:
@@ -172,10 +189,111 @@ def rescore(path: Path) -> dict[str, Any]:
     return out
 
 
+def a3b_rows(args: argparse.Namespace, deadline: Deadline) -> dict[str, Any]:
+    """The A3B rows (see the module docstring)."""
+    import time
+
+    from bench.common import A3B_SHAPE, build_random_a3b
+    from runtime.engine import Engine
+    from runtime.experts import ExpertCache
+    from runtime.kv import KVCache
+    from runtime.speculative import prefill
+    from setup_wizard import budget as B
+
+    res: dict[str, Any] = {"machine": machine(), "args": vars(args), "shape": "qwen3-30b-a3b", "rows": []}
+    t0 = time.perf_counter()
+    model, arena = build_random_a3b(A3B_SHAPE, experts="arena")
+    torch.cuda.synchronize()
+    res["build_s"] = time.perf_counter() - t0
+    res["arena"] = {"bytes": arena.nbytes, "pinned": arena.pinned}
+    geo = TargetGeometry.from_config(A3B_SHAPE)
+    cap_dev = tuple(torch.cuda.get_device_capability())
+    total_dev = torch.cuda.get_device_properties(0).total_memory
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for gib in [int(c) for c in args.caps.split(",")]:
+            if deadline.over():
+                res["truncated"] = True
+                break
+            cap = gib << 30
+            inp = B.BudgetInputs(context=ctx, block=1, device_type="cuda", available_bytes=cap, total_bytes=cap,
+                                 weight_bytes=2, kv_bytes=2, prefill_chunk=512, capability=cap_dev,
+                                 cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+            b = B.compute_budget(geo, "none", inp)
+            rec: dict[str, Any] = {"context": ctx, "cap_gib": gib, "budget": b.to_dict()}
+            if not b.fits:
+                rec["fits_budget"] = False
+                rows.append([ctx, gib, "-", None, None, None, "does not fit"])
+                res["rows"].append(rec)
+                continue
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(cap / total_dev)
+            torch.cuda.reset_peak_memory_stats()
+            cache = eng = None
+            try:
+                cache = ExpertCache(model, torch.device("cuda"), b.expert_cache_slots, arena=arena)
+                cache.place(model)
+                cfg = model.cfg
+                kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ctx,
+                             dtype=torch.bfloat16, device="cuda")
+                cache.ensure_window(1)
+                eng = Engine(model=model, tokenizer=None, kv=kv, drafter=None, drafter_kind="none", experts=cache,
+                             device=torch.device("cuda"), block=1, spec_min_p=0.0, stop_ids=set(),
+                             target_dir=Path("."))
+                step = eng.static_step()
+                n = min(1024, ctx - 8)
+                ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+                with torch.no_grad():
+                    kv.length = ctx - 8 - n
+                    tok = int(torch.argmax(prefill(model, kv, ids, (), 512)))
+                    for _ in range(4):
+                        tok = int(torch.argmax(step(torch.tensor([[tok]], device="cuda"), kv).logits[0, -1]))
+                torch.cuda.synchronize()
+                m = torch.cuda.max_memory_reserved()
+                items = b.table()
+                pred = sum(v for k, v in items.items() if k not in ("headroom", "reserve"))
+                rec.update(peak_reserved=m, predicted=pred, error=(pred - m) / m, fits=m <= cap,
+                           slots=b.expert_cache_slots, dynamic_slots=b.dynamic_slots,
+                           memory_report=eng.memory_report(), expert_cache=cache.stats(), segments=segments(),
+                           graph=step.use_graph, step_errors=list(step.errors))
+                rows.append([ctx, gib, b.expert_cache_slots, pred / MIB, m / MIB, 100 * rec["error"], rec["fits"]])
+            except torch.OutOfMemoryError as e:
+                rec["oom"] = str(e)[:300]
+                rows.append([ctx, gib, b.expert_cache_slots, None, None, None, "OOM"])
+            finally:
+                if cache is not None:
+                    cache.release()
+                del eng
+                kv = step = None
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            res["rows"].append(rec)
+            write_json("budget_a3b.json", res)
+            print(f"  ctx {ctx} cap {gib} GiB: " + (f"predicted {rec['predicted'] / MIB:.1f} MiB, measured "
+                  f"{rec['peak_reserved'] / MIB:.1f} MiB ({100 * rec['error']:+.2f}%)" if "predicted" in rec
+                  else rec.get("oom", "not run")), flush=True)
+    print_table(f"VRAM budget vs measured peak, A3B shape under a cap, on {res['machine'].get('gpu')}",
+                ["context", "cap GiB", "expert slots", "predicted MiB", "measured MiB", "error %", "fits"], rows)
+    errs = [abs(r["error"]) for r in res["rows"] if "error" in r]
+    res["max_abs_error"] = max(errs) if errs else None
+    res["ooms"] = [f"{r['context']}@{r['cap_gib']}" for r in res["rows"] if "oom" in r or r.get("fits") is False]
+    print(f"  max |error| {100 * (res['max_abs_error'] or 0):.2f}% (goal <= 2%), out of memory: {res['ooms'] or 'none'}")
+    write_json("budget_a3b.json", res)
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="4096,131072,32768,8192",
-                    help="in this order (a timeout loses the last ones)")
+    ap.add_argument("--contexts", default=None,
+                    help="in this order (a timeout loses the last ones); default 4096,131072,32768,8192 "
+                         "(--a3b: 4096,131072,32768,8192,65536)")
+    ap.add_argument("--a3b", action="store_true", help="the A3B shape under --caps GiB caps (see above)")
+    ap.add_argument("--caps", default="12,16,24", help="--a3b: card sizes in GiB")
+    ap.add_argument("--vram-limit-mib", type=int, default=None,
+                    help="cap every row's GPU memory (and budget against it), as strata-run --vram-limit-mib does")
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rescore", default=None, metavar="BUDGET_JSON",
@@ -184,12 +302,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.rescore is not None:
         return rescore(Path(args.rescore))
     if args.row is not None:                      # child: one measurement, printed as JSON
+        cap_device_memory(args.vram_limit_mib)
         kind, path, ctx, slots = json.loads(args.row)
         print("ROW " + json.dumps(measure(kind, Path(path) if path else None, int(ctx), int(slots))), flush=True)
         return {}
     if not torch.cuda.is_available():
         raise SystemExit("bench/budget.py needs a CUDA GPU.")
     deadline = Deadline(args.max_seconds)
+    if args.a3b:
+        args.contexts = args.contexts or "4096,131072,32768,8192,65536"
+        return a3b_rows(args, deadline)
+    args.contexts = args.contexts or "4096,131072,32768,8192"
     res: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": []}
     cap = tuple(torch.cuda.get_device_capability())
     try:
@@ -219,10 +342,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info()
                 free += torch.cuda.memory_reserved()      # what this (parent) process holds is free for the row
+                if args.vram_limit_mib is not None:       # a capped card: the cap is all there is
+                    free = total = min(free, args.vram_limit_mib * MIB)
                 b = predict(kind, quant, ctx, free, total, cap)
                 rec: dict[str, Any] = {"context": ctx, "drafter": label, "budget": b.to_dict()}
                 try:
-                    m = measure_fresh(kind, path, ctx, b.expert_cache_slots, deadline.left())
+                    m = measure_fresh(kind, path, ctx, b.expert_cache_slots, deadline.left(), args.vram_limit_mib)
                     rec.update(m)
                     items = b.table()
                     pred = sum(v for k, v in items.items() if k not in ("headroom", "reserve"))

@@ -1,4 +1,4 @@
-"""Calibration vs the exhaustive grid, in one process on one engine (issue 6, "done when").
+"""Calibration vs the exhaustive grid, in one process on one engine (the calibration's own check).
 
     python bench/calibration_grid.py --config ~/.local/share/strata/configs/strata-nano-dflash2.toml
     python bench/calibration_grid.py --config c.toml --device cpu --threads 1 --new-tokens 16 --grid-repeats 1

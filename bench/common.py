@@ -113,3 +113,99 @@ class Deadline:
 
     def over(self) -> bool:
         return self.left() <= 0
+
+
+# ----------------------------------------------------------------------------------------------- the A3B shape
+# Qwen3-30B-A3B's geometry (48 layers, 128 experts top-8, hidden 2048, expert width 768, 32 q / 4 kv heads x 128)
+A3B_SHAPE = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+    "eos_token_id": 151645, "bos_token_id": None,
+}
+
+# Honest routing (/work/shared/peers/README.md, "Honest routing on random weights"): with every weight at std 0.02 a
+# random model routes almost every token to the same experts (attention output swamps the token's embedding), which
+# flatters any expert cache. Embeddings at std 1 and each layer's contributions to the residual (attention output
+# projection, experts' down projections) scaled by 0.05 make the router's choices vary per token as independent
+# top-k choices would (about 82 distinct experts of 128 per layer in a 16-token window).
+HONEST = {"embed_std": 1.0, "residual_scale": 0.05}
+
+
+def _gen(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def build_random_a3b(cfg_json: dict | None = None, *, device: str = "cuda", seed: int = 0, std: float = 0.02,
+                     honest: bool = True, experts: str = "device", dtype: torch.dtype = torch.bfloat16):
+    """A random model of the A3B shape (or `cfg_json`), built on `device` without a CPU copy of the dense weights.
+
+    `experts="device"`: each MoE layer's experts stacked on the device (the all-resident layout);
+    `experts="arena"`: generated on the device one layer at a time and moved into a host `ExpertArena` (pinned on
+    CUDA hosts), the experts' parameters becoming views of it: the starting point of an offloaded cache.
+    Every tensor has its own seed, so both give the same weights. Returns (model, arena or None)."""
+    from torch import nn
+
+    from runtime.expert_arena import ExpertArena
+    from runtime.models.layers import Rotary, SparseMoe
+    from runtime.models.qwen3_moe import Qwen3MoeModel
+    from runtime.models.target_config import Qwen3MoeConfig
+
+    dev = torch.device(device)
+    cfg = Qwen3MoeConfig.from_dict(cfg_json or A3B_SHAPE)
+    with torch.device("meta"):
+        model = Qwen3MoeModel(cfg)
+    scale = HONEST["residual_scale"] if honest else 1.0
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    planes: dict[int, dict[str, torch.Tensor]] = {}
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoe):
+            continue
+        g = _gen(dev, seed * 1_000_003 + 7919 * (i + 1))
+        gu = torch.empty(mlp.n_exp, 2 * inter, hidden, dtype=dtype, device=dev).normal_(0.0, std, generator=g)
+        dn = torch.empty(mlp.n_exp, hidden, inter, dtype=dtype, device=dev).normal_(0.0, std * scale, generator=g)
+        if experts == "arena":
+            hgu = torch.empty(gu.shape, dtype=dtype)
+            hdn = torch.empty(dn.shape, dtype=dtype)
+            hgu.copy_(gu)
+            hdn.copy_(dn)
+            del gu, dn
+            gu, dn = hgu, hdn
+            planes[i] = {"gate_up": gu, "down": dn}
+        for e, ex in enumerate(mlp.experts):
+            ex.gate_proj.weight = nn.Parameter(gu[e, :inter], requires_grad=False)
+            ex.up_proj.weight = nn.Parameter(gu[e, inter:], requires_grad=False)
+            ex.down_proj.weight = nn.Parameter(dn[e], requires_grad=False)
+        if experts == "device":
+            mlp.gate_up, mlp.down = gu, dn
+    for j, (name, p) in enumerate(list(model.named_parameters())):
+        if not p.is_meta:
+            continue
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if "norm" in name:
+            val = torch.ones(p.shape, dtype=dtype, device=dev)
+        else:
+            s = std
+            if name == "model.embed_tokens.weight" and honest:
+                s = HONEST["embed_std"]
+            elif name.endswith("self_attn.o_proj.weight"):
+                s = std * scale
+            val = torch.empty(p.shape, dtype=dtype, device=dev).normal_(0.0, s, generator=_gen(dev, seed * 31 + j))
+        setattr(mod, attr, nn.Parameter(val, requires_grad=False))
+    model.rotary = Rotary(cfg).to(dev)
+    for layer in model.model.layers:      # as ExpertCache.place does: q/k/v stacked now, not at the first step
+        layer.self_attn.stack_qkv()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()          # the unstacked copies' segments
+    arena = None
+    if experts == "arena":
+        arena = ExpertArena(planes)
+        if dev.type == "cuda":
+            arena.pin()
+    return model.eval(), arena

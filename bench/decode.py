@@ -6,7 +6,7 @@ Two targets: the bundled pack (setup_wizard/bundled/strata-nano, when present) a
 random weights built directly on the GPU (48 layers, 128 experts top-8, hidden 2048, moe_intermediate 768, 32 q / 4
 kv heads x 128, vocab 151936). The transformers model shares our tensors on the device (no copy). Rows:
 - `strata (graph)`: the engine's path: fixed-width step captured as a CUDA graph, Triton attention + grouped MoE;
-- `strata (eager, before)`: the plain forward per step with the per-expert loop (the runtime before issue 8);
+- `strata (eager, before)`: the plain forward per step with the per-expert loop (the runtime before the fast path);
 - `transformers generate`: greedy, bf16.
 tok/s is decode only (the first token comes from prefill). The bandwidth bound is the measured device-to-device
 copy bandwidth / active bytes per token (dense weights without the embedding table, top-k experts of every MoE layer,

@@ -5,7 +5,7 @@
 For each arm and task: median decode tok/s over repeats, speed-up over target-only, tokens committed per window
 (accepted + 1), draft ms and verify ms per window. The GGUF quantizations are converted from the bundled BF16
 drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped).
-Also the greedy-equality check of ARTIFACTS §3 in BF16 on the GPU: every drafted arm's tokens against target-only
+Also the greedy-equality check of docs/models.md ("Speculative decoding") in BF16 on the GPU: every drafted arm's tokens against target-only
 tokens of the same engine (the fixed-width step: runtime/static_step.py), and, for contrast, the plain eager path
 (no static step: a 1-row decode vs k-row verify in cuBLAS/SDPA) — `eager mismatches` counts prompts that differ there.
 """
@@ -96,7 +96,7 @@ def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadl
             rec["equal_to_target_only"] = runs[0].token_ids == ref
             rec["first_diff"] = first_diff(runs[0].token_ids, ref)
             if args.eager_check and eng.drafter is not None and task == "code" and arm["arm"] in EAGER_ARMS:
-                # the plain path (no fixed-width step, no kernels: the runtime before issue 8): does a k-row
+                # the plain path (no fixed-width step, no kernels: the runtime before the fast path): does a k-row
                 # verify flip a near-tie of the 1-row decode there?
                 from runtime.gpu import kernels
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the closing measurements: scripted setup on the GPU, calibration + exhaustive grid (issue 6),
-# drafters (issue 7/8), expert cache at half residency (issue 3), budget vs measured peak (issue 8).
+# One device call for the closing measurements: scripted setup on the GPU, calibration + exhaustive grid ,
+# drafters , expert cache at half residency , budget vs measured peak .
 # Carry .gpu_carry (wheels for gguf, platformdirs, questionary, prompt_toolkit, wcwidth, tomli_w), made here with
 #   echo /.gpu_carry/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -27,10 +27,11 @@ from calibrate.fixtures import (
 )
 from calibrate.key import CalibrationConfigError, CalibrationKey, drafter_kind, key_for_config
 from calibrate.results import CalibrationResult, ResultStore
+from calibrate.routing import offloads, profile_for_config
 from calibrate.search import FLOORS, Arm, Plan, RunOutcome, Search, SearchResult, candidate_arms
 from runtime.progress import ProgressFn
 
-DEFAULT_MAX_SECONDS = 110.0       # the issue's bar: the bundled pack calibrates in under two minutes on a GPU
+DEFAULT_MAX_SECONDS = 110.0       # the bundled pack calibrates in under two minutes on a GPU
 METHOD = "coarse-to-fine + successive halving, head-to-head confirmation, 3% bar"
 
 
@@ -207,21 +208,37 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
     cfg = _load_config(config)
     source = config if not isinstance(config, dict) else cfg     # a path: relative paths resolve against it
     kind = drafter_kind(cfg)
-    if kind == "none":
-        return CalibrationResult(block=None, spec_min_p=None, source="default", decision="nothing_to_calibrate",
-                                 reason="the config has no drafter (kind none): there is nothing to calibrate.")
-    key = key_for_config(cfg, device=device)
+    offload = offloads(cfg)
+    nothing = CalibrationResult(block=None, spec_min_p=None, source="default", decision="nothing_to_calibrate",
+                                reason="the config has no drafter (kind none): there is nothing to calibrate.")
+    if kind == "none" and not offload:
+        return nothing
+    key = key_for_config(cfg, device=device) if kind != "none" else None
     store = ResultStore(store_dir)
-    if not force:
+    if key is not None and not force:
         rec = store.load(key)
-        if rec is not None:
-            return CalibrationResult.from_record(key, rec, reused=True, path=str(store.path_for(key)))
+        if rec is not None and (not offload or _profile_file(rec)):
+            res = CalibrationResult.from_record(key, rec, reused=True, path=str(store.path_for(key)))
+            res.routing_profile = _profile_file(rec)
+            return res
     t0 = time.perf_counter()
     if engine is None:
         from runtime.engine import Engine
 
         engine = Engine.from_config(source)
     build_s = time.perf_counter() - t0
+    prof = None
+    if offload:           # the slots go to the experts this model uses on these prompts, before anything is timed
+        if on_progress is not None:
+            on_progress("calibrating: routing profile", 0, 1)
+        context = ((cfg.get("memory") or {}).get("context"))
+        prof = profile_for_config(cfg, engine, store_dir=store_dir, force=force, prompts=prompts,
+                                  context=int(context) if context else None)
+        engine.use_routing_profile(prof.profile)
+        if kind == "none":
+            nothing.routing_profile = str(prof.path)
+            nothing.reason = "the config has no drafter: only the routing profile was recorded."
+            return nothing
 
     def bar(message: str, done: int, planned: int) -> None:
         if on_progress is not None:
@@ -231,10 +248,20 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
                                  plan=plan, clock=clock, progress=bar, context=key.context)
     facts["engine_build_s"] = round(build_s, 3)
     facts["total_s"] = round(time.perf_counter() - t0, 3)
+    if prof is not None:
+        facts["routing_profile"] = {"path": str(prof.path), "reused": prof.reused, "key": prof.key,
+                                    "expected_hit_rate": engine.experts.expected_hit_rate()}
     res = result_from_search(key, sr, facts)
+    res.routing_profile = str(prof.path) if prof is not None else None
     if res.source == "calibrated":
         res.path = str(store.save(key, res.record))
     return res
+
+
+def _profile_file(record: dict[str, Any]) -> str | None:
+    """The routing profile a stored record used, when its file is still there."""
+    p = (record.get("routing_profile") or {}).get("path")
+    return p if p and Path(p).is_file() else None
 
 
 def result_from_search(key: CalibrationKey | None, sr: SearchResult, facts: dict[str, Any]) -> CalibrationResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from runtime.errors import UsageError
@@ -22,7 +22,7 @@ LONG_MIN_TOKENS = 2048
 
 def load_prompts() -> dict[str, str]:
     """The four shipped prompt texts, by task."""
-    base = resources.files("calibrate") / "prompts"
+    base = Path(__file__).resolve().parent / "prompts"   # package data, installed beside this module
     return {t: (base / f"{t}.txt").read_text(encoding="utf-8") for t in TASKS}
 
 

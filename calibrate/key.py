@@ -1,4 +1,4 @@
-"""The calibration key (PRODUCT.md): a stored result is reused only when every field matches.
+"""The calibration key (docs/calibration.md): a stored result is reused only when every field matches.
 
 `(device name and memory, target sha256, drafter kind, drafter artifact sha256, quantization, context, runtime
 version)`. The device is the live machine (not what an old config says), so a config copied to another machine
@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError
 from runtime.hostinfo import cpu_name, ram_bytes
 from runtime.version import __version__ as RUNTIME_VERSION
@@ -80,8 +81,8 @@ def _table(config: dict[str, Any], name: str) -> dict[str, Any]:
 def drafter_kind(config: dict[str, Any]) -> str:
     """The config's drafter kind: "mtp", "dflash2" or "none"."""
     kind = str(_table(config, "drafter").get("kind", "none") or "none").lower()
-    if kind not in ("mtp", "dflash2", "none"):
-        raise CalibrationConfigError(f"the config's drafter kind '{kind}' is not one of mtp, dflash2, none.")
+    if kind not in KINDS:
+        raise CalibrationConfigError(f"the config's drafter kind '{kind}' is not one of {', '.join(KINDS)}.")
     return kind
 
 

@@ -93,6 +93,7 @@ class CalibrationResult:
     key: CalibrationKey | None = None
     record: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
+    routing_profile: str | None = None   # the routing profile file that placed the expert slots (offloaded setups)
 
     @property
     def seconds(self) -> float | None:
@@ -112,6 +113,7 @@ class CalibrationResult:
             "default": r.get("default"), "winner": r.get("winner"), "gain": r.get("gain"),
             "target_only_tok_s": r.get("target_only_tok_s") or None,
             "arms_measured": len(r["arms"]) if "arms" in r else None, "grid_size": r.get("grid_size"),
+            "routing_profile": self.routing_profile,
         }
         return drop_none(out)
 

@@ -23,6 +23,7 @@ DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 KV_DTYPES = DTYPES
 DEVICE_TYPES = ("auto", "cpu", "cuda")
 SETTING_SOURCES = ("default", "calibrated", "user")
+EXPERT_MISS = ("auto", "stream", "cpu", "legacy")   # how experts off the GPU are served (runtime/experts.py)
 
 
 # ------------------------------------------------------------------------------------------------------- the tables
@@ -76,6 +77,9 @@ class MemorySection:
     expert_cache_slots: int | None = None
     total_experts: int | None = None
     expert_bytes: int | None = None
+    expert_miss: str = "auto"                 # auto | stream | cpu | legacy
+    expert_lru_slots: int = 0                 # dynamic slots beyond what one verify window needs
+    routing_profile: str | None = None        # the routing profile calibration recorded (places the slots)
     budget: dict[str, int] = field(default_factory=dict)
 
 
@@ -87,6 +91,7 @@ class DeviceSection:
     free_mib: int | None = None
     capability: str | None = None
     dtype: str | None = None
+    vram_limit_mib: int | None = None         # cap on what the runtime may reserve on the GPU (--vram-limit-mib)
 
 
 @dataclass
@@ -119,19 +124,22 @@ class StrataConfig:
             for f in fields(sec):
                 v = getattr(sec, f.name)
                 if f.name == "files":
-                    v = {rel: _drop_none(vars(r)) for rel, r in v.items()}
+                    v = {rel: tomlable(vars(r)) for rel, r in v.items()}
                 t[f.name] = v
             doc[name] = t
         if self.calibration:
             doc["calibration"] = dict(self.calibration)
-        return _drop_none(doc)
+        return tomlable(doc)
 
 
-def _drop_none(value: Any) -> Any:
+def tomlable(value: Any) -> Any:
+    """TOML has no null and needs string keys: drop None values, stringify keys and paths."""
     if isinstance(value, Mapping):
-        return {str(k): _drop_none(v) for k, v in value.items() if v is not None}
+        return {str(k): tomlable(v) for k, v in value.items() if v is not None}
     if isinstance(value, list | tuple):
-        return [_drop_none(v) for v in value if v is not None]
+        return [tomlable(v) for v in value if v is not None]
+    if isinstance(value, Path):
+        return str(value)
     return value
 
 
@@ -248,13 +256,17 @@ def parse(doc: Mapping[str, Any], *, where: str = "", base: Path | None = None,
         reserve_mib=c.get(m, "memory", "reserve_mib", "int", 0, lo=0),
         expert_cache_slots=c.get(m, "memory", "expert_cache_slots", "int", lo=0),
         total_experts=c.get(m, "memory", "total_experts", "int", lo=0),
-        expert_bytes=c.get(m, "memory", "expert_bytes", "int", lo=0), budget=dict(budget))
+        expert_bytes=c.get(m, "memory", "expert_bytes", "int", lo=0),
+        expert_miss=c.get(m, "memory", "expert_miss", "str", "auto", choices=EXPERT_MISS),
+        expert_lru_slots=c.get(m, "memory", "expert_lru_slots", "int", 0, lo=0),
+        routing_profile=c.get(m, "memory", "routing_profile", "str"), budget=dict(budget))
 
     v = c.table(doc, "device")
     dev = DeviceSection(
         type=c.get(v, "device", "type", "str", "auto", choices=DEVICE_TYPES), name=c.get(v, "device", "name", "str"),
         total_mib=c.get(v, "device", "total_mib", "int", lo=0), free_mib=c.get(v, "device", "free_mib", "int", lo=0),
-        capability=c.get(v, "device", "capability", "str"), dtype=c.get(v, "device", "dtype", "str", choices=DTYPES))
+        capability=c.get(v, "device", "capability", "str"), dtype=c.get(v, "device", "dtype", "str", choices=DTYPES),
+        vram_limit_mib=c.get(v, "device", "vram_limit_mib", "int", lo=1))
     cal = c.table(doc, "calibration")
 
     extra = {"": _unknown(doc, {"schema", "created_by", "target", "drafter", "speculative", "memory", "device",

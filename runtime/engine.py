@@ -20,7 +20,8 @@ from runtime.errors import ConfigError, LoadError
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
-from runtime.memory import NAMES, buffers_bytes, target_dense_bytes
+from runtime.memory import NAMES, buffers_bytes, cap_device_memory, target_dense_bytes
+from runtime.routing_profile import RoutingProfile
 from runtime.sampling import SamplingParams
 from runtime.speculative import generate_ids
 
@@ -97,8 +98,13 @@ class Engine:
     def build(cls, target_dir: str | Path, drafter_kind: str = "none", drafter_path: str | Path | None = None,
               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
-              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True) -> Engine:
-        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU."""
+              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True,
+              expert_miss: str = "auto", routing_profile: str | Path | RoutingProfile | None = None,
+              expert_lru_slots: int = 0, vram_limit_mib: int | None = None) -> Engine:
+        """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU.
+        With fewer `expert_slots` than experts (CUDA), the routing profile (a file recorded by calibration) places
+        the slots and `expert_miss` says how the other experts are served (runtime/experts.py). `vram_limit_mib`
+        caps what this process may reserve on the GPU (runtime/memory.py `cap_device_memory`)."""
         if drafter_kind not in KINDS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
@@ -108,16 +114,22 @@ class Engine:
         if spec_min_p is not None and not 0 <= float(spec_min_p) <= 1:
             raise EngineConfigError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
         dev = _device(device)
+        if vram_limit_mib is not None and dev.type == "cuda":
+            cap_device_memory(vram_limit_mib, dev.index or 0)
         dt = _dtype(dtype) or default_dtype(dev)
         kdt = _dtype(kv_dtype) or dt
         target_dir = Path(target_dir).expanduser()
+        profile = routing_profile
+        if profile is not None and not isinstance(profile, RoutingProfile):
+            profile = RoutingProfile.load(Path(profile).expanduser())
         model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
         limit = model.cfg.max_position_embeddings
         if int(context) > limit:
             raise EngineConfigError(f"context {int(context)} is beyond the model's maximum of {limit} tokens; set "
                                     f"[memory] context to {limit} or less (or rerun strata-setup).")
         tokenizer = load_tokenizer(target_dir)
-        experts = ExpertCache(model, dev, expert_slots)
+        experts = ExpertCache(model, dev, expert_slots, miss=expert_miss, profile=profile,
+                              lru_slots=int(expert_lru_slots))
         experts.place(model)
         cfg = model.cfg
         kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
@@ -134,6 +146,8 @@ class Engine:
             block = kind.default_block(getattr(drafter, "geom", None))   # DFlash2: the head's own block_size
         if spec_min_p is None:       # no configured floor: the kind's uncalibrated default (an explicit 0 wins)
             spec_min_p = kind.default_spec_min_p if drafter is not None else 0.0
+        # the static step's width (runtime/gpu/static_step.py): the pool keeps enough dynamic slots for its misses
+        experts.ensure_window(drafter.max_block if drafter is not None else 1)
         return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
@@ -160,6 +174,8 @@ class Engine:
             device=cfg.device.type, dtype=cfg.device.dtype, context=cfg.memory.context,
             expert_slots=cfg.memory.expert_cache_slots, block=cfg.speculative.block,
             spec_min_p=cfg.speculative.spec_min_p, kv_dtype=cfg.memory.kv_dtype,
+            expert_miss=cfg.memory.expert_miss, routing_profile=cfg.resolve(cfg.memory.routing_profile),
+            expert_lru_slots=cfg.memory.expert_lru_slots, vram_limit_mib=cfg.device.vram_limit_mib,
         )
         args.update(overrides)
         return cls.build(**args)
@@ -167,9 +183,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ running
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
-                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None) -> GenerateResult:
-        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does."""
-        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+                 stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
+                 cancel: Callable[[], bool] | None = None) -> GenerateResult:
+        """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
+        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled"."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
         use = self.drafter if (draft and self.drafter is not None) else None
@@ -188,7 +206,7 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step())
+                           step=self.static_step(), should_stop=cancel)
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
@@ -196,6 +214,28 @@ class Engine:
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
+
+    def use_routing_profile(self, profile: RoutingProfile) -> None:
+        """Place the expert slots by `profile` (offloaded experts only; otherwise it is just kept); the step's
+        captured graphs read the old pool, so the step is rebuilt at the next window."""
+        if self.experts.use_profile(profile):
+            self.step = None
+
+    def record_routing(self, on: bool = True) -> None:
+        """Count every MoE layer's router choices from now on (`experts.routing_profile()` reads them); the
+        captured step graphs are dropped so the next ones include (or leave out) the counting."""
+        self.experts.record_routing(on)
+        if self.step is not None:
+            self.step.graphs.clear()
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids `generate` uses for a text prompt (callers that must count them first use this too)."""
+        return self.tokenizer.encode(text).ids
+
+    @property
+    def context(self) -> int:
+        """Tokens the KV cache holds: prompt plus generated tokens must fit in it."""
+        return self.kv.capacity
 
     def static_step(self):
         """The fixed-width decode/verify step: a CUDA graph on CUDA, eager row-invariant torch on the CPU. Its

@@ -59,6 +59,12 @@ class CorruptArtifactError(WorkError):
     """A stored file failed verification (`models verify` marked it); it must be repaired before use."""
 
 
+def one_of(choices) -> str:
+    """"a, b or c": how messages list the allowed values."""
+    items = [str(c) for c in choices]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or "OutOfMemory" in type(exc).__name__
 

@@ -37,3 +37,35 @@ def logits_bytes(max_block: int, vocab: int) -> int:
 def buffers_bytes(model: nn.Module) -> int:
     """Persistent non-parameter buffers (rope tables): the runtime's scratch."""
     return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+MIB = 1 << 20
+
+
+def cap_device_memory(limit_mib: int | None, device: int = 0) -> int | None:
+    """`--vram-limit-mib`: cap what this process may reserve on the GPU, for a shared card or to behave like a
+    smaller one; returns the cap in bytes (None: no cap).
+
+    How: `torch.cuda.set_per_process_memory_fraction`, which makes torch's caching allocator itself refuse (an
+    out-of-memory error) any new segment that would take its reservation past the cap. That is the quantity the
+    budget predicts (`torch.cuda.max_memory_reserved`: every tensor, cuBLAS workspace and CUDA-graph pool of this
+    runtime goes through that allocator), it is enforced on every allocation at no cost, and it needs no code of
+    ours on the allocation path, which a hand-written check would. Outside the cap, as on a real card: the CUDA
+    context (a few hundred MiB) and the Triton kernels' code."""
+    if limit_mib is None:
+        return None
+    from runtime.errors import UsageError
+
+    if int(limit_mib) <= 0:
+        raise UsageError(f"--vram-limit-mib must be a positive number of MiB, got {limit_mib}.")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--vram-limit-mib caps GPU memory, but no CUDA GPU is usable here; drop the flag.")
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = int(limit_mib) * MIB
+    if limit > total:
+        raise UsageError(f"--vram-limit-mib {limit_mib} is more than this GPU's {total // MIB} MiB; pass at most "
+                         f"{total // MIB}.")
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    return limit

@@ -1,4 +1,4 @@
-"""The speculative loop (ARTIFACTS.md §3): draft, verify the window in one target forward, accept, commit.
+"""The speculative loop (docs/models.md, "Speculative decoding"): draft, verify the window in one target forward, accept, commit.
 
 A window is the last committed token (the anchor, not yet in the target KV) followed by up to block-1 proposals.
 Greedy: the longest prefix equal to the target's argmax, then the target's own token (bonus). Sampling: accept x
@@ -26,7 +26,7 @@ from runtime.sampling import SamplingParams, draw, make_generator, pick, probs
 class LoopResult:
     token_ids: list[int]
     stats: dict = field(default_factory=dict)
-    stop_reason: str = "length"     # length | stop | context
+    stop_reason: str = "length"     # length | stop | context | cancelled
 
 
 def _sync(device: torch.device) -> None:
@@ -92,12 +92,15 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                  max_new_tokens: int = 128, sampling: SamplingParams | None = None, block: int = 1,
                  spec_min_p: float = 0.0, stop_ids: set[int] | frozenset[int] = frozenset(),
                  prefill_chunk: int = 512, on_tokens: Callable[[list[int]], None] | None = None,
-                 logits_buf: Tensor | None = None, step=None) -> LoopResult:
+                 logits_buf: Tensor | None = None, step=None,
+                 should_stop: Callable[[], bool] | None = None) -> LoopResult:
     """Generate after `prompt_ids`; the output equals target-only decoding (exactly for greedy, in
     distribution for sampling) whatever the drafter proposes.
 
     `step` (optional, e.g. `runtime.gpu.static_step.StaticStep`): runs every decode/verify window instead of
-    `model(window, kv=kv, taps=taps)`, with the same contract (appends at kv.length, returns a TargetOutput)."""
+    `model(window, kv=kv, taps=taps)`, with the same contract (appends at kv.length, returns a TargetOutput).
+    `should_stop()` is asked before every window; True ends the generation there (stop_reason "cancelled"), so a
+    caller on another thread (a server whose client left) stops the work within one window."""
     sp = sampling or SamplingParams()
     if not prompt_ids:
         raise UsageError("the prompt is empty; give at least one token.")
@@ -153,6 +156,9 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         if first in stop_ids:
             res.stop_reason = "stop"
         while res.stop_reason != "stop" and len(out) < max_new_tokens:
+            if should_stop is not None and should_stop():
+                res.stop_reason = "cancelled"
+                break
             if pos + 1 > kv.capacity:
                 res.stop_reason = "context"
                 break

@@ -21,6 +21,9 @@ On a GPU three more items make the prediction one of *reserved* memory (`torch.c
 - `allocator`: the caching allocator's rounding of every persistent and transient allocation into segments
   (see `segment_bytes`: 2 MiB segments for requests <= 1 MiB, 20 MiB for < 10 MiB, else rounded up to 2 MiB).
 Then `expert_cache` slots = remaining // bytes of one expert, capped at the number of experts, never negative.
+When fewer slots than experts fit on a GPU the runtime offloads (runtime/experts.py): the slots become one pool of
+two planes shared by all MoE layers (`pool_tensors`), `min(block * top_k, experts)` of them dynamic (what one verify
+window may need at once), so the allocator is recomputed for that layout and the slots once more.
 """
 
 from __future__ import annotations
@@ -99,6 +102,13 @@ class Budget:
     fits: bool
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    dynamic_slots: int = 0  # offloaded: slots that hold recently fetched experts (the rest: the profile's hottest)
+    dense_read_bytes: int = 0  # one decode token reads: dense weights but one embedding row, KV at half the context
+    experts_per_token: int = 0  # routed experts one decode token uses (MoE layers x top_k)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.device_type == "cuda" and self.expert_cache_slots < self.total_experts
 
     @property
     def expert_cache_bytes(self) -> int:
@@ -127,7 +137,14 @@ class Budget:
             "fits": self.fits,
             "reason": self.reason,
             "notes": list(self.notes),
+            "dynamic_slots": self.dynamic_slots,
+            "dense_read_bytes": self.dense_read_bytes,
+            "experts_per_token": self.experts_per_token,
         }
+
+    def static_hit_rate(self) -> float:
+        """Hit rate with no routing profile (every expert alike): the static slots over the experts."""
+        return min(1.0, (self.expert_cache_slots - self.dynamic_slots) / max(1, self.total_experts))
 
 
 def headroom_bytes(device_type: str, total_bytes: int) -> int:
@@ -188,22 +205,37 @@ def segment_bytes(sizes: list[int]) -> int:
     return total
 
 
+def pool_tensors(t: TargetGeometry, slots: int, dynamic: int, wb: int) -> tuple[list[int], list[int]]:
+    """The offloaded layout's device tensors (runtime/expert_pool.py): the two slot planes (gate_up, down: the
+    expert cache), then the table and LRU state (a few KiB, counted under `allocator`)."""
+    L, E = len(t.sparse_layers), t.experts
+    planes = [slots * 2 * t.moe_intermediate * t.hidden * wb, slots * t.hidden * t.moe_intermediate * wb]
+    state = [(L * (E + 1) + 1) * 4, dynamic * 8, (dynamic + 1) * 8, (dynamic + 1) * 8, (slots + 1) * 8, 8, 3 * 8,
+             E * 8]
+    return planes, state
+
+
 def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, context: int, block: int,
-                       dflash2: DFlash2Geometry | None = None, quant: str = "bf16") -> list[int]:
+                       dflash2: DFlash2Geometry | None = None, quant: str = "bf16",
+                       pool: tuple[int, int] | None = None) -> list[int]:
     """Byte sizes of the runtime's persistent tensors one by one (what the allocator is asked for): embeddings,
-    lm_head, each layer's stacked q/k/v, o_proj, norms, router, stacked experts (gate_up, down), K and V caches,
-    logits buffers, the drafter's matrices and its cache. Their sum is close to the exact items; the list is what
-    `segment_bytes` rounds."""
+    lm_head, each layer's stacked q/k/v, o_proj, norms, router, stacked experts (gate_up, down) or, offloaded
+    (`pool` = (slots, dynamic slots)), the slot pool and its table, K and V caches, logits buffers, the drafter's
+    matrices and its cache. Their sum is close to the exact items; the list is what `segment_bytes` rounds."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
     out = [t.vocab * h * wb] * (1 if t.tie_embeddings else 2) + [h * wb]
     for i in range(t.layers):
         sparse = i in t.sparse_layers
         out += [(q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb, t.head_dim * wb, t.head_dim * wb]
         if sparse:
-            out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
-                    t.experts * h * t.moe_intermediate * wb]
+            out += [t.experts * h * wb]
+            if pool is None:
+                out += [t.experts * 2 * t.moe_intermediate * h * wb, t.experts * h * t.moe_intermediate * wb]
         else:
             out += [t.intermediate * h * wb] * 3
+    if pool is not None:
+        planes, state = pool_tensors(t, pool[0], pool[1], wb)
+        out += planes + state
     out += [t.layers * kv * context * kb] * 2
     out.append(block * t.vocab * 4)
     if drafter == "mtp":
@@ -225,17 +257,21 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
     return out
 
 
-def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geometry | None = None) -> list[int]:
+def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geometry | None = None,
+                      offload: bool = False) -> list[int]:
     """The tensors alive at the peak of one prefill chunk of `rows` rows (flash attention: no score matrix).
     Either inside one target layer: residual, normed input, q/k/v (and their roped copies), attention output, router
-    logits (fp32 softmax), the gathered rows of the MoE loop and their expert activations, the MoE output; or, with
-    DFlash2, after the chunk, while the drafter observes it (the target's layer temporaries are freed by then): the
-    chunk's hidden and taps, the fused context and one drafter layer's activations. The larger set is the peak."""
+    logits (fp32 softmax), the gathered rows of the MoE loop and their expert activations, the MoE output (offloaded:
+    plus every (row, choice)'s contribution, held until they are added in expert order); or, with DFlash2, after
+    the chunk, while the drafter observes it (the target's layer temporaries are freed by then): the chunk's hidden
+    and taps, the fused context and one drafter layer's activations. The larger set is the peak."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
     out = [rows * h * wb] * 4 + [rows * q * wb] * 3 + [rows * kv * wb] * 4
     out += [rows * t.experts * 4] * 2 + [rows * t.top_k * 8] * 2
     if t.experts:
         out += [rows * h * wb] * 2 + [rows * t.moe_intermediate * wb] * 3
+        if offload:
+            out += [rows * t.top_k * h * wb]
     else:
         out += [rows * t.intermediate * wb] * 3
     if dflash2 is not None:
@@ -247,11 +283,14 @@ def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geo
     return out
 
 
-def graph_pool_bytes(t: TargetGeometry, drafter: str, width: int, wb: int) -> int:
+def graph_pool_bytes(t: TargetGeometry, drafter: str, width: int, wb: int, offload: bool = False) -> int:
     """Each captured graph keeps a private pool of its step's intermediates (width `width` rows), and the warm-up on
-    the capture stream leaves its own segments: one `segment_bytes` of a step's tensors per graph, plus one."""
+    the capture stream leaves its own segments: one `segment_bytes` of a step's tensors per graph, plus one.
+    Offloaded, a step also holds one layer's fp32 pair buffer and expert activations."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
     step = [width * t.vocab * 4, width * h * wb * 4, width * (q + 2 * kv) * wb * 2, width * t.top_k * 16]
+    if offload:
+        step += [width * t.top_k * h * 4, width * t.top_k * t.moe_intermediate * wb]
     n = 1 + KINDS[drafter].graph_sets
     return (n + 1) * segment_bytes(step)
 
@@ -323,6 +362,33 @@ def compute_budget(
         slots = min(room // expert, target.total_experts)
     else:
         slots = 0
+    dynamic = 0
+    if cuda and 0 < slots < target.total_experts:
+        # offloaded: the slot pool's layout, not the stacked one. Its fixed items depend on the slots a little (the
+        # allocator's rounding of the two planes), so take the most slots whose layout fits (fixed + slots is
+        # nondecreasing in the slots: a binary search)
+        trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None, offload=True)
+        gp = graph_pool_bytes(target, drafter, block, wb, offload=True) if inputs.graphs else 0
+
+        def layout(n: int) -> dict[str, int]:
+            dyn = min(block * target.top_k, target.experts, n)
+            pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant, pool=(n, dyn))
+            state = sum(pool_tensors(target, n, dyn, wb)[1])
+            alloc = max(segment_bytes(pers + trans) - (sum(pers) - state) - items["scratch"], 0)
+            return {**items, "allocator": alloc, "graph_pool": gp}
+
+        lo, hi, best = 0, target.total_experts - 1, 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if sum(layout(mid).values()) + mid * expert <= inputs.available_bytes:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        slots = best
+        items = layout(slots)
+        fixed = sum(items.values())
+        room = inputs.available_bytes - fixed
+        dynamic = min(block * target.top_k, target.experts, slots)
     remaining = room - slots * expert
     notes: list[str] = []
     fits, reason = True, ""
@@ -341,7 +407,8 @@ def compute_budget(
         )
     elif slots < target.total_experts:
         notes.append(
-            f"{slots} of {target.total_experts} experts stay on the GPU; the others are served from CPU memory."
+            f"{slots} of {target.total_experts} experts fit on the GPU ({dynamic} of those slots cache recently "
+            f"fetched experts); all experts stay in host memory, the routing profile picks which ones the GPU holds."
         )
     return Budget(
         items=items,
@@ -355,7 +422,36 @@ def compute_budget(
         fits=fits,
         reason=reason,
         notes=notes,
+        dynamic_slots=int(dynamic),
+        dense_read_bytes=int(target.dense_elems() * wb - target.vocab * target.hidden * wb + target.hidden * wb
+                             + items["target_kv"] // 2),
+        experts_per_token=len(target.sparse_layers) * target.top_k,
     )
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    """What memory traffic allows a target-only decode token (docs/budget.md, "Decode estimate")."""
+
+    hit_rate: float
+    tok_s: float
+    resident_bytes: int     # per token, read from device memory
+    missed_bytes: int       # per token, brought over the host link
+    hbm_Bps: float
+    link_Bps: float
+
+
+def decode_estimate(b: Budget, hit_rate: float, hbm_Bps: float, link_Bps: float) -> DecodeEstimate:
+    """Per token: the dense weights (one embedding row), the KV cache at half the context and the hit experts read
+    from device memory at `hbm_Bps`, the missed experts moved from host memory at `link_Bps` (PCIe, or the CPU's
+    expert throughput when misses are computed there): tok/s = 1 / (resident / hbm + missed / link). A bound, not
+    a promise: kernel launches, attention and the miss path's bookkeeping come on top."""
+    hit = min(max(hit_rate, 0.0), 1.0)
+    experts = b.experts_per_token * b.expert_bytes
+    resident = b.dense_read_bytes + int(experts * hit)
+    missed = int(experts * (1 - hit)) if b.offloaded else 0
+    t = resident / hbm_Bps + (missed / link_Bps if missed else 0.0)
+    return DecodeEstimate(hit, 1.0 / t if t > 0 else float("inf"), resident, missed, hbm_Bps, link_Bps)
 
 
 CONTEXT_CHOICES = (2048, 4096, 8192, 16384, 32768)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from runtime.drafters.registry import KINDS
-from runtime.errors import UsageError
+from runtime.errors import UsageError, one_of
 from runtime.formats.registry import QTYPES
 
 QUANTS = QTYPES
@@ -27,6 +27,7 @@ class Choices:
     dflash2_quant: str | None = None
     context: int | None = None
     vram_reserve_mib: int | None = None
+    vram_limit_mib: int | None = None
     calibrate: bool | None = None
     offline: bool = False
     config_out: Path | None = None
@@ -36,17 +37,19 @@ class Choices:
     def validate(self) -> None:
         """The checks that need no machine or catalog (one sentence each)."""
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise UsageError(f"Unknown drafter '{self.drafter}'; use --drafter mtp, dflash2 or none.")
+            raise UsageError(f"Unknown drafter '{self.drafter}'; use --drafter {one_of(DRAFTERS)}.")
         if self.dflash2_quant is not None and self.dflash2_quant not in QUANTS:
             raise UsageError(f"Unknown DFlash2 quantization '{self.dflash2_quant}'; use --dflash2-quant "
-                             "bf16, q8_0, q5_0 or q4_0.")
-        if self.drafter in ("mtp", "none") and (self.dflash2_head or self.dflash2_quant):
+                             f"{one_of(QUANTS)}.")
+        if self.drafter is not None and not KINDS[self.drafter].needs_file and (self.dflash2_head or self.dflash2_quant):
             raise UsageError(f"--drafter {self.drafter} cannot be combined with --dflash2-head/--dflash2-quant; "
                              "pass --drafter dflash2 or drop the DFlash2 flags.")
         if self.context is not None and self.context <= 0:
             raise UsageError(f"--context must be a positive number of tokens, not {self.context}.")
         if self.vram_reserve_mib is not None and self.vram_reserve_mib < 0:
             raise UsageError(f"--vram-reserve-mib cannot be negative ({self.vram_reserve_mib}).")
+        if self.vram_limit_mib is not None and self.vram_limit_mib <= 0:
+            raise UsageError(f"--vram-limit-mib must be a positive number of MiB, got {self.vram_limit_mib}.")
         if self.config_out is not None:
             check_config_out(Path(self.config_out).expanduser())
 
@@ -64,7 +67,7 @@ def check_config_out(path: Path) -> None:
 
 
 ANSWER_KEYS = {f: f for f in ("target", "drafter", "dflash2_head", "dflash2_quant", "context", "vram_reserve_mib",
-                              "calibrate", "offline", "config_out")}
+                              "vram_limit_mib", "calibrate", "offline", "config_out")}
 
 
 def load_answers(path: Path) -> Choices:
@@ -86,7 +89,8 @@ def load_answers(path: Path) -> Choices:
         if k not in ANSWER_KEYS:
             raise UsageError(f"The answers file has an unknown key '{key}'; allowed: "
                              f"{', '.join(sorted(ANSWER_KEYS))}.")
-        want = {"context": int, "vram_reserve_mib": int, "calibrate": bool, "offline": bool}.get(k, str)
+        want = {"context": int, "vram_reserve_mib": int, "vram_limit_mib": int, "calibrate": bool,
+                "offline": bool}.get(k, str)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise UsageError(f"The answers file key '{key}' must be {want.__name__}, not {value!r}.")
         setattr(out, k, Path(value).expanduser() if k == "config_out" else value)

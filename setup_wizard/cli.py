@@ -1,6 +1,6 @@
 """`strata-setup`: the typer application — the wizard (interactive or scripted) and its subcommands.
 
-Exit codes (PRODUCT.md): 0 success, 1 the work failed, 2 bad usage or input; 130 when the user pressed Ctrl-C.
+Exit codes (docs/commands.md): 0 success, 1 the work failed, 2 bad usage or input; 130 when the user pressed Ctrl-C.
 Errors are one sentence on stderr; `--debug` shows the traceback instead.
 """
 
@@ -14,7 +14,9 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from runtime.drafters.registry import KINDS
 from runtime.errors import exit_code, message
+from runtime.formats.registry import QTYPES
 from runtime.version import __version__
 
 app = typer.Typer(
@@ -92,11 +94,14 @@ def main_callback(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No questions: take the recommended answer for the rest."),
     target: str | None = typer.Option(None, help="Catalog name or a local model folder."),
-    drafter: str | None = typer.Option(None, help="mtp | dflash2 | none (default: mtp when the target has a head)."),
+    drafter: str | None = typer.Option(None, help=" | ".join(KINDS) + " (default: mtp when the target has a head)."),
     dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
-    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help="bf16 | q8_0 | q5_0 | q4_0."),
+    dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help=" | ".join(QTYPES) + "."),
     context: int | None = typer.Option(None, help="Context length in tokens (default: recommended from the budget)."),
     vram_reserve_mib: int | None = typer.Option(None, "--vram-reserve-mib", help="Memory to keep free, MiB."),
+    vram_limit_mib: int | None = typer.Option(
+        None, "--vram-limit-mib", help="Use at most this much GPU memory, MiB (a shared card, or to behave like a "
+        "smaller one); recorded in the config, so strata-run keeps to it."),
     calibrate: bool | None = typer.Option(None, "--calibrate/--no-calibrate", help="Calibrate now (default yes)."),
     calibrate_seconds: float | None = typer.Option(
         None, "--calibrate-seconds", min=1.0, help="Time budget for calibration in seconds (default 110)."),
@@ -113,7 +118,8 @@ def main_callback(
     from setup_wizard.choices import Choices, load_answers, merge_choices
 
     flags = Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
-                      context=context, vram_reserve_mib=vram_reserve_mib, calibrate=calibrate, offline=offline,
+                      context=context, vram_reserve_mib=vram_reserve_mib, vram_limit_mib=vram_limit_mib,
+                      calibrate=calibrate, offline=offline,
                       config_out=config_out)
     try:
         choices = merge_choices(load_answers(answers), flags) if answers else flags
@@ -137,7 +143,8 @@ def main_callback(
 
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
               output: Any = None, calibrate_seconds: float | None = None) -> int:
-    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run command."""
+    """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run and strata-serve
+    commands."""
     from runtime.errors import WorkError
     from setup_wizard import wizard as W
     from setup_wizard.plan import resolve
@@ -145,7 +152,13 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
     from setup_wizard.steps import execute
 
     out = Console(stderr=True) if json_out else Console()
-    hw = get_hardware()
+    hw = get_hardware().with_vram_limit(choices.vram_limit_mib)
+    if hw.gpus:                # for the decode estimate of an offloaded setup
+        from dataclasses import replace
+
+        from setup_wizard.hardware import measure_links
+
+        hw = replace(hw, links=measure_links())
     relay = _Relay()
     services = get_services(relay)
     if interactive:
@@ -177,15 +190,25 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
         result = execute(plan, services, report=report, max_calibration_seconds=calibrate_seconds)
     if result.calibration is not None:
         _print_calibration(result.calibration, Console(stderr=True))
+    prof = result.doc.get("memory", {}).get("routing_profile")
+    if prof and result.budget.offloaded:
+        from runtime.routing_profile import RoutingProfile
+
+        b = result.budget
+        hit = RoutingProfile.load(Path(prof)).expected_hit_rate(b.expert_cache_slots - b.dynamic_slots)
+        for line in W.offload_lines(b, hw.links, hit, "from the routing profile calibration recorded"):
+            out.print(line)
     if plan.budget is None or plan.budget.table() != result.budget.table():
         out.print(W.budget_table(result.budget))  # known only now (after the download) or changed
-    cmd = result.run_command()
+    cmd, serve = result.run_command(), result.serve_command()
     if json_out:
-        print(json.dumps({"config": str(result.config_path), "run": cmd, "plan": plan.to_dict(),
+        print(json.dumps({"config": str(result.config_path), "run": cmd, "serve": serve, "plan": plan.to_dict(),
                           "budget": result.budget.to_dict(), "steps": result.steps}, indent=2))
     else:
         out.print(f"\nConfig written to [bold]{result.config_path}[/bold]. Generate with:\n", soft_wrap=True)
         out.print(f"  {cmd}", highlight=False, soft_wrap=True)
+        out.print("\nor serve it over an OpenAI-compatible API (http://127.0.0.1:8080/v1) with:\n", soft_wrap=True)
+        out.print(f"  {serve}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -193,6 +216,9 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
 def budget_cmd(
     config: Path = typer.Option(..., "--config", help="A config written by strata-setup."),
     json_out: bool = typer.Option(False, "--json", help="Print the budget as JSON."),
+    vram_limit_mib: int | None = typer.Option(None, "--vram-limit-mib",
+                                              help="Budget for at most this much GPU memory, MiB (default: the "
+                                                   "config's limit, if any)."),
     update: bool = typer.Option(False, "--update", help="Write the recomputed budget into the config."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -206,7 +232,7 @@ def budget_cmd(
         stale = stale_reasons(doc)
         if stale:
             _fail(f"The config {config} is stale: {stale[0]}; rerun strata-setup.", 2, False)
-        budget = budget_for_doc(doc, get_hardware())
+        budget = budget_for_doc(doc, get_hardware(), vram_limit_mib=vram_limit_mib)
         if update:
             mem = doc.setdefault("memory", {})
             mem.update({"expert_cache_slots": budget.expert_cache_slots, "total_experts": budget.total_experts,
@@ -245,8 +271,11 @@ def calibrate_cmd(
         doc = load_config(config)
         if max_seconds is not None and max_seconds <= 0:
             _fail(f"--max-seconds must be positive, not {max_seconds}.", 2, False)
-        if doc["drafter"]["kind"] == "none":
-            _fail("This setup has no drafter, so there is nothing to calibrate.", 2, False)
+        from calibrate.routing import offloads
+
+        if doc["drafter"]["kind"] == "none" and not offloads(doc):
+            _fail("This setup has no drafter and keeps every expert on the GPU, so there is nothing to calibrate.",
+                  2, False)
         stale = stale_reasons(doc)
         if stale:
             _fail(f"The config {config} is stale: {stale[0]}; rerun strata-setup.", 2, False)
@@ -267,11 +296,13 @@ def calibrate_cmd(
         _fail(message(exc) if code else f"Unexpected error: {exc} (rerun with --debug).", code or 1, debug, exc)
     spec = doc["speculative"]
     if json_out:
-        print(json.dumps({"config": str(config), "speculative": spec, "calibration": doc.get("calibration")},
-                         indent=2, default=str))
+        print(json.dumps({"config": str(config), "speculative": spec, "calibration": doc.get("calibration"),
+                          "routing_profile": doc["memory"].get("routing_profile")}, indent=2, default=str))
     else:
-        Console().print(f"block {spec['block']}, spec_min_p {spec['spec_min_p']} ({spec['source']}); "
+        Console().print(f"block {spec.get('block')}, spec_min_p {spec.get('spec_min_p')} ({spec.get('source')}); "
                         f"written to {config}")
+        if doc["memory"].get("routing_profile"):
+            Console().print(f"routing profile: {doc['memory']['routing_profile']}")
 
 
 from setup_wizard.models_cli import convert_cmd, models_app  # noqa: E402

@@ -18,11 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from runtime.config import (
-    SCHEMA,  # noqa: E402,F401  (one schema version)
-    parse,
-    read_toml,
-)
+from runtime.config import SCHEMA, parse, read_toml, tomlable  # noqa: F401  (SCHEMA: the one schema version)
 from runtime.errors import ConfigError, WorkError
 from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-exported: one formula)
 
@@ -44,15 +40,6 @@ OWNED: dict[str, set[str] | None] = {
 
 class ConfigWriteError(WorkError, OSError):
     """The config could not be written (disk full, permissions); the old file, if any, is intact (exit code 1)."""
-
-
-def _drop_none(value: Any) -> Any:
-    """TOML has no null: leave such keys out."""
-    if isinstance(value, Mapping):
-        return {str(k): _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list | tuple):
-        return [_drop_none(v) for v in value if v is not None]
-    return value
 
 
 def merge_user_keys(old: Mapping[str, Any], new: Mapping[str, Any], _table: str = "") -> dict[str, Any]:
@@ -79,7 +66,7 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
     except OSError as exc:
         raise ConfigWriteError(f"Cannot create the folder for the config {path} ({exc.strerror or exc}); pass "
                                f"--config-out elsewhere.") from exc
-    doc = _drop_none(doc)
+    doc = tomlable(doc)
     parse(doc, where=str(path))   # never write what strata-run would refuse
     if keep_user_keys and path.exists():
         try:
@@ -198,7 +185,7 @@ def calibration_key(
     context: int,
     runtime_version: str,
 ) -> dict[str, Any]:
-    """PRODUCT.md: a stored calibration is reused only when every field matches."""
+    """docs/calibration.md: a stored calibration is reused only when every field matches."""
     return {
         "device_name": device_name,
         "device_total_mib": int(device_total_mib),

@@ -1,4 +1,4 @@
-"""DFlash2 checkpoint (config.json + BF16 safetensors) -> GGUF v3 (ARTIFACTS.md §4), and the converted-artifact cache.
+"""DFlash2 checkpoint (config.json + BF16 safetensors) -> GGUF v3 (docs/formats.md, "Converted DFlash2 GGUF"), and the converted-artifact cache.
 
 The source is validated before anything is written: config.json through `DFlash2Geometry`, the tensor table (names,
 shapes, BF16) through `check_inventory`, and, for a quantized output, every backbone row length against the 32-value
@@ -174,7 +174,7 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
         w.add_file_type(Q.FORMATS[quant].file_type)
         w.add_custom_alignment(ALIGNMENT)
         write_gguf_metadata(w, source.geom)
-        # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and ARTIFACTS.md §4
+        # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and docs/formats.md
         # requires every strata.* key (an empty repo/revision means "converted from a local folder")
         for key, val in ((KEY_SOURCE_REPO, source_repo or ""), (KEY_SOURCE_REVISION, source_revision or ""),
                          (KEY_SOURCE_SHA256, sha), (KEY_QUANTIZATION, quant),

@@ -225,12 +225,18 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     from huggingface_hub import errors as E
 
     errs: list[type[BaseException]] = [E.HfHubHTTPError, ConnectionError, TimeoutError]
-    for mod in ("httpx", "requests"):
-        try:
-            m = __import__(mod)
-            errs.append(m.HTTPError if mod == "httpx" else m.RequestException)
-        except (ImportError, AttributeError):
-            pass
+    try:
+        import httpx
+
+        errs.append(httpx.HTTPError)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import requests
+
+        errs.append(requests.RequestException)
+    except (ImportError, AttributeError):
+        pass
     try:
         import httpx2  # huggingface_hub 2.x's vendored-name client
 

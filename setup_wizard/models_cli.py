@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runtime.errors import exit_code, message
+from runtime.formats.registry import QTYPES
 from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, load_catalog
 from setup_wizard.store import Store, StoreItem
 
@@ -314,7 +315,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="Only say what 
 
 def convert_cmd(
     src: Path = typer.Argument(..., help="DFlash2 checkpoint folder or its .safetensors file (config.json beside)."),
-    quant: str = typer.Option(..., "--quant", help="bf16 | q8_0 | q5_0 | q4_0 (backbone matrices)."),
+    quant: str = typer.Option(..., "--quant", help=" | ".join(QTYPES) + " (backbone matrices)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .gguf path."),
     source_repo: str = typer.Option("", "--source-repo", help="Recorded as strata.source.repo."),
     source_revision: str = typer.Option("", "--source-revision", help="Recorded as strata.source.revision."),

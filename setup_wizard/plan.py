@@ -37,6 +37,7 @@ class Plan:
     why: dict[str, str] = field(default_factory=dict)  # answer → why it was recommended
     budget: B.Budget | None = None  # known when the target (and drafter geometry) is already here
     context_given: bool = True  # False: recommend it again once the model's geometry is known
+    record_routing: bool = True  # offloaded experts: record the routing profile that places them (--no-calibrate: no)
 
     def steps(self) -> list[str]:
         s = []
@@ -44,13 +45,16 @@ class Plan:
             s.append(f"download {self.target.name}" + (" (verified, here)" if self.target.available else ""))
         else:
             s.append(f"hash local target {self.target.local_path}")
-        if self.drafter == "dflash2" and self.head and self.head.description == "local folder":
+        if KINDS[self.drafter].needs_file and self.head and self.head.description == "local folder":
             s.append(f"use local DFlash2 head {self.head.local_path}")
-        elif self.drafter == "dflash2" and self.head:
+        elif KINDS[self.drafter].needs_file and self.head:
             s.append(f"download {self.head.name}" + (" (verified, here)" if self.head.local_path else ""))
-        if self.drafter == "dflash2" and self.head:
+        if KINDS[self.drafter].needs_file and self.head:
             s.append(f"convert {self.head.name} → GGUF {self.quant}")
         s.append("budget memory and size the expert cache")
+        offloaded = self.budget is not None and self.budget.offloaded
+        if offloaded and self.record_routing:
+            s.append("record the routing profile (which experts the GPU slots hold)")
         if self.calibrate and self.drafter != "none":
             s.append("calibrate block and spec_min_p")
         s.append(f"write config {self.config_path}")
@@ -58,7 +62,7 @@ class Plan:
 
     def download_bytes(self) -> int:
         n = 0 if self.target.available else self.target.size_bytes
-        if self.drafter == "dflash2" and self.head and not self.head.local_path:
+        if KINDS[self.drafter].needs_file and self.head and not self.head.local_path:
             n += self.head.size_bytes  # a local head folder downloads nothing
         return n
 
@@ -79,7 +83,22 @@ class Plan:
             "device": self.hardware.to_dict(),
             "why": dict(self.why),
             "budget": self.budget.to_dict() if self.budget else None,
+            "offload": self._offload(),
         }
+
+    def _offload(self) -> dict[str, Any] | None:
+        """Slots, expected hit rate (no profile yet: every expert alike) and decode estimate of an offloaded setup."""
+        b = self.budget
+        if b is None or not b.offloaded:
+            return None
+        hit = b.static_hit_rate()
+        out: dict[str, Any] = {"slots": b.expert_cache_slots, "dynamic_slots": b.dynamic_slots,
+                               "total_experts": b.total_experts, "expected_hit_rate": hit,
+                               "hit_rate_source": "uniform (no routing profile yet)"}
+        if self.hardware.links is not None:
+            est = B.decode_estimate(b, hit, *self.hardware.links)
+            out.update(decode_estimate_tok_s=est.tok_s, hbm_Bps=est.hbm_Bps, link_Bps=est.link_Bps)
+        return out
 
 
 def _is_local_path(value: str) -> bool:
@@ -149,7 +168,7 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
 
     head: HeadOption | None = None
     quant: str | None = None
-    if drafter == "dflash2":
+    if KINDS[drafter].needs_file:
         heads = services.heads(target.name)
         if choices.dflash2_head:
             if _is_local_path(choices.dflash2_head):
@@ -198,7 +217,8 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
 
     plan = Plan(target=target, drafter=drafter, head=head, quant=quant, context=choices.context or 0,
                 reserve_mib=reserve, calibrate=True if choices.calibrate is None else choices.calibrate,
-                offline=choices.offline, config_path=Path(), hardware=hw, why=why)
+                offline=choices.offline, config_path=Path(), hardware=hw, why=why,
+                record_routing=choices.calibrate is not False)
     why["calibrate"] = "you chose it" if choices.calibrate is not None else "measures the best block and floor here"
     if drafter == "none":
         plan.calibrate = False
@@ -209,7 +229,7 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
         raise UsageError(f"--context {choices.context} is longer than the model's limit of {geo.max_position} "
                          "tokens; pass a smaller --context.")
     if choices.context is None:
-        if geo is not None and (drafter != "dflash2" or dgeo is not None):
+        if geo is not None and (not KINDS[drafter].needs_file or dgeo is not None):
             plan.context, why["context"] = B.recommend_context(
                 geo, drafter, budget_inputs(plan, hw, 0, dgeo), dflash2=dgeo, quant=quant or "bf16")
         else:
@@ -217,7 +237,7 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     else:
         why["context"] = "you chose it"
     plan.context_given = choices.context is not None
-    if geo is not None and (drafter != "dflash2" or dgeo is not None):
+    if geo is not None and (not KINDS[drafter].needs_file or dgeo is not None):
         plan.budget = compute(plan, geo, dgeo)
         plan.context_given = True  # the recommendation above already saw the geometry
     plan.config_path = Path(choices.config_out).expanduser() if choices.config_out else default_config_path(
@@ -238,7 +258,7 @@ def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry 
     """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype`)."""
     dtype_bytes = B.DTYPE_BYTES.get(dtype or "", 2 if hw.device_type == "cuda" else 4)
     kv_dtype_bytes = B.DTYPE_BYTES.get(kv_dtype or "", dtype_bytes)
-    block = KINDS[plan.drafter].max_block(dgeo, None) if (dgeo is not None or plan.drafter != "dflash2") else 1
+    block = KINDS[plan.drafter].max_block(dgeo, None) if (dgeo is not None or not KINDS[plan.drafter].needs_file) else 1
     return B.BudgetInputs(context=context, block=block, device_type=hw.device_type,
                           available_bytes=hw.free_bytes, total_bytes=hw.total_bytes,
                           reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes)

@@ -11,6 +11,7 @@ from typing import Any
 
 from calibrate.key import key_for_config
 from calibrate.results import CalibrationResult
+from runtime.config import tomlable
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError, WorkError
@@ -35,6 +36,12 @@ class Result:
         import shlex
 
         return f"strata-run --config {shlex.quote(str(self.config_path))} --prompt {shlex.quote(prompt)}"
+
+    def serve_command(self) -> str:
+        """The same setup behind an OpenAI-compatible API on 127.0.0.1:8080 (docs/commands.md, strata-serve)."""
+        import shlex
+
+        return f"strata-serve --config {shlex.quote(str(self.config_path))}"
 
 
 Reporter = Callable[[str, str], None]  # (step, status) status in start|done|skipped
@@ -72,7 +79,7 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
     drafter_art: Artifact | None = None
     head_art: Artifact | None = None
     dgeo: DFlash2Geometry | None = None
-    if plan.drafter == "dflash2":
+    if KINDS[plan.drafter].needs_file:
         assert plan.head is not None and plan.quant is not None
         if plan.head.local_path is not None and plan.head.description == "local folder":
             head_art = Artifact(path=plan.head.local_path, sha256=_head_source_sha(plan.head.local_path),
@@ -110,16 +117,21 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
     if reuse:
         doc["speculative"] = reuse[0]
         doc["calibration"] = reuse[1]
+        kept = ((previous or {}).get("memory") or {}).get("routing_profile")
+        if budget.offloaded and kept and Path(kept).is_file():
+            doc["memory"]["routing_profile"] = kept
     step = "write config"
     mark(step, "start")
     write_config(plan.config_path, doc)
     mark(step, "done", path=str(plan.config_path))
 
-    # 5. calibration
+    # 5. calibration (an offloaded setup first records its routing profile, which places the expert slots; with
+    #    no drafter that is all there is to measure)
     calibrated: CalibrationResult | None = None
-    if plan.calibrate and plan.drafter != "none":
-        step = "calibrate"
-        if reuse and not force_calibration:
+    profile_only = plan.drafter == "none" and budget.offloaded and plan.record_routing
+    if (plan.calibrate and plan.drafter != "none") or profile_only:
+        step = "record the routing profile" if profile_only else "calibrate"
+        if reuse and not force_calibration and (not budget.offloaded or "routing_profile" in doc["memory"]):
             mark(step, "start")
             mark(step, "skipped", reason="a calibration with the same key is in the config")
         else:
@@ -127,7 +139,8 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
             calibrated = services.calibrate(doc, force=force_calibration, max_seconds=max_calibration_seconds)
             apply_calibration(doc, calibrated)
             write_config(plan.config_path, doc)
-            mark(step, "done", block=doc["speculative"]["block"], spec_min_p=doc["speculative"]["spec_min_p"])
+            mark(step, "done", block=doc["speculative"]["block"], spec_min_p=doc["speculative"]["spec_min_p"],
+                 routing_profile=doc["memory"].get("routing_profile"))
     return Result(config_path=plan.config_path, doc=doc, budget=budget, steps=steps, calibration=calibrated)
 
 
@@ -165,22 +178,15 @@ def apply_calibration(doc: dict[str, Any], result: CalibrationResult) -> None:
     measured = result.block is not None and result.spec_min_p is not None
     if measured:
         doc["speculative"] = {"block": int(result.block), "spec_min_p": float(result.spec_min_p), "source": source}
-    cal = _tomlable(result.to_dict())
+    cal = tomlable(result.to_dict())
     if "key" not in cal and isinstance(doc.get("calibration"), Mapping) and "key" in doc["calibration"]:
         cal["key"] = doc["calibration"]["key"]
-    cal["status"] = "calibrated" if measured and source == "calibrated" else "uncalibrated"
+    none = (doc.get("drafter") or {}).get("kind", "none") == "none"
+    cal["status"] = "calibrated" if measured and source == "calibrated" else ("not applicable" if none
+                                                                              else "uncalibrated")
     doc["calibration"] = cal
-
-
-def _tomlable(value: Any) -> Any:
-    """TOML has no null and needs string keys: drop None, stringify keys."""
-    if isinstance(value, Mapping):
-        return {str(k): _tomlable(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list | tuple):
-        return [_tomlable(v) for v in value if v is not None]
-    if isinstance(value, Path):
-        return str(value)
-    return value
+    if result.routing_profile:        # the slots are placed by it from the next run on (runtime/experts.py)
+        doc.setdefault("memory", {})["routing_profile"] = str(result.routing_profile)
 
 
 def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Artifact | None,
@@ -224,9 +230,11 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
     }
     if hw.gpus:
         doc["device"]["capability"] = f"{hw.gpus[0].capability[0]}.{hw.gpus[0].capability[1]}"
+    if hw.vram_limit_mib is not None:
+        doc["device"]["vram_limit_mib"] = hw.vram_limit_mib
     if plan.drafter == "mtp":
         doc["drafter"].update({"path": doc["target"]["path"], "sha256": target.sha256})
-    elif plan.drafter == "dflash2" and drafter is not None:
+    elif KINDS[plan.drafter].needs_file and drafter is not None:
         doc["drafter"].update({
             "head": plan.head.name if plan.head else None,
             "path": str(Path(drafter.path).resolve()),
@@ -264,8 +272,9 @@ def calibration_key_for(doc: Mapping[str, Any]) -> dict[str, Any]:
     return key_for_config(dict(doc), device=(dev["name"], dev["total_mib"])).to_dict()
 
 
-def budget_for_doc(doc: Mapping[str, Any], hw: Hardware) -> B.Budget:
-    """Recompute a written config's budget on this machine (for `strata-setup budget`)."""
+def budget_for_doc(doc: Mapping[str, Any], hw: Hardware, *, vram_limit_mib: int | None = None) -> B.Budget:
+    """Recompute a written config's budget on this machine (for `strata-setup budget`), under `vram_limit_mib`
+    or else the config's own `[device] vram_limit_mib`."""
     target = doc["target"]
     drafter = doc["drafter"]
     mem = doc["memory"]
@@ -283,6 +292,9 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware) -> B.Budget:
         hw = replace(hw, gpus=())  # the config runs on the CPU: budget against RAM
     elif dev_type == "cuda" and not hw.gpus:
         raise UsageError("The config is for a CUDA GPU but this machine has none usable; rerun strata-setup here.")
+    limit = vram_limit_mib if vram_limit_mib is not None else (doc.get("device") or {}).get("vram_limit_mib")
+    if limit is not None and hw.gpus:
+        hw = hw.with_vram_limit(int(limit))
     plan = Plan(target=TargetOption(name=target.get("name", ""), source=target.get("source", "local")),
                 drafter=kind, head=None, quant=drafter.get("quantization"), context=int(mem["context"]),
                 reserve_mib=int(mem.get("reserve_mib", 0)), calibrate=False, offline=True,

@@ -15,7 +15,9 @@ import questionary
 from rich.console import Console
 from rich.table import Table
 
+from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError
+from runtime.formats.registry import FORMATS
 from setup_wizard.budget import MIB, Budget
 from setup_wizard.choices import Choices
 from setup_wizard.hardware import Hardware
@@ -24,12 +26,8 @@ from setup_wizard.plan import Plan, recommended_target, resolve
 from setup_wizard.services import Services
 
 LOCAL = "__local__"
-QUANT_LABELS = {
-    "bf16": "BF16 — original weights, most accurate (recommended)",
-    "q8_0": "Q8_0 — about half the memory, near-identical drafts",
-    "q4_0": "Q4_0 — about a quarter of the memory, leaves the most room for experts",
-    "q5_0": "Q5_0 — between Q8_0 and Q4_0",
-}
+RECOMMENDED_QUANT = "bf16"
+QUANT_LABELS = {q: f.label + (" (recommended)" if q == RECOMMENDED_QUANT else "") for q, f in FORMATS.items()}
 
 
 def _ask(question: questionary.Question) -> Any:
@@ -45,7 +43,7 @@ def _size(n: int) -> str:
 
 def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None,
         output: Any = None) -> Choices:
-    """Ask what the flags left open, in the issue's order: target, drafter, DFlash2 head and quantization, context,
+    """Ask what the flags left open, in this order: target, drafter, DFlash2 head and quantization, context,
     reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
     io = {"input": input, "output": output}
     ans = replace(choices)
@@ -85,13 +83,14 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
     heads = services.heads(target.name) if target.source != "local" else []
 
     if ans.drafter is None and not (ans.dflash2_head or ans.dflash2_quant):
-        items = [
-            questionary.Choice("MTP — the target's own draft head (default, well tested)", value="mtp",
-                               disabled=None if target.has_mtp is not False else "this target has no MTP head"),
-            questionary.Choice("DFlash2 — block-diffusion drafter (experimental)", value="dflash2",
-                               disabled=None if heads else "no DFlash2 head fits this target"),
-            questionary.Choice("None — run the target alone", value="none"),
-        ]
+        def why_not(kind) -> str | None:
+            if kind.name == "mtp" and target.has_mtp is False:
+                return "this target has no MTP head"
+            if kind.needs_file and not heads:
+                return f"no {kind.name} head fits this target"
+            return None
+
+        items = [questionary.Choice(k.label, value=k.name, disabled=why_not(k)) for k in KINDS.values()]
         ans.drafter = _ask(questionary.select(
             "Which speculative drafter?", choices=items, default=draft.drafter,
             instruction=f"(recommended: {draft.drafter} — {draft.why.get('drafter', '')})", **io))
@@ -99,7 +98,7 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
     elif ans.drafter is None:
         ans.drafter = "dflash2"
 
-    if ans.drafter == "dflash2":
+    if KINDS[ans.drafter].needs_file:
         if ans.dflash2_head is None:
             if not heads:
                 raise UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
@@ -115,11 +114,13 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
             if ans.dflash2_head == default:
                 ans.notes["dflash2_head"] = "the official head (catalog default)"
         if ans.dflash2_quant is None:
-            items = [questionary.Choice(QUANT_LABELS[q], value=q) for q in ("bf16", "q8_0", "q4_0")]
+            items = [questionary.Choice(QUANT_LABELS[q], value=q) for q, f in FORMATS.items() if f.offered]
+            more = [q for q, f in FORMATS.items() if not f.offered]
             ans.dflash2_quant = _ask(questionary.select(
-                "DFlash2 weight format (converted locally to GGUF)?", choices=items, default="bf16",
-                instruction="(Q5_0 is available with --dflash2-quant q5_0)", **io))
-            if ans.dflash2_quant == "bf16":
+                "DFlash2 weight format (converted locally to GGUF)?", choices=items, default=RECOMMENDED_QUANT,
+                instruction=f"({', '.join(m.upper() for m in more)} available with --dflash2-quant)" if more else None,
+                **io))
+            if ans.dflash2_quant == RECOMMENDED_QUANT:
                 ans.notes["dflash2_quant"] = "original weights; Q8_0/Q4_0 save memory"
 
     if ans.context is None:
@@ -215,7 +216,7 @@ def summary_table(plan: Plan) -> Table:
     t.add_row("device", plan.hardware.describe(), "; ".join(plan.hardware.notes))
     t.add_row("target", f"{plan.target.name} ({plan.target.source})", plan.why.get("target", ""))
     t.add_row("drafter", plan.drafter, plan.why.get("drafter", ""))
-    if plan.drafter == "dflash2" and plan.head:
+    if KINDS[plan.drafter].needs_file and plan.head:
         t.add_row("DFlash2 head", plan.head.name, plan.why.get("dflash2_head", ""))
         t.add_row("quantization", plan.quant or "", plan.why.get("dflash2_quant", ""))
     t.add_row("context", f"{plan.context} tokens", plan.why.get("context", ""))
@@ -228,12 +229,37 @@ def summary_table(plan: Plan) -> Table:
     return t
 
 
+def offload_lines(budget: Budget, links: tuple[float, float] | None, hit_rate: float | None = None,
+                  source: str = "") -> list[str]:
+    """What an offloaded setup will do: slots, the expected hit rate and the decode estimate it allows."""
+    if not budget.offloaded:
+        return []
+    from setup_wizard.budget import decode_estimate
+
+    if hit_rate is None:
+        hit_rate = budget.static_hit_rate()
+        source = "no routing profile yet, so every expert counts alike; calibration records one"
+    out = [f"Experts: {budget.expert_cache_slots} of {budget.total_experts} on the GPU "
+           f"({budget.dynamic_slots} of those slots cache recently fetched experts); expected hit rate "
+           f"{100 * hit_rate:.0f}% ({source})."]
+    if links is None:
+        out.append("Decode estimate: unknown (the GPU's bandwidths were not measured).")
+    else:
+        est = decode_estimate(budget, hit_rate, links[0], links[1])
+        out.append(f"Decode estimate: about {est.tok_s:,.1f} tok/s target-only at most ({est.resident_bytes / 1e9:.2f} "
+                   f"GB per token from GPU memory at {links[0] / 1e9:,.0f} GB/s, {est.missed_bytes / 1e9:.2f} GB from "
+                   f"host memory at {links[1] / 1e9:,.1f} GB/s).")
+    return out
+
+
 def show_plan(plan: Plan, console: Console) -> None:
     console.print(summary_table(plan))
     if plan.budget is not None:
         console.print(budget_table(plan.budget))
         for note in plan.budget.notes:
             console.print(f"[dim]{note}[/dim]")
+        for line in offload_lines(plan.budget, plan.hardware.links):
+            console.print(line)
         if not plan.budget.fits:
             console.print(f"[red]{plan.budget.reason}[/red]")
     else:

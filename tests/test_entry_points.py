@@ -20,7 +20,7 @@ def test_package_version_is_single_sourced():
     assert "version" in meta["project"]["dynamic"]
 
 
-@pytest.mark.parametrize("command", ["strata-setup", "strata-run"])
+@pytest.mark.parametrize("command", ["strata-setup", "strata-run", "strata-serve"])
 def test_entry_point_help(command):
     exe = Path(sys.executable).parent / command
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
@@ -28,7 +28,7 @@ def test_entry_point_help(command):
     assert "Usage" in out.stdout
 
 
-@pytest.mark.parametrize("command", ["strata-setup", "strata-run"])
+@pytest.mark.parametrize("command", ["strata-setup", "strata-run", "strata-serve"])
 def test_entry_point_version(command):
     exe = Path(sys.executable).parent / command
     out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=120)

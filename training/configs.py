@@ -1,7 +1,7 @@
 """Model geometry and training settings of the strata-nano pack (and the toy size the CPU tests use).
 
-The target is a `qwen3_moe` config.json dict (ARTIFACTS.md §1) with one MTP layer; the drafters are DFlash2
-config.json dicts (ARTIFACTS.md §2): the official geometry scaled down (5 layers, 128-wide heads, dynamic
+The target is a `qwen3_moe` config.json dict (docs/models.md, "Qwen3-MoE target") with one MTP layer; the drafters are DFlash2
+config.json dicts (docs/formats.md, "DFlash2 checkpoint"): the official geometry scaled down (5 layers, 128-wide heads, dynamic
 convolution K=2 G=16, selector top-k 16 with a small rank, taps spread over the target's layers).
 """
 
@@ -137,7 +137,7 @@ def target_config(g: Geometry) -> dict:
 
 
 def dflash_config(g: Geometry, block: int) -> dict:
-    """config.json of a DFlash2 head for this target (ARTIFACTS.md §2)."""
+    """config.json of a DFlash2 head for this target (docs/formats.md, "DFlash2 checkpoint")."""
     return {
         "architectures": ["DFlash2DraftModel"],
         "model_type": "qwen3",

@@ -86,7 +86,7 @@ def _load_dflash2(req: LoadRequest) -> Drafter:
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind(
-        name="mtp", label="MTP — the target's own multi-token-prediction head (recommended when present)",
+        name="mtp", label="MTP — the target's own draft head (default, well tested)",
         needs_file=False, experimental=False, default_spec_min_p=0.5,
         default_block=lambda g: 4,
         max_block=lambda g, block: max(MTP_MAX_BLOCK, int(block or 0)),
@@ -94,7 +94,7 @@ KINDS: dict[str, DrafterKind] = {k.name: k for k in (
         kv_bytes=lambda t, g, kb, ctx: kv_cache_bytes(1, t.kv_heads, t.head_dim, kb, ctx),
         makes_logits=True, graph_sets=2, load=_load_mtp),
     DrafterKind(
-        name="dflash2", label="DFlash2 — block-diffusion drafter head (experimental)",
+        name="dflash2", label="DFlash2 — block-diffusion drafter (experimental)",
         needs_file=True, experimental=True, default_spec_min_p=0.5,
         default_block=lambda g: g.block_size if g is not None else 4,
         max_block=lambda g, block: g.block_size if g is not None else int(block or 1),
@@ -102,7 +102,7 @@ KINDS: dict[str, DrafterKind] = {k.name: k for k in (
         kv_bytes=lambda t, g, kb, ctx: kv_cache_bytes(g.num_layers, g.num_kv_heads, g.head_dim, kb, ctx),
         makes_logits=True, graph_sets=3, load=_load_dflash2),
     DrafterKind(
-        name="none", label="none — the target alone",
+        name="none", label="None — run the target alone",
         needs_file=False, experimental=False, default_spec_min_p=0.0,
         default_block=lambda g: 1, max_block=lambda g, block: 1,
         weight_bytes=lambda t, g, quant, wb: 0, kv_bytes=lambda t, g, kb, ctx: 0,

@@ -57,7 +57,7 @@ class BlockFormat:
 
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
-    BlockFormat("bf16", GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16, "BF16 — original weights, largest"),
+    BlockFormat("bf16", GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16, "BF16 — original weights, most accurate"),
     BlockFormat("q8_0", GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0,
                 "Q8_0 — about half the memory, near-identical drafts"),
     BlockFormat("q5_0", GGMLQuantizationType.Q5_0, LlamaFileType.MOSTLY_Q5_0, "Q5_0 — between Q8_0 and Q4_0",

@@ -36,7 +36,7 @@ if HAVE_TRITON:
 
 
 def dyn_conv(h: Tensor, dyn: Tensor, half: int, base: Tensor, kernel_size: int, group_size: int) -> Tensor:
-    """DFlash2's grouped dynamic causal convolution over one window's rows in one launch (ARTIFACTS §2 step 4):
+    """DFlash2's grouped dynamic causal convolution over one window's rows in one launch (docs/models.md ("DFlash2 drafter", step 4)):
     h [W, H]; dyn [W, 2*K*H/G] = kernel_projection(h_in) (the `half` 0 for prepare, 1 for finish); base [K, H].
     out[t] = Σ_o base[o] * h[t-o] + dyn[t, half, o] * h[t-o], rounded in h's dtype after every product and add,
     in the order of `GroupedDynamicCausalConv.conv` (so the bits are the module's)."""

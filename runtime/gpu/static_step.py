@@ -42,8 +42,12 @@ class StaticStep:
         self.pos = torch.full((self.width,), -1, dtype=torch.int32, device=dev)
         p = next(model.parameters())
         moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
+        # experts in an offload pool (runtime/experts.py): size it for this width before anything is captured
+        caches = {id(c): c for m in moe if (c := getattr(m.offload, "__self__", None)) is not None}
+        for c in caches.values():
+            c.ensure_window(self.width)
         self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
-                            and all(m.gate_up is not None for m in moe))
+                            and all(m.gate_up is not None or m.offload is not None for m in moe))
         cfg = model.cfg
         # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
         self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
@@ -51,7 +55,8 @@ class StaticStep:
         if self.fused:
             for layer in model.model.layers:
                 layer.self_attn.stack_qkv()
-        self.use_graph = bool(graph) and dev.type == "cuda" and self.use_kernels
+        self.use_graph = (bool(graph) and dev.type == "cuda" and self.use_kernels
+                          and all(c.graphable for c in caches.values()))
         self.cpu = dev.type == "cpu"      # without kernels: the row-invariant torch paths (module docstring)
         self.window = (0, 0)              # (start, real rows) of the window being run, for those paths
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
@@ -103,11 +108,15 @@ class StaticStep:
             out[j] = head(hidden[j:j + 1])[0].float()
         return out
 
-    def _moe_rows(self, mlp: SparseMoe, h: Tensor) -> Tensor:
+    def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int) -> Tensor:
         """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows
         are added in, in expert order: a row's result does not depend on the other rows. h [W, H]."""
         n = self.window[1]
         w, idx = mlp.route(h)               # the router at the fixed shape too, then the real rows
+        if mlp.recorder is not None:
+            mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
+        if mlp.offload is not None:         # an expert pool emulated on the CPU (tests): its own paths
+            return mlp.offload(i, h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w)
         w, idx = w[:n], idx[:n]
         out = torch.zeros_like(h)
         flat = idx.flatten()
@@ -147,7 +156,12 @@ class StaticStep:
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
             idx, w, se, order, tok = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
-            x = moe_kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
+            if mlp.recorder is not None:
+                mlp.recorder(i, idx)
+            if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
+                x = x + mlp.offload(i, h, idx, w)
+            else:
+                x = moe_kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
@@ -177,9 +191,14 @@ class StaticStep:
             if isinstance(mlp, SparseMoe) and self.use_kernels:
                 w, idx = mlp.route(h[0])
                 idx = torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp)   # padded rows use no expert
-                y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+                if mlp.recorder is not None:
+                    mlp.recorder(i, idx)
+                if mlp.offload is not None:
+                    y = mlp.offload(i, h[0], idx, w)[None]
+                else:
+                    y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
             elif isinstance(mlp, SparseMoe) and self.cpu:
-                y = self._moe_rows(mlp, h[0])[None]
+                y = self._moe_rows(mlp, h[0], i)[None]
             else:
                 y = mlp(h)
             x = x + y

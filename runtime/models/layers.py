@@ -136,13 +136,16 @@ class Attention(nn.Module):
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
 
-    def stack_qkv(self) -> None:
+    def stack_qkv(self, device: torch.device | None = None) -> None:
         """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
-        bytes; parameter names unchanged)."""
-        if self.qkv_weight is not None:
-            return
+        bytes; parameter names unchanged), on `device` when given. Stacking before the weights reach the GPU keeps
+        the GPU from ever holding the three separate copies (the caching allocator would keep their segments)."""
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        cat = torch.cat([w.data for w in ws], 0)
+        cat = self.qkv_weight if self.qkv_weight is not None else torch.cat([w.data for w in ws], 0)
+        if device is not None:
+            cat = cat.to(device)
+        if cat is self.qkv_weight:
+            return
         o = 0
         for w in ws:
             n = w.shape[0]
@@ -196,6 +199,9 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
         self.counter = None  # set by ExpertCache; callable(layer_idx, n_rows): rows served by the stacked kernels
+        # set by ExpertCache when the experts live in its slot pool: callable(layer_idx, x, idx, w) -> [T, H]
+        self.offload = None
+        self.recorder = None  # set while routing is recorded: callable(layer_idx, idx)
         self.layer_idx = -1
         # inference only (`stack_experts`): every expert's weights as views into two stacked tensors, transformers'
         # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
@@ -235,6 +241,10 @@ class SparseMoe(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, idx = self.route(x)
+        if self.recorder is not None:
+            self.recorder(self.layer_idx, idx)
+        if self.offload is not None:
+            return self.offload(self.layer_idx, x, idx, w).view(shape)
         if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
             from runtime.gpu import kernels, moe_kernels
 

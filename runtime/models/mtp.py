@@ -1,4 +1,4 @@
-"""MTP head (Qwen3-Next layout, ARTIFACTS.md §1): one extra decoder layer that predicts token t+2.
+"""MTP head (Qwen3-Next layout, docs/models.md, "MTP head"): one extra decoder layer that predicts token t+2.
 
 Step at position p: h = fc(cat(pre_fc_norm_embedding(embed(x[p])), pre_fc_norm_hidden(g[p-1]))) → layers.0 (causal
 attention over the head's own cache, RoPE at p) → norm. Embeddings and lm_head are the target's (shared).

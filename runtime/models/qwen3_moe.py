@@ -1,6 +1,6 @@
 """Qwen3-MoE target: the project's single definition of the architecture (training and inference).
 
-Semantics follow transformers' `Qwen3MoeForCausalLM` (ARTIFACTS.md §1); parameter names are the on-disk Hub names
+Semantics follow transformers' `Qwen3MoeForCausalLM` (docs/models.md, "Qwen3-MoE target"); parameter names are the on-disk Hub names
 so `load_state_dict` takes a checkpoint as is. The plain forward (no cache) works under autograd; passing a
 `KVCache` turns it into the inference path (static cache, appends at `kv.length`).
 """

@@ -39,7 +39,7 @@ def test_prefill_logits_and_taps_match(pair):
     H = ours.cfg.hidden_size
     assert (a.taps[..., :H] - b.hidden_states[2]).abs().max().item() <= TOL        # layer 1 output
     assert (a.taps[..., H:2 * H] - b.hidden_states[1]).abs().max().item() <= TOL   # layer 0 output
-    # transformers reports the last layer after the final norm; our tap is before it (ARTIFACTS §1)
+    # transformers reports the last layer after the final norm; our tap is before it (docs/models.md, "Taps")
     assert (ours.model.norm(a.taps[..., 2 * H:]) - b.hidden_states[3]).abs().max().item() <= TOL
     assert (a.hidden - b.hidden_states[3]).abs().max().item() <= TOL
     # hidden is after the final norm: lm_head(hidden) == logits

@@ -163,9 +163,21 @@ def test_gpu_partial_cache_and_does_not_fit():
     base = dict(context=128, block=4, device_type="cuda", weight_bytes=2, kv_bytes=2, headroom_bytes=0)
     b0 = compute_budget(t, "none", BudgetInputs(available_bytes=1 << 30, total_bytes=1 << 30, **base))
     fixed = b0.fixed_bytes
-    b = compute_budget(t, "none", BudgetInputs(available_bytes=fixed + 3 * b0.expert_bytes + 5,
-                                               total_bytes=1 << 30, **base))
-    assert b.fits and b.expert_cache_slots == 3 and b.remaining_bytes == 5
+    # fewer slots than experts: the offloaded layout (one slot pool instead of stacked layers) moves the allocator's
+    # share (here by a 2 MiB segment or two, far more than these 3 KiB experts), and the slots are settled for it
+    partial = 0
+    for mib in range(5):
+        for k in range(9):
+            avail = fixed + k * b0.expert_bytes + 5 + mib * (1 << 20)
+            b = compute_budget(t, "none", BudgetInputs(available_bytes=avail, total_bytes=1 << 30, **base))
+            if not b.fits:
+                continue
+            assert b.remaining_bytes == avail - b.fixed_bytes - b.expert_cache_slots * b.expert_bytes >= 0
+            if b.offloaded:
+                partial += 1
+                assert 0 <= b.remaining_bytes < b.expert_bytes
+                assert b.dynamic_slots == min(4 * t.top_k, t.experts, b.expert_cache_slots)
+    assert partial > 0
     bad = compute_budget(t, "none", BudgetInputs(available_bytes=fixed - 1, total_bytes=1 << 30, **base))
     assert not bad.fits and bad.expert_cache_slots == 0 and "Does not fit" in bad.reason
 

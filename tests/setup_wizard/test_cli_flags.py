@@ -54,6 +54,7 @@ def test_yes_takes_recommended_answers(machine, home, services, pack):
     assert doc["calibration"]["decision"] == "winner" and doc["calibration"]["status"] == "calibrated"
     # the exact command to run is printed (no wrapping inside it)
     assert f"strata-run --config {cfg_path} --prompt Hello" in res.output
+    assert f"strata-serve --config {cfg_path}" in res.output
     # budget table items in the config add up with the slots
     b = doc["memory"]["budget"]
     geo = target_geometry(pack["nano"])
@@ -157,6 +158,7 @@ def test_json_run_prints_one_object(machine, home):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["config"].endswith("nano-mtp.toml") and out["run"].startswith("strata-run --config ")
+    assert out["serve"] == f"strata-serve --config {out['config']}"
     assert out["budget"]["fits"] and out["budget"]["items"]["target_kv"] > 0
 
 

@@ -1,4 +1,4 @@
-"""The DFlash2 checkpoint contract (ARTIFACTS.md §2 and §4), pure Python with no torch.
+"""The DFlash2 checkpoint contract (docs/formats.md, "DFlash2 checkpoint" and "Converted DFlash2 GGUF"), pure Python with no torch.
 
 One place that says what a DFlash2 drafter checkpoint must hold, so the converter, the hub header check and the
 runtime loader agree:
@@ -12,7 +12,7 @@ runtime loader agree:
 
 Shapes are always given in Hugging Face / PyTorch order ([out, in] for matrices); GGUF stores them reversed.
 
-Choices where ARTIFACTS.md is silent (reference: z-lab/dflash `dflash/model.py`, whose config is transformers'
+Choices the contract leaves open (reference: z-lab/dflash `dflash/model.py`, whose config is transformers'
 `Qwen3Config`; docs/models.md, "Masks"):
 - `block_size` defaults to 16, `output_multiplier` and `input_embedding_scale` to 1.0, no softcap; a softcap <= 0
   is none.
@@ -59,7 +59,7 @@ FLOAT_DTYPE = "BF16"
 BACKBONE_DTYPES = tuple(f.tensor_type for f in FORMATS.values())   # what a backbone matrix may be stored as
 ALIGNMENT = 32
 
-# GGUF metadata key names (ARTIFACTS §4).
+# GGUF metadata key names (docs/formats.md, "Converted DFlash2 GGUF").
 KEY_ARCHITECTURE = "general.architecture"
 KEY_FILE_TYPE = "general.file_type"
 KEY_ALIGNMENT = "general.alignment"
@@ -68,7 +68,7 @@ KEY_SOURCE_REVISION = "strata.source.revision"
 KEY_SOURCE_SHA256 = "strata.source.sha256"
 KEY_QUANTIZATION = "strata.quantization"
 KEY_CONVERTER_VERSION = "strata.converter_version"
-# Extra keys of ours, written only when a rope scaling is set (ARTIFACTS §4 is silent on rope scaling).
+# Extra keys of ours, written only when a rope scaling is set (docs/formats.md leaves it open on rope scaling).
 KEY_ROPE_SCALING_TYPE = "dflash2.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "dflash2.rope.scaling.factor"
 
@@ -434,7 +434,7 @@ def _is_v2_only(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# HF <-> GGUF names (ARTIFACTS §4)
+# HF <-> GGUF names (docs/formats.md, "Converted DFlash2 GGUF")
 # ---------------------------------------------------------------------------------------------------------------
 
 _GLOBAL_NAMES = {
@@ -496,7 +496,7 @@ def _split_layer(name: str, prefix: str) -> tuple[int | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GGUF metadata (ARTIFACTS §4)
+# GGUF metadata (docs/formats.md, "Converted DFlash2 GGUF")
 # ---------------------------------------------------------------------------------------------------------------
 
 def gguf_metadata(geom: DFlash2Geometry) -> dict[str, tuple[str, Any]]:

@@ -2,8 +2,8 @@
 
     drafter = load_dflash2_drafter(path, target_model, device=None, dtype=None, context=4096)
 
-`path`: a Hugging Face folder (config.json + model.safetensors, ARTIFACTS §2) or a `.gguf` file written by the
-converter (ARTIFACTS §4). BF16 tensors keep their bits (widened to `dtype` for compute); Q8_0/Q5_0/Q4_0 backbone
+`path`: a Hugging Face folder (config.json + model.safetensors, docs/formats.md, "DFlash2 checkpoint") or a `.gguf` file written by the
+converter (docs/formats.md, "Converted DFlash2 GGUF"). BF16 tensors keep their bits (widened to `dtype` for compute); Q8_0/Q5_0/Q4_0 backbone
 matrices stay as ggml blocks in a `QuantLinear` (dequantized per call). The target's `embed_tokens` and `lm_head`
 are shared, never copied. Every problem with the file or the pairing raises `ContractError` (one sentence).
 """

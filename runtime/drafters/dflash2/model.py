@@ -1,4 +1,4 @@
-"""DFlash2 block-diffusion drafter (ARTIFACTS.md §2): the single definition, for training and for inference.
+"""DFlash2 block-diffusion drafter (docs/models.md, "DFlash2 drafter"): the single definition, for training and for inference.
 
 Reference semantics: `DFlash2DraftModel` / `dflash_generate` in z-lab/dflash `dflash/model.py`. Parameter names are
 the checkpoint's names (`fc.weight`, `layers.i.self_attn.q_proj.weight`, `candidate_selector.successor_codebook`,
@@ -10,7 +10,7 @@ Training (autograd): `DFlash2Model.forward` runs a batch of windows, each with i
 Inference: `ContextCache` holds each layer's private context K/V; `DFlash2Model.draft_hidden` runs one window
 against it; `select_walk` is the selector walk (greedy or sampled).
 
-Choices where ARTIFACTS.md is silent: the top-k candidates are sorted (the reference asks for unsorted; only ties
+Choices the contract leaves open: the top-k candidates are sorted (the reference asks for unsorted; only ties
 can differ); masks follow the reference's `_attention_mask` per layer (`DFlash2Geometry.layer_causal` and
 `layer_window`: a sliding window is two-sided unless the layer is causal).
 """
@@ -66,7 +66,7 @@ class Rotary(nn.Module):
 
 
 class GroupedDynamicCausalConv(nn.Module):
-    """ARTIFACTS §2 step 4: causal convolution over the block rows with a base kernel plus a dynamic, per-row,
+    """docs/models.md ("DFlash2 drafter", step 4): causal convolution over the block rows with a base kernel plus a dynamic, per-row,
     per-group (G channels share one value) kernel predicted from the input. Row t reads rows t-o (o < K) of the
     same window only; rows before the window start read zeros."""
 
@@ -391,7 +391,7 @@ class Walk:
 @torch.no_grad()
 def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: int, *, min_p: float = 0.0,
                 temperature: float = 0.0, generator: torch.Generator | None = None) -> Walk:
-    """ARTIFACTS §2 step 6 for one window: hs [R, H], logits [R, V]. Rows are walked in order with prev = anchor;
+    """docs/models.md ("DFlash2 drafter", step 6) for one window: hs [R, H], logits [R, V]. Rows are walked in order with prev = anchor;
     greedy takes argmax(score), sampling draws from softmax(score / T) and keeps that row as q. The result stops
     before the first row whose confidence is below `min_p` (that row dropped).
 

@@ -1,4 +1,4 @@
-"""spec_min_p with sampling stays lossless for DFlash2 (ARTIFACTS §3): the floor statistic is the chosen
+"""spec_min_p with sampling stays lossless for DFlash2 (docs/models.md, "Speculative decoding"): the floor statistic is the chosen
 candidate's T=1 selector probability, so whether a row is kept depends on the token drawn there; the verifier must
 then see q restricted to the floor. A one-row window against a uniform target: the emitted token must be uniform
 (accepting against the unrestricted q gives the high-q token about 0.33 instead of 0.25)."""
