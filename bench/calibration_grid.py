@@ -37,7 +37,7 @@ from calibrate.api import (  # noqa: E402
     result_from_search,
 )
 from calibrate.fixtures import NEW_TOKENS  # noqa: E402
-from calibrate.report import progress_bar, stderr_console, summary_lines, sweep_table  # noqa: E402
+from calibrate.report import has_sweep, progress_bar, stderr_console, summary_lines, sweep_table  # noqa: E402
 from calibrate.results import CalibrationResult  # noqa: E402
 from calibrate.search import Arm, ArmStats, Plan, exhaustive, geomean_of  # noqa: E402
 
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     calib_wall = time.perf_counter() - t
     refs = facts["references"]
     res: CalibrationResult = result_from_search(None, sr, facts)
-    console.print(sweep_table(res.record, sr.tasks))
+    if has_sweep(res.record):
+        console.print(sweep_table(res.record, sr.tasks))
     for line in summary_lines(res):
         console.print(line)
 

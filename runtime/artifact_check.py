@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.config import StrataConfig
-from runtime.errors import StaleArtifactError
+from runtime.errors import ChecksumMismatchError, StaleArtifactError
 from runtime.fileio import sha256_file
 
 
@@ -20,17 +20,18 @@ def _check_file(path: Path, size: int | None, sha256: str | None, mtime_ns: int 
         raise StaleArtifactError(f"the {what} {path} is missing; rerun strata-setup to fetch it again.")
     st = path.stat()
     if size is not None and size >= 0 and st.st_size != size:
-        raise StaleArtifactError(f"the {what} {path} changed size since strata-setup verified it "
+        raise ChecksumMismatchError(f"the {what} {path} changed size since strata-setup verified it "
                                  f"({st.st_size} bytes, expected {size}); rerun strata-setup.")
     if mtime_ns is not None and mtime_ns == st.st_mtime_ns:
         return
     if sha256 and sha256_file(path) != sha256:
-        raise StaleArtifactError(f"the {what} {path} changed since strata-setup verified it (sha256 differs); "
+        raise ChecksumMismatchError(f"the {what} {path} changed since strata-setup verified it (sha256 differs); "
                                  f"rerun strata-setup to fetch it again.")
 
 
 def check_config_artifacts(cfg: StrataConfig) -> None:
-    """Raise StaleArtifactError when a file the config lists is missing or changed."""
+    """Raise StaleArtifactError when a file the config lists is missing (exit 2), ChecksumMismatchError when it
+    changed (exit 1)."""
     root = cfg.resolve(cfg.target.path)
     for rel, rec in cfg.target.files.items():
         _check_file(root / rel, rec.size, rec.sha256, rec.mtime_ns, "target file")

@@ -16,7 +16,7 @@ from runtime.artifact_check import check_config_artifacts
 from runtime.config import StrataConfig, load, parse
 from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
-from runtime.errors import ConfigError, LoadError
+from runtime.errors import ConfigError, LoadError, UsageError
 from runtime.experts import ExpertCache
 from runtime.kv import KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
@@ -190,6 +190,8 @@ class Engine:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
+        if len(ids) + 1 > self.kv.capacity:
+            self.check_room(ids, 0)          # the one message, with advice that fits this context
         use = self.drafter if (draft and self.drafter is not None) else None
         blk = int(block if block is not None else self.block) if use is not None else 1
         mp = float(spec_min_p if spec_min_p is not None else self.spec_min_p)
@@ -227,6 +229,42 @@ class Engine:
         self.experts.record_routing(on)
         if self.step is not None:
             self.step.graphs.clear()
+
+    def room(self, n_prompt: int) -> int:
+        """How many tokens a prompt of `n_prompt` tokens leaves room for: the first comes from the prompt's last
+        row, each later one needs the position of the token before it (0 when the prompt does not fit)."""
+        return self.kv.capacity - int(n_prompt) + 1 if n_prompt + 1 <= self.kv.capacity else 0
+
+    def context_advice(self) -> str:
+        """What a user can do about the context: raise it (up to the model's maximum); nothing when it is already
+        the maximum."""
+        limit = self.model.cfg.max_position_embeddings
+        if self.kv.capacity < limit:
+            return f", or raise [memory] context in the config (this model allows up to {limit} tokens)"
+        return f" ({self.kv.capacity} tokens is already this model's maximum context)"
+
+    def check_room(self, prompt: str | list[int], max_new_tokens: int, *, flag: str = "max_new_tokens") -> None:
+        """Refuse up front (UsageError, exit 2) a prompt that does not fit the context, or more new tokens than the
+        context leaves room for, instead of stopping short without a word."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        n, cap = len(ids), self.kv.capacity
+        if n + 1 > cap:
+            raise UsageError(f"the prompt has {n} tokens and does not fit the context of {cap} tokens; shorten "
+                             f"it{self.context_advice()}.")
+        room = self.room(n)
+        if max_new_tokens > room:
+            raise UsageError(f"{flag} {max_new_tokens} does not fit: after the {n}-token prompt the context of {cap} "
+                             f"tokens leaves room for {room} new tokens; pass {flag} {room} or "
+                             f"less{self.context_advice()}.")
+
+    def choose_threads(self):
+        """The torch thread count for this engine on a CPU: runtime/hostinfo.py's measured choice, its probe shaped
+        like this model's decode work (the hidden size; the routed experts' or dense MLP's width)."""
+        from runtime.hostinfo import choose_threads
+
+        c = self.model.cfg
+        routed = int(getattr(c, "moe_intermediate_size", 0) or 0) * int(getattr(c, "num_experts_per_tok", 1) or 1)
+        return choose_threads(hidden=c.hidden_size, inner=max(routed, c.hidden_size))
 
     def encode(self, text: str) -> list[int]:
         """The token ids `generate` uses for a text prompt (callers that must count them first use this too)."""

@@ -55,6 +55,13 @@ class StaleArtifactError(UsageError):
     """A file a config names changed or vanished since setup verified it."""
 
 
+class ChecksumMismatchError(StaleArtifactError):
+    """A file whose bytes differ from the ones strata-setup verified (size or sha256): a failed checksum is failed
+    work, exit code 1 (docs/commands.md), though it is still a stale artifact to callers that catch those."""
+
+    exit_code = EXIT_WORK
+
+
 class CorruptArtifactError(WorkError):
     """A stored file failed verification (`models verify` marked it); it must be repaired before use."""
 

@@ -117,7 +117,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     n_prompt = len(prompt_ids)
     if n_prompt + 1 > kv.capacity:
         raise UsageError(f"the prompt has {n_prompt} tokens and does not fit the context of {kv.capacity}; "
-                         f"shorten it or raise the context.")
+                         f"shorten it.")      # the engine adds whether the context can grow (Engine.check_room)
     dev = kv.k.device
     if drafter is not None and block > 1:
         block = min(block, drafter.max_block)

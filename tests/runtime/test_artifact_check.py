@@ -85,6 +85,9 @@ def test_strata_run_refuses_a_tampered_target_in_one_sentence(setup):
     assert CliRunner().invoke(app, args).exit_code == 0
     _flip_one_byte(folder / "model.safetensors")
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 2
+    assert r.exit_code == 1                 # a failed checksum is failed work (docs/commands.md), not bad input
     assert "changed since strata-setup verified it" in r.stderr and "Traceback" not in r.output
     assert len(r.stderr.strip().splitlines()) == 1
+    (folder / "model.safetensors").unlink()
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "is missing" in r.stderr
