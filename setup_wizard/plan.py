@@ -249,8 +249,11 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
 
 
 def default_config_path(target: str, drafter: str, quant: str | None = None) -> Path:
-    """`$STRATA_HOME/configs/<target>-<drafter>.toml` (the model manager reads `$STRATA_HOME/configs/*.toml`)."""
-    return strata_home() / "configs" / f"{target}-{drafter}.toml"
+    """`$STRATA_HOME/configs/<target>-<drafter>[-<quant>].toml` (the model manager reads
+    `$STRATA_HOME/configs/*.toml`): the quantization is part of the name, so a second setup of the same pair with
+    another one gets its own config instead of silently replacing the first."""
+    name = f"{target}-{drafter}" + (f"-{quant}" if quant else "")
+    return strata_home() / "configs" / f"{name}.toml"
 
 
 def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry | None, *,

@@ -303,7 +303,7 @@ class DFlash2Geometry:
             output_multiplier=float(get("output_multiplier", 1.0, required=False)),
             final_logit_softcapping=softcap if softcap > 0 else None,
             input_embedding_scale=float(get("input_embedding_scale", 1.0, required=False)),
-            is_causal=bool(get("attention.causal", False, required=False)),
+            is_causal=None if (causal := get("attention.causal", None, required=False)) is None else bool(causal),
             sliding_window=window if window > 0 else None,
             layer_types=(("sliding_attention" if window > 0 else "full_attention"),) * n_layers,
         )
