@@ -138,7 +138,7 @@ def tune_moe(T: int = 1, H: int = 2048, NI: int = 768, E: int = 128, k: int = 8)
     def call(i: list[int] = [0]) -> None:   # noqa: B006 (a call counter: rotates the weight sets)
         j = i[0] % sets
         i[0] += 1
-        moe_kernels.moe_routed(x, x, *routes[j], gus[j], dns[j])
+        moe_kernels.moe_routed(x, x, routes[j], gus[j], dns[j])
 
     out: dict[str, Any] = {"bytes_per_call": moved, "up": [], "down": []}
     for part in ("up", "down"):

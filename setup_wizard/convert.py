@@ -122,7 +122,7 @@ def validate_source(src: Path, quant: str) -> Source:
 
 def _check_quant(quant: str) -> str:
     q = str(quant).lower()
-    if q not in Q.FORMATS:
+    if q not in Q.QTYPES:
         raise ContractError(f"unknown quantization {quant!r}; use one of {', '.join(Q.QTYPES)}.")
     return q
 

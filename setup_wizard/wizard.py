@@ -115,7 +115,7 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
                 ans.notes["dflash2_head"] = "the official head (catalog default)"
         if ans.dflash2_quant is None:
             items = [questionary.Choice(QUANT_LABELS[q], value=q) for q, f in FORMATS.items() if f.offered]
-            more = [q for q, f in FORMATS.items() if not f.offered]
+            more = [q for q, f in FORMATS.items() if not f.offered and f.writable]
             ans.dflash2_quant = _ask(questionary.select(
                 "DFlash2 weight format (converted locally to GGUF)?", choices=items, default=RECOMMENDED_QUANT,
                 instruction=f"({', '.join(m.upper() for m in more)} available with --dflash2-quant)" if more else None,

@@ -166,7 +166,8 @@ class MTPGraphs(GraphSet):
                 raise RuntimeError("the MTP layer's experts are not stacked; no graph.")
             w, idx = mlp.route(h[0])
             idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
-            y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+            y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
+                                        miss_fn=mlp.miss_fn)[None]
         else:
             y = mlp(h)
         return mtp.norm(x + y)[0]

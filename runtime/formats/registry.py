@@ -25,6 +25,7 @@ class BlockFormat:
     file: LlamaFileType    # general.file_type of a file whose matrices are mostly in this format
     label: str             # one line for help texts and the wizard
     offered: bool = True   # the wizard lists it (the others are chosen by flag)
+    writable: bool = True  # Strata quantizes to it; False: read from others' files only (K-quants)
 
     @property
     def ggml_type(self) -> int:
@@ -64,8 +65,13 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
                 offered=False),
     BlockFormat("q4_0", GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0,
                 "Q4_0 — about a quarter of the memory, leaves the most room for experts"),
+    # read only: the K-quants of llama.cpp's files (a Q4_K_M file mixes Q4_K and Q6_K tensors)
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K, "Q6_K — read from llama.cpp files",
+                offered=False, writable=False),
+    BlockFormat("q4_k", GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M,
+                "Q4_K — read from llama.cpp files (Q4_K_M mixes it with Q6_K)", offered=False, writable=False),
 )}
-QTYPES: tuple[str, ...] = tuple(FORMATS)
+QTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writable)   # what Strata writes
 BLOCK = 32
 
 
@@ -78,12 +84,16 @@ def block_format(name: str) -> BlockFormat:
 
 
 def by_tensor_type(tensor_type: str) -> BlockFormat | None:
-    """The format of a GGUF tensor type name ("Q4_0"), None when it is not one of ours (F32, K-quants, ...)."""
+    """The format of a GGUF tensor type name ("Q4_0"), None when it is not in the table (F32, IQ-quants, ...)."""
     return next((f for f in FORMATS.values() if f.tensor_type == str(tensor_type).upper()), None)
 
 
 def _check_qtype(qtype: str) -> str:
-    return block_format(qtype).name
+    """A format Strata quantizes to and dequantizes on its own (runtime/formats/blocks.py)."""
+    f = block_format(qtype)
+    if not f.writable:
+        raise QuantFormatError(f"{f.name} is read only here (llama.cpp's K-quants); use one of {', '.join(QTYPES)}.")
+    return f.name
 
 
 def row_bytes(cols: int, qtype: str) -> int:

@@ -23,7 +23,7 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, HD)
-        m = (d < HD) & (pos >= 0)
+        m = d < tl.where(pos >= 0, HD, 0)     # masks from vector comparisons only (boolean in the interpreter)
         src = row * stride_kw + h * stride_kh + d
         dst = h * stride_ch + pos.to(tl.int64) * stride_cs + d
         tl.store(kc_ptr + dst, tl.load(k_ptr + src, mask=m), mask=m)
@@ -97,8 +97,8 @@ if HAVE_TRITON:
         xpn = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
         rot = tl.where(d < HD // 2, -xpn, xpn)
         out = ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
-        tl.store(q_ptr + row * stride_q + h * HD + d, out, mask=(d < HD) & is_q)
-        cm = (d < HD) & (h >= NH) & (pos >= 0)
+        tl.store(q_ptr + row * stride_q + h * HD + d, out, mask=d < tl.where(is_q, HD, 0))
+        cm = d < tl.where((h >= NH) & (pos >= 0), HD, 0)
         dst = hk.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs + d
         tl.store(kc_ptr + dst, out, mask=cm)
         v = tl.load(qkv_ptr + row * stride_qkv + (NH + NKV + hk) * HD + d, mask=cm, other=0.0)

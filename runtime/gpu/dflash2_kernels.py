@@ -25,9 +25,9 @@ if HAVE_TRITON:
         dt = o_ptr.dtype.element_ty
         acc = tl.zeros((BH,), dtype=tl.float32)
         for o in tl.static_range(K):
-            ok = t >= o
             src = tl.maximum(t - o, 0)
-            v = tl.load(h_ptr + src * stride_h + c, mask=m & ok, other=0.0).to(tl.float32)
+            # masks from vector comparisons only (boolean in the interpreter)
+            v = tl.load(h_ptr + src * stride_h + c, mask=c < tl.where(t >= o, H, 0), other=0.0).to(tl.float32)
             b = tl.load(b_ptr + o * H + c, mask=m, other=0.0).to(tl.float32)
             dy = tl.load(d_ptr + t * stride_d + o * NG + c // G, mask=m, other=0.0).to(tl.float32)
             acc = (acc + (b * v).to(dt).to(tl.float32)).to(dt).to(tl.float32)

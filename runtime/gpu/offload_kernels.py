@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from runtime.gpu import moe_kernels
-from runtime.gpu.kernels import HAVE_TRITON, pow2
+from runtime.gpu.kernels import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -67,35 +67,12 @@ def fetch(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor, ok: Tensor) 
 def pairs(x: Tensor, sidx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> None:
     """y[t*k + j] = w[t, j] * expert(x[t]) for every pair whose slot sidx[t, j] < P (gate_up/down [P, ...]); other
     rows of y are left as they are. The same kernels, tiles and row block as `moe_kernels.moe_grouped`."""
-    T, H = x.shape
-    k = sidx.shape[1]
-    P, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    NP = T * k
-    se, order = torch.sort(sidx.reshape(-1), stable=True)
-    se = se.to(torch.int32).contiguous()
-    order = order.to(torch.int32).contiguous()
-    tok = torch.div(order, k, rounding_mode="floor").contiguous()
-    x = x.contiguous()
-    BM = pow2(T)
-    h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
-    up, dn = moe_kernels.MOE_UP, moe_kernels.MOE_DOWN
-    moe_kernels._moe_up_kernel[(NP, triton.cdiv(inter, up["BN"]))](
-        x, tok, se, gate_up, h, NP, P, inter, H, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BM=BM, **up)
-    wf = w.reshape(-1).contiguous()
-    moe_kernels._moe_down_kernel[(NP, triton.cdiv(H, dn["BN"]))](
-        h, se, order, wf, down, y, NP, P, H, inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BM=BM, **dn)
+    r = moe_kernels.group(sidx, w, gate_up.shape[0])
+    moe_kernels.experts(x, r, gate_up, down, y=y, zero_missing=False)
 
 
 def pair_sum(y: Tensor, real: Tensor, T: int, k: int, dtype: torch.dtype) -> Tensor:
     """out[t] = sum over j (in top-k order) of y[t*k + j] for the real pairs (real [T*k] bool), in `dtype`: the sum
     `moe_grouped` ends with."""
-    H = y.shape[1]
-    out = torch.empty(T, H, dtype=dtype, device=y.device)
-    flag = (~real).to(torch.int32).contiguous()        # 0 = real pair (< E = 1), 1 = padded
-    BS = 256
-    moe_kernels._moe_sum_kernel[(T, triton.cdiv(H, BS))](y, flag, out, 1, H, y.stride(0), out.stride(0), TOPK=k,
-                                                         BN=BS)
-    return out
+    flag = (~real).to(torch.int32).reshape(T, k).contiguous()     # 0 = real pair (< n_exp = 1), 1 = padded
+    return moe_kernels.combine(y, flag, 1, None, dtype)

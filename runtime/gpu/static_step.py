@@ -117,6 +117,10 @@ class StaticStep:
             mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
         if mlp.offload is not None:         # an expert pool emulated on the CPU (tests): its own paths
             return mlp.offload(i, h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w)
+        if mlp.gate_up is not None and (mlp.quantized or mlp.slot is not None or mlp.miss_fn is not None):
+            # experts held as blocks (no per-expert modules): the torch reference of the grouped kernels
+            return moe_kernels.moe_torch(h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w, mlp.gate_up,
+                                         mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
         w, idx = w[:n], idx[:n]
         out = torch.zeros_like(h)
         flat = idx.flatten()
@@ -155,13 +159,14 @@ class StaticStep:
             d = a.o_proj(o.reshape(-1, a.nh * a.hd))
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            idx, w, se, order, tok = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk)
+            r = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
-                mlp.recorder(i, idx)
+                mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
-                x = x + mlp.offload(i, h, idx, w)
+                x = x + mlp.offload(i, h, r.idx, r.w)
             else:
-                x = moe_kernels.moe_routed(h, x, idx, w, se, order, tok, mlp.gate_up, mlp.down)
+                x = moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
+                                           miss_fn=mlp.miss_fn)
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
@@ -196,7 +201,8 @@ class StaticStep:
                 if mlp.offload is not None:
                     y = mlp.offload(i, h[0], idx, w)[None]
                 else:
-                    y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down)[None]
+                    y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
+                                                miss_fn=mlp.miss_fn)[None]
             elif isinstance(mlp, SparseMoe) and self.cpu:
                 y = self._moe_rows(mlp, h[0], i)[None]
             else:

@@ -189,12 +189,15 @@ class SparseMoe(nn.Module):
     """Router softmax (fp32) → top-k → optional renormalisation → weighted sum of SiLU experts.
 
     `runner`, when set (runtime/experts.py), computes one expert on a set of rows wherever that expert lives;
-    otherwise the experts are called in place.
+    otherwise the experts are called in place. With stacked weights (`gate_up`/`down`, floats or ggml blocks in
+    format `fmt`, indexed through the expert->slot table `slot`, misses filled by `miss_fn`) the grouped kernels of
+    runtime/gpu/moe_kernels.py run instead: decode windows, prefill chunks (CUDA), or their torch fallback.
     """
 
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
         self.top_k, self.n_exp, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
+        self.inter = cfg.moe_intermediate_size
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.runner = None   # set by ExpertCache; callable(expert_idx, rows) -> Tensor
@@ -207,6 +210,9 @@ class SparseMoe(nn.Module):
         # layout gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]; not registered (state_dict unchanged)
         self.gate_up: Tensor | None = None
         self.down: Tensor | None = None
+        self.fmt: str | tuple[str, str] | None = None   # ggml block format of gate_up/down (None: floats)
+        self.slot: Tensor | None = None     # int32 [E]: expert id -> index into gate_up/down's first dim, -1: none
+        self.miss_fn = None                 # callable(x, routing, y): fills the rows of the pairs without a slot
 
     def stack_experts(self) -> None:
         """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
@@ -230,12 +236,35 @@ class SparseMoe(nn.Module):
             ex.down_proj.weight.data = down[e]
         self.gate_up, self.down = gate_up, down
 
+    def bind_blocks(self, gate_up: Tensor, down: Tensor, fmt: str | tuple[str, str]) -> None:
+        """Hold the experts as ggml blocks (docs/formats.md, "Block formats"): uint8 gate_up [S, 2I, row_bytes(H)]
+        and down [S, H, row_bytes(I)] in `fmt` (one name, or gate_up's and down's), read by the grouped kernels;
+        the per-expert modules go (no float copy of any expert is kept). S = E, or the slots of `slot`."""
+        from runtime.errors import QuantFormatError
+        from runtime.formats.registry import block_format, row_bytes
+
+        fg, fd = (fmt, fmt) if isinstance(fmt, str) else fmt
+        fg, fd = block_format(fg).name, block_format(fd).name
+        hidden, inter = self.gate.in_features, self.inter
+        want_gu = (gate_up.shape[0], 2 * inter, row_bytes(hidden, fg))
+        want_dn = (gate_up.shape[0], hidden, row_bytes(inter, fd))
+        if gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 or tuple(gate_up.shape) != want_gu \
+                or tuple(down.shape) != want_dn:
+            raise QuantFormatError(f"expert blocks {tuple(gate_up.shape)} / {tuple(down.shape)} are not {fg} "
+                                   f"{want_gu} / {fd} {want_dn} (uint8) for hidden {hidden}, expert width {inter}.")
+        self.experts = nn.ModuleList()
+        self.gate_up, self.down, self.fmt = gate_up, down, (fg, fd) if fg != fd else fg
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(x.dtype), idx
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt not in (None, "bf16", ("bf16", "bf16"))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -245,13 +274,18 @@ class SparseMoe(nn.Module):
             self.recorder(self.layer_idx, idx)
         if self.offload is not None:
             return self.offload(self.layer_idx, x, idx, w).view(shape)
-        if self.gate_up is not None and x.shape[0] <= 64 and not torch.is_grad_enabled():
+        if self.gate_up is not None and not torch.is_grad_enabled():
             from runtime.gpu import kernels, moe_kernels
 
-            if kernels.available(x):   # experts grouped: each touched expert's weights read once
+            kw = {"fmt": self.fmt, "slot": self.slot, "miss_fn": self.miss_fn}
+            T = x.shape[0]
+            # experts grouped: each touched expert's weights read once (decode windows; prefill chunks on CUDA)
+            if kernels.available(x) and (T <= moe_kernels.DECODE_ROWS or x.is_cuda):
                 if self.counter is not None:
-                    self.counter(self.layer_idx, x.shape[0])
-                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down).view(shape)
+                    self.counter(self.layer_idx, T)
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, **kw).view(shape)
+            if self.quantized or self.slot is not None or self.miss_fn is not None:
+                return moe_kernels.moe_torch(x, idx, w, self.gate_up, self.down, **kw).view(shape)
         out = torch.zeros_like(x)
         # group (row, slot) pairs by expert with one sort and one host sync (the counts)
         flat = idx.flatten()

@@ -63,6 +63,202 @@ def check_moe(dt: torch.dtype) -> None:
     assert torch.equal(one[0], out[0])
 
 
+def ref_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor,
+            keep=lambda e: True) -> torch.Tensor:
+    """The routed experts pair by pair in float32 (gu [E, 2I, H], dn [E, H, I] float); experts not kept add 0."""
+    T, k = idx.shape
+    E = gu.shape[0]
+    ref = torch.zeros(T, dn.shape[1])
+    for t in range(T):
+        for j in range(k):
+            e = int(idx[t, j])
+            if e >= E or not keep(e):
+                continue
+            gt, up = (x[t].float() @ gu[e].float().t()).chunk(2)
+            ref[t] += float(w[t, j]) * ((F.silu(gt) * up) @ dn[e].float().t())
+    return ref
+
+
+def expert_blocks(fmt: str, E: int, rows: int, cols: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked ggml blocks [E, rows, row_bytes] in `fmt` and gguf-py's float32 values of them [E, rows, cols]:
+    real quantization for the formats Strata writes, random bytes with small scales for the K-quants."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from runtime.formats.blocks import quantize
+    from runtime.formats.registry import FORMATS
+
+    f = FORMATS[fmt]
+    if f.writable:
+        raw = quantize((torch.randn(E * rows, cols, generator=g) * 0.1).numpy(), fmt)
+    else:
+        nb = cols // f.block_values
+        b = torch.randint(0, 256, (E * rows, nb, f.block_bytes), generator=g, dtype=torch.uint8).numpy()
+        d = (torch.randn(E * rows, nb, 2, generator=g).numpy() * 1e-4).astype(np.float16).view(np.uint8)
+        if fmt == "q6_k":
+            b[..., 208:210] = d[..., 0:2]
+        else:                       # q4_k: d, dmin
+            b[..., 0:4] = d.reshape(E * rows, nb, 4)
+        raw = b.reshape(E * rows, -1)
+    vals = gguf_dequantize(raw, f.ggml).reshape(E, rows, cols)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(E, rows, -1), torch.from_numpy(vals.copy())
+
+
+def moe_case(T: int, H: int, NI: int, E: int, k: int, seed: int, dt: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dt)
+    gu = (torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(dt)
+    dn = (torch.randn(E, H, NI, generator=g) * 0.1).to(dt)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(dt)
+    return g, x, gu, dn, idx, w
+
+
+def check_moe_slots(dt: torch.dtype) -> None:
+    """Expert->slot table: resident experts through their slots, missed pairs listed and zero; a miss path that
+    runs the missed experts from staging slots gives the all-resident bits (decode and prefill tilings)."""
+    for T in (5, 70):
+        g, x, gu, dn, idx, w = moe_case(T, 64, 32, 6, 2, 7, dt)
+        if T == 5:
+            idx[3] = 6                                   # a padded row
+        full = moe_kernels.moe_grouped(x, idx, w, gu, dn)
+        res = [3, 0, 2, 5]                               # slot -> expert: 4 slots, experts 1 and 4 missed
+        slot = torch.full((6,), -1, dtype=torch.int32)
+        slot[res] = torch.arange(4, dtype=torch.int32)
+        gs, ds = gu[res].contiguous(), dn[res].contiguous()
+        part = moe_kernels.moe_grouped(x, idx, w, gs, ds, slot=slot)
+        ref = ref_moe(x, idx, w, gu, dn, keep=lambda e: e in (0, 2, 3, 5))
+        assert rel(part, ref) < 3e-3, rel(part, ref)
+        r = moe_kernels.group(idx, w, 6, slot)
+        n = int(r.n_miss[0])
+        got = r.miss[:n].tolist()
+        want = [p for e in (1, 4) for p in range(T * 2) if int(idx.view(-1)[p]) == e]
+        assert got == want and bool((r.miss[n:] == -1).all()), (got, want)
+        # the miss path: experts 1 and 4 copied into two staging slots, the same kernels fill their rows
+        stage = torch.full((6,), -1, dtype=torch.int32)
+        stage[1], stage[4] = 0, 1
+        gst, dst = gu[[1, 4]].contiguous(), dn[[1, 4]].contiguous()
+        calls = []
+
+        def miss_fn(xx, rr, y, gst=gst, dst=dst, stage=stage, calls=calls):
+            calls.append(int(rr.n_miss[0]))
+            moe_kernels.experts(xx, rr, gst, dst, slot=stage, y=y, zero_missing=False)
+
+        filled = moe_kernels.moe_grouped(x, idx, w, gs, ds, slot=slot, miss_fn=miss_fn)
+        assert calls == [n] and torch.equal(filled, full), (filled.float() - full.float()).abs().max()
+        # the torch fallback stages the same way
+        tfull = moe_kernels.moe_torch(x, idx, w, gu, dn)
+        tpart = moe_kernels.moe_torch(x, idx, w, gs, ds, slot=slot)
+        assert rel(tpart, ref) < 3e-3 and rel(tfull, ref_moe(x, idx, w, gu, dn)) < 3e-3
+
+
+def check_route(dt: torch.dtype) -> None:
+    """The one-launch router (softmax, top-k, grouping, miss list) against torch, with and without a slot table."""
+    g = torch.Generator().manual_seed(11)
+    W, E, k = 6, 8, 3
+    logits = torch.randn(W, E, generator=g).to(dt)
+    pos = torch.tensor([4, 5, 6, 7, -1, -1], dtype=torch.int32)
+    slot = torch.tensor([0, 1, -1, 2, -1, 3, 4, -1], dtype=torch.int32)
+    for sl in (None, slot):
+        r = moe_kernels.route(logits, pos, k, True, slot=sl)
+        p = torch.softmax(logits.float(), -1)
+        wv, iv = torch.topk(p, k, -1)
+        wv = wv / wv.sum(-1, keepdim=True)
+        assert torch.equal(r.idx[:4].long(), iv[:4]) and bool((r.idx[4:] == E).all())
+        assert torch.allclose(r.w[:4], wv[:4], atol=1e-3)
+        ref = moe_kernels.group(r.idx, r.w, E, sl)
+        for a, b in zip(r[2:], ref[2:], strict=True):
+            assert torch.equal(a, b), (a, b)
+
+
+def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
+    """Experts as ggml blocks, dequantized in the kernels: every format, decode and prefill tilings, with a slot
+    table, against float32 math on gguf-py's values."""
+    E, k = 4, 2
+    # (gate_up's format, down's format, H, I): K-quants need rows of 256 values; Q4_K_M files mix Q4_K and Q6_K
+    for fg, fd, H, NI in (("q8_0", "q8_0", 64, 32), ("q5_0", "q5_0", 64, 32), ("q4_0", "q4_0", 64, 32),
+                          ("q4_k", "q8_0", 256, 32), ("q8_0", "q6_k", 32, 256)):
+        if only and fg not in only:
+            continue
+        fmt = (fg, fd)
+        g = torch.Generator().manual_seed(3)
+        gub, guf = expert_blocks(fg, E, 2 * NI, H, g)
+        dnb, dnf = expert_blocks(fd, E, H, NI, g)
+        for T in ((3, 66) if fg in ("q4_0", "q4_k") else (3,)):
+            x = torch.randn(T, H, generator=g).to(dt)
+            idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+            w = torch.rand(T, k, generator=g).to(dt)
+            ref = ref_moe(x, idx, w, guf, dnf)
+            out = moe_kernels.moe_grouped(x, idx, w, gub, dnb, fmt=fmt)
+            tol = 3e-3 if dt == torch.float32 else 1e-2
+            assert rel(out, ref) < tol, (fmt, T, rel(out, ref))
+            tor = moe_kernels.moe_torch(x, idx, w, gub, dnb, fmt=fmt)
+            assert rel(tor, ref) < tol, (fmt, T, rel(tor, ref))
+            if T == 3:
+                one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gub, dnb, fmt=fmt)
+                assert torch.equal(one[0], out[0])             # row-invariant
+                slot = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
+                part = moe_kernels.moe_grouped(x, idx, w, gub[[2, 0]].contiguous(), dnb[[2, 0]].contiguous(),
+                                               fmt=fmt, slot=slot)
+                pref = ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in (0, 2))
+                assert rel(part, pref) < tol, (fmt, rel(part, pref))
+
+
+def check_dequant() -> None:
+    """The kernels' in-register dequantizer equals gguf-py bit for bit (every format, random blocks)."""
+    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
+        g = torch.Generator().manual_seed(5)
+        blocks, vals = expert_blocks(fmt, 1, 40, 512, g)
+        got = moe_kernels.dequantize(blocks[0], fmt)
+        assert torch.equal(got.view(torch.int32), vals[0].view(torch.int32)), fmt
+
+
+def check_moe_prefill(dt: torch.dtype) -> None:
+    """The prefill tiling (tiles of BM rows of one expert) against the pair loop; torch._grouped_mm's path too."""
+    g, x, gu, dn, idx, w = moe_case(150, 64, 32, 6, 2, 9, dt)
+    ref = ref_moe(x, idx, w, gu, dn)
+    out = moe_kernels.moe_grouped(x, idx, w, gu, dn)
+    tol = 3e-3 if dt == torch.float32 else 1e-2
+    assert rel(out, ref) < tol, rel(out, ref)
+    if hasattr(torch, "_grouped_mm"):
+        r = moe_kernels.group(idx, w, 6)
+        gm = moe_kernels.combine(moe_kernels.experts_grouped_mm(x, r, gu, dn), r.idx, 6, None, dt)
+        assert rel(gm, ref) < tol, rel(gm, ref)
+
+
+def check_fused_step_quant() -> None:
+    """The fused fixed-width step with Q8_0 experts against the plain forward (whose MoE is the torch fallback)."""
+    import tempfile
+
+    from runtime.formats.blocks import quantize
+    from runtime.gpu.static_step import StaticStep
+    from runtime.kv import KVCache
+    from runtime.loading import load_target
+    from tests.runtime.tiny import make_tiny_target
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_target(make_tiny_target(d, seed=5, scale=2.0, moe_inter=32))
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.stack_experts()
+        E, two_i, H = mlp.gate_up.shape
+        gu = quantize(mlp.gate_up.reshape(-1, H).numpy(), "q8_0")
+        dn = quantize(mlp.down.reshape(E * H, -1).numpy(), "q8_0")
+        mlp.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q8_0")
+    c = model.cfg
+    kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40) for _ in range(2))
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    with torch.no_grad():
+        model(prompt, kv=kv_a)
+        model(prompt, kv=kv_b)
+        step = StaticStep(model, kv_b, width=4, graph=False)
+        assert step.fused
+        for win in ([[12]], [[3, 4, 5]]):
+            wt = torch.tensor(win)
+            ref = model(wt, kv=kv_a, taps=(1,))
+            got = step(wt, kv_b, (1,))
+            assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
+
+
 def check_attention(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     nh, nkv, hd, S, W = 4, 2, 16, 80, 4
@@ -245,6 +441,16 @@ def check_lattice_walk() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["moe"]:         # its own run (tests/runtime/test_moe_kernels.py)
+        check_dequant()
+        for dt in (torch.float32, torch.float16):
+            check_route(dt)
+            check_moe_slots(dt)
+            check_moe_quant(dt, () if dt == torch.float32 else ("q4_0", "q4_k"))
+            check_moe_prefill(dt)
+        check_fused_step_quant()
+        print("moe kernels ok")
+        sys.exit(0)
     if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow
         check_lattice_walk()
         check_dflash2_graphs()

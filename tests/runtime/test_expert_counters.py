@@ -30,7 +30,7 @@ def test_stacked_kernel_path_counts_from_the_host(tmp_path, monkeypatch):
         blk.stack_experts()
     calls = []
 
-    def fake_grouped(x, idx, w, gate_up, down):     # stands in for the Triton kernel on the CPU
+    def fake_grouped(x, idx, w, gate_up, down, **kw):     # stands in for the Triton kernel on the CPU
         calls.append(x.shape[0])
         return torch.zeros_like(x)
 

@@ -56,7 +56,7 @@ __all__ = [
 ARCH = "dflash2"
 KINDS = ("backbone", "norm", "conv", "selector")
 FLOAT_DTYPE = "BF16"
-BACKBONE_DTYPES = tuple(f.tensor_type for f in FORMATS.values())   # what a backbone matrix may be stored as
+BACKBONE_DTYPES = tuple(f.tensor_type for f in FORMATS.values() if f.writable)   # what a backbone matrix may be stored as
 ALIGNMENT = 32
 
 # GGUF metadata key names (docs/formats.md, "Converted DFlash2 GGUF").

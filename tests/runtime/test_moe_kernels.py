@@ -1,0 +1,131 @@
+"""The routed-expert kernels (runtime/gpu/moe_kernels.py): their torch side (grouping, prefill block tables, the
+expert->slot table and miss path, quantized experts in SparseMoe's fallback) here, the Triton kernels under the CPU
+interpreter in a subprocess (tests/runtime/kernels_check.py moe)."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.errors import QuantFormatError
+from runtime.formats.blocks import dequantize, quantize
+from runtime.formats.registry import FORMATS, QTYPES, block_format, row_bytes
+from runtime.gpu import moe_kernels
+from runtime.models.layers import SparseMoe
+from runtime.models.target_config import Qwen3MoeConfig
+from tests.runtime.tiny import single_thread, tiny_config  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_moe_kernels_in_interpreter():
+    script = Path(__file__).with_name("kernels_check.py")
+    r = subprocess.run([sys.executable, str(script), "moe"], capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0 and "moe kernels ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bm", [1, 4, 16])
+def test_block_table_covers_every_pair_once_in_single_expert_tiles(bm):
+    g = torch.Generator().manual_seed(bm)
+    E = 7
+    ids = torch.randint(0, E, (45,), generator=g)
+    ids[[3, 9]] = E                                   # padded pairs: never in a tile
+    se, _ = torch.sort(ids.to(torch.int32), stable=True)
+    bs, bc, G = moe_kernels.block_table(se, E, bm)
+    assert bs.shape == bc.shape == (G,)
+    assert G == (45 + bm - 1) // bm + E               # static: a function of the pair count and E only
+    seen = []
+    for s, c in zip(bs.tolist(), bc.tolist(), strict=True):
+        assert 0 <= c <= bm
+        if c:
+            rows = list(range(s, s + c))
+            assert len({int(se[i]) for i in rows}) == 1 and int(se[s]) < E
+            seen += rows
+    assert sorted(seen) == list(range(43))            # every real pair exactly once
+
+
+def test_group_lists_misses_by_expert():
+    idx = torch.tensor([[0, 3], [2, 0], [3, 1], [4, 4]])
+    idx[3] = 5                                        # a padded row (E = 5)
+    slot = torch.tensor([0, -1, 1, -1, 2], dtype=torch.int32)
+    r = moe_kernels.group(idx, torch.ones(4, 2), 5, slot)
+    assert r.se.tolist() == [0, 0, 1, 2, 3, 3, 5, 5]
+    assert r.order.tolist() == [0, 3, 5, 2, 1, 4, 6, 7]
+    assert r.tok.tolist() == [0, 1, 2, 1, 0, 2, 3, 3]
+    assert int(r.n_miss[0]) == 3 and r.miss.tolist() == [5, 1, 4, -1, -1, -1, -1, -1]   # expert 1, then 3
+    r = moe_kernels.group(idx, torch.ones(4, 2), 5)
+    assert int(r.n_miss[0]) == 0 and bool((r.miss == -1).all())
+
+
+def _moe(seed: int = 0, **kw) -> SparseMoe:
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig.from_dict(tiny_config(hidden=64, moe_inter=32, experts=6, top_k=2, **kw))
+    m = SparseMoe(cfg).eval()
+    return m
+
+
+def test_quantized_experts_run_through_the_torch_fallback():
+    m = _moe()
+    ref = _moe()
+    x = torch.randn(9, 64)
+    m.stack_experts()
+    E, two_i, H = m.gate_up.shape
+    gu = quantize(m.gate_up.reshape(-1, H).detach().numpy(), "q4_0")
+    dn = quantize(m.down.reshape(E * H, -1).detach().numpy(), "q4_0")
+    with pytest.raises(QuantFormatError, match="are not q8_0"):
+        m.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q8_0")
+    m.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q4_0")
+    assert m.quantized and m.fmt == "q4_0" and len(m.experts) == 0
+    # the reference: the plain per-expert loop over the dequantized weights
+    with torch.no_grad():
+        for e, ex in enumerate(ref.experts):
+            gw = torch.from_numpy(dequantize(gu.reshape(E, two_i, -1)[e], "q4_0"))
+            ex.gate_proj.weight.copy_(gw[: two_i // 2])
+            ex.up_proj.weight.copy_(gw[two_i // 2:])
+            ex.down_proj.weight.copy_(torch.from_numpy(dequantize(dn.reshape(E, H, -1)[e], "q4_0")))
+        got, want = m(x), ref(x)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+
+
+def test_partial_residency_with_a_miss_path_gives_the_all_resident_bits():
+    m = _moe(1)
+    m.stack_experts()
+    x = torch.randn(11, 64)
+    with torch.no_grad():
+        full = moe_kernels.moe_torch(x, *reversed(m.route(x)), m.gate_up, m.down)
+        resident = [4, 0, 5]                          # slot -> expert
+        slot = torch.full((6,), -1, dtype=torch.int32)
+        slot[resident] = torch.arange(3, dtype=torch.int32)
+        gs, ds = m.gate_up[resident].clone(), m.down[resident].clone()
+        missed = [e for e in range(6) if e not in resident]
+        g_miss, d_miss = m.gate_up[missed].clone(), m.down[missed].clone()    # staging slots
+        stage = torch.full((6,), -1, dtype=torch.int32)
+        stage[missed] = torch.arange(3, dtype=torch.int32)
+        seen = []
+
+        def miss_fn(xx, r, y):
+            seen.append(r.miss[: int(r.n_miss[0])].tolist())
+            moe_kernels.experts_torch(xx, r, g_miss, d_miss, slot=stage, y=y, zero_missing=False)
+
+        m.gate_up, m.down, m.slot = gs, ds, slot
+        no_path = m(x)
+        m.miss_fn = miss_fn
+        got = m(x)
+    assert torch.equal(got, full)
+    w, idx = m.route(x)
+    pairs = [p for p in range(22) if int(idx.view(-1)[p]) in missed]
+    assert sorted(seen[-1]) == pairs
+    assert not torch.equal(no_path, full)             # without the miss path the missed experts add nothing
+
+
+def test_k_quants_are_read_only_formats():
+    assert "q6_k" in FORMATS and "q4_k" in FORMATS
+    assert "q6_k" not in QTYPES and "q4_k" not in QTYPES
+    assert block_format("Q6_K").block_bytes == 210 and block_format("q4_k").block_values == 256
+    assert row_bytes(512, "q4_k") == 288
+    with pytest.raises(QuantFormatError, match="read only"):
+        quantize(torch.zeros(2, 256).numpy(), "q6_k")
