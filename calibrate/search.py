@@ -429,7 +429,7 @@ class Search:
         try:
             self._reference_pass()
         except TimeBudgetSpent:
-            reason = (f"the {self.max_seconds:g} s budget ran out while measuring the target alone "
+            reason = (f"the {self.max_seconds:.3g} s budget ran out while measuring the target alone "
                       f"({self.measured()}); kept the default {self.default.label}")
             return self._result(chosen, None, decision, reason)
         try:
@@ -437,7 +437,7 @@ class Search:
         except TimeBudgetSpent:
             winner = self._best()
         if winner is None:
-            reason = (f"the {self.max_seconds:g} s budget ran out before any arm was measured on every prompt "
+            reason = (f"the {self.max_seconds:.3g} s budget ran out before any arm was measured on every prompt "
                       f"({self.measured()}); kept the default {self.default.label}")
             return self._result(chosen, None, "budget", reason)
         if winner == self.default:
