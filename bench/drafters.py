@@ -16,6 +16,7 @@ import argparse
 import gc
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,13 @@ from bench.common import (  # noqa: E402
 EAGER_ARMS = ("MTP b4", "DFlash2 bf16")
 
 
-def arms(gguf_dir: Path | None) -> list[dict[str, Any]]:
+def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
            {"arm": "MTP b4", "kind": "mtp", "path": None, "block": 4, "min_p": 0.0},
            {"arm": "MTP b6 p.5", "kind": "mtp", "path": None, "block": 6, "min_p": 0.5},
            {"arm": "DFlash2 bf16", "kind": "dflash2", "path": NANO_DFLASH2, "block": None, "min_p": 0.0}]
+    out += [{"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "path": NANO_DFLASH2, "block": b, "min_p": 0.0}
+            for b in dflash_blocks]
     if gguf_dir is not None:
         for q in ("q8_0", "q5_0", "q4_0"):
             out.append({"arm": f"DFlash2 {q}", "kind": "dflash2", "path": gguf_dir / f"{q}.gguf", "block": None,
@@ -79,12 +82,24 @@ def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadl
         if deadline.over():
             res["truncated"] = True
             break
-        kw = dict(max_new_tokens=args.new_tokens, block=block, spec_min_p=arm["min_p"], stop_ids=set())
+        # one step width for the arm and its target-only reference (the engine's step follows the block: greedy bits
+        # are equal between runs of one width, docs/models.md "Numerics"); target-only itself runs at width 1
+        kw = dict(max_new_tokens=args.new_tokens, block=block, spec_min_p=arm["min_p"], stop_ids=set(), width=block)
         eng.generate(ids, draft=draft, **{**kw, "max_new_tokens": 8})          # warm-up (graph capture)
-        runs = [eng.generate(ids, draft=draft, **kw) for _ in range(args.repeats)]
+        runs, cpu_tok_s = [], []
+        for _ in range(args.repeats):
+            c0 = time.process_time()
+            runs.append(eng.generate(ids, draft=draft, **kw))
+            c1 = time.process_time()
+            eng.generate(ids, draft=draft, **{**kw, "max_new_tokens": 1})      # the prompt alone
+            c2 = time.process_time()
+            cpu_tok_s.append((len(runs[-1].token_ids) - 1) / max((c1 - c0) - (c2 - c1), 1e-9))
         st = [r.stats for r in runs]
         rec: dict[str, Any] = {
-            "tok_s": median([s["decode_tok_s"] for s in st]),
+            # --clock process: decode tokens per second of this process's CPU time (the whole generation minus a
+            # prompt-only one): on a shared machine the wall clock also counts time the scheduler gave others
+            "tok_s": median(cpu_tok_s) if args.clock == "process" else median([s["decode_tok_s"] for s in st]),
+            "wall_tok_s": median([s["decode_tok_s"] for s in st]),
             "tok_per_window": median([(s["generated_tokens"] - 1) / max(s["windows"], 1) for s in st]),
             "draft_ms_per_window": median([1e3 * s["draft_s"] / max(s["windows"], 1) for s in st]),
             "verify_ms_per_window": median([1e3 * s["verify_s"] / max(s["windows"], 1) for s in st]),
@@ -126,6 +141,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-eager-check", dest="eager_check", action="store_false")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", default="", help="comma-separated substrings of arm names to run (default: all)")
+    ap.add_argument("--tasks", default="", help="comma-separated task prompts (default: all four)")
+    ap.add_argument("--clock", choices=("wall", "process"), default="wall",
+                    help="process: tok/s from this process's CPU time (1-thread CPU runs on a shared machine)")
+    ap.add_argument("--dflash-blocks", default="", help="extra DFlash2 BF16 arms at these blocks, e.g. 4,6")
     args = ap.parse_args(argv)
     from runtime.engine import Engine
 
@@ -138,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prompts: dict[str, list[int]] | None = None
         engines: dict[tuple, Any] = {}
         wanted = [w for w in args.only.split(",") if w]
-        for arm in arms(gdir):
+        for arm in arms(gdir, tuple(int(b) for b in args.dflash_blocks.split(",") if b)):
             if wanted and arm["arm"] != "target-only" and not any(w in arm["arm"] for w in wanted):
                 continue
             if deadline.over():
@@ -152,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                             context=4096)
             eng = engines[key]
             if prompts is None:
-                prompts = {k: eng.tokenizer.encode(v).ids for k, v in task_prompts().items()}
+                tasks = [t for t in args.tasks.split(",") if t]
+                prompts = {k: eng.tokenizer.encode(v).ids for k, v in task_prompts().items() if not tasks or k in tasks}
                 res["prompt_tokens"] = {k: len(v) for k, v in prompts.items()}
             r = run_arm(eng, arm, prompts, args, deadline)
             if eng.drafter is not None and hasattr(eng.drafter, "memory_report"):

@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if not dry:
-        torch.cuda.set_device(torch.device(dev))
+        d = torch.device(dev)
+        torch.cuda.set_device(d if d.index is not None else torch.device("cuda", 0))
     deadline = Deadline(args.max_seconds)
     res: dict[str, Any] = {"machine": machine(), "args": vars(args),
                            "shape": {"experts": E, "top_k": K, "hidden": H, "expert_width": NI},

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -56,6 +57,15 @@ class EngineRunner:
         self.new_tokens = new_tokens
         self.sampling = _greedy()
         self.should_stop: Callable[[], bool] | None = None     # the search's deadline, asked between windows
+        # an engine whose fixed-width step can follow the block: each arm runs at its own width (what it will cost
+        # once chosen), the target alone at width 1; the widths' greedy bits may differ
+        try:
+            self.widths = "width" in inspect.signature(engine.generate).parameters
+        except (TypeError, ValueError):
+            self.widths = False
+        # the CPU's fixed-width step is row-invariant within a width, not across widths (a 1-row and a k-row
+        # product round apart), so there too an arm is checked against the target alone at its own width
+        self.width_sensitive = self.widths
 
     def __call__(self, arm: Arm | None, task: str) -> RunOutcome:
         # no stop tokens: every run generates exactly `new_tokens`, so runs and arms are comparable
@@ -66,9 +76,23 @@ class EngineRunner:
             kw["draft"] = False
         else:
             kw.update(draft=True, block=arm.block, spec_min_p=arm.spec_min_p)
+        if self.widths:
+            kw["width"] = 1 if arm is None else arm.block
         if self.should_stop is not None:
             kw["cancel"] = self.should_stop
-        res = self.engine.generate(list(self.prompts[task].ids), **kw)
+        return self._outcome(self.engine.generate(list(self.prompts[task].ids), **kw))
+
+    def target_at(self, width: int, task: str) -> RunOutcome:
+        """The target alone through the fixed step of `width` rows."""
+        kw: dict[str, Any] = {"max_new_tokens": self.new_tokens, "stop_ids": set(), "draft": False, "width": width}
+        if self.sampling is not None:
+            kw["sampling"] = self.sampling
+        if self.should_stop is not None:
+            kw["cancel"] = self.should_stop
+        return self._outcome(self.engine.generate(list(self.prompts[task].ids), **kw))
+
+    @staticmethod
+    def _outcome(res: Any) -> RunOutcome:
         st = res.stats
         n = len(res.token_ids)
         decode_s = float(st.get("decode_s") or 0.0)

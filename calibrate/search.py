@@ -3,14 +3,21 @@
 Engine-agnostic: it drives a `Runner` (one greedy generation of one task's prompt for one arm, or for the target
 alone) and a clock, so the tests can replace both with deterministic fakes. Every speculative run is checked
 against the target-only greedy token ids: speculation must never change greedy output, so a mismatch is a
-runtime bug and raises `LosslessError` naming the arm and the prompt; such an arm is never picked.
+runtime bug and raises `LosslessError` naming the arm and the prompt; such an arm is never picked. Where the step's
+width follows the block (the runner says `width_sensitive`), an arm's reference is the target alone at the arm's
+width when it differs from the width-1 one (BF16 rounds a 1-row and a k-row step differently: docs/models.md,
+"Numerics").
 
 Stages (all timed runs in interleaved order so drift hits every arm alike; median per task, geometric mean
 across tasks):
   1. references: target alone, a warm-up run then a reference run per task (they must agree);
-  2. warm-up: one untimed run per distinct block size (kernels for each window width);
+  2. warm-up: one untimed run per distinct block size (kernels for each window width); where the target's
+     fixed-width step follows the block (a GPU), also the target alone at each of those widths: the step's cost
+     by width (`step_cost`, 1.0 at width 1) and each width's own greedy reference;
   3. coarse: blocks on a coarse ladder (2, 3, 4, 6, 8, 12, 16, ... and the ends) x every floor, one repeat;
-  4. refine: fill in the block sizes between the ladder rungs next to the best few coarse arms;
+  4. refine: fill in the block sizes between the ladder rungs next to the best few coarse arms, except a block
+     that could not win even with every proposal accepted and a free drafter (target tok/s x block / step cost
+     at that width, below the best measured);
   5. halving: the best arms get more repeats, keep the top half, again;
   6. confirm: the winner against the default head to head (alternating order); the default is kept unless the
      winner is faster by more than `min_gain` (3%).
@@ -70,9 +77,12 @@ class RunOutcome:
 
 
 class Runner(Protocol):
-    """One greedy generation of `task`'s prompt: `arm=None` means the target alone (no drafter). A runner with a
-    `should_stop` attribute gets the search's deadline there (asked between windows), so a run that takes far
-    longer than its estimate cannot carry the search past its budget."""
+    """One greedy generation of `task`'s prompt: `arm=None` means the target alone (no drafter), at width 1.
+
+    Optional: `width_sensitive` (True where the target's fixed-width step follows the block, so a block's windows
+    cost what that width costs and greedy bits can differ between widths), `target_at(width, task)`, the target
+    alone through the step of that width, and `should_stop`: the search sets its deadline there (asked between
+    windows), so a run that takes far longer than its estimate cannot carry the search past its budget."""
 
     def __call__(self, arm: Arm | None, task: str) -> RunOutcome: ...
 
@@ -186,6 +196,8 @@ class SearchResult:
     budget_s: float | None
     budget_hit: bool
     grid_size: int
+    step_cost: dict[int, float] = field(default_factory=dict)   # target step time by width, width 1 = 1.0
+    pruned: list[Arm] = field(default_factory=list)              # refine arms the cost bound ruled out
 
     @property
     def gain(self) -> float | None:
@@ -244,6 +256,8 @@ class SearchResult:
             "target_only_geomean_tok_s": _r(geomean_of(self.target_tok_s.get(t) for t in self.tasks)),
             "arms": [self.arm_row(a, self.arms[a]) for a in self.measured_arms()],
             "grid_size": self.grid_size,
+            "step_cost_by_width": {str(w): _r(c) for w, c in sorted(self.step_cost.items())},
+            "pruned_by_cost_bound": [a.to_dict() for a in self.pruned],
             "timed_runs": self.timed_runs(),
             "runs": len(self.samples),
             "seconds": round(self.seconds, 3),
@@ -287,6 +301,10 @@ class Search:
         self._planned = 0
         self._reserve = 0.0           # seconds kept back for the confirmation while sweeping
         self.budget_hit = False
+        self.width_sensitive = bool(getattr(runner, "width_sensitive", False))
+        self.width_refs: dict[tuple[str, int], list[int]] = {}
+        self.step_cost: dict[int, float] = {}
+        self.pruned: list[Arm] = []
 
     # ---- time ---------------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -342,11 +360,32 @@ class Search:
             self._check(arm, task, out.token_ids)
         return self._note(arm, task, phase, out, wall, timed=timed)
 
+    def _width_ref(self, task: str, width: int, reserve: float = 0.0) -> list[int]:
+        """The target alone at `width` (untimed; cached): the reference of that width's arms, and its speed."""
+        if (task, width) not in self.width_refs:
+            if not self.fits(self.estimate(task), reserve):
+                self.budget_hit = True
+                raise TimeBudgetSpent("reference")
+            t = self.clock()
+            out = self.runner.target_at(width, task)  # type: ignore[attr-defined]
+            if out.cancelled:
+                self.budget_hit = True
+                raise TimeBudgetSpent("reference")
+            self._note(None, task, f"reference-w{width}", out, self.clock() - t, timed=False)
+            self.width_refs[(task, width)] = list(out.token_ids)
+            if task == self.tasks[0] and out.tok_s > 0 and self.target_tok_s.get(task):
+                self.step_cost[width] = self.target_tok_s[task] / out.tok_s
+        return self.width_refs[(task, width)]
+
     def _check(self, arm: Arm, task: str, ids: Sequence[int]) -> None:
         ref = self.refs[task]
         got = list(ids)
         if got == ref:
             return
+        if self.width_sensitive and arm.block > 1:
+            ref = self._width_ref(task, arm.block)
+            if got == ref:
+                return
         i = next((k for k, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got)))
         want = ref[i] if i < len(ref) else "end of output"
         have = got[i] if i < len(got) else "end of output"
@@ -525,12 +564,15 @@ class Search:
         # default first so it is measured even when the budget cuts the coarse pass short
         coarse = [self.default] + [a for a in _spread(coarse) if a != self.default]
 
-        # warm-up: one untimed run per block size (on the first task), before any timing
+        # warm-up: one untimed run per block size (on the first task), before any timing; where the step's width
+        # follows the block, the target alone at that width too (its cost and its reference)
         if p.warmup:
-            self._planned += len(ladder)
+            self._planned += len(ladder) * (2 if self.width_sensitive else 1)
             for b in ladder:
                 arm = next(a for a in coarse if a.block == b)
                 self._run(arm, self.tasks[0], "warmup", timed=False, reserve=self.confirm_cost(1))
+                if self.width_sensitive:
+                    self._width_ref(self.tasks[0], b, reserve=self.confirm_cost(1))
 
         # budget plan: the whole coarse pass plus as many confirmation repeats as fit; else cut the coarse pass
         coarse_cost = len(coarse) * p.coarse_repeats * sum(self.typical(t) for t in self.tasks)
@@ -552,6 +594,9 @@ class Search:
             for b in range(lo + 1, hi):
                 cand = Arm(b, a.spec_min_p)
                 if cand in self.grid and cand not in self.arms and cand not in new:
+                    if self._cannot_win(cand):
+                        self.pruned.append(cand)
+                        continue
                     new.append(cand)
         if new:
             todo = self._affordable(new, p.coarse_repeats, self._reserve)
@@ -578,11 +623,33 @@ class Search:
             survivors = todo
         return self._best(survivors)
 
+    def cost_at(self, width: int) -> float | None:
+        """The target step's cost at `width` relative to width 1, interpolated between measured widths."""
+        pts = sorted({1: 1.0, **self.step_cost}.items())
+        if len(pts) < 2 or width > pts[-1][0]:
+            return None
+        for (w0, c0), (w1, c1) in zip(pts, pts[1:], strict=False):
+            if w0 <= width <= w1:
+                return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        return None
+
+    def _cannot_win(self, arm: Arm) -> bool:
+        """True when even a perfect drafter (every proposal accepted, drafting free) at this block could not beat
+        the best arm measured: the target's tok/s x block / the step's cost at that width."""
+        c = self.cost_at(arm.block)
+        tgt = geomean_of(self.target_tok_s.get(t) for t in self.tasks)
+        best = self._best()
+        if c is None or tgt is None or best is None:
+            return False
+        g = self.arms[best].geomean(self.tasks)
+        return g is not None and tgt * arm.block / c < g
+
     def _result(self, chosen: Arm, winner: Arm | None, decision: str, reason: str) -> SearchResult:
         return SearchResult(tasks=self.tasks, default=self.default, chosen=chosen, winner=winner, decision=decision,
                             reason=reason, arms=self.arms, confirm=self.confirm, target_tok_s=self.target_tok_s,
                             samples=self.samples, seconds=self.elapsed(), budget_s=self.max_seconds,
-                            budget_hit=self.budget_hit, grid_size=len(self.grid))
+                            budget_hit=self.budget_hit, grid_size=len(self.grid), step_cost=dict(self.step_cost),
+                            pruned=list(self.pruned))
 
 
 def _spread(arms: Sequence[Arm]) -> list[Arm]:

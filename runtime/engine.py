@@ -86,7 +86,8 @@ class Engine:
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.step = None   # runtime.gpu.static_step.StaticStep, built at the first generate
+        self.steps: dict[int, Any] = {}   # runtime.gpu.static_step.StaticStep by width (built when used)
+        self.step = None                  # the step the last generate used
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
@@ -181,12 +182,21 @@ class Engine:
         return cls.build(**args)
 
     # ------------------------------------------------------------------------------------------------ running
+    @property
+    def step_width(self) -> int:
+        """Rows of this engine's fixed-width target step: its configured block (1 without a drafter), for drafted
+        and target-only windows alike (docs/models.md, "Numerics")."""
+        return min(self.block, self.drafter.max_block) if self.drafter is not None else 1
+
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
                  stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
-                 cancel: Callable[[], bool] | None = None) -> GenerateResult:
+                 cancel: Callable[[], bool] | None = None, width: int | None = None) -> GenerateResult:
         """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
-        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled"."""
+        `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled".
+
+        `width`: the fixed step's rows for this run; default the engine's `step_width`, widened to `block`
+        when a run asks for wider windows. Greedy output is bit-identical between runs of the same width."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
@@ -194,6 +204,15 @@ class Engine:
             self.check_room(ids, 0)          # the one message, with advice that fits this context
         use = self.drafter if (draft and self.drafter is not None) else None
         blk = int(block if block is not None else self.block) if use is not None else 1
+        if use is not None:
+            blk = min(blk, use.max_block)
+        widest = self.drafter.max_block if self.drafter is not None else 1
+        if width is None:
+            width = max(self.step_width, blk)
+        elif not blk <= int(width) <= widest:
+            # wider than the drafter's largest window would resize the expert pool under captured graphs
+            raise EngineConfigError(f"width {width} must be between the block {blk} and the drafter's largest "
+                                    f"window {widest}.")
         mp = float(spec_min_p if spec_min_p is not None else self.spec_min_p)
         detok = IncrementalDetokenizer(self.tokenizer)
 
@@ -208,7 +227,7 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step(), should_stop=cancel)
+                           step=self.static_step(int(width)), should_stop=cancel)
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
@@ -218,17 +237,18 @@ class Engine:
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
     def use_routing_profile(self, profile: RoutingProfile) -> None:
-        """Place the expert slots by `profile` (offloaded experts only; otherwise it is just kept); the step's
-        captured graphs read the old pool, so the step is rebuilt at the next window."""
+        """Place the expert slots by `profile` (offloaded experts only; otherwise it is just kept); the steps'
+        captured graphs read the old pool, so the steps are rebuilt at the next window."""
         if self.experts.use_profile(profile):
+            self.steps.clear()
             self.step = None
 
     def record_routing(self, on: bool = True) -> None:
         """Count every MoE layer's router choices from now on (`experts.routing_profile()` reads them); the
         captured step graphs are dropped so the next ones include (or leave out) the counting."""
         self.experts.record_routing(on)
-        if self.step is not None:
-            self.step.graphs.clear()
+        for st in self.steps.values():
+            st.graphs.clear()
 
     def room(self, n_prompt: int) -> int:
         """How many tokens a prompt of `n_prompt` tokens leaves room for: the first comes from the prompt's last
@@ -275,18 +295,21 @@ class Engine:
         """Tokens the KV cache holds: prompt plus generated tokens must fit in it."""
         return self.kv.capacity
 
-    def static_step(self):
-        """The fixed-width decode/verify step: a CUDA graph on CUDA, eager row-invariant torch on the CPU. Its
-        width is the drafter's max_block for every window, target-only decoding included, so greedy output is the
-        same bits with and without drafting (runtime/gpu/static_step.py says why)."""
-        if self.step is None:
+    def static_step(self, width: int | None = None):
+        """The fixed-width decode/verify step of `width` rows (default `step_width`: the configured block, 1 without
+        a drafter): a CUDA graph on CUDA, eager row-invariant torch on the CPU (runtime/gpu/static_step.py).
+        Target-only decoding of this engine runs at the same width as its drafted windows, so greedy output is the
+        same bits with and without drafting, and a narrow block or an engine without a drafter does not pay for
+        rows it never fills (docs/models.md, "Numerics")."""
+        cuda = self.device.type == "cuda"
+        w = int(width if width is not None else self.step_width)
+        if w not in self.steps:
             from runtime.gpu.static_step import StaticStep
 
-            cuda = self.device.type == "cuda"
-            width = self.drafter.max_block if self.drafter is not None else 1
-            self.step = StaticStep(self.model, self.kv, width, graph=self.graphs and cuda)
+            self.steps[w] = StaticStep(self.model, self.kv, w, graph=self.graphs and cuda)
             if cuda and self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
                 self.drafter.graphs = self.drafter.make_graphs()
+        self.step = self.steps[w]
         return self.step
 
     # ------------------------------------------------------------------------------------------------ reporting

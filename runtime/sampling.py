@@ -61,6 +61,18 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return g
 
 
+def gumbel_pick(logp: Tensor, u: Tensor) -> Tensor:
+    """argmax(logp + g) with Gumbel noise g = -log(-log(u)) from uniforms u in [0, 1) (same shape): a draw from
+    softmax(logp) along the last dim (from p itself when logp = log p; -inf entries are never drawn). The randomness
+    comes in as a tensor filled before the call, so a CUDA graph can hold the draw itself."""
+    return torch.argmax(logp - torch.log(-torch.log(u)), dim=-1)
+
+
+def sampling_key(sp: SamplingParams | None) -> tuple | None:
+    """What a captured sampler depends on (the seed is not: the noise is filled outside the graph)."""
+    return None if sp is None or sp.greedy else (sp.temperature, sp.top_k, sp.top_p)
+
+
 def draw(p: Tensor, generator: torch.Generator | None) -> int:
     """One token id from a probability row [V]."""
     return int(torch.multinomial(p, 1, generator=generator).item())

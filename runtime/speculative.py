@@ -5,6 +5,10 @@ Greedy: the longest prefix equal to the target's argmax, then the target's own t
 with probability min(1, p(x)/q(x)); at the first rejection draw from normalise(max(p - q, 0)); if all are
 accepted draw the bonus from p. The target KV is rolled back to the committed length after every window.
 No drafter (or block 1) is plain decoding through the same code.
+
+One host read per window (docs/models.md, "Speculative loop"): proposals, the floor cut (`Proposal.keep`), the
+window and the acceptance stay on the device; the host reads the accepted count and the tokens once, after the
+verify forward, in one transfer. Draft and verify times are CUDA events on a GPU (read at the end).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import Tensor
 from runtime.drafters.base import Drafter
 from runtime.errors import UsageError
 from runtime.kv import KVCache
-from runtime.sampling import SamplingParams, draw, make_generator, pick, probs
+from runtime.sampling import SamplingParams, make_generator, pick, probs
 
 
 @dataclass
@@ -32,6 +36,37 @@ class LoopResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class _Clock:
+    """Draft and verify time per window. On a GPU: CUDA events, read after the last window (reading one earlier
+    would be a host sync); on a CPU: the wall clock (work is synchronous there)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.spans: dict[str, list] = {}
+        self.host: dict[str, float] = {}
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, kind: str, t0) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.spans.setdefault(kind, []).append((t0, e))
+        else:
+            self.host[kind] = self.host.get(kind, 0.0) + time.perf_counter() - t0
+
+    def seconds(self, kind: str) -> float:
+        """Total seconds of `kind` (call after a sync)."""
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.spans.get(kind, [])) / 1e3
+        return self.host.get(kind, 0.0)
 
 
 def prefill(model, kv: KVCache, ids: list[int], taps: tuple[int, ...], chunk: int,
@@ -51,12 +86,39 @@ def prefill(model, kv: KVCache, ids: list[int], taps: tuple[int, ...], chunk: in
     return last
 
 
-def _accept_greedy(logits: Tensor, draft: list[int]) -> tuple[int, list[int]]:
-    tgt = torch.argmax(logits, dim=-1).tolist()
-    acc = 0
-    while acc < len(draft) and draft[acc] == tgt[acc]:
-        acc += 1
-    return acc, draft[:acc] + [tgt[acc]]
+def _as_tokens(draft, device: torch.device) -> Tensor | None:
+    if draft is None:
+        return None
+    if not isinstance(draft, Tensor):
+        draft = torch.tensor(list(draft), dtype=torch.long)
+    return draft.to(device=device, dtype=torch.long)
+
+
+def _read(acc: Tensor, keep: Tensor | None, *rows: Tensor) -> tuple[int, int | None, list[int]]:
+    """The window's one host read: the accepted count, the floor's keep count and the token rows, in one transfer."""
+    parts = [acc.reshape(1).long()] + ([keep.reshape(1).long()] if keep is not None else []) + [r.long() for r in rows]
+    vals = torch.cat(parts).tolist()
+    if keep is None:
+        return vals[0], None, vals[1:]
+    return vals[0], vals[1], vals[2:]
+
+
+def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | None = None
+                          ) -> tuple[int, int, list[int], list[int], Tensor]:
+    """Greedy acceptance on the device, one host read: returns (accepted, proposed, new tokens, draft tokens,
+    the last new token as a device tensor [1]). Rows at or past `keep` are not proposals."""
+    tgt = torch.argmax(logits, dim=-1)                                    # [m+1]
+    m = 0 if draft is None else int(draft.shape[0])
+    if m == 0:
+        acc = torch.zeros((), dtype=torch.long, device=tgt.device)
+        a, _, vals = _read(acc, None, tgt[:1])
+        return 0, 0, vals, [], tgt[:1]
+    ok = draft == tgt[:m]
+    if keep is not None:
+        ok = ok & (torch.arange(m, device=tgt.device) < keep)
+    acc = torch.cumprod(ok.to(torch.int32), 0).sum()
+    a, k, vals = _read(acc, keep, tgt, draft)
+    return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], tgt[a:a + 1]
 
 
 def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
@@ -64,28 +126,58 @@ def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
     return torch.rand(m, generator=gen, device=device)
 
 
-def _accept_sampled(logits: Tensor, draft: list[int], q: Tensor | None, sp: SamplingParams,
-                    gen: torch.Generator) -> tuple[int, list[int]]:
-    p = probs(logits, sp)                       # [m+1, V]
-    m = len(draft)
+def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | None, sp: SamplingParams,
+                           gen: torch.Generator, keep: Tensor | None = None
+                           ) -> tuple[int, int, list[int], list[int], Tensor]:
+    """Rejection sampling on the device (same draws as the textbook loop: m uniforms, then one token from the
+    residual of the first rejected row, or from p of the row after the last proposal), one host read."""
+    p = probs(logits, sp)                                                 # [m+1, V]
+    m = 0 if draft is None else int(draft.shape[0])
+    dev = p.device
     if m:
         if q is None or q.shape[0] != m:
             raise RuntimeError("the drafter returned no draft distribution q for a sampled proposal.")
-        q = q.to(p.device, torch.float32)
-        idx = torch.arange(m, device=p.device)
-        d = torch.tensor(draft, device=p.device)
+        q = q.to(dev, torch.float32)
+        idx = torch.arange(m, device=dev)
+        d = draft.clamp(0, p.shape[-1] - 1)             # an id outside the vocabulary is refused after the read
         px, qx = p[idx, d], q[idx, d]
-        u = _uniforms(m, gen, p.device)
+        u = _uniforms(m, gen, dev)
         # u < p/q without dividing; strict, so a token the target cannot emit (p = 0) is never accepted, not
         # even when u draws exactly 0 (once in 2^24 draws in float32)
-        ok = (u * qx < px).tolist()
-        for i in range(m):
-            if not ok[i]:
-                resid = torch.clamp(p[i] - q[i], min=0.0)
-                s = float(resid.sum())
-                row = resid / s if s > 0 else p[i]
-                return i, draft[:i] + [draw(row, gen)]
-    return m, draft + [draw(p[m], gen)]
+        ok = u * qx < px
+        if keep is not None:
+            ok = ok & (idx < keep)
+        acc = torch.cumprod(ok.to(torch.int32), 0).sum()
+        rejected = acc < (keep if keep is not None else m)
+        at = acc.reshape(1).long()
+        pr = p.index_select(0, at)[0]
+        qr = torch.cat((q, torch.zeros_like(q[:1]))).index_select(0, at)[0]
+        resid = torch.clamp(pr - qr * rejected, min=0.0)
+        s = resid.sum()
+        row = torch.where(rejected & (s > 0), resid / s.clamp_min(torch.finfo(resid.dtype).tiny), pr)
+    else:
+        acc = torch.zeros((), dtype=torch.long, device=dev)
+        row = p[0]
+    tok = torch.multinomial(row, 1, generator=gen)
+    rows = (draft, tok) if m else (tok,)
+    a, k, vals = _read(acc, keep, *rows)
+    return a, (m if k is None else k), vals[:a] + [vals[-1]], vals[:m], tok
+
+
+def _accept_greedy(logits: Tensor, draft, keep: Tensor | None = None) -> tuple[int, list[int]]:
+    """(accepted, committed tokens) for a greedy window: the longest prefix equal to the target's argmax, then the
+    target's own token."""
+    a, _, new, _, _ = _accept_greedy_window(logits, _as_tokens(draft, logits.device), keep)
+    return a, new
+
+
+def _accept_sampled(logits: Tensor, draft, q: Tensor | None, sp: SamplingParams, gen: torch.Generator,
+                    keep: Tensor | None = None) -> tuple[int, list[int]]:
+    """(accepted, committed tokens) for a sampled window: accept x with probability min(1, p(x)/q(x)); at the first
+    rejection draw from normalise(max(p - q, 0)); if all are accepted draw the bonus from p."""
+    d = _as_tokens(draft, logits.device)
+    a, _, new, _, _ = _accept_sampled_window(logits, d if d is not None and d.numel() else None, q, sp, gen, keep)
+    return a, new
 
 
 def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter | None = None,
@@ -133,13 +225,13 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
 
     with torch.no_grad():
         kv.reset()
+        clock = _Clock(dev)
         t0 = time.perf_counter()
-        obs_s = [0.0]
 
         def observe_chunk(tokens: Tensor, hidden: Tensor, tap_rows: Tensor | None, start: int) -> None:
-            ta = time.perf_counter()
+            ta = clock.start()
             drafter.observe(tokens, hidden, tap_rows, start)
-            obs_s[0] += time.perf_counter() - ta
+            clock.stop("observe_prompt", ta)
 
         if use_draft:
             drafter.reset()
@@ -147,12 +239,15 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         first = pick(last, sp, gen)
         _sync(dev)
         t1 = time.perf_counter()
-        stats["prefill_s"] = t1 - t0 - obs_s[0]
-        stats["draft_s"] += obs_s[0]
+        obs_s = clock.seconds("observe_prompt")
+        stats["prefill_s"] = max(0.0, t1 - t0 - obs_s)
         out = [first]
         if on_tokens:
             on_tokens([first])
         anchor, pos = first, n_prompt
+        # the anchor also lives on the device: each window's last token is taken from the device result, so a window
+        # is assembled there (anchor + proposals) and the host reads once per window, in the acceptance
+        anchor_dev = torch.tensor([first], dtype=torch.long, device=dev)
         if first in stop_ids:
             res.stop_reason = "stop"
         while res.stop_reason != "stop" and len(out) < max_new_tokens:
@@ -164,20 +259,20 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 break
             remaining = max_new_tokens - len(out)
             k = min(block - 1, remaining - 1, kv.capacity - pos - 1) if use_draft else 0
-            draft: list[int] = []
-            q = None
+            draft = q = keep = None
             if k > 0:
-                ta = time.perf_counter()
+                ta = clock.start()
                 prop = drafter.propose(anchor, pos, k, min_p=spec_min_p, sampling=None if sp.greedy else sp,
                                        generator=gen)
-                draft = [int(t) for t in prop.tokens.tolist()][:k]
-                q = prop.q[: len(draft)] if prop.q is not None else None
-                bad = [t for t in draft if not 0 <= t < V]
-                if bad:
-                    raise RuntimeError(f"the drafter proposed token id {bad[0]}, outside the vocabulary ({V}).")
-                stats["draft_s"] += time.perf_counter() - ta
-            tv = time.perf_counter()
-            window = torch.tensor([[anchor] + draft], dtype=torch.long, device=dev)
+                draft = _as_tokens(prop.tokens[:k], dev)
+                q = prop.q[: draft.shape[0]] if prop.q is not None else None
+                keep = prop.keep
+                if draft.shape[0] == 0:
+                    draft = None
+                clock.stop("draft", ta)
+            tv = clock.start()
+            # ids outside the vocabulary are clamped for the forward and refused after the window's one read
+            window = (anchor_dev if draft is None else torch.cat((anchor_dev, draft.clamp(0, V - 1))))[None]
             if step is not None and step.accepts(window.shape[1], taps):
                 o = step(window, kv, taps)
             else:
@@ -187,11 +282,14 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 logits_buf[: logits.shape[0]].copy_(logits)
                 logits = logits_buf[: logits.shape[0]]
             if sp.greedy:
-                acc, new = _accept_greedy(logits, draft)
+                acc, proposed, new, drafted, anchor_dev = _accept_greedy_window(logits, draft, keep)
             else:
-                acc, new = _accept_sampled(logits, draft, q, sp, gen)
+                acc, proposed, new, drafted, anchor_dev = _accept_sampled_window(logits, draft, q, sp, gen, keep)
+            bad = [t for t in drafted[:proposed] if not 0 <= t < V]
+            if bad:
+                raise RuntimeError(f"the drafter proposed token id {bad[0]}, outside the vocabulary ({V}).")
             kv.rollback(pos + acc + 1)
-            stats["verify_s"] += time.perf_counter() - tv
+            clock.stop("verify", tv)
             for j, t in enumerate(new):
                 if t in stop_ids:
                     new = new[: j + 1]
@@ -201,7 +299,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
             # accepted proposals that are emitted (none past a stop token): accepted <= generated_tokens - 1
             emitted = min(acc, len(new))
             stats["windows"] += 1
-            stats["proposed"] += len(draft)
+            stats["proposed"] += proposed
             stats["accepted"] += emitted
             stats["accepted_per_window"].append(emitted)   # one entry per window, target-only windows too
             out.extend(new)
@@ -210,15 +308,17 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
             if res.stop_reason == "stop" or len(out) >= max_new_tokens:
                 break
             if use_draft:
-                ta = time.perf_counter()
+                ta = clock.start()
                 taps_rows = o.taps[0, : acc + 1] if o.taps is not None else None
                 drafter.observe(window[0, : acc + 1], o.hidden[0, : acc + 1], taps_rows, pos)
-                stats["draft_s"] += time.perf_counter() - ta
+                clock.stop("draft", ta)
             anchor, pos = new[-1], pos + acc + 1
         _sync(dev)
         t2 = time.perf_counter()
     res.token_ids = out
     stats["generated_tokens"] = len(out)
+    stats["draft_s"] = obs_s + clock.seconds("draft")
+    stats["verify_s"] = clock.seconds("verify")
     stats["decode_s"] = t2 - t1
     # tokens made by decode windows (the first token comes from prefill) per second of decode
     stats["decode_tok_s"] = ((len(out) - 1) / stats["decode_s"]) if stats["decode_s"] > 0 else 0.0

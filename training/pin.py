@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ ENTRIES = (
      "Bundled strata-nano target: qwen3_moe, 6 layers, hidden 256, 8 experts top-2, with an MTP head; trained on "
      "the Python standard library's source (training/README.md). Works offline."),
     ("strata-nano-dflash2", "dflash2", {"fits": ["strata-nano"], "default": True},
-     "Bundled DFlash2 head for strata-nano (5 layers, block 8); the default head."),
+     "Bundled DFlash2 head for strata-nano ({layers} layers, block {block}); the default head."),
     ("strata-nano-dflash2-turbo", "dflash2", {"fits": ["strata-nano"], "default": False},
      "Bundled DFlash2 head for strata-nano trained longer for block 16 (stands in for turbo-brilliance)."),
 )
@@ -63,6 +64,15 @@ def _toml_value(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _describe(desc: str, folder: Path) -> str:
+    """Fill `{layers}` and `{block}` from a head's config.json (the default head's depth is a recipe choice)."""
+    if "{" not in desc:
+        return desc
+    cfg = json.loads((folder / "config.json").read_text())
+    block = (cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size"))
+    return desc.format(layers=cfg["num_hidden_layers"], block=block)
+
+
 def render(bundled: Path = BUNDLED) -> str:
     """The text between the markers (markers included)."""
     lines = [BEGIN,
@@ -70,6 +80,7 @@ def render(bundled: Path = BUNDLED) -> str:
              "# the lines \"<sha256>  <path>\\n\" of the folder's files in path order (a content id, not a git commit)."]
     for name, kind, extra, desc in ENTRIES:
         pins = file_pins(bundled / name)
+        desc = _describe(desc, bundled / name)
         lines += ["", "[[entry]]", f"name = {_toml_value(name)}", f"kind = {_toml_value(kind)}",
                   'source = "bundled"', f"repo = {_toml_value(name)}", f"revision = {_toml_value(revision_of(pins))}"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in extra.items()]

@@ -2,7 +2,9 @@
 
 Protocol in one line: `observe` hands the drafter the committed positions (tokens, the target's post-norm hidden,
 taps); `propose` drafts up to n tokens after the anchor. A drafter keeps only what `observe` gave it, so rejected
-rows never leave a trace.
+rows never leave a trace. Neither needs a host read on a GPU: tokens, hidden states and taps stay on the device,
+and a proposal's floor cut may stay there too (`Proposal.keep`); the loop reads once per window (docs/models.md,
+"Speculative loop").
 """
 
 from __future__ import annotations
@@ -18,9 +20,20 @@ from runtime.sampling import SamplingParams
 
 @dataclass
 class Proposal:
-    tokens: Tensor            # [m] int64, m <= n
+    tokens: Tensor            # [m] int64, m <= n, on any device (the loop reads them once per window, if at all)
     q: Tensor | None          # [m, V] float32 draft distribution per row (sampling only)
     confidence: Tensor        # [m] float32 (the spec_min_p statistic)
+    # 0-d int64 on the device, or None (all m rows): only rows < keep are proposals. A drafter that cuts at the
+    # floor on the device returns all rows and this count, so the host reads nothing before the verify window.
+    keep: Tensor | None = None
+
+
+def floor_keep(conf: Tensor, min_p: float | Tensor) -> Tensor:
+    """How many drafted rows stay (0-d int64 on conf's device): up to, not including, the first row whose confidence
+    is under the floor `min_p` (a float, or a device tensor so that one CUDA graph serves every floor). Made on the
+    device, so a window's floor cut needs no host read."""
+    ok = (conf >= min_p).to(torch.int32)
+    return torch.cumprod(ok, 0).sum().to(torch.long)
 
 
 @runtime_checkable

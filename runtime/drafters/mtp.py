@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.drafters.base import Proposal
+from runtime.drafters.base import Proposal, floor_keep
 from runtime.gpu import attention_kernels, kernels, moe_kernels
-from runtime.gpu.capture import GraphSet, cut_at_floor
+from runtime.gpu.capture import GraphSet
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
-from runtime.sampling import SamplingParams, draw, probs
+from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
 class MTPDrafter:
@@ -38,6 +38,8 @@ class MTPDrafter:
         self.last_g: Tensor | None = None
         self.next_pos = 0
         self.graphs = None   # MTPGraphs (below), set by the engine on CUDA (greedy windows)
+        # the eager chain stops at the floor on the host (a free read on a CPU), else runs on and cuts on the device
+        self.host_cut = p.device.type == "cpu"
 
     def reset(self) -> None:
         self.kv.reset()
@@ -84,40 +86,41 @@ class MTPDrafter:
         if pos != self.next_pos or self.last_g is None:
             raise RuntimeError(f"MTP drafter asked to draft at position {pos}, it has observed up to {self.next_pos}.")
         n = min(n, self.max_block - 1)
-        if self.graphs is not None and (sampling is None or sampling.greedy):
-            prop = self.graphs.propose(anchor, pos, n, min_p)
+        if self.graphs is not None:
+            prop = self.graphs.propose(anchor, pos, n, min_p, sampling, generator)
             if prop is not None:
                 return prop
         committed = self.kv.length
         dev = self.kv.k.device
-        tok = torch.tensor([anchor], device=dev)
+        cpu = self.host_cut
+        tok = torch.full((1,), int(anchor), dtype=torch.long, device=dev)   # a fill, not a host-to-device copy
         g = self.last_g[None]
-        out, qs, conf = [], [], []
+        toks, qs, confs = [], [], []
         for i in range(n):
             h = self._step(tok, g, pos + i)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
             lg = self.model.lm_head(h)[0].float()
             self.logits_buf[i].copy_(lg)
-            p1 = torch.softmax(lg, -1)
-            c = float(p1.max())
-            if min_p > 0 and c < min_p:
+            c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
+            if cpu and min_p > 0 and float(c) < min_p:
                 break
             if sampling is None or sampling.greedy:
-                t = int(torch.argmax(lg))
+                t = torch.argmax(lg, dim=-1, keepdim=True)
             else:
                 q = probs(lg, sampling)
-                t = draw(q, generator)
+                t = torch.multinomial(q, 1, generator=generator)
                 qs.append(q)
-            out.append(t)
-            conf.append(c)
-            tok = torch.tensor([t], device=dev)
-            g = h
+            toks.append(t)
+            confs.append(c)
+            tok, g = t, h
         self.kv.rollback(committed)
+        conf = torch.stack(confs) if confs else torch.zeros(0, device=dev)
         return Proposal(
-            tokens=torch.tensor(out, dtype=torch.long),
+            tokens=torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=dev),
             q=torch.stack(qs) if qs else None,
-            confidence=torch.tensor(conf, dtype=torch.float32),
+            confidence=conf,
+            keep=floor_keep(conf, min_p) if min_p > 0 and not cpu and confs else None,
         )
 
     def make_graphs(self) -> MTPGraphs:
@@ -131,8 +134,9 @@ class MTPDrafter:
 
 
 class MTPGraphs(GraphSet):
-    """Greedy chained drafting of n steps and observing up to `max_block` committed rows for an `MTPDrafter`
-    (needs the Triton kernels: the cached attention reads each row's slot on the device)."""
+    """Chained drafting of n steps (greedy, or sampled: a Gumbel-max draw from `probs` with uniforms filled before
+    the replay) and observing up to `max_block` committed rows for an `MTPDrafter`, one graph each (needs the
+    Triton kernels: the cached attention reads each row's slot on the device)."""
 
     def __init__(self, drafter) -> None:
         super().__init__(drafter.kv.k.device)
@@ -143,6 +147,7 @@ class MTPGraphs(GraphSet):
         self.g_in = torch.zeros(1, H, dtype=dt, device=self.dev)
         self.obs_tok = torch.zeros(self.R, dtype=torch.long, device=self.dev)
         self.obs_g = torch.zeros(self.R, H, dtype=dt, device=self.dev)
+        self.noise = torch.zeros(self.R, drafter.model.cfg.vocab_size, dtype=torch.float32, device=self.dev)
         self.enabled = kernels.available(drafter.kv.k)
 
     def _rows(self, tok: Tensor, g: Tensor, p: Tensor, slot: Tensor) -> Tensor:
@@ -172,35 +177,47 @@ class MTPGraphs(GraphSet):
             y = mlp(h)
         return mtp.norm(x + y)[0]
 
-    def _chain(self, n: int) -> tuple[Tensor, Tensor]:
+    def _chain(self, n: int, sp: SamplingParams | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         lm_head = self.d.model.lm_head
         tok, g = self.scal[0:1], self.g_in
         p = self.scal[1:2]
-        toks, confs = [], []
-        for _ in range(n):
+        toks, confs, qs = [], [], []
+        for i in range(n):
             h = self._rows(tok, g, p, (p - 1).to(torch.int32))
             lg = lm_head(h).float()
-            t = torch.argmax(lg, dim=-1)
-            confs.append(torch.softmax(lg, dim=-1).gather(-1, t[:, None])[:, 0])
+            confs.append(torch.softmax(lg, dim=-1).amax(-1))     # top-1 probability: the floor's statistic
+            if sp is None:
+                t = torch.argmax(lg, dim=-1)
+            else:
+                q = probs(lg, sp)
+                t = gumbel_pick(torch.log(q), self.noise[i:i + 1])
+                qs.append(q)
             toks.append(t)
             tok, g, p = t, h, p + 1
-        return torch.cat(toks), torch.cat(confs)
+        conf = torch.cat(confs)
+        return torch.cat(toks), conf, floor_keep(conf, self.floor), torch.cat(qs) if qs else None
 
-    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+    def propose(self, anchor: int, pos: int, n: int, min_p: float, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal | None:
         d = self.d
         if not self.enabled or n <= 0 or d.last_g is None or d.kv.length != pos - 1 \
                 or pos - 1 + n > d.kv.capacity:
             return None
+        sk = sampling_key(sampling)
+        sp = sampling if sk is not None else None
         self._set(anchor, pos)
+        self._set_floor(min_p)
         self.g_in.copy_(d.last_g[None])
-        out = self._run(("chain", n), lambda: self._chain(n))
+        if sp is not None:
+            self.noise[:n].uniform_(generator=generator)      # the draws' randomness, outside the graph
+        out = self._run(("chain", n, sk), lambda: self._chain(n, sp))
         if out is None:
             return None
-        toks, conf = out
+        toks, conf, keep, q = out
         d.kv.length = pos            # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
-        c = conf.tolist()
-        m = cut_at_floor(c, min_p)
-        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+        # all n rows and the floor's count, on the device: the loop reads nothing before verifying
+        return Proposal(tokens=toks.clone(), q=None if q is None else q.clone(), confidence=conf.clone(),
+                        keep=keep.clone())
 
     def _observe(self) -> None:
         R = self.R

@@ -37,46 +37,58 @@ def capture(fn) -> tuple[torch.cuda.CUDAGraph, object]:
     return g, out
 
 
-def cut_at_floor(conf: list[float], min_p: float) -> int:
-    """How many drafted rows stay: up to (not including) the first whose confidence is under the floor."""
-    if min_p > 0:
-        for i, c in enumerate(conf):
-            if c < min_p:
-                return i
-    return len(conf)
+class HostScalars:
+    """A few numbers from the host into a device tensor without a host sync: a ring of pinned host buffers, each
+    reused only once its last copy is done (an event, not a stream sync: the host may queue the next graph while
+    the GPU still runs the previous one). Elsewhere (CPU) a plain copy."""
 
-
-class GraphSet:
-    """Graphs keyed by shape, replayed with scalars copied in through a ring of pinned host buffers."""
-
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, n: int, dtype: torch.dtype = torch.long, ring: int = 4) -> None:
         self.dev = device
-        self.scal = torch.zeros(3, dtype=torch.long, device=device)   # anchor, pos, start
-        self.cuda = device.type == "cuda"   # elsewhere (tests) the same functions run eagerly, no graph
-        # a ring of pinned host buffers, each reused only once its last copy is done (an event, not a stream sync:
-        # the host may queue the next graph while the GPU still runs the previous one)
-        self.ring = [torch.zeros(3, dtype=torch.long) for _ in range(4)]
+        self.cuda = device.type == "cuda"
+        self.t = torch.zeros(n, dtype=dtype, device=device)
+        self.ring = [torch.zeros(n, dtype=dtype) for _ in range(ring)]
         if self.cuda:
             self.ring = [h.pin_memory() for h in self.ring]
         self.events = [torch.cuda.Event() if self.cuda else None for _ in self.ring]
-        self.used = [False] * len(self.ring)
+        self.used = [False] * ring
         self.slot = 0
+
+    def set(self, *vals: float) -> Tensor:
+        i = self.slot
+        self.slot = (i + 1) % len(self.ring)
+        host, ev = self.ring[i], self.events[i]
+        if ev is not None and self.used[i]:
+            ev.synchronize()                             # this pinned buffer may still feed its last copy
+        for j, v in enumerate(vals):
+            host[j] = v
+        self.t.copy_(host, non_blocking=self.cuda)
+        if ev is not None:
+            ev.record()
+            self.used[i] = True
+        return self.t
+
+
+class GraphSet:
+    """Graphs keyed by shape, replayed with scalars (anchor, position, start) and a confidence floor copied in
+    through rings of pinned host buffers (`HostScalars`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.dev = device
+        self.host_scal = HostScalars(device, 3)
+        self.host_floor = HostScalars(device, 1, torch.float32)
+        self.scal = self.host_scal.t                                  # anchor, pos, start
+        self.floor = self.host_floor.t                                # spec_min_p
+        self.cuda = device.type == "cuda"   # elsewhere (tests) the same functions run eagerly, no graph
         self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.enabled = True
         self.errors: list[str] = []
         self.replays = 0
 
     def _set(self, a: int = 0, b: int = 0, c: int = 0) -> None:
-        i = self.slot
-        self.slot = (i + 1) % len(self.ring)
-        host, ev = self.ring[i], self.events[i]
-        if ev is not None and self.used[i]:
-            ev.synchronize()                             # this pinned buffer may still feed its last copy
-        host[0], host[1], host[2] = a, b, c
-        self.scal.copy_(host, non_blocking=self.cuda)
-        if ev is not None:
-            ev.record()
-            self.used[i] = True
+        self.host_scal.set(a, b, c)
+
+    def _set_floor(self, min_p: float) -> None:
+        self.host_floor.set(float(min_p))
 
     def _run(self, key: object, fn) -> object | None:
         if not self.enabled:
@@ -96,6 +108,7 @@ class GraphSet:
         g.replay()
         self.replays += 1
         return out
+
 
 def stack_linears(mods: list) -> Tensor | None:
     """One [sum(out), in] matrix whose row blocks become the modules' weights (views: same bytes, no copy kept),

@@ -9,7 +9,7 @@ Why one width also for the one-token decode: in BF16 a 1-row and a k-row matmul 
 near-tie, which would break "greedy speculative output == target-only greedy output". At one width every row goes
 through the same kernels with the same shapes, and the Triton kernels (attention, grouped MoE) are row-invariant by
 construction, so a token's logits have the same bits whether it is verified alone or in a window. The engine
-therefore uses W = the drafter's max_block for every window, target-only decoding included.
+therefore runs target-only decoding at the same width as its drafted windows (runtime/engine.py, `step_width`).
 
 Without Triton the same step runs eagerly through torch. On a GPU that is the fallback (full-capacity masked
 attention, the MoE loop). On the CPU it is the engine's step, and it keeps the GPU's promise without kernels: every
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
+from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
 from runtime.models.qwen3_moe import TargetOutput
@@ -40,6 +41,10 @@ class StaticStep:
         dev = kv.k.device
         self.ids = torch.zeros(1, self.width, dtype=torch.long, device=dev)
         self.pos = torch.full((self.width,), -1, dtype=torch.int32, device=dev)
+        # (start, rows) from the host through pinned buffers; the rows' positions are made on the device, inside
+        # the graph: a window costs no host sync before its forward
+        self.host = HostScalars(dev, 2)
+        self.ar = torch.arange(self.width, dtype=torch.long, device=dev)
         p = next(model.parameters())
         moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
         # experts in an offload pool (runtime/experts.py): size it for this width before anything is captured
@@ -174,6 +179,12 @@ class StaticStep:
         tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
         return logits, hidden, tap_t
 
+    def _step(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The captured function: positions from the device scalars (rows past the window at -1), then the forward."""
+        start, rows = self.host.t[0:1], self.host.t[1:2]
+        self.pos.copy_(torch.where(self.ar < rows, start + self.ar, -1))
+        return self._forward(taps)
+
     def _forward(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.fused:
             return self._forward_fused(taps)
@@ -218,9 +229,9 @@ class StaticStep:
     def _capture(self, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, tuple]:
         from runtime.gpu.capture import capture
 
-        self.pos.fill_(-1)            # warm-up and capture write nothing to the cache
+        self.host.set(0, 0)           # warm-up and capture write nothing to the cache (every row at -1)
         self.ids.zero_()
-        return capture(lambda: self._forward(taps))
+        return capture(lambda: self._step(taps))
 
     def _degrade(self, e: Exception) -> None:
         """Step down one level (fused -> unfused kernels -> plain torch, no graph) and remember why."""
@@ -247,21 +258,16 @@ class StaticStep:
             raise ValueError(f"window of {T} rows does not fit the static step width {self.width}.")
         if start + T > kv.capacity:
             raise ValueError(f"{start + T} positions exceed the KV cache capacity {kv.capacity}; raise the context.")
-        p = torch.full((self.width,), -1, dtype=torch.int32)
-        p[:T] = torch.arange(start, start + T, dtype=torch.int32)
-        self.window = (start, T)
-        self.pos.copy_(p, non_blocking=True)
-        self.ids[:, :T].copy_(window)
-        if T < self.width:
-            self.ids[:, T:].zero_()
         key = tuple(taps)
         if self.use_graph and key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(key)
             except Exception as e:  # a kernel that does not build or a capture that fails: run eagerly instead
                 self._degrade(e)
-            self.pos.copy_(p)
-            self.ids[:, :T].copy_(window)
+        self.host.set(start, T)
+        self.window = (start, T)          # the same two numbers on the host, for the CPU's row-invariant paths
+        self.ids[:, :T].copy_(window)
+        if T < self.width:
             self.ids[:, T:].zero_()
         if self.use_graph and key in self.graphs:
             g, out = self.graphs[key]
@@ -269,12 +275,12 @@ class StaticStep:
             self.replays += 1
         else:
             try:
-                out = self._forward(key)
+                out = self._step(key)
             except Exception as e:
                 if not self.use_kernels:
                     raise
                 self._degrade(e)
-                out = self._forward(key)
+                out = self._step(key)
         logits, hidden, tap_t = out
         if self.use_kernels or self.cpu:   # these paths bypass SparseMoe.forward: count the T real rows here
             for layer in self.model.model.layers:

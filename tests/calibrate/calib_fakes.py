@@ -93,3 +93,32 @@ class FakeEngine:
 
 
 FAKE_PROMPTS = {"code": "c" * 10, "math": "m" * 11, "prose": "p" * 12, "long": "l" * 13}
+
+
+@dataclass
+class WidthFakeEngine(FakeEngine):
+    """A GPU-like fake: `generate(width=...)` runs the target's fixed step at `width` rows, which costs
+    `step_cost(width)` times the width-1 step, and whose greedy ids differ from width 1's from token 5 on for the
+    widths in `flips` (BF16 near-ties rounding differently); drafted runs return their width's ids."""
+
+    step_cost: Any = None
+    flips: tuple[int, ...] = ()
+    device: Any = field(default_factory=lambda: SimpleNamespace(type="cuda"))
+    widths_seen: list[tuple[bool, int]] = field(default_factory=list)
+
+    def generate(self, prompt, max_new_tokens=128, sampling=None, block=None, spec_min_p=None, draft=True,
+                 stop_ids=None, on_text=None, width=None, cancel=None):
+        w = int(width if width is not None else (block if draft else 1))
+        self.widths_seen.append((draft, w))
+        res = super().generate(prompt, max_new_tokens, sampling, block, spec_min_p, draft, stop_ids, on_text,
+                               cancel=cancel)
+        if res.stats.get("stop_reason") == "cancelled":
+            return res
+        if not draft and self.step_cost is not None:
+            extra = res.stats["decode_s"] * (self.step_cost(w) - 1.0)
+            self.clock.advance(extra)
+            res.stats["decode_s"] += extra
+            res.stats["decode_tok_s"] = max_new_tokens / res.stats["decode_s"]
+        if w in self.flips:
+            res.token_ids = res.token_ids[:5] + [(t + 1) % 50 for t in res.token_ids[5:]]
+        return res

@@ -297,3 +297,41 @@ def test_a_cut_short_calibration_prints_what_it_measured_and_no_empty_table():
     buf = io.StringIO()
     _print_calibration(result_from_search(None, sr2, facts2), Console(file=buf, width=200))
     assert "calibration sweep" in buf.getvalue()
+
+
+def test_each_arm_runs_at_its_own_width_and_is_checked_against_that_width():
+    """On a GPU-like engine the target alone runs at width 1 and each arm at its block; an arm whose greedy ids
+    differ from width 1's but equal the target alone at its own width is lossless (BF16 width rounding), and the
+    step's cost by width is recorded from the target-alone runs."""
+    from tests.calibrate.calib_fakes import WidthFakeEngine
+
+    clock = FakeClock()
+    eng = WidthFakeEngine(bowl_speed(5, 0.3), clock, max_block=8, step_cost=lambda w: 1 + 0.1 * (w - 1), flips=(6,))
+    sr = run(eng, clock)
+    assert (sr.chosen.block, sr.chosen.spec_min_p) == (5, 0.3)
+    assert (False, 1) in eng.widths_seen                                      # the target alone at width 1
+    assert {w for d, w in eng.widths_seen if d} == {a.block for a in sr.arms}   # every arm at its own block
+    cost = sr.to_dict()["step_cost_by_width"]
+    assert cost["4"] == pytest.approx(1.3, abs=1e-3) and cost["8"] == pytest.approx(1.7, abs=1e-3)
+
+
+def test_an_arm_matching_no_reference_still_fails_on_a_width_sensitive_engine():
+    from tests.calibrate.calib_fakes import WidthFakeEngine
+
+    clock = FakeClock()
+    eng = WidthFakeEngine(bowl_speed(5, 0.3), clock, max_block=8, flips=(6,), broken=(4, 0.5, "code"))
+    with pytest.raises(LosslessError, match="block=4"):
+        run(eng, clock)
+
+
+def test_blocks_that_cannot_pay_for_their_width_are_not_refined():
+    """A step whose cost grows as fast as the block (cost = width) caps any arm at the target's own speed, so once
+    a measured arm beats that, no block between the ladder rungs is worth a run."""
+    from tests.calibrate.calib_fakes import WidthFakeEngine
+
+    clock = FakeClock()
+    eng = WidthFakeEngine(bowl_speed(5, 0.3, peak=100.0), clock, max_block=16, step_cost=lambda w: float(w))
+    sr = run(eng, clock)
+    assert sr.pruned and all(a.block not in block_ladder(2, 16) for a in sr.pruned)
+    assert not any(s.phase == "refine" for s in sr.samples)
+    assert sr.to_dict()["pruned_by_cost_bound"]

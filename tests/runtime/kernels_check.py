@@ -350,6 +350,28 @@ def check_mtp_graphs() -> None:
         assert (got.stats["accepted"], got.stats["windows"]) == (ref.stats["accepted"], ref.stats["windows"]), \
             (got.stats["accepted"], ref.stats["accepted"])
         eng.drafter.graphs = None
+    # sampled chains through the graph: a draw from q at every step (q = the eager path's at the first step)
+    from runtime.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=3)
+    eng.drafter.graphs = MTPGraphs(eng.drafter)
+    out = eng.generate(ids, max_new_tokens=10, sampling=sp, stop_ids=set())
+    assert len(out.token_ids) == 10 and eng.drafter.graphs.enabled and not eng.drafter.graphs.errors
+    d, d_pos = eng.drafter, eng.drafter.next_pos
+    anchor = out.token_ids[-1]
+    gen = torch.Generator().manual_seed(1)
+    d.kv.length = d_pos - 1                   # the state a window starts from (the last window kept an entry)
+    fast = d.propose(anchor, d_pos, 3, min_p=0.0, sampling=sp, generator=gen)
+    assert d.graphs.replays == 0 and fast.keep is not None   # the graph path (eager on the CPU) made it
+    graphs, d.graphs = d.graphs, None
+    d.kv.length = d_pos - 1                   # both paths keep the first step's entry: draft from the same state
+    eager = d.propose(anchor, d_pos, 3, min_p=0.0, sampling=sp, generator=gen)
+    d.graphs = graphs
+    assert fast.q.shape == eager.q.shape == (3, eng.model.cfg.vocab_size)
+    assert torch.allclose(fast.q.sum(-1), torch.ones(3), atol=1e-5)
+    assert bool((fast.q.gather(-1, fast.tokens[:, None]) > 0).all())
+    assert torch.allclose(fast.q[0], eager.q[0], atol=1e-5)
+    d.graphs = None
 
 
 def check_dyn_conv(dt: torch.dtype) -> None:
@@ -416,6 +438,21 @@ def check_dflash2_graphs() -> None:
                 fast = graphs.propose(anchor, pos, 5, 0.0)
                 assert torch.equal(fast.tokens, eager.tokens), (fast.tokens, eager.tokens)
                 assert torch.allclose(fast.confidence, eager.confidence, atol=1e-5)
+                # sampled through the fast path: a draw from its q rows; row 0's q is the eager walk's
+                from runtime.sampling import SamplingParams
+
+                sp = SamplingParams(temperature=0.8, seed=2)
+                out = eng.generate(ids, max_new_tokens=14, sampling=sp, stop_ids=set())
+                assert len(out.token_ids) == 14 and dr.graphs.fast and not dr.graphs.errors, dr.graphs.errors
+                n = dr.cache.length
+                anchor = out.token_ids[-1]
+                s_fast = graphs.propose(anchor, n, 5, 0.0, sp, torch.Generator().manual_seed(0))
+                dr.graphs = None
+                s_eager = dr.propose(anchor, n, 5, min_p=0.0, sampling=sp, generator=torch.Generator().manual_seed(0))
+                dr.graphs = graphs
+                assert torch.allclose(s_fast.q.sum(-1), torch.ones(5), atol=1e-5)
+                assert bool((s_fast.q.gather(-1, s_fast.tokens[:, None]) > 0).all())
+                assert torch.allclose(s_fast.q[0], s_eager.q[0], atol=1e-5)
 
 
 def check_lattice_walk() -> None:

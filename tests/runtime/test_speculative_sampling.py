@@ -13,7 +13,7 @@ import torch
 from runtime.drafters.mtp import MTPDrafter
 from runtime.kv import KVCache
 from runtime.loading import load_target
-from runtime.sampling import SamplingParams, probs
+from runtime.sampling import SamplingParams, gumbel_pick, probs
 from runtime.speculative import _accept_sampled, generate_ids
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
@@ -108,6 +108,21 @@ def test_mtp_sampling_matches_target_distribution(model):
     assert chi2_pvalue(counts.sum((0, 2)), joint.sum((0, 2))) > 1e-3     # t2
     assert chi2_pvalue(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3     # t3
     assert chi2_pvalue(counts.sum(2).flatten(), joint.sum(2).flatten()) > 1e-3     # (t1, t2) jointly
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5),
+                                SamplingParams(temperature=1.2, top_p=0.7)])
+def test_gumbel_pick_draws_from_p(sp):
+    """argmax(log p + Gumbel) with uniforms made outside is a draw from p (the graph paths' sampler); a filtered-out
+    token is never drawn."""
+    g = torch.Generator().manual_seed(4)
+    p = probs(torch.randn(V, generator=g) * 2.0, sp)
+    n = 20000
+    u = torch.rand(n, V, generator=g)
+    picks = gumbel_pick(torch.log(p).expand(n, V), u)
+    counts = torch.bincount(picks, minlength=V)
+    assert chi2_pvalue(counts, p) > 1e-3
+    assert int(counts[p == 0].sum()) == 0
 
 
 def test_probs_filters():

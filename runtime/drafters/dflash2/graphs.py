@@ -1,6 +1,7 @@
-"""CUDA graphs for DFlash2 drafting and observing (greedy windows; runtime/gpu/capture.py says how graphs work here).
+"""CUDA graphs for DFlash2 drafting and observing (runtime/gpu/capture.py says how graphs work here).
 
-Sampling, the prompt and windows that would run past the capacity take the drafter's eager paths.
+Greedy and sampled windows are graphs (a sampled draw is a Gumbel-max with uniforms filled before the replay); the
+prompt and windows that would run past the capacity take the drafter's eager paths.
 """
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.drafters.base import Proposal
-from runtime.drafters.dflash2.model import lattice_walk
+from runtime.drafters.base import Proposal, floor_keep
+from runtime.drafters.dflash2.model import _floor_q, lattice_walk
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
-from runtime.gpu.capture import GraphSet, capture, cut_at_floor, stack_linears
+from runtime.gpu.capture import GraphSet, capture, stack_linears
+from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
 class DFlash2Graphs(GraphSet):
-    """Greedy drafting (draft forward + lattice selector walk, all rows; the floor cut on the host) and observing up
-    to `max_block` committed rows, for a `runtime.drafters.dflash2.loading.DFlash2Drafter`.
+    """Greedy drafting (draft forward + lattice selector walk + the floor cut, all on the device: one graph per block,
+    no host read) and observing up to `max_block` committed rows, for a `runtime.drafters.dflash2.loading.DFlash2Drafter`.
 
     Fast path (CUDA or the Triton interpreter, cache dtype = compute dtype, no sliding window): ~17 launches a layer
     instead of ~100: fused RMSNorm (+ the residual add), one launch per dynamic convolution, one matmul for q/k/v
@@ -46,6 +48,7 @@ class DFlash2Graphs(GraphSet):
                 self.qkv.append(stack_linears([a.q_proj, a.k_proj, a.v_proj]))
                 self.gate_up.append(stack_linears([layer.mlp.gate_proj, layer.mlp.up_proj]))
         self.ar = torch.arange(self.obs_rows, device=self.dev)
+        self.noise = torch.zeros(self.obs_rows, g.vocab_size, dtype=torch.float32, device=self.dev)
         self.mask_ids = torch.full((self.obs_rows,), g.mask_token_id, dtype=torch.long, device=self.dev)
 
     def _run(self, key: object, fn) -> object | None:
@@ -91,7 +94,7 @@ class DFlash2Graphs(GraphSet):
         inter = w.shape[0] // 2
         return mlp.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
 
-    def _draft_fast(self, width: int) -> tuple[Tensor, Tensor]:
+    def _draft_fast(self, width: int, sp: SamplingParams | None = None) -> tuple[Tensor, ...]:
         d, m = self.d, self.d.model
         g = m.geom
         embed, lm_head = d._shared
@@ -126,17 +129,55 @@ class DFlash2Graphs(GraphSet):
                 y = self._conv(mc, y, dyn, 1)
             delta = y
         _, h = dense_kernels.rmsnorm(x, m.norm.weight, m.norm.eps, delta)
-        return self._select(h[1:], anchor)
+        return self._select(h[1:], anchor, sp)
 
-    def _select(self, hs: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+    def _select(self, hs: Tensor, anchor: Tensor, sp: SamplingParams | None = None) -> tuple[Tensor, ...]:
         m = self.d.model
         logits = m.compute_logits(hs, self.d._shared[1])
         sel = m.candidate_selector
+        if sp is not None:
+            return self._select_sampled(hs, logits, anchor, sp)
         if sel is None:
             p1 = torch.softmax(logits.float(), dim=-1)
             toks = torch.argmax(logits, dim=-1)
             return toks, p1.gather(-1, toks[:, None])[:, 0]
         return lattice_walk(sel, hs, logits, anchor, kernel=dflash2_kernels.lattice_walk if self.fast else None)
+
+    def _select_sampled(self, hs: Tensor, logits: Tensor, anchor: Tensor, sp: SamplingParams) -> tuple[Tensor, ...]:
+        """The sampled walk of `select_walk` (or `argmax_walk`'s draws for the v1 layout) without a host read: each
+        row's draw is a Gumbel-max over its candidates with uniforms filled before the replay, taken for every
+        possible predecessor at once (the lattice); the chain then follows the drawn predecessors. Returns (tokens,
+        confidence, q [R, V] restricted to the floor as `select_walk` does)."""
+        sel = self.d.model.candidate_selector
+        R, V = logits.shape
+        floor = self.floor
+        if sel is None:
+            q = probs(logits, sp)
+            toks = gumbel_pick(torch.log(q), self.noise[:R])
+            p1 = torch.softmax(logits.float(), dim=-1)
+            return toks, p1.gather(-1, toks[:, None])[:, 0], _floor_q(q, p1 >= floor)
+        k = sel.top_k
+        unary, cand = torch.topk(logits.float(), k, dim=-1)                         # [R, k]
+        hp = sel.hidden_projection(hs).float()                                      # [R, r]
+        succ = sel.successor_codebook[cand].float()                                 # [R, k(i), r]
+        prev = torch.cat([anchor.reshape(1, 1).expand(1, k), cand[:-1]], dim=0)     # [R, k(j)]
+        a = sel.predecessor_codebook[prev].float() * hp[:, None, :]                 # [R, k(j), r]
+        score = unary[:, None, :] + torch.matmul(a, succ.transpose(1, 2))           # [R, j, i]
+        g = -torch.log(-torch.log(self.noise[:R, :k]))                              # Gumbel noise per row, candidate
+        best = torch.argmax(score / sp.temperature + g[:, None, :], dim=-1)         # [R, j]: the draw after each j
+        cur = best[0, :1]
+        idxs = [cur]
+        for r in range(1, R):
+            cur = best[r].index_select(0, cur)
+            idxs.append(cur)
+        idx = torch.cat(idxs)                                                       # [R]
+        j = torch.cat([torch.zeros_like(idx[:1]), idx[:-1]])
+        row = score.gather(1, j[:, None, None].expand(R, 1, k))[:, 0]              # [R, k] the walked rows
+        conf_all = torch.softmax(row, dim=-1)
+        conf = conf_all.gather(-1, idx[:, None])[:, 0]
+        qk = _floor_q(torch.softmax(row / sp.temperature, dim=-1), conf_all >= floor)
+        q = torch.zeros(R, V, dtype=torch.float32, device=logits.device).scatter(-1, cand, qk)
+        return cand.gather(-1, idx[:, None])[:, 0], conf, q
 
     def _observe_fast(self) -> None:
         m = self.d.model
@@ -148,9 +189,9 @@ class DFlash2Graphs(GraphSet):
         return None
 
     # -- plain path -----------------------------------------------------------------------------------------------
-    def _draft(self, width: int) -> tuple[Tensor, Tensor]:
+    def _draft(self, width: int, sp: SamplingParams | None = None) -> tuple[Tensor, ...]:
         if self.fast:
-            return self._draft_fast(width)
+            return self._draft_fast(width, sp)
         d, m, cache = self.d, self.d.model, self.d.cache
         embed, lm_head = d._shared
         C = cache.capacity
@@ -163,19 +204,32 @@ class DFlash2Graphs(GraphSet):
         k_valid = torch.cat([ck < pos, torch.ones(width, dtype=torch.bool, device=self.dev)])[None]
         ctx = [(cache.k[i, None], cache.v[i, None]) for i in range(len(m.layers))]
         hs = m._run_layers(m.block_input(ids, embed.weight), q_pos, ctx, k_pos, k_valid)[0, 1:]
-        return self._select(hs, anchor)
+        return self._select(hs, anchor, sp)
 
-    def propose(self, anchor: int, pos: int, n: int, min_p: float) -> Proposal | None:
+    def propose(self, anchor: int, pos: int, n: int, min_p: float, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> Proposal | None:
         if not self.enabled or pos != self.d.cache.length or (self.fast and pos + n + 1 > self.d.cache.capacity):
             return None
+        sk = sampling_key(sampling)
+        sp = sampling if sk is not None else None
         self._set(anchor, pos)
-        out = self._run(("draft", n + 1), lambda: self._draft(n + 1))
+        self._set_floor(min_p)
+        if sp is not None:
+            self.noise[:n].uniform_(generator=generator)      # the draws' randomness, outside the graph
+        out = self._run(("draft", n + 1, sk), lambda: self._draft_cut(n + 1, sp))
         if out is None:
             return None
-        toks, conf = out
-        c = conf.tolist()
-        m = cut_at_floor(c, min_p)
-        return Proposal(tokens=toks[:m].clone(), q=None, confidence=conf[:m].clone())
+        toks, conf, keep, q = out
+        # all rows and the floor's count, on the device: the loop reads nothing before verifying
+        return Proposal(tokens=toks.clone(), q=None if q is None else q.clone(), confidence=conf.clone(),
+                        keep=keep.clone())
+
+    def _draft_cut(self, width: int, sp: SamplingParams | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """One block: draft forward, selector walk (greedy or sampled) and the floor cut, one launch sequence (one
+        graph)."""
+        out = self._draft(width, sp)
+        toks, conf = out[0], out[1]
+        return toks, conf, floor_keep(conf, self.floor), out[2] if len(out) > 2 else None
 
     def _observe(self) -> None:
         if self.fast:

@@ -22,7 +22,15 @@ from torch import Tensor, nn
 
 from runtime.drafters.base import Proposal
 from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory, expected_tensors, gguf_to_hf
-from runtime.drafters.dflash2.model import ContextCache, DFlash2Model, Rotary, argmax_walk, select_walk
+from runtime.drafters.dflash2.model import (
+    ContextCache,
+    DFlash2Model,
+    Rotary,
+    argmax_walk,
+    cut_walk,
+    lattice_walk,
+    select_walk,
+)
 from runtime.errors import ContractError, QuantFormatError
 from runtime.formats.gguf_meta import metadata, open_gguf
 from runtime.formats.quant_linear import QuantLinear
@@ -208,6 +216,8 @@ class DFlash2Drafter:
         self.cache = ContextCache(model, context, device=dev, dtype=kv_dtype or model.dtype)
         self.logits_buf = torch.zeros(self.max_block, self.geom.vocab_size, dtype=torch.float32, device=dev)
         self.graphs = None   # runtime.drafters.dflash2.graphs.DFlash2Graphs, set by the engine on CUDA (greedy windows)
+        # the floor cut on the host (a free read on a CPU), else on the device (`Proposal.keep`: no host read)
+        self.host_cut = dev.type == "cpu"
 
     @property
     def layout(self) -> str:
@@ -238,8 +248,8 @@ class DFlash2Drafter:
         if pos != self.cache.length:
             raise RuntimeError(
                 f"DFlash2 drafter asked to draft at position {pos}, its context holds {self.cache.length} positions.")
-        if self.graphs is not None and not sampled:
-            prop = self.graphs.propose(int(anchor), pos, n, min_p)
+        if self.graphs is not None:
+            prop = self.graphs.propose(int(anchor), pos, n, min_p, sampling if sampled else None, generator)
             if prop is not None:
                 return prop
         embed, lm_head = self._shared
@@ -247,11 +257,17 @@ class DFlash2Drafter:
         logits = self.logits_buf[:n]
         logits.copy_(self.model.compute_logits(hs, lm_head))
         if self.model.candidate_selector is None:
-            walk = argmax_walk(logits, min_p=min_p, sampling=sampling if sampled else None, generator=generator)
+            walk = argmax_walk(logits, min_p=min_p, sampling=sampling if sampled else None, generator=generator,
+                               cut=self.host_cut)
+        elif not sampled:        # greedy: the lattice form of the walk, a handful of ops instead of ~8 per row
+            anchor_t = torch.full((1,), int(anchor), dtype=torch.long, device=dev)
+            toks, conf = lattice_walk(self.model.candidate_selector, hs, logits, anchor_t)
+            walk = cut_walk(toks, conf, None, min_p, self.host_cut)
         else:
             walk = select_walk(self.model.candidate_selector, hs, logits, int(anchor), min_p=min_p,
-                               temperature=sampling.temperature if sampled else 0.0, generator=generator)
-        return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence)
+                               temperature=sampling.temperature if sampled else 0.0, generator=generator,
+                               cut=self.host_cut)
+        return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence, keep=walk.keep)
 
     def make_graphs(self):
         """The CUDA graph runner for greedy windows (the engine attaches it on CUDA)."""

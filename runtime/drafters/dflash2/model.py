@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.drafters.base import floor_keep
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.models.layers import MLP, apply_rope  # the target's SiLU MLP and RoPE, one definition
 from runtime.sampling import SamplingParams, probs
@@ -386,11 +387,12 @@ class Walk:
     tokens: Tensor            # [m] int64
     confidence: Tensor        # [m] float32: selector softmax at T=1 of the chosen candidate
     q: Tensor | None          # [m, V] float32 (sampling only): softmax(score / T) over the candidates, 0 elsewhere
+    keep: Tensor | None = None   # `cut=False`: all rows returned, only the first `keep` (0-d, device) pass the floor
 
 
 @torch.no_grad()
 def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: int, *, min_p: float = 0.0,
-                temperature: float = 0.0, generator: torch.Generator | None = None) -> Walk:
+                temperature: float = 0.0, generator: torch.Generator | None = None, cut: bool = True) -> Walk:
     """docs/models.md ("DFlash2 drafter", step 6) for one window: hs [R, H], logits [R, V]. Rows are walked in order with prev = anchor;
     greedy takes argmax(score), sampling draws from softmax(score / T) and keeps that row as q. The result stops
     before the first row whose confidence is below `min_p` (that row dropped).
@@ -400,23 +402,25 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
     returned; accepting with min(1, p/q) against the unrestricted row would bias the output (`_floor_q`).
 
     The walk stays on the device (no host sync per row): all rows are walked, then cut once at the floor. Later
-    rows never change earlier ones, so the kept rows are exactly those of a walk that stopped at the floor."""
+    rows never change earlier ones, so the kept rows are exactly those of a walk that stopped at the floor.
+    `cut=False` leaves the cut to the caller: every row comes back with the floor's count `keep` on the device (no
+    host read at all)."""
     R, V = logits.shape
     dev = logits.device
     unary, cand = torch.topk(logits.float(), selector.top_k, dim=-1)          # [R, k]
     hp = selector.hidden_projection(hs).float()                                # [R, r]
     succ = selector.successor_codebook[cand].float()                           # [R, k, r]
     pred = selector.predecessor_codebook
-    prev = torch.tensor(anchor, dtype=torch.long, device=dev)
+    prev = torch.full((), int(anchor), dtype=torch.long, device=dev)     # a fill, not a host-to-device copy
     toks: list[Tensor] = []
     scores: list[Tensor] = []
-    for r in range(R):
-        score = unary[r] + succ[r] @ (pred[prev].float() * hp[r])
+    for r in range(R):     # gathers by device index (index_select), never a 0-d tensor index (a host read)
+        score = unary[r] + succ[r] @ (pred.index_select(0, prev.reshape(1))[0].float() * hp[r])
         if temperature > 0:
             idx = torch.multinomial(torch.softmax(score / temperature, dim=-1), 1, generator=generator)[0]
         else:
             idx = torch.argmax(score)
-        prev = cand[r, idx]
+        prev = cand[r].index_select(0, idx.reshape(1))[0]
         toks.append(idx)
         scores.append(score)
     if R == 0:
@@ -433,7 +437,14 @@ def select_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor:
         if min_p > 0:
             qk = _floor_q(qk, conf_all >= min_p)
         q = torch.zeros(R, V, dtype=torch.float32, device=dev).scatter(-1, cand, qk)
-    m = R
+    return cut_walk(tokens, conf, q, min_p, cut)
+
+
+def cut_walk(tokens: Tensor, conf: Tensor, q: Tensor | None, min_p: float, cut: bool) -> Walk:
+    """Rows up to the floor: cut here (one host read), or all rows with the device count (`cut=False`)."""
+    if not cut:
+        return Walk(tokens=tokens, confidence=conf, q=q, keep=floor_keep(conf, min_p) if min_p > 0 else None)
+    m = len(tokens)
     if min_p > 0:
         low = (conf < min_p).nonzero()
         if len(low):
@@ -485,7 +496,7 @@ def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor
 
 @torch.no_grad()
 def argmax_walk(logits: Tensor, *, min_p: float = 0.0, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None) -> Walk:
+                generator: torch.Generator | None = None, cut: bool = True) -> Walk:
     """The v1 layout (no selector): argmax per row, or a draw from `runtime.sampling.probs` (the target's own
     temperature / top-k / top-p processing, as the reference does); the confidence is the T=1 softmax of the
     chosen token."""
@@ -498,9 +509,4 @@ def argmax_walk(logits: Tensor, *, min_p: float = 0.0, sampling: SamplingParams 
     else:
         q, toks = None, torch.argmax(logits, dim=-1)
     conf = p1.gather(-1, toks[:, None])[:, 0]
-    m = len(toks)
-    if min_p > 0:
-        low = (conf < min_p).nonzero()
-        if len(low):
-            m = int(low[0, 0])
-    return Walk(tokens=toks[:m], confidence=conf[:m], q=None if q is None else q[:m])
+    return cut_walk(toks, conf, q, min_p, cut)

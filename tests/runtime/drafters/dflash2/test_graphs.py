@@ -15,6 +15,7 @@ import torch
 
 from runtime.drafters.dflash2.graphs import DFlash2Graphs
 from runtime.engine import Engine
+from runtime.sampling import SamplingParams
 from tests.runtime.drafters.dflash2.helpers import drafter_config, one_thread, write_hf_drafter  # noqa: F401
 from tests.runtime.tiny import make_tiny_target
 
@@ -59,10 +60,13 @@ def test_dflash2_graph_functions_make_no_host_reads(setup):
     d.model.to("meta")
     d.cache.k, d.cache.v = d.cache.k.to("meta"), d.cache.v.to("meta")
     g.scal, g.obs_taps, g.dev = g.scal.to("meta"), g.obs_taps.to("meta"), torch.device("meta")
+    g.floor, g.noise = g.floor.to("meta"), g.noise.to("meta")
     with torch.no_grad():
-        toks, conf = g._draft(6)
+        toks, conf, keep, q = g._draft_cut(6)   # forward, selector walk and the floor cut: one graph
         g._observe()
-    assert toks.shape == (5,) and conf.shape == (5,)
+        s_toks, s_conf, s_keep, s_q = g._draft_cut(6, SamplingParams(temperature=0.8, top_p=0.9))   # sampled
+    assert toks.shape == (5,) and conf.shape == (5,) and keep.shape == () and q is None
+    assert s_toks.shape == (5,) and s_q.shape == (5, 64) and s_keep.shape == ()
 
 
 def _selector(V: int, k: int, r: int, seed: int, integer: bool):
@@ -124,3 +128,41 @@ def test_dflash2_fast_graph_path_in_interpreter():
     script = Path(__file__).resolve().parents[2] / "kernels_check.py"
     r = subprocess.run([sys.executable, str(script), "dflash2"], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "dflash2 graphs ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_graph_sampled_walk_draws_the_selector_chain(setup):
+    """The graph path's sampled walk (Gumbel-max over each row's candidates, for every predecessor at once, then
+    the chain) draws (row 0, row 1) from the selector's own chain: softmax(score[0 | anchor] / T), then
+    softmax(score[1 | drawn row 0] / T); chi-square over the k x k pairs, flat enough scores that a wrong draw
+    shows. Its q rows are the walked rows' softmax(score / T) over the candidates."""
+    from tests.runtime.test_speculative_sampling import chi2_pvalue
+
+    target, path = setup[0], setup[1]
+    eng = Engine.build(target, "dflash2", drafter_path=path, device="cpu", context=96)
+    g = DFlash2Graphs(eng.drafter)
+    sel = eng.drafter.model.candidate_selector
+    gen = torch.Generator().manual_seed(5)
+    R, V, k, T = 2, 64, sel.top_k, 1.3
+    hs = torch.randn(R, 32, generator=gen)
+    logits = torch.randn(R, V, generator=gen)
+    anchor = torch.tensor([7])
+    unary, cand = torch.topk(logits, k, dim=-1)
+    hp = sel.hidden_projection(hs).float()
+
+    def row(r, prev):
+        return unary[r] + sel.successor_codebook[cand[r]].float() @ (sel.predecessor_codebook[prev].float() * hp[r])
+
+    with torch.no_grad():
+        p0 = torch.softmax(row(0, 7) / T, -1)
+        exact = torch.stack([p0[i] * torch.softmax(row(1, int(cand[0, i])) / T, -1) for i in range(k)])
+        counts = torch.zeros(k, k)
+        sp = SamplingParams(temperature=T)
+        for _ in range(4000):
+            g.noise.uniform_(generator=gen)
+            toks, conf, q = g._select_sampled(hs, logits, anchor, sp)
+            i = int((cand[0] == toks[0]).nonzero()[0, 0])
+            j = int((cand[1] == toks[1]).nonzero()[0, 0])
+            counts[i, j] += 1
+        assert chi2_pvalue(counts.flatten(), exact.flatten()) > 1e-3
+        torch.testing.assert_close(q[0, cand[0]], p0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(q[1, cand[1]], torch.softmax(row(1, int(toks[0])) / T, -1), rtol=1e-5, atol=1e-6)

@@ -40,7 +40,9 @@ def _chi2(obs: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-def test_sampled_dflash2_is_lossless(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampled_dflash2_is_lossless(tmp_path, graphs):
+    """graphs=True: the graph path's functions (run eagerly on the CPU): the Gumbel-max lattice walk."""
     target = make_tiny_target(tmp_path, vocab=V, hidden=32, layers=3, mtp=False)
     base = Engine.build(target, "none", device="cpu", context=64)
     ids = base.tokenizer.encode("hello").ids
@@ -50,6 +52,10 @@ def test_sampled_dflash2_is_lossless(tmp_path):
     state = train_on_sequence(cfg, base.model, torch.tensor(ids + greedy), first_anchor=len(ids) - 1, width=3)
     eng = Engine.build(target, "dflash2", drafter_path=write_hf_drafter(tmp_path / "d", cfg, state),
                        device="cpu", context=64)
+    if graphs:
+        from runtime.drafters.dflash2.graphs import DFlash2Graphs
+
+        eng.drafter.graphs = DFlash2Graphs(eng.drafter)
     m = eng.model
     with torch.no_grad():   # exact marginals of generated tokens 1 and 2 under target-only sampling at T
         p0 = torch.softmax(m(torch.tensor([ids])).logits[0, -1].float() / T, -1)
@@ -69,6 +75,8 @@ def test_sampled_dflash2_is_lossless(tmp_path):
         accepted += r.stats["accepted"]
         proposed += r.stats["proposed"]
     assert 0.2 * proposed < accepted < 0.9 * proposed, (accepted, proposed)
+    if graphs:
+        assert eng.drafter.graphs.enabled and not eng.drafter.graphs.errors
     for obs, exact in ((c1, m1), (c2, m2)):
         stat, df = _chi2(obs, exact)
         assert stat < _chi2_crit(max(df, 1)), (stat, df)
