@@ -105,14 +105,14 @@ def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model):
 
 
 def test_cpu_engine_runs_every_window_through_the_step(tmp_path, monkeypatch):
-    """The engine on the CPU builds the fixed-width step (the drafter's max_block) and every window goes through it,
-    target-only and speculative alike."""
+    """The engine on the CPU builds the fixed-width step (its step width: the configured block) and every window
+    goes through it, target-only and speculative alike."""
     from runtime.engine import Engine
 
     eng = Engine.build(make_tiny_target(tmp_path, seed=3, scale=2.0), "mtp", device="cpu", context=64, block=4)
     plain = eng.generate("hello world", max_new_tokens=16, draft=False, stop_ids=set())
     step = eng.step
-    assert step is not None and step.width == eng.drafter.max_block and step.cpu and not step.use_graph
+    assert step is not None and step.width == eng.step_width == 4 and step.cpu and not step.use_graph
     seen = []
     real = StaticStep.__call__
 
