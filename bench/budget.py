@@ -77,7 +77,7 @@ def predict(kind: str, quant: str, context: int, free: int, total: int,
         if kind == "dflash2" else None
     block = {"none": 1, "mtp": 16}.get(kind, dgeo.block_size if dgeo else 1)
     inp = B.BudgetInputs(context=context, block=block, device_type="cuda", available_bytes=free, total_bytes=total,
-                         weight_bytes=2, kv_bytes=2, prefill_chunk=512, capability=capability,
+                         weight_bytes=2, kv_bytes=2, capability=capability,
                          cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     return B.compute_budget(geo, kind, inp, dflash2=dgeo, quant=quant)
 

@@ -20,7 +20,7 @@ from runtime.formats.registry import QTYPES
 
 SCHEMA = 1
 DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
-KV_DTYPES = DTYPES
+KV_DTYPES = DTYPES + ("q8_0",)     # q8_0: the target's KV cache in 8 bits (runtime/kv.py)
 DEVICE_TYPES = ("auto", "cpu", "cuda")
 SETTING_SOURCES = ("default", "calibrated", "user")
 EXPERT_MISS = ("auto", "stream", "cpu", "legacy")   # how experts off the GPU are served (runtime/experts.py)
@@ -73,6 +73,7 @@ class MemorySection:
     context: int = 4096
     dtype: str | None = None
     kv_dtype: str | None = None
+    prefill_chunk: int | None = None          # prompt tokens per prefill forward (None: runtime/memory.py's default)
     reserve_mib: int = 0
     expert_cache_slots: int | None = None
     total_experts: int | None = None
@@ -253,6 +254,7 @@ def parse(doc: Mapping[str, Any], *, where: str = "", base: Path | None = None,
         context=c.get(m, "memory", "context", "int", 4096, lo=2),
         dtype=c.get(m, "memory", "dtype", "str", choices=DTYPES),
         kv_dtype=c.get(m, "memory", "kv_dtype", "str", choices=KV_DTYPES),
+        prefill_chunk=c.get(m, "memory", "prefill_chunk", "int", lo=1),
         reserve_mib=c.get(m, "memory", "reserve_mib", "int", 0, lo=0),
         expert_cache_slots=c.get(m, "memory", "expert_cache_slots", "int", lo=0),
         total_experts=c.get(m, "memory", "total_experts", "int", lo=0),

@@ -18,9 +18,9 @@ from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
 from runtime.errors import ConfigError, LoadError, UsageError
 from runtime.experts import ExpertCache
-from runtime.kv import KVCache
+from runtime.kv import KV_QUANTS, KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
-from runtime.memory import NAMES, buffers_bytes, cap_device_memory, target_dense_bytes
+from runtime.memory import NAMES, buffers_bytes, cap_device_memory, default_prefill_chunk, target_dense_bytes
 from runtime.routing_profile import RoutingProfile
 from runtime.sampling import SamplingParams
 from runtime.speculative import generate_ids
@@ -49,6 +49,16 @@ def _dtype(x: str | torch.dtype | None) -> torch.dtype | None:
     if x not in _DTYPES:
         raise EngineConfigError(f"unknown dtype {x!r}; use one of {', '.join(sorted(_DTYPES))}.")
     return _DTYPES[x]
+
+
+def _kv_format(x: str | torch.dtype | None, dt: torch.dtype) -> tuple[torch.dtype, str | None]:
+    """`[memory] kv_dtype` -> (the KV cache's compute dtype, its 8-bit format or None). "q8_0" keeps the target's
+    cache in 8 bits (runtime/kv.py); the drafters' caches stay in the compute dtype."""
+    if isinstance(x, str) and x in KV_QUANTS:
+        return dt, x
+    if isinstance(x, str) and x not in _DTYPES:
+        raise EngineConfigError(f"unknown kv_dtype {x!r}; use one of {', '.join(sorted(_DTYPES) + list(KV_QUANTS))}.")
+    return _dtype(x) or dt, None
 
 
 def _device(x: str | torch.device | None) -> torch.device:
@@ -99,13 +109,15 @@ class Engine:
     def build(cls, target_dir: str | Path, drafter_kind: str = "none", drafter_path: str | Path | None = None,
               device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, context: int = 4096,
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
-              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int = 512, graphs: bool = True,
+              kv_dtype: str | torch.dtype | None = None, prefill_chunk: int | None = None, graphs: bool = True,
               expert_miss: str = "auto", routing_profile: str | Path | RoutingProfile | None = None,
               expert_lru_slots: int = 0, vram_limit_mib: int | None = None) -> Engine:
         """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU.
         With fewer `expert_slots` than experts (CUDA), the routing profile (a file recorded by calibration) places
         the slots and `expert_miss` says how the other experts are served (runtime/experts.py). `vram_limit_mib`
-        caps what this process may reserve on the GPU (runtime/memory.py `cap_device_memory`)."""
+        caps what this process may reserve on the GPU (runtime/memory.py `cap_device_memory`). `kv_dtype`: a dtype
+        name or "q8_0" (the target's KV cache in 8 bits); `prefill_chunk`: prompt tokens per prefill forward
+        (default per device, runtime/memory.py)."""
         if drafter_kind not in KINDS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
@@ -114,11 +126,14 @@ class Engine:
             raise EngineConfigError(f"block must be >= 1, got {block}.")
         if spec_min_p is not None and not 0 <= float(spec_min_p) <= 1:
             raise EngineConfigError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
+        if prefill_chunk is not None and int(prefill_chunk) < 1:
+            raise EngineConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}.")
         dev = _device(device)
+        prefill_chunk = int(prefill_chunk or default_prefill_chunk(dev.type))
         if vram_limit_mib is not None and dev.type == "cuda":
             cap_device_memory(vram_limit_mib, dev.index or 0)
         dt = _dtype(dtype) or default_dtype(dev)
-        kdt = _dtype(kv_dtype) or dt
+        kdt, kv_quant = _kv_format(kv_dtype, dt)
         target_dir = Path(target_dir).expanduser()
         profile = routing_profile
         if profile is not None and not isinstance(profile, RoutingProfile):
@@ -133,7 +148,11 @@ class Engine:
                               lru_slots=int(expert_lru_slots))
         experts.place(model)
         cfg = model.cfg
-        kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt, device=dev)
+        try:
+            kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt,
+                         device=dev, quant=kv_quant)
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
         kind = KINDS[drafter_kind]
         if drafter_kind == "mtp" and model.mtp is None:
             raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
@@ -175,6 +194,7 @@ class Engine:
             device=cfg.device.type, dtype=cfg.device.dtype, context=cfg.memory.context,
             expert_slots=cfg.memory.expert_cache_slots, block=cfg.speculative.block,
             spec_min_p=cfg.speculative.spec_min_p, kv_dtype=cfg.memory.kv_dtype,
+            prefill_chunk=cfg.memory.prefill_chunk,
             expert_miss=cfg.memory.expert_miss, routing_profile=cfg.resolve(cfg.memory.routing_profile),
             expert_lru_slots=cfg.memory.expert_lru_slots, vram_limit_mib=cfg.device.vram_limit_mib,
         )
@@ -326,7 +346,9 @@ class Engine:
         rep["expert_cache"] = self.experts.resident_nbytes
         rep["target_kv"] = self.kv.nbytes
         rep["logits"] = self.logits_buf.numel() * self.logits_buf.element_size()
-        rep["scratch"] = buffers_bytes(self.model)
+        rep["scratch"] = buffers_bytes(self.model) + self.kv.scratch_nbytes
+        if self.step is not None and self.step.part is not None:
+            rep["scratch"] += self.step.part.numel() * self.step.part.element_size()
         if self.drafter is not None:
             if hasattr(self.drafter, "memory_report"):
                 for k, v in self.drafter.memory_report().items():

@@ -52,18 +52,12 @@ class QuantFormatError(UsageError):
 
 
 class StaleArtifactError(UsageError):
-    """A file a config names changed or vanished since setup verified it."""
-
-
-class ChecksumMismatchError(StaleArtifactError):
-    """A file whose bytes differ from the ones strata-setup verified (size or sha256): a failed checksum is failed
-    work, exit code 1 (docs/commands.md), though it is still a stale artifact to callers that catch those."""
-
-    exit_code = EXIT_WORK
+    """A file a config names is gone since setup verified it (the config names nothing there now)."""
 
 
 class CorruptArtifactError(WorkError):
-    """A stored file failed verification (`models verify` marked it); it must be repaired before use."""
+    """A file a config names changed since setup verified it (size or sha256), or `models verify` marked its store
+    item failed: a checksum failure, repaired by pulling or setting up again."""
 
 
 def one_of(choices) -> str:

@@ -2,6 +2,12 @@
 
 Rows past `length` may hold stale data from a rejected window; every attention reads only slots
 `0..start+T-1` after writing `start..start+T-1`, so stale rows are never seen (rollback leaves no trace).
+
+The cache is held in the compute dtype, or in 8 bits as `q8_0` (docs/models.md, "KV cache"): each head vector is
+cut into blocks of 32 values, each block stored as 32 int8 and one float16 scale `d` with `x = q * d`, GGUF's Q8_0
+formula (`d = max|x| / 127`, `q = roundf(x / d)`). Quantized values and scales live in separate tensors (`k`, `v`
+int8 `[L, B, nkv, S, hd]`; `k_scale`, `v_scale` float16 `[L, B, nkv, S, hd/32]`) so the kernels read each
+contiguously. Reads return the compute dtype: `(q * d)` in fp32, rounded once.
 """
 
 from __future__ import annotations
@@ -9,16 +15,137 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+Q8_BLOCK = 32
+KV_QUANTS = ("q8_0",)
+
+# The decode attention splits each row's context into chunks of KV_CHUNK positions, fixed by absolute position
+# (docs/models.md, "Numerics"): a constant, never chosen from the context, so a row's bits do not depend on the
+# configured context either. Each (row, head, chunk) leaves fp32 partials: hd accumulators, a max and a sum.
+KV_CHUNK = 256
+
+
+def split_chunks(capacity: int) -> int:
+    """Context chunks of the split decode attention for a cache of `capacity` positions."""
+    return -(-int(capacity) // KV_CHUNK)
+
+
+def split_partials_bytes(rows: int, heads: int, capacity: int, head_dim: int) -> int:
+    """Scratch of one split decode attention: `rows * heads * chunks * (head_dim + 2) * 4` bytes."""
+    return rows * heads * split_chunks(capacity) * (head_dim + 2) * 4
+
+
+def kv_row_bytes(head_dim: int, elem_bytes: int, quant: str | None = None) -> int:
+    """Bytes of one cached head vector (one position, one KV head, K or V)."""
+    if quant is None:
+        return head_dim * elem_bytes
+    if quant == "q8_0":
+        return head_dim + 2 * (head_dim // Q8_BLOCK)
+    raise ValueError(f"unknown KV cache format {quant!r}; use one of {', '.join(KV_QUANTS)}.")
+
+
+def quantize_q8_0(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., hd] -> (int8 [..., hd], float16 scales [..., hd/32]): GGUF Q8_0 bit for bit (round half away from
+    zero, scale rounded to float16 after quantizing with the fp32 one)."""
+    *lead, hd = x.shape
+    b = x.float().reshape(*lead, hd // Q8_BLOCK, Q8_BLOCK)
+    d = b.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    v = b * inv
+    a = v.abs()
+    f = torch.floor(a)
+    r = f + torch.floor(2 * (a - f))
+    q = torch.where(v < 0, -r, r).to(torch.int8)
+    return q.reshape(*lead, hd), d[..., 0].to(torch.float16)
+
+
+def dequantize_q8_0(q: Tensor, d: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """int8 [..., hd] and float16 scales [..., hd/32] -> `dtype` [..., hd] (`q * d` in fp32, rounded once)."""
+    *lead, hd = q.shape
+    x = q.reshape(*lead, hd // Q8_BLOCK, Q8_BLOCK).float() * d.float()[..., None]
+    if out is None:
+        return x.reshape(*lead, hd).to(dtype)
+    out.copy_(x.reshape(*lead, hd))
+    return out
+
+
+class LayerKV:
+    """One layer's slice of a `KVCache` (all batch rows): what attention writes to and reads from."""
+
+    def __init__(self, cache: KVCache, i: int) -> None:
+        self.cache, self.i = cache, i
+        self.k, self.v = cache.k[i], cache.v[i]                      # [B, nkv, S, hd]
+        self.k_scale = None if cache.k_scale is None else cache.k_scale[i]
+        self.v_scale = None if cache.v_scale is None else cache.v_scale[i]
+
+    @property
+    def quant(self) -> str | None:
+        return self.cache.quant
+
+    def write(self, k: Tensor, v: Tensor, start: int) -> None:
+        """k, v [B, nkv, T, hd] into slots start..start+T-1."""
+        end = start + k.shape[2]
+        if self.quant is None:
+            self.k[:, :, start:end] = k.to(self.k.dtype)
+            self.v[:, :, start:end] = v.to(self.v.dtype)
+            return
+        qk, sk = quantize_q8_0(k)
+        qv, sv = quantize_q8_0(v)
+        self.k[:, :, start:end], self.k_scale[:, :, start:end] = qk, sk
+        self.v[:, :, start:end], self.v_scale[:, :, start:end] = qv, sv
+
+    def read(self, end: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Keys and values of slots 0..end-1 as [B, nkv, end, hd] in `dtype`. Quantized: dequantized into the
+        cache's scratch (one layer at a time; a Triton kernel on CUDA, torch elsewhere)."""
+        if self.quant is None:
+            return self.k[:, :, :end].to(dtype), self.v[:, :, :end].to(dtype)
+        ks, vs = self.cache.dequant_scratch(dtype)
+        ko, vo = ks[:, :, :end], vs[:, :, :end]
+        from runtime.gpu import attention_kernels, kernels
+
+        if kernels.available(self.k):
+            for b in range(self.k.shape[0]):
+                attention_kernels.dequant_q8(self.k[b], self.k_scale[b], ko[b])
+                attention_kernels.dequant_q8(self.v[b], self.v_scale[b], vo[b])
+        else:
+            dequantize_q8_0(self.k[:, :, :end], self.k_scale[:, :, :end], dtype, out=ko)
+            dequantize_q8_0(self.v[:, :, :end], self.v_scale[:, :, :end], dtype, out=vo)
+        return ko, vo
+
+    def kernel_args(self, b: int = 0) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(k, v, k_scale, v_scale) of batch row b as the kernels take them: [nkv, S, hd] (and [nkv, S, hd/32])."""
+        ks = None if self.k_scale is None else self.k_scale[b]
+        vs = None if self.v_scale is None else self.v_scale[b]
+        return self.k[b], self.v[b], ks, vs
+
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, batch: int = 1,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 quant: str | None = None) -> None:
+        """`dtype` is the compute dtype (what reads return); `quant` = "q8_0" stores 8-bit blocks instead."""
         if capacity <= 0:
             raise ValueError(f"KV cache capacity must be positive, got {capacity}.")
+        if quant is not None and quant not in KV_QUANTS:
+            raise ValueError(f"unknown KV cache format {quant!r}; use one of {', '.join(KV_QUANTS)}.")
+        if quant == "q8_0" and head_dim % Q8_BLOCK:
+            raise ValueError(f"a q8_0 KV cache needs a head_dim that is a multiple of {Q8_BLOCK}, "
+                             f"not {head_dim}; use a 16-bit kv_dtype for this model.")
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)
-        self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)
+        store = torch.int8 if quant else dtype
+        self.k: Tensor = torch.zeros(shape, dtype=store, device=device)
+        self.v: Tensor = torch.zeros(shape, dtype=store, device=device)
+        self.k_scale: Tensor | None = None
+        self.v_scale: Tensor | None = None
+        if quant:
+            sshape = shape[:-1] + (head_dim // Q8_BLOCK,)
+            self.k_scale = torch.zeros(sshape, dtype=torch.float16, device=device)
+            self.v_scale = torch.zeros(sshape, dtype=torch.float16, device=device)
+        self.quant, self.dtype = quant, dtype
         self.capacity, self.batch, self.length = capacity, batch, 0
+        self._scratch: tuple[Tensor, Tensor] | None = None
+
+    def layer(self, i: int) -> LayerKV:
+        return LayerKV(self, i)
 
     def rollback(self, length: int) -> None:
         """Forget everything at or after `length` (a committed length, never longer than what was written)."""
@@ -30,9 +157,33 @@ class KVCache:
         self.length = 0
 
     @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """The cache itself (values and scales; not the prefill scratch)."""
+        ts = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quant else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def dequant_scratch(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Two [B, nkv, S, hd] buffers in `dtype` that a quantized cache dequantizes one layer's prefix into for
+        the prefill's attention (allocated once, at the first prefill; docs/budget.md `scratch`)."""
+        if self._scratch is None or self._scratch[0].dtype != dtype:
+            shape = self.k.shape[1:]
+            self._scratch = (torch.empty(shape, dtype=dtype, device=self.k.device),
+                             torch.empty(shape, dtype=dtype, device=self.k.device))
+        return self._scratch
+
+    @property
+    def scratch_nbytes(self) -> int:
+        return 0 if self._scratch is None else sum(t.numel() * t.element_size() for t in self._scratch)
 
     def committed(self) -> tuple[Tensor, Tensor]:
-        """Views of the valid rows (tests compare these)."""
-        return self.k[:, :, :, : self.length], self.v[:, :, :, : self.length]
+        """The valid rows [L, B, nkv, length, hd] (tests compare these); a quantized cache returns them
+        dequantized to its compute dtype."""
+        n = self.length
+        if self.quant is None:
+            return self.k[:, :, :, :n], self.v[:, :, :, :n]
+        return (dequantize_q8_0(self.k[:, :, :, :n], self.k_scale[:, :, :, :n], self.dtype),
+                dequantize_q8_0(self.v[:, :, :, :n], self.v_scale[:, :, :, :n], self.dtype))

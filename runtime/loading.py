@@ -52,17 +52,18 @@ def load_config(folder: Path, names: set[str] | None = None) -> Qwen3MoeConfig:
     return cfg
 
 
-def load_target(folder: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                with_mtp: bool = True) -> Qwen3MoeModel:
-    """Build the model and fill it from the folder's safetensors (shapes and inventory checked)."""
+def check_target_tensors(folder: str | Path, with_mtp: bool = True):
+    """The checkpoint's tensors checked against what config.json says, from the safetensors headers alone (no
+    weight is read): every expected tensor present with its shape and a floating-point dtype, nothing unexpected.
+    Returns (config, {name: TensorRef}, the model built on the meta device). LoadError (one sentence) otherwise."""
+    from runtime.formats.safetensors_files import DTYPE_BYTES
+
     folder = Path(folder)
     if not folder.is_dir():
         raise LoadError(f"target folder {folder} does not exist.")
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    dt = dtype or default_dtype(dev)
     read_config(folder)               # a missing config.json is the first thing to report
-    files = weight_files(folder)
-    cfg = load_config(folder, set(files))
+    refs = inventory(folder, error=LoadError)
+    cfg = load_config(folder, set(refs))
     if not with_mtp:
         cfg.mtp_layers = 0
     with torch.device("meta"):
@@ -70,18 +71,38 @@ def load_target(folder: str | Path, device: str | torch.device | None = None, dt
     expected = {k: v for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in files]
+    missing = [k for k in expected if k not in refs]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise LoadError(f"checkpoint in {folder} lacks tensor {missing[0]}{more}; it does not match config.json.")
-    extra = [k for k in files if k not in expected and not (k.startswith("mtp.") and not with_mtp)
+    extra = [k for k in refs if k not in expected and not (k.startswith("mtp.") and not with_mtp)
              and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if extra:
         raise LoadError(f"checkpoint in {folder} has unexpected tensor {extra[0]}; it does not match config.json.")
+    for k, want in expected.items():
+        ref = refs[k]
+        if tuple(ref.shape) != tuple(want.shape):
+            raise LoadError(f"tensor {k} has shape {tuple(ref.shape)}, expected {tuple(want.shape)} from "
+                            f"config.json.")
+        if ref.dtype not in DTYPE_BYTES or not ref.dtype.startswith(("F", "BF")):
+            raise LoadError(f"tensor {k} has dtype {ref.dtype}; expected floating-point weights.")
+    return cfg, refs, model
+
+
+def load_target(folder: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                with_mtp: bool = True) -> Qwen3MoeModel:
+    """Build the model and fill it from the folder's safetensors (shapes and inventory checked)."""
+    folder = Path(folder)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dt = dtype or default_dtype(dev)
+    cfg, refs, model = check_target_tensors(folder, with_mtp)
+    expected = {k: v for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for k in expected:
-        by_file.setdefault(files[k], []).append(k)
+        by_file.setdefault(refs[k].file, []).append(k)
     for f, keys in by_file.items():
         with safe_open(str(f), "pt", device="cpu") as sf:
             for k in keys:

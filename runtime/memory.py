@@ -39,6 +39,13 @@ def buffers_bytes(model: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
+# Prompt tokens per prefill forward. Larger chunks run the prefill's matmuls (and the grouped experts) at a better
+# rate; on CPU the attention's [chunk x context] fp32 scores grow with it (docs/budget.md, `scratch`).
+PREFILL_CHUNK = {"cuda": 2048, "cpu": 512}
+
+
+def default_prefill_chunk(device_type: str) -> int:
+    return PREFILL_CHUNK.get(device_type, PREFILL_CHUNK["cpu"])
 MIB = 1 << 20
 
 

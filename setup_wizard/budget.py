@@ -9,10 +9,12 @@ What is counted (bytes):
 - `drafter_weights`: MTP = the `mtp.*` tensors at the runtime dtype; DFlash2 = as stored (45 norm/conv/selector tensors
   BF16, 36 backbone matrices BF16 or in Q8_0/Q5_0/Q4_0 blocks); none = 0. On CPU the runtime widens the BF16
   tensors to its fp32 dtype, so there they count 4 B/element (quantized blocks stay as stored).
-- `target_kv = n_layers * 2 * n_kv_heads * head_dim * kv_bytes * context`.
+- `target_kv = n_layers * 2 * n_kv_heads * head_dim * kv_bytes * context`; with `kv_quant = "q8_0"` each head
+  vector takes `head_dim + 2 * head_dim / 32` bytes (int8 values, a float16 scale per 32).
 - `drafter_kv`: DFlash2 `L * 2 * nkv * hd * kv_bytes * context`; MTP `1 * 2 * nkv * hd * kv_bytes * context`.
 - `logits = block * vocab * 4` for the verify window, the same again for a drafter that makes logits.
-- `scratch`: the largest transient forward (see `scratch_bytes`).
+- `scratch`: the largest transient forward (see `scratch_bytes`) plus the attention's own buffers (see
+  `attention_scratch_tensors`: the split decode attention's partials, a q8_0 cache's prefill dequantization).
 - `headroom`: elastic growth and allocator slack on a GPU (see `headroom_bytes`); `reserve`: the user's reserve.
 On a GPU three more items make the prediction one of *reserved* memory (`torch.cuda.max_memory_reserved`):
 - `workspace`: cuBLAS workspaces, one per stream that runs matmuls (the default stream and, with CUDA graphs, the
@@ -35,6 +37,8 @@ from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 from runtime.drafters.registry import KINDS, kv_cache_bytes
 from runtime.errors import UsageError
 from runtime.formats.registry import QTYPES, block_format, row_bytes
+from runtime.kv import KV_QUANTS, Q8_BLOCK, kv_row_bytes, split_partials_bytes
+from runtime.memory import default_prefill_chunk
 from runtime.models.target_config import TargetGeometry
 
 MIB = 1 << 20
@@ -79,8 +83,9 @@ class BudgetInputs:
     total_bytes: int
     reserve_bytes: int = 0
     weight_bytes: int = 2  # runtime dtype of the target (bf16 on CUDA, fp32 on CPU)
-    kv_bytes: int = 2
-    prefill_chunk: int = 512
+    kv_bytes: int = 2  # the compute dtype's bytes when kv_quant is set (the drafters' caches stay there)
+    kv_quant: str | None = None  # "q8_0": the target's KV cache in 8 bits (runtime/kv.py)
+    prefill_chunk: int | None = None  # None: the runtime's default for the device (runtime/memory.py)
     headroom_bytes: int | None = None  # None: headroom_bytes(device_type, total_bytes)
     capability: tuple[int, int] | None = None  # CUDA compute capability; None: assume sm90's larger workspace
     cublas_workspace_config: str | None = None  # the CUBLAS_WORKSPACE_CONFIG value the runtime will see, if any
@@ -168,6 +173,28 @@ def scratch_bytes(t: TargetGeometry, *, context: int, block: int, prefill_chunk:
     return scores + rows * width * act_bytes
 
 
+def attention_scratch_tensors(t: TargetGeometry, drafter: str, *, context: int, block: int, wb: int, cuda: bool,
+                              kv_quant: str | None = None, dflash2: DFlash2Geometry | None = None,
+                              graphs: bool = True) -> list[int]:
+    """The attention's buffers, one allocation each (docs/budget.md `scratch`):
+    - CUDA: the split decode attention's fp32 partials of the target's fixed-width step, `block * heads * chunks *
+      (head_dim + 2) * 4` with `chunks = ceil(context / KV_CHUNK)` (runtime/kv.py), and the same for the drafter's
+      graphs (their heads and head_dim; `block` rows) when graphs are on;
+    - a q8_0 cache: the prefill dequantizes one layer's prefix into two `kv_heads * context * head_dim * wb`
+      buffers, plus (CPU, torch) two fp32 temporaries `kv_heads * context * head_dim * 4` while doing it."""
+    out: list[int] = []
+    if cuda:
+        out.append(split_partials_bytes(block, t.heads, context, t.head_dim))
+        if graphs and drafter == "mtp":
+            out.append(split_partials_bytes(block, t.heads, context, t.head_dim))
+        elif graphs and drafter == "dflash2" and dflash2 is not None:
+            out.append(split_partials_bytes(block, dflash2.num_heads, context, dflash2.head_dim))
+    if kv_quant is not None:
+        n = t.kv_heads * context * t.head_dim
+        out += [n * wb, n * wb] + ([] if cuda else [n * 4, n * 4])
+    return out
+
+
 def cublas_workspace_bytes(capability: tuple[int, int] | None = None, config: str | None = None) -> int:
     """One cuBLAS workspace as torch sizes it (at::cuda `getChosenWorkspaceSize`): `CUBLAS_WORKSPACE_CONFIG`
     ":SIZE_KiB:COUNT[:SIZE_KiB:COUNT...]" when set (sum of SIZE*COUNT KiB), else 4096 KiB * 8 = 32 MiB on sm90 and
@@ -217,7 +244,7 @@ def pool_tensors(t: TargetGeometry, slots: int, dynamic: int, wb: int) -> tuple[
 
 def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, context: int, block: int,
                        dflash2: DFlash2Geometry | None = None, quant: str = "bf16",
-                       pool: tuple[int, int] | None = None) -> list[int]:
+                       kv_quant: str | None = None, pool: tuple[int, int] | None = None) -> list[int]:
     """Byte sizes of the runtime's persistent tensors one by one (what the allocator is asked for): embeddings,
     lm_head, each layer's stacked q/k/v, o_proj, norms, router, stacked experts (gate_up, down) or, offloaded
     (`pool` = (slots, dynamic slots)), the slot pool and its table, K and V caches, logits buffers, the drafter's
@@ -236,7 +263,10 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
     if pool is not None:
         planes, state = pool_tensors(t, pool[0], pool[1], wb)
         out += planes + state
-    out += [t.layers * kv * context * kb] * 2
+    if kv_quant is None:
+        out += [t.layers * kv * context * kb] * 2
+    else:   # int8 values and float16 scales (one per 32 values), K and V each
+        out += [t.layers * kv * context] * 2 + [t.layers * kv // Q8_BLOCK * 2 * context] * 2
     out.append(block * t.vocab * 4)
     if drafter == "mtp":
         out += [h * wb] * 3 + [2 * h * h * wb, (q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb]
@@ -318,6 +348,11 @@ def compute_budget(
         raise BudgetError(f"Unknown drafter '{drafter}'; use one of {', '.join(KINDS)}.")
     if quant not in QTYPES:
         raise BudgetError(f"Unknown DFlash2 quantization '{quant}'; use one of {', '.join(QTYPES)}.")
+    if inputs.kv_quant is not None and inputs.kv_quant not in KV_QUANTS:
+        raise BudgetError(f"Unknown KV cache format '{inputs.kv_quant}'; use one of {', '.join(KV_QUANTS)}.")
+    chunk = inputs.prefill_chunk or default_prefill_chunk(inputs.device_type)
+    if chunk < 1:
+        raise BudgetError(f"The prefill chunk must be at least 1 token, not {chunk}.")
     if inputs.context <= 0:
         raise BudgetError(f"The context length must be a positive number of tokens, not {inputs.context}.")
     if inputs.block <= 0:
@@ -334,20 +369,22 @@ def compute_budget(
     block = inputs.block if drafter != "none" else 1
     items: dict[str, int] = {"target_dense_weights": target.dense_elems() * wb}
     items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
-    items["target_kv"] = kv_bytes(target.layers, target.kv_heads, target.head_dim, kb, ctx)
+    items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * ctx
     items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
     items["logits"] = block * target.vocab * 4 * (2 if kind.makes_logits else 1)
     cuda = inputs.device_type == "cuda"
+    attn = attention_scratch_tensors(target, drafter, context=ctx, block=block, wb=wb, cuda=cuda,
+                                     kv_quant=inputs.kv_quant, dflash2=dflash2, graphs=inputs.graphs)
     items["scratch"] = scratch_bytes(
-        target, context=ctx, block=block, prefill_chunk=inputs.prefill_chunk, act_bytes=wb, flash=cuda
-    )
+        target, context=ctx, block=block, prefill_chunk=chunk, act_bytes=wb, flash=cuda
+    ) + sum(attn)
     if cuda:
         ws = cublas_workspace_bytes(inputs.capability, inputs.cublas_workspace_config)
         items["workspace"] = ws * (2 if inputs.graphs else 1)
         items["graph_pool"] = graph_pool_bytes(target, drafter, block, wb) if inputs.graphs else 0
-        rows = max(min(inputs.prefill_chunk, ctx), block, 1)
-        pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant)
-        trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None)
+        rows = max(min(chunk, ctx), block, 1)
+        pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant, inputs.kv_quant)
+        trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None) + attn
         # transients share the persistent tensors' segments (the free tail of the last 2 MiB small segment, the
         # 20 MiB large ones) before new ones are made: one packing of both
         items["allocator"] = max(segment_bytes(pers + trans) - sum(pers) - items["scratch"], 0)
@@ -367,12 +404,13 @@ def compute_budget(
         # offloaded: the slot pool's layout, not the stacked one. Its fixed items depend on the slots a little (the
         # allocator's rounding of the two planes), so take the most slots whose layout fits (fixed + slots is
         # nondecreasing in the slots: a binary search)
-        trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None, offload=True)
+        trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None, offload=True) + attn
         gp = graph_pool_bytes(target, drafter, block, wb, offload=True) if inputs.graphs else 0
 
         def layout(n: int) -> dict[str, int]:
             dyn = min(block * target.top_k, target.experts, n)
-            pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant, pool=(n, dyn))
+            pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant, inputs.kv_quant,
+                                      pool=(n, dyn))
             state = sum(pool_tensors(target, n, dyn, wb)[1])
             alloc = max(segment_bytes(pers + trans) - (sum(pers) - state) - items["scratch"], 0)
             return {**items, "allocator": alloc, "graph_pool": gp}

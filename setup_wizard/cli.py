@@ -241,6 +241,7 @@ def budget_cmd(
             mem.update({"expert_cache_slots": budget.expert_cache_slots, "total_experts": budget.total_experts,
                         "expert_bytes": budget.expert_bytes, "budget": budget.table()})
             write_config(config, doc)
+            _register(config)
     except typer.Exit:
         raise
     except Exception as exc:
@@ -293,6 +294,7 @@ def calibrate_cmd(
         _print_calibration(result, Console(stderr=True))
         apply_calibration(doc, result)
         write_config(config, doc)
+        _register(config)
     except typer.Exit:
         raise
     except KeyboardInterrupt:
@@ -310,6 +312,14 @@ def calibrate_cmd(
                         f"written to {config}")
         if doc["memory"].get("routing_profile"):
             Console().print(f"routing profile: {doc['memory']['routing_profile']}")
+
+
+def _register(config: Path) -> None:
+    """Record a config strata-setup (re)wrote in the store's registry, so gc keeps what it uses."""
+    from runtime.paths import strata_home
+    from setup_wizard.registry import register_config
+
+    register_config(config, strata_home())
 
 
 from setup_wizard.models_cli import convert_cmd, models_app  # noqa: E402

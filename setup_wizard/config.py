@@ -163,9 +163,15 @@ def load_config(path: Path) -> dict[str, Any]:
 def stale_reasons(doc: Mapping[str, Any], *, deep: bool = False) -> list[str]:
     """Why the artifacts a config names can no longer be trusted: missing, size changed, or (with `deep`) sha256
     changed. Empty when everything is where the config says. Sizes are cheap; hashing multi-GB files is not."""
+    from runtime.artifact_check import store_manifest
+
     reasons: list[str] = []
     target = doc.get("target", {})
     tpath = Path(target.get("path", ""))
+    for folder, what in ((tpath, "target"), (Path((doc.get("drafter") or {}).get("path") or "").parent, "drafter")):
+        mark = store_manifest(folder) if str(folder) not in ("", ".") else None
+        if mark and mark.get("verify_failed"):
+            reasons.append(f"the {what} in {folder} failed `strata-setup models verify` ({mark['verify_failed']})")
     if not tpath.exists():
         reasons.append(f"the target folder {tpath} is missing")
     else:

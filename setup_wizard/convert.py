@@ -3,9 +3,10 @@
 The source is validated before anything is written: config.json through `DFlash2Geometry`, the tensor table (names,
 shapes, BF16) through `check_inventory`, and, for a quantized output, every backbone row length against the 32-value
 block. The file is then written tensor by tensor (the safetensors data is memory-mapped; one tensor is in memory at
-a time) to a temporary name; every tensor is checked finite as it is read. The temporary file is read back with
-`gguf.GGUFReader` (metadata, tensor table, types, sizes) and only then renamed. Any error removes the temporary
-file: nothing is left behind.
+a time) to a temporary name created new (never through a link); every tensor is checked finite as it is read. The
+temporary file is read back with `gguf.GGUFReader` (metadata, tensor table, types, sizes) and only then renamed. Any
+error removes the temporary file and the folders this conversion created: nothing is left behind. In the store, a
+conversion holds its item's lock, and a failed one leaves no folder (docs/store.md).
 
 Backbone matrices (36 for L = 5) are quantized with `runtime.formats.blocks.quantize` (byte-identical to gguf-py); the norm,
 convolution and selector tensors keep their BF16 bits.
@@ -40,10 +41,23 @@ from runtime.drafters.dflash2.contract import (
     write_gguf_metadata,
 )
 from runtime.errors import ContractError, WorkError
+from runtime.fileio import CLOEXEC, NOFOLLOW
 from runtime.formats import blocks as Q
 from runtime.formats.gguf_meta import metadata
 from runtime.formats.safetensors_files import TensorRef, checkpoint_files, tensor_refs
-from setup_wizard.store import Store, check_disk_space, manifest_sha256, now_iso, sha256_file
+from setup_wizard.store import (
+    Store,
+    StoreError,
+    StoreNotWritable,
+    check_disk_space,
+    manifest_sha256,
+    now_iso,
+    open_dir,
+    regular_file_problem,
+    sha256_file,
+)
+from setup_wizard.store_fs import FULL_ERRNOS, unlink_tmp_files, writing
+from setup_wizard.store_locks import item_lock
 
 CONVERTER_VERSION = "1"
 
@@ -166,9 +180,14 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
     sha = source_sha or source_sha256(source.files)
     plan = _plan(source, quant)
     total = sum(nb for *_, nb in plan)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    check_disk_space(Store(out.parent), total + (1 << 20), out.parent, f"the converted {quant} file")
+    made = _make_parents(out.parent)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _create_new(tmp)
+        check_disk_space(Store(out.parent), total + (1 << 20), out.parent, f"the converted {quant} file")
+    except BaseException:
+        _undo(tmp, made)
+        raise
     try:
         w = gguf.GGUFWriter(tmp, ARCH)
         w.add_file_type(Q.FORMATS[quant].file_type)
@@ -212,9 +231,62 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
             w.close()  # type: ignore[possibly-undefined]
         except Exception:
             pass
-        tmp.unlink(missing_ok=True)
+        _undo(tmp, made)
         raise
     return Converted(out, digest, size, quant, sha)
+
+
+def _cannot_write(folder: Path, exc: OSError) -> Exception:
+    why = exc.strerror or str(exc)
+    if exc.errno in FULL_ERRNOS:
+        return StoreError(f"The disk holding {folder} is full ({why}); free some space or choose another output "
+                          f"folder.")
+    return StoreNotWritable(f"Cannot create files in {folder} ({why}); choose an output path in a folder you can "
+                            f"write.")
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create the missing folders above an output file; returns them (outermost first) so a failure can remove
+    exactly these and nothing else."""
+    missing = []
+    p = Path(folder)
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    made = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+    except OSError as exc:
+        _undo(None, made)
+        raise _cannot_write(d, exc) from None
+    return made
+
+
+def _create_new(tmp: Path) -> None:
+    """Create the temporary output file as a new regular file (a stale one of a dead run with this pid, or a link
+    planted in its place, is removed first, never followed)."""
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o666)
+    except OSError as exc:
+        raise _cannot_write(tmp.parent, exc) from None
+    os.close(fd)
+
+
+def _undo(tmp: Path | None, made: list[Path]) -> None:
+    if tmp is not None:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,26 +348,41 @@ def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *,
                      source_repo: str = "", source_revision: str = "", source_sha: str | None = None,
                      on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
     """The converted artifact for (source sha256, quant, converter version): reused from the store after its
-    metadata, tensor table, size and sha256 check out, else (re)built. Returns where it is."""
+    metadata, tensor table, size and sha256 check out, else (re)built. Holds the item's lock while it works (inside
+    `store_locks.hold_locks`, until that block ends); a failed conversion leaves no folder. Returns where it is."""
     store = store or Store()
     quant = _check_quant(quant)
     source = validate_source(Path(src), quant)
     sha = source_sha or source_sha256(source.files)
     d = store.converted_dir(sha, quant, CONVERTER_VERSION)
     gg = d / "model.gguf"
-    m = store.read_manifest(d)
-    if m and m.get("verified") and gg.is_file() and gg.stat().st_size == m.get("size"):
-        # the sha256 the config will record must be the file's: a same-size edit passes every other check
-        if not check_gguf(gg, source.geom, quant, sha) and sha256_file(gg) == m.get("sha256"):
-            return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
-    store.invalidate(d)
-    res = convert_dflash2(src, quant, gg, source_repo=source_repo, source_revision=source_revision, source_sha=sha,
-                          on_tensor=on_tensor)
-    store.write_manifest(d, {"kind": "converted", "file": "model.gguf", "quant": quant, "source_sha256": sha,
-                             "name": f"{source_name or sha[:12]}:{quant}", "source_name": source_name,
-                             "source_repo": source_repo, "source_revision": source_revision,
-                             "source_path": str(Path(src).resolve()), "converter_version": CONVERTER_VERSION,
-                             "sha256": res.sha256, "size": res.size, "verified": True, "verified_at": now_iso()})
+    label = f"{source_name or sha[:12]}:{quant}"
+    with writing(store.root, f"the converted drafter {label}", then="run the command again"), \
+            item_lock(store.root, d, what=f"the converted drafter {label}"):
+        unlink_tmp_files(store.root, d)       # a temporary GGUF or manifest an interrupted run left
+        m = store.read_manifest(d)
+        if (m and m.get("verified") and regular_file_problem(store.root, gg) is None
+                and gg.stat().st_size == m.get("size")):
+            # the sha256 the config will record must be the file's: a same-size edit passes every other check
+            if not check_gguf(gg, source.geom, quant, sha) and sha256_file(gg) == m.get("sha256"):
+                if source_name and not m.get("source_name"):
+                    store.write_manifest(d, {**m, "source_name": source_name, "name": label})
+                return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
+        store.invalidate(d)
+        try:
+            with open_dir(store.root, d):
+                pass                          # the item folder, reached and created without links
+            res = convert_dflash2(src, quant, gg, source_repo=source_repo, source_revision=source_revision,
+                                  source_sha=sha, on_tensor=on_tensor)
+        except BaseException:
+            store.remove(d)                   # nothing in it is verified: no empty or half folder stays
+            raise
+        store.write_manifest(d, {"kind": "converted", "file": "model.gguf", "quant": quant, "source_sha256": sha,
+                                 "name": label, "source_name": source_name,
+                                 "source_repo": source_repo, "source_revision": source_revision,
+                                 "source_path": str(Path(src).resolve()), "converter_version": CONVERTER_VERSION,
+                                 "sha256": res.sha256, "size": res.size, "mtime_ns": gg.stat().st_mtime_ns,
+                                 "verified": True, "verified_at": now_iso()})
     return res
 
 

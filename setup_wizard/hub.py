@@ -4,11 +4,16 @@
 (HEAD: size, commit), `http_get` (its session, retries, and Range resume within a run), `build_hf_headers`
 (HF_TOKEN), `HfApi.parse_safetensors_file_metadata` (ranged read of a safetensors header). Around them we add what
 the library does not do: sha256 computed while the bytes are written (the file is never read twice), a `.part` file
-that a later run resumes with a Range request (re-hashing the bytes already there), a disk-space check, progress reported through
-a callback
-bars, a header check of DFlash2 weights against the contract *before* they are downloaded, and an atomic rename
-into the store once size and sha256 match the catalog. `bundled` entries are copied from the package folder through
-the same hashing and checks. Offline (HF_HUB_OFFLINE or `offline=True`) serves only what the store has verified.
+that a later run resumes with a Range request (re-hashing the bytes already there), a disk-space check, progress
+reported through a callback, a header check of DFlash2 weights against the contract *before* they are downloaded,
+and an atomic rename into the store once size and sha256 match the catalog. `bundled` entries are copied from the
+package folder through the same hashing and checks. Offline (HF_HUB_OFFLINE or `offline=True`) serves only what the
+store has verified.
+
+Each entry is fetched under its item lock (two runs never append to one `.part`), every file is opened inside its
+folder without following links (setup_wizard/store_fs.py), and a verified copy is re-hashed before it is reused
+(docs/store.md, "Trust"). Bytes reach the `.part` file in steps of at most `RESUME_STEP`, unbuffered, so a link that
+drops often still makes progress.
 """
 
 from __future__ import annotations
@@ -19,11 +24,19 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from runtime.errors import WorkError
+from runtime.errors import ContractError, StrataError, WorkError
 from runtime.progress import ProgressFn
-from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, bundled_root, load_catalog, safe_join
+from setup_wizard.catalog import (
+    Catalog,
+    CatalogEntry,
+    CatalogError,
+    bundled_root,
+    check_relpath,
+    load_catalog,
+    safe_join,
+)
 from setup_wizard.store import (
     PART_SUFFIX,
     Store,
@@ -32,6 +45,10 @@ from setup_wizard.store import (
     manifest_sha256,
     now_iso,
 )
+from setup_wizard.store_fs import open_dir, open_file, os_error_sentence, unlink_tmp_files, writing
+from setup_wizard.store_locks import item_lock
+
+RESUME_STEP = 256 << 10     # bytes per write to the .part file: progress a dropped connection never loses
 
 
 class DownloadError(WorkError, OSError):
@@ -42,8 +59,9 @@ class ChecksumError(DownloadError):
     """A file's bytes do not match the catalog's sha256 or size; nothing of it is kept."""
 
 
-class HeaderCheckError(DownloadError):
-    """The remote safetensors header breaks the DFlash2 contract; the weights were not downloaded."""
+class HeaderCheckError(ContractError):
+    """The remote safetensors header breaks the DFlash2 contract; the weights were not downloaded (exit code 2:
+    the checkpoint itself is bad input, retrying cannot help)."""
 
 
 class UnpinnedError(CatalogError):
@@ -124,39 +142,55 @@ def verified_entry(entry: CatalogEntry, store: Store | None = None, *, rehash: b
 # ---------------------------------------------------------------------------------------------------------------
 # hashing writer + progress
 
-class _HashingWriter:
-    """A file object for `http_get`: hashes every byte written and reports how many."""
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = os.write(fd, mv)
+        mv = mv[n:]
 
-    def __init__(self, f: BinaryIO, hasher: Any, on_bytes: Callable[[int], None], limit: int | None = None,
+
+class _HashingWriter:
+    """A file object for `http_get` over an O_APPEND descriptor of the `.part` file: hashes every byte written,
+    writes it through at once (no buffer a dropped connection could lose) and reports how many."""
+
+    def __init__(self, fd: int, hasher: Any, on_bytes: Callable[[int], None], limit: int | None = None,
                  what: str = "the file") -> None:
-        self._f, self.hasher, self._on, self._limit, self._what = f, hasher, on_bytes, limit, what
+        self._fd, self.hasher, self._on, self._limit, self._what = fd, hasher, on_bytes, limit, what
+        self.size = os.fstat(fd).st_size
+        self._pos = self.size       # where http_get believes it is (it seeks back when a server ignores Range)
 
     def write(self, data: bytes) -> int:
-        if self._limit is not None and self._f.tell() + len(data) > self._limit:
+        if self._limit is not None and self.size + len(data) > self._limit:
             # a server that sends more than the pin allows never gets to fill the disk
             raise ChecksumError(f"The server sent more than the {self._limit} bytes pinned for {self._what}; "
                                 f"the download was discarded. Retry later; if it fails again the source or the "
                                 f"pin is wrong.")
+        _write_all(self._fd, data)
+        self.size += len(data)
+        self._pos = self.size
         self.hasher.update(data)
         self._on(len(data))
-        return self._f.write(data)
+        return len(data)
 
     def tell(self) -> int:
-        return self._f.tell()
+        return self._pos
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        return self._f.seek(pos, whence)
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self.size + pos)
+        return self._pos
 
     def truncate(self, size: int | None = None) -> int:
-        pos = self._f.tell() if size is None else size
+        pos = self._pos if size is None else size
         if pos != 0:
             raise DownloadError("the server restarted a resumed download at an unexpected offset; retry.")
         self.hasher = hashlib.sha256()  # the server ignored our Range: everything comes again from byte 0
         self._on(-1)
-        return self._f.truncate(0)
+        os.ftruncate(self._fd, 0)       # O_APPEND: the next write lands at byte 0 of the emptied file
+        self.size = self._pos = 0
+        return 0
 
     def flush(self) -> None:
-        self._f.flush()
+        pass
 
 
 class _FileMeter:
@@ -175,25 +209,27 @@ class _FileMeter:
         self._report()
 
 
-def _hash_existing(path: Path, hasher: Any, limit: int) -> int:
+def _hash_existing(fd: int, hasher: Any, limit: int) -> int:
     """Feed the bytes already in a .part file to the hasher (the resume point); returns how many."""
     n = 0
-    with open(path, "rb") as f:
-        while n < limit and (block := f.read(min(1 << 22, limit - n))):
-            hasher.update(block)
-            n += len(block)
+    while n < limit and (block := os.pread(fd, min(1 << 22, limit - n), n)):
+        hasher.update(block)
+        n += len(block)
     return n
 
 
-def _finish_file(part: Path, final: Path, rel: str, got_sha: str, want: Mapping[str, Any], name: str) -> None:
-    size = part.stat().st_size
+def _finish_file(dfd: int, part: str, final: str, rel: str, got_sha: str, want: Mapping[str, Any],
+                 name: str) -> None:
+    """Rename the checked `.part` to its final name inside the folder `dfd` (a link there is replaced, not
+    followed), or delete it when its size or sha256 is not the pin's."""
+    size = os.stat(part, dir_fd=dfd, follow_symlinks=False).st_size
     if size != int(want["size"]) or got_sha != want["sha256"]:
-        part.unlink(missing_ok=True)
+        os.unlink(part, dir_fd=dfd)
         what = (f"has {size} bytes instead of {want['size']}" if size != int(want["size"])
                 else f"has sha256 {got_sha}, but the catalog pins {want['sha256']}")
         raise ChecksumError(f"Downloaded file {rel} of {name} {what}; it was discarded. Retry with "
                             f"`strata-setup models pull {name}`; if it fails again the source or the pin is wrong.")
-    os.replace(part, final)
+    os.replace(part, final, src_dir_fd=dfd, dst_dir_fd=dfd)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -246,22 +282,31 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
-def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path,
+def _small_steps() -> None:
+    """huggingface_hub hands `http_get`'s file the body in DOWNLOAD_CHUNK_SIZE pieces (10 MiB) and loses a piece
+    that a dropped connection cut short; smaller pieces keep a flaky link's progress (the value is only lowered)."""
+    from huggingface_hub import constants
+
+    constants.DOWNLOAD_CHUNK_SIZE = min(int(constants.DOWNLOAD_CHUNK_SIZE), RESUME_STEP)
+
+
+def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path, store: Store,
                    on_progress: ProgressFn | None) -> None:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    final = safe_join(dest, rel, f"{entry.name} file")
-    part = final.with_name(final.name + PART_SUFFIX)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    check_relpath(rel, f"{entry.name} file")
+    final = dest / rel
+    part = final.name + PART_SUFFIX
+    size = int(want["size"])
     url = hf_hub_url(entry.repo, rel, revision=entry.revision, endpoint=hf_endpoint())
     headers = build_hf_headers()
     try:
         meta = get_hf_file_metadata(url, headers=headers)
     except _network_errors() as exc:
         raise _hub_error(exc, entry, rel) from None
-    if meta.size is not None and meta.size != int(want["size"]):
+    if meta.size is not None and meta.size != size:
         raise ChecksumError(f"The Hub reports {meta.size} bytes for {rel} of {entry.name}, but the catalog pins "
                             f"{want['size']}; the file was not downloaded (the pin or the repository is wrong).")
     if meta.commit_hash and meta.commit_hash != entry.revision:
@@ -271,34 +316,57 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
     if _origin(location) != _origin(url):
         # an LFS blob on a CDN: the token stays on the Hub (as hf_hub_download does)
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-    hasher = hashlib.sha256()
-    resume = 0
-    if part.exists():
-        resume = part.stat().st_size
-        if resume > int(want["size"]):
-            part.unlink()
-            resume = 0
-        else:
-            resume = _hash_existing(part, hasher, resume)
-    meter = _FileMeter(on_progress, f"{entry.name}/{rel}", int(want["size"]), resume)
-    with open(part, "ab") as f:
-        w = _HashingWriter(f, hasher, meter.add, int(want["size"]), f"{rel} of {entry.name}")
+    _small_steps()
+    with open_dir(store.root, final.parent) as dfd:
+        fd = open_file(dfd, part, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         try:
-            http_get(location, w, resume_size=resume, headers=headers, expected_size=int(want["size"]),
-                     displayed_filename=rel)
-        except _network_errors() + (OSError,) as exc:
-            w.flush()
-            if isinstance(exc, ChecksumError):
-                f.close()
-                part.unlink(missing_ok=True)
-            if isinstance(exc, DownloadError):
-                raise
-            kept = part.stat().st_size if part.exists() else 0
-            err = _hub_error(exc, entry, rel)
-            raise DownloadError(f"{err} ({kept} bytes kept in {part.name}; the next pull resumes from there).") \
-                from None
-        hasher = w.hasher
-    _finish_file(part, final, rel, hasher.hexdigest(), want, entry.name)
+            hasher = hashlib.sha256()
+            resume = os.fstat(fd).st_size
+            if resume > size:
+                os.ftruncate(fd, 0)
+                resume = 0
+            resume = _hash_existing(fd, hasher, resume)
+            meter = _FileMeter(on_progress, f"{entry.name}/{rel}", size, resume)
+            w = _HashingWriter(fd, hasher, meter.add, size, f"{rel} of {entry.name}")
+            try:
+                http_get(location, w, resume_size=resume, headers=headers, expected_size=size,
+                         displayed_filename=rel)
+            except _network_errors() + (OSError,) as exc:
+                raise _fetch_failure(exc, entry, rel, w.size, size, dfd, part, store) from None
+            hasher = w.hasher
+        finally:
+            os.close(fd)
+        _finish_file(dfd, part, final.name, rel, hasher.hexdigest(), want, entry.name)
+
+
+def _fetch_failure(exc: BaseException, entry: CatalogEntry, rel: str, kept: int, size: int, dfd: int, part: str,
+                   store: Store) -> BaseException:
+    """The one sentence for a download that stopped: what happened, and that the bytes kept resume next time."""
+    if isinstance(exc, ChecksumError):
+        try:
+            os.unlink(part, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        return exc
+    if isinstance(exc, StrataError):
+        return exc
+    resume = f"{kept} of {size} bytes are kept in {part}; `strata-setup models pull {entry.name}` resumes from there"
+    network = isinstance(exc, _network_errors())
+    if isinstance(exc, OSError) and not network:
+        better = os_error_sentence(exc, store.root, f"{rel} of {entry.name}",
+                                   then=f"run `strata-setup models pull {entry.name}` to resume ({kept} of {size} "
+                                        f"bytes are kept)")
+        if better is not None:
+            return better
+        if kept < size:   # the server ended the body early without an error (huggingface_hub's size check)
+            return DownloadError(f"The server sent only {kept} of the {size} bytes of {rel} of {entry.name} and "
+                                 f"ended the file there; {resume} (if it stops short again, the server's copy is "
+                                 f"incomplete).")
+        if exc.errno is not None:
+            return StoreError(f"Cannot write {rel} of {entry.name} into {store.root} ({exc.strerror or exc}); "
+                              f"{resume}.")
+    err = _hub_error(exc, entry, rel)  # type: ignore[arg-type]
+    return DownloadError(f"{err} ({resume}.)")
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -313,7 +381,6 @@ def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
     from huggingface_hub import HfApi
 
     from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory
-    from runtime.errors import ContractError
 
     weights = [f.path for f in entry.files if f.path.endswith(".safetensors")]
     if not weights:
@@ -343,44 +410,67 @@ def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # bundled
 
-def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path,
+def _copy_bundled_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest: Path, store: Store,
                        on_progress: ProgressFn | None, root: Path) -> None:
     src_dir = safe_join(root, entry.repo or "", f"{entry.name} bundled folder")
     src = safe_join(src_dir, rel, f"{entry.name} file")
     if not src.is_file():
         raise DownloadError(f"The bundled file {rel} of {entry.name} is missing from {src_dir}; reinstall "
                             f"strata-setup.")
-    final = safe_join(dest, rel, f"{entry.name} file")
-    part = final.with_name(final.name + PART_SUFFIX)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    check_relpath(rel, f"{entry.name} file")
+    final = dest / rel
+    part = final.name + PART_SUFFIX
     hasher = hashlib.sha256()
     meter = _FileMeter(on_progress, f"{entry.name}/{rel}", int(want["size"]))
-    with open(src, "rb") as fi, open(part, "wb") as fo:
-        while block := fi.read(1 << 22):
-            hasher.update(block)
-            fo.write(block)
-            meter.add(len(block))
-    _finish_file(part, final, rel, hasher.hexdigest(), want, entry.name)
+    with open_dir(store.root, final.parent) as dfd:
+        fd = open_file(dfd, part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            with open(src, "rb") as fi:
+                while block := fi.read(1 << 22):
+                    hasher.update(block)
+                    _write_all(fd, block)
+                    meter.add(len(block))
+        finally:
+            os.close(fd)
+        _finish_file(dfd, part, final.name, rel, hasher.hexdigest(), want, entry.name)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the entry point
 
+def _waiter(on_progress: ProgressFn | None) -> Callable[[str], None] | None:
+    if on_progress is None:
+        return None
+    return lambda msg: on_progress(msg, 0, None, "")
+
+
 def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: bool | None = None,
-                   on_progress: ProgressFn | None = None, bundled_dir: Path | None = None) -> Pulled:
-    """Make `entry` present and verified in the store; returns where. Raises UnpinnedError (exit 2),
-    DownloadError / ChecksumError / HeaderCheckError / StoreError (exit 1)."""
+                   on_progress: ProgressFn | None = None, bundled_dir: Path | None = None,
+                   rehash: bool = True) -> Pulled:
+    """Make `entry` present and verified in the store; returns where. A verified copy is reused after its files
+    are hashed again (`rehash`; setup and pull always do). Holds the entry's lock while it works (inside
+    `store_locks.hold_locks`, until that block ends). Raises UnpinnedError / HeaderCheckError /
+    StoreNotWritable (exit 2), DownloadError / ChecksumError / StoreError (exit 1)."""
     store = store or Store()
     if not entry.pinned:
         raise UnpinnedError(entry.unpinned_message())
-    have = verified_entry(entry, store)
-    if have is not None:
-        return have
-    offline = hf_offline() if offline is None else offline
-    if offline and entry.source == "hf":
-        raise DownloadError(f"{entry.name} is not in the store and offline mode is on (--offline or HF_HUB_OFFLINE); "
-                            f"run `strata-setup models pull {entry.name}` once with network access.")
     dest = entry_dir(entry, store)
+    with writing(store.root, entry.name), item_lock(store.root, dest, what=entry.name,
+                                                    on_wait=_waiter(on_progress)):
+        unlink_tmp_files(store.root, dest)     # what an interrupted manifest write left behind
+        have = verified_entry(entry, store, rehash=rehash)
+        if have is not None:
+            return have
+        offline = hf_offline() if offline is None else offline
+        if offline and entry.source == "hf":
+            raise DownloadError(f"{entry.name} is not verified in the store and offline mode is on (--offline or "
+                                f"HF_HUB_OFFLINE); run `strata-setup models pull {entry.name}` once with network "
+                                f"access.")
+        return _download(entry, store, dest, on_progress, bundled_dir)
+
+
+def _download(entry: CatalogEntry, store: Store, dest: Path, on_progress: ProgressFn | None,
+              bundled_dir: Path | None) -> Pulled:
     files = _files_of(entry)
     store.invalidate(dest)  # whatever was there is not verified for this pin any more
     # Files left under their final name by an interrupted run passed their check then, but the folder has no
@@ -388,11 +478,13 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
     missing = [rel for rel in files if store.verify_files(dest, {rel: files[rel]}, rehash=True)]
     part_bytes = 0
     for rel in missing:
-        p = safe_join(dest, rel, f"{entry.name} file")
+        check_relpath(rel, f"{entry.name} file")
+        p = dest / rel
         pp = p.with_name(p.name + PART_SUFFIX)
-        part_bytes += pp.stat().st_size if pp.exists() else 0
-        if p.exists():
-            p.unlink()  # present but wrong: never used
+        part_bytes += pp.lstat().st_size if pp.is_file() and not pp.is_symlink() else 0
+        if os.path.lexists(p):
+            with open_dir(store.root, p.parent) as dfd:
+                os.unlink(p.name, dir_fd=dfd)  # present but wrong (or a link): never used
     need = sum(int(files[r]["size"]) for r in missing) - part_bytes
     check_disk_space(store, max(need, 0), dest, f"{entry.name}")
     # small files first (config.json), so a DFlash2 head's header can be checked before its weights move
@@ -405,7 +497,7 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
         header_checked = False
         for rel in order:
             if entry.source == "bundled":
-                _copy_bundled_file(entry, rel, files[rel], dest, on_progress, bundled_dir or bundled_root())
+                _copy_bundled_file(entry, rel, files[rel], dest, store, on_progress, bundled_dir or bundled_root())
                 continue
             if entry.kind == "dflash2" and rel.endswith(".safetensors") and not header_checked:
                 cfg = dest / "config.json"
@@ -414,7 +506,7 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
                                            f"needs it.")
                 check_remote_header(entry, cfg)
                 header_checked = True
-            _fetch_hf_file(entry, rel, files[rel], dest, on_progress)
+            _fetch_hf_file(entry, rel, files[rel], dest, store, on_progress)
     finally:
         if not hf_bars_were_off:
             enable_progress_bars()
@@ -431,6 +523,6 @@ def download_entry(entry: CatalogEntry, store: Store | None = None, *, offline: 
 
 def pull(name: str, *, store: Store | None = None, catalog: Catalog | None = None, offline: bool | None = None,
          on_progress: ProgressFn | None = None) -> Pulled:
-    """Download and verify one catalog entry by name (and nothing else)."""
+    """Download and verify one catalog entry by name (and nothing else); a verified copy is hashed again first."""
     cat = catalog or load_catalog()
     return download_entry(cat.get(name), store, offline=offline, on_progress=on_progress)

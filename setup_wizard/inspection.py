@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
-from runtime.errors import ContractError, UsageError, WorkError
+from runtime.errors import ContractError, LoadError, UsageError, WorkError
 from runtime.formats.gguf_meta import read_metadata
 from runtime.formats.safetensors_files import inventory
 from runtime.models.target_config import TargetGeometry
@@ -45,15 +45,28 @@ def folder_files(folder: Path) -> list[str]:
     return names
 
 
-def hash_folder(folder: Path, on_file: Callable[[str], None] | None = None) -> Artifact:
-    """sha256 and size of every runtime file of a local target folder, and the manifest hash over them."""
+def hash_folder(folder: Path, on_file: Callable[[str], None] | None = None, *, validate: bool = False) -> Artifact:
+    """sha256 and size of every runtime file of a local target folder, and the manifest hash over them. With
+    `validate`, the folder is first checked as strata-run will load it (tensors and shapes against config.json,
+    from the headers), and every weight is checked finite while its file is hashed (one read of each file);
+    LoadError (exit code 2, one sentence) before anything is written."""
+    from runtime.formats.safetensors_files import sha256_checking_finite
+    from runtime.loading import check_target_tensors
+
+    folder = Path(folder)
+    by_file: dict[Path, dict] = {}
+    if validate:
+        _cfg, refs, _model = check_target_tensors(folder)
+        for name, ref in refs.items():
+            by_file.setdefault(ref.file, {})[name] = ref
     files = {}
     for rel in folder_files(folder):
         if on_file:
             on_file(rel)
-        p = Path(folder) / rel
-        files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
-    return Artifact(path=Path(folder).resolve(), sha256=manifest_sha256(files), files=files,
+        p = folder / rel
+        sha = sha256_checking_finite(p, by_file[p], error=LoadError) if p in by_file else sha256_file(p)
+        files[rel] = {"sha256": sha, "size": p.stat().st_size}
+    return Artifact(path=folder.resolve(), sha256=manifest_sha256(files), files=files,
                     size=sum(f["size"] for f in files.values()))
 
 

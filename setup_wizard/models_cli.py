@@ -10,7 +10,9 @@ what a config uses without --force).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from runtime.errors import exit_code, message
 from runtime.formats.registry import QTYPES
 from setup_wizard.catalog import Catalog, CatalogEntry, CatalogError, load_catalog
 from setup_wizard.store import Store, StoreItem
+from setup_wizard.store_fs import writing
+from setup_wizard.store_locks import ItemBusy, item_lock, store_lock
 
 models_app = typer.Typer(name="models", help="Manage the local model store (catalog entries, downloads, "
                                               "converted drafters).", no_args_is_help=True, add_completion=False)
@@ -66,7 +70,7 @@ def list_models(store: Store | None = None, catalog: Catalog | None = None) -> l
     """Catalog entries (with their store state) and every store item, with the configs that use it."""
     store = store or Store()
     cat = catalog or load_catalog()
-    refs = store.references()
+    refs = store.references(prune=False)
     rows: list[dict[str, Any]] = []
     seen: set[Path] = set()
     for e in cat:
@@ -99,8 +103,9 @@ def show_model(name: str, store: Store | None = None, catalog: Catalog | None = 
         e = cat.get(name)
         state, item = _entry_state(e, store)
         doc = e.to_dict()
+        refs = store.references(prune=False)
         doc.update({"state": state, "path": str(item.path) if item else None,
-                    "used_by": [str(c) for c in store.used_by(item)] if item else []})
+                    "used_by": [str(c) for c in store.used_by(item, refs)] if item else []})
         doc["converted"] = [{"path": str(it.artifact_path), "quant": it.manifest.get("quant"),
                              "sha256": it.manifest.get("sha256"), "size": it.size}
                             for it in store.items() if it.kind == "converted" and it.manifest.get("source_name") == name]
@@ -110,7 +115,7 @@ def show_model(name: str, store: Store | None = None, catalog: Catalog | None = 
     for it in store.items():
         if it.name == name:
             return {"name": it.name, "kind": it.kind, "path": str(it.artifact_path), "manifest": it.manifest,
-                    "used_by": [str(c) for c in store.used_by(it)]}
+                    "used_by": [str(c) for c in store.used_by(it, store.references(prune=False))]}
     raise CatalogError(f"{name!r} is neither a catalog entry nor an item in the store; see `strata-setup models "
                        f"list`.")
 
@@ -131,17 +136,19 @@ def _select(name: str | None, store: Store, cat: Catalog) -> list[StoreItem]:
 
 def verify_models(name: str | None = None, store: Store | None = None,
                   catalog: Catalog | None = None) -> list[dict[str, Any]]:
-    """Re-hash store items (all, or those of `name`); a failed item is marked so nothing uses it."""
+    """Re-hash store items (all, or those of `name`); a failed item is marked (under its lock) so that nothing
+    uses it: strata-run refuses it and setup repairs it."""
     store = store or Store()
     cat = catalog or load_catalog()
     res = []
     for it in _select(name, store, cat):
         problems = store.verify_item(it)
-        if problems:
-            doc = dict(it.manifest)
-            doc.update({"verified": False, "verify_failed": problems[0]})
-            if not it.manifest.get("corrupt"):
-                store.write_manifest(it.path, doc)
+        if problems and not it.manifest.get("corrupt"):
+            with writing(store.root, f"the mark of {it.name}", then="run `strata-setup models verify` again"), \
+                    item_lock(store.root, it.path, what=it.name):
+                now = store.read_manifest(it.path)
+                if now is not None and not now.get("corrupt"):
+                    store.write_manifest(it.path, {**now, "verified": False, "verify_failed": problems[0]})
         res.append({"name": it.name, "kind": it.kind, "path": str(it.artifact_path), "ok": not problems,
                     "problems": problems})
     return res
@@ -149,35 +156,71 @@ def verify_models(name: str | None = None, store: Store | None = None,
 
 def remove_models(name: str, *, force: bool = False, store: Store | None = None,
                   catalog: Catalog | None = None) -> list[dict[str, Any]]:
-    """Remove the store items of `name` (an entry's download and its converted files, or one item by name)."""
+    """Remove the store items of `name` (an entry's download and its converted files, or one item by name). Refuses
+    what a live config uses (InUseError, exit 2) unless `force`, and what a running setup or pull holds (ItemBusy)."""
     store = store or Store()
     cat = catalog or load_catalog()
-    items = _select(name, store, cat)
-    refs = store.references()
-    users = {str(it.path): [str(c) for c in store.used_by(it, refs)] for it in items}
-    busy = [(it, users[str(it.path)]) for it in items if users[str(it.path)]]
-    if busy and not force:
-        it, cfgs = busy[0]
-        raise InUseError(f"{it.name} is used by {', '.join(cfgs)}; remove those configs first, or pass --force.")
-    for it in items:
-        store.remove(it)
+    with writing(store.root, "the store", then="run the command again"), \
+            store_lock(store.root, what="the store (another gc or rm is running)"), ExitStack() as locks:
+        items = _select(name, store, cat)
+        for it in items:
+            locks.enter_context(item_lock(store.root, it.path, what=it.name, wait=False))
+        refs = store.references()      # read under the item locks: a setup registers its config before it lets go
+        users = {str(it.path): [str(c) for c in store.used_by(it, refs)] for it in items}
+        busy = [(it, users[str(it.path)]) for it in items if users[str(it.path)]]
+        if busy and not force:
+            it, cfgs = busy[0]
+            raise InUseError(f"{it.name} is used by {', '.join(cfgs)}; remove those configs first, or pass --force.")
+        for it in items:
+            store.remove(it)
     return [{"name": it.name, "path": str(it.path), "size": it.size, "used_by": users[str(it.path)]} for it in items]
 
 
-def collect_garbage(*, dry_run: bool = False, store: Store | None = None) -> dict[str, Any]:
-    """Remove store items no config references, and leftover partial/temporary files."""
+def collect_garbage(*, dry_run: bool = False, force: bool = False, store: Store | None = None,
+                    confirm: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    """Remove what no live config uses: item folders (verified, failed or partial), leftover `.part`/`.tmp` files,
+    and stray files or links where the store keeps folders. Items a running setup or pull holds are left alone and
+    reported as busy; items a live config uses are kept unless `force`. `confirm(plan)` may refuse the removal
+    (the plan is what will be removed, computed under the locks, so it is exactly what happens)."""
     store = store or Store()
-    refs = store.references()
-    items = [it for it in store.items() if not store.used_by(it, refs)]
-    leftovers = store.leftovers()
-    freed = sum(it.size for it in items) + sum(p.stat().st_size for p in leftovers if p.exists())
-    if not dry_run:
+    if not store.root.exists():
+        return {"dry_run": dry_run, "removed": [], "leftovers": [], "strays": [], "busy": [], "kept": [],
+                "freed_bytes": 0, "cancelled": False}
+    with writing(store.root, "the store", then="run gc again"), \
+            store_lock(store.root, what="the store (another gc or rm is running)"), ExitStack() as locks:
+        items, strays = store.item_dirs()
+        mine: list[StoreItem] = []
+        busy: list[StoreItem] = []
         for it in items:
+            try:
+                locks.enter_context(item_lock(store.root, it.path, what=it.name, wait=False))
+                mine.append(it)
+            except ItemBusy:
+                busy.append(it)
+        refs = store.references()      # after the locks: a setup registers its config before it lets go of them
+        remove, kept = [], []
+        for it in mine:
+            users = [str(c) for c in store.used_by(it, refs)]
+            (remove if force or not users else kept).append((it, users))
+        leftovers = [p for it, _ in kept for p in store.leftovers(it)]
+        freed = sum(it.size for it, _ in remove) + sum(p.lstat().st_size for p in leftovers if p.exists())
+        plan = {"dry_run": dry_run,
+                "removed": [{"name": it.name, "path": str(it.path), "size": it.size, "used_by": u} for it, u in remove],
+                "leftovers": [str(p) for p in leftovers], "strays": [str(p) for p in strays],
+                "busy": [{"name": it.name, "path": str(it.path)} for it in busy],
+                "kept": [{"name": it.name, "path": str(it.path), "used_by": u} for it, u in kept],
+                "freed_bytes": freed, "cancelled": False}
+        if dry_run or not (remove or leftovers or strays):
+            return plan
+        if confirm is not None and not confirm(plan):
+            return {**plan, "cancelled": True, "freed_bytes": 0}
+        for it, _ in remove:
             store.remove(it)
         for p in leftovers:
             p.unlink(missing_ok=True)
-    return {"dry_run": dry_run, "removed": [{"name": it.name, "path": str(it.path), "size": it.size} for it in items],
-            "leftovers": [str(p) for p in leftovers], "freed_bytes": freed}
+        for p in strays:
+            store.remove(p)
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,19 +408,45 @@ def rm_cmd(name: str = typer.Argument(..., help="Entry or item name."),
                     or f"{name} has nothing in the store.")
 
 
+def _interactive() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _gc_lines(res: Mapping[str, Any], verb: str) -> list[str]:
+    lines = []
+    for r in res["removed"]:
+        used = f" (used by {', '.join(r['used_by'])})" if r.get("used_by") else ""
+        lines.append(f"{verb} {r['name']} ({_fmt_size(r['size'])}) {r['path']}{used}")
+    lines += [f"{verb} leftover {p}" for p in res["leftovers"]]
+    lines += [f"{verb} stray {p}" for p in res.get("strays", [])]
+    return lines
+
+
 @models_app.command("gc")
 def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed."),
+           force: bool = typer.Option(False, "--force", help="Also remove what a live config uses."),
+           yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask on a terminal."),
            json_out: bool = JSON, debug: bool = DEBUG) -> None:
-    """Remove store items that no config references, and leftover partial downloads."""
-    res = _run(lambda: collect_garbage(dry_run=dry_run), debug)
+    """Remove store items that no live config uses (configs strata-setup wrote, wherever they are), partial
+    folders and leftover temporary files; lists them and asks first on a terminal."""
+    c = Console()
+
+    def ask(plan: Mapping[str, Any]) -> bool:
+        for line in _gc_lines(plan, "will remove"):
+            c.print(line, highlight=False, soft_wrap=True)
+        return typer.confirm(f"Remove these ({_fmt_size(plan['freed_bytes'])})?", default=False)
+
+    confirm = ask if _interactive() and not yes and not json_out else None
+    res = _run(lambda: collect_garbage(dry_run=dry_run, force=force, confirm=confirm), debug)
     if json_out:
         return _print_json(res)
-    verb = "would remove" if dry_run else "removed"
-    c = Console()
-    for r in res["removed"]:
-        c.print(f"{verb} {r['name']} ({_fmt_size(r['size'])}) {r['path']}", highlight=False)
-    for p in res["leftovers"]:
-        c.print(f"{verb} leftover {p}", highlight=False)
+    if res["cancelled"]:
+        c.print("Nothing was removed.")
+        return
+    for line in _gc_lines(res, "would remove" if dry_run else "removed"):
+        c.print(line, highlight=False, soft_wrap=True)
+    for r in res["busy"]:
+        c.print(f"kept {r['name']}: a running strata-setup command is using it", highlight=False)
     c.print(f"{'would free' if dry_run else 'freed'} {_fmt_size(res['freed_bytes'])}")
 
 

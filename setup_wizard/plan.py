@@ -44,7 +44,7 @@ class Plan:
         if self.target.source != "local":
             s.append(f"download {self.target.name}" + (" (verified, here)" if self.target.available else ""))
         else:
-            s.append(f"hash local target {self.target.local_path}")
+            s.append(f"check and hash local target {self.target.local_path}")
         if KINDS[self.drafter].needs_file and self.head and self.head.description == "local folder":
             s.append(f"use local DFlash2 head {self.head.local_path}")
         elif KINDS[self.drafter].needs_file and self.head:
@@ -257,14 +257,18 @@ def default_config_path(target: str, drafter: str, quant: str | None = None) -> 
 
 
 def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry | None, *,
-                  dtype: str | None = None, kv_dtype: str | None = None) -> B.BudgetInputs:
-    """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype`)."""
+                  dtype: str | None = None, kv_dtype: str | None = None,
+                  prefill_chunk: int | None = None) -> B.BudgetInputs:
+    """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype` incl. "q8_0",
+    `prefill_chunk`)."""
     dtype_bytes = B.DTYPE_BYTES.get(dtype or "", 2 if hw.device_type == "cuda" else 4)
     kv_dtype_bytes = B.DTYPE_BYTES.get(kv_dtype or "", dtype_bytes)
+    kv_quant = kv_dtype if kv_dtype in B.KV_QUANTS else None     # 8-bit target cache; the drafters' stay at dtype
     block = KINDS[plan.drafter].max_block(dgeo, None) if (dgeo is not None or not KINDS[plan.drafter].needs_file) else 1
     return B.BudgetInputs(context=context, block=block, device_type=hw.device_type,
                           available_bytes=hw.free_bytes, total_bytes=hw.total_bytes,
-                          reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes)
+                          reserve_bytes=plan.reserve_mib * MIB, weight_bytes=dtype_bytes, kv_bytes=kv_dtype_bytes,
+                          kv_quant=kv_quant, prefill_chunk=prefill_chunk)
 
 
 def compute(plan: Plan, geo: TargetGeometry, dgeo: DFlash2Geometry | None) -> B.Budget:

@@ -55,6 +55,7 @@ class Artifact:
     reused: bool = False  # True when nothing had to be fetched or built
     source_sha256: str | None = None  # converted artifacts: the sha256 of what they were converted from
     repo: str | None = None
+    name: str = ""  # the catalog entry (or local head folder) it is; a conversion records it as its source
 
 
 class Services(Protocol):
@@ -87,7 +88,7 @@ class RealServices:
         pulled = H.pull(name, offline=True if offline else None, on_progress=self.on_progress)
         repo = C.load_catalog().get(name).repo    # recorded in the converted GGUF
         return Artifact(path=Path(pulled.path), sha256=pulled.sha256, size=pulled.size, files=dict(pulled.files),
-                        revision=pulled.revision, reused=pulled.reused, repo=repo)
+                        revision=pulled.revision, reused=pulled.reused, repo=repo, name=name)
 
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact:
         report = self.on_progress
@@ -96,7 +97,7 @@ class RealServices:
             if report is not None:
                 report(f"convert → {quant}", i, n)
 
-        res = V.convert_to_store(head_dir, quant, source_repo=source.repo or "",
+        res = V.convert_to_store(head_dir, quant, source_name=source.name, source_repo=source.repo or "",
                                  source_revision=source.revision or "", on_tensor=on_tensor)
         return Artifact(path=Path(res.path), sha256=res.sha256, size=res.size, reused=res.reused,
                         source_sha256=res.source_sha256)

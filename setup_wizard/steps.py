@@ -1,6 +1,7 @@
-"""The plan carried out, step by step: target, drafter (download, convert), budget, config, calibration. Every step
+"""The plan carried out, step by step: target, drafter (download, convert), budget, calibration, config. Every step
 is idempotent: a verified download, a cached conversion or a calibration with a matching key is reused, and an
-interruption leaves only complete, verified results behind (each step writes atomically)."""
+interruption or a failure leaves only complete, verified results behind (each step writes atomically; the config is
+written once, last)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from runtime.config import tomlable
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError, WorkError
+from runtime.loading import check_target_tensors
+from runtime.paths import strata_home
 from runtime.version import __version__
 from setup_wizard import budget as B
 from setup_wizard.config import sha256_file, write_config
 from setup_wizard.hardware import MIB, Hardware
 from setup_wizard.inspection import drafter_geometry, hash_folder, target_geometry
 from setup_wizard.plan import Plan, budget_inputs, compute
+from setup_wizard.registry import register_config
 from setup_wizard.services import Artifact, Services, TargetOption
+from setup_wizard.store_locks import hold_locks
 
 
 @dataclass
@@ -49,8 +54,16 @@ Reporter = Callable[[str, str], None]  # (step, status) status in start|done|ski
 
 def execute(plan: Plan, services: Services, *, report: Reporter | None = None, force_calibration: bool = False,
             max_calibration_seconds: float | None = None) -> Result:
-    """Run the steps in order. An interruption leaves only complete, verified results behind (each step writes
-    atomically), so a rerun resumes where this one stopped."""
+    """Run the steps in order. An interruption or a failure leaves only complete, verified results behind (each step
+    writes atomically, and the config is written once, last), so a rerun resumes where this one stopped. The store
+    items this run uses stay locked until its config is written and registered (docs/store.md, "Locks")."""
+    with hold_locks():
+        return _execute(plan, services, report=report, force_calibration=force_calibration,
+                        max_calibration_seconds=max_calibration_seconds)
+
+
+def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_calibration: bool,
+             max_calibration_seconds: float | None) -> Result:
     say = report or (lambda step, status: None)
     steps: list[dict[str, Any]] = []
 
@@ -59,17 +72,19 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         if status != "start":
             steps.append({"step": step, "status": status, **extra})
 
-    # 1. target
+    # 1. target (a local folder is checked like a head: tensors and shapes against its config.json, every weight
+    #    finite, in the same pass that hashes it; exit 2 before anything is written)
     if plan.target.source == "local":
-        step = "hash target"
+        step = "check and hash target"
         mark(step, "start")
-        target = hash_folder(plan.target.local_path)  # type: ignore[arg-type]
+        target = hash_folder(plan.target.local_path, validate=True)  # type: ignore[arg-type]
         mark(step, "done", path=str(target.path))
     else:
         step = f"download {plan.target.name}"
         mark(step, "start")
         target = services.fetch(plan.target.name, offline=plan.offline)
         mark(step, "skipped" if target.reused else "done", path=str(target.path))
+        check_target_tensors(target.path)
     geo = target_geometry(target.path)
     if plan.drafter == "mtp" and not geo.has_mtp:
         raise WorkError(f"The target {plan.target.name} has no MTP head (no mtp.* tensors); rerun with "
@@ -83,12 +98,14 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         assert plan.head is not None and plan.quant is not None
         if plan.head.local_path is not None and plan.head.description == "local folder":
             head_art = Artifact(path=plan.head.local_path, sha256=_head_source_sha(plan.head.local_path),
-                                reused=True)
+                                reused=True, name=plan.head.name)
         else:
             step = f"download {plan.head.name}"
             mark(step, "start")
             head_art = services.fetch(plan.head.name, offline=plan.offline)
             mark(step, "skipped" if head_art.reused else "done", path=str(head_art.path))
+        if not head_art.name:
+            head_art = replace(head_art, name=plan.head.name)
         step = f"convert {plan.head.name} to {plan.quant}"
         mark(step, "start")
         drafter_art = services.convert(head_art.path, plan.quant, source=head_art)
@@ -109,8 +126,7 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         raise WorkError(budget.reason)
     mark(step, "done", expert_cache_slots=budget.expert_cache_slots)
 
-    # 4. config (written before calibration, so an interrupted calibration leaves a usable uncalibrated setup;
-    #    calibration works on the document in memory and the config is rewritten with its result)
+    # 4. calibration, on the document in memory (a failed or interrupted calibration writes nothing)
     doc = build_doc(plan, target, drafter_art, head_art, budget, dgeo)
     previous = _read_previous(plan.config_path)
     reuse = _reusable_calibration(previous, doc)
@@ -120,13 +136,6 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
         kept = ((previous or {}).get("memory") or {}).get("routing_profile")
         if budget.offloaded and kept and Path(kept).is_file():
             doc["memory"]["routing_profile"] = kept
-    step = "write config"
-    mark(step, "start")
-    write_config(plan.config_path, doc)
-    mark(step, "done", path=str(plan.config_path))
-
-    # 5. calibration (an offloaded setup first records its routing profile, which places the expert slots; with
-    #    no drafter that is all there is to measure)
     calibrated: CalibrationResult | None = None
     profile_only = plan.drafter == "none" and budget.offloaded and plan.record_routing
     if (plan.calibrate and plan.drafter != "none") or profile_only:
@@ -138,9 +147,15 @@ def execute(plan: Plan, services: Services, *, report: Reporter | None = None, f
             mark(step, "start")
             calibrated = services.calibrate(doc, force=force_calibration, max_seconds=max_calibration_seconds)
             apply_calibration(doc, calibrated)
-            write_config(plan.config_path, doc)
             mark(step, "done", block=doc["speculative"]["block"], spec_min_p=doc["speculative"]["spec_min_p"],
                  routing_profile=doc["memory"].get("routing_profile"))
+
+    # 5. config: written once, last, and recorded in the store's registry so gc keeps what it uses
+    step = "write config"
+    mark(step, "start")
+    write_config(plan.config_path, doc)
+    register_config(plan.config_path, strata_home())
+    mark(step, "done", path=str(plan.config_path))
     return Result(config_path=plan.config_path, doc=doc, budget=budget, steps=steps, calibration=calibrated)
 
 
@@ -299,5 +314,6 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware, *, vram_limit_mib: int 
                 drafter=kind, head=None, quant=drafter.get("quantization"), context=int(mem["context"]),
                 reserve_mib=int(mem.get("reserve_mib", 0)), calibrate=False, offline=True,
                 config_path=Path(), hardware=hw)
-    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"))
+    inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"),
+                           prefill_chunk=mem.get("prefill_chunk"))
     return B.compute_budget(geo, kind, inputs, dflash2=dgeo, quant=plan.quant or "bf16")

@@ -54,7 +54,7 @@ class MTPDrafter:
             raise ValueError(f"MTP cache capacity {self.kv.capacity} exceeded at position {first_pos + n - 1}.")
         pos = torch.arange(first_pos, first_pos + n, device=tok.device)[None]
         emb = self.model.model.embed_tokens(tok)[None]
-        h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.k[0], self.kv.v[0], self.kv.length))
+        h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))
         self.kv.length += n
         return h[0]
 
@@ -149,6 +149,10 @@ class MTPGraphs(GraphSet):
         self.obs_g = torch.zeros(self.R, H, dtype=dt, device=self.dev)
         self.noise = torch.zeros(self.R, drafter.model.cfg.vocab_size, dtype=torch.float32, device=self.dev)
         self.enabled = kernels.available(drafter.kv.k)
+        cfg = drafter.model.cfg
+        # the split attention's partials, shared by every graph of this set (they run one at a time)
+        self.part = (attention_kernels.split_scratch(self.R, cfg.num_attention_heads, drafter.kv.capacity,
+                                                     cfg.head_dim, self.dev) if self.enabled else None)
 
     def _rows(self, tok: Tensor, g: Tensor, p: Tensor, slot: Tensor) -> Tensor:
         """MTP rows at positions p (cache slots `slot` = p - 1, -1 = padding) -> MTP hidden [W, H]."""
@@ -162,7 +166,7 @@ class MTPGraphs(GraphSet):
         q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
         kc, vc = kv.k[0, 0], kv.v[0, 0]
         attention_kernels.kv_write(k[0].transpose(0, 1), v, kc, vc, slot)
-        o = attention_kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale)
+        o = attention_kernels.attention(q[0].transpose(0, 1), kc, vc, slot, a.scale, part=self.part)
         x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp

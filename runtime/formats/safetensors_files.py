@@ -127,3 +127,56 @@ def inventory(folder: Path, *, error: type[Exception] = LoadError) -> dict[str, 
     """`tensor_refs` of a checkpoint folder."""
     files, wmap = checkpoint_files(folder, error=error)
     return tensor_refs(files, wmap, error=error)
+
+
+# Bit patterns of the non-finite values (NaN, infinity) per float dtype: (element width, mask, value when special).
+NONFINITE = {"BF16": (2, 0x7F80, 0x7F80), "F16": (2, 0x7C00, 0x7C00), "F32": (4, 0x7F800000, 0x7F800000),
+             "F64": (8, 0x7FF0000000000000, 0x7FF0000000000000), "F8_E4M3": (1, 0x7F, 0x7F),
+             "F8_E5M2": (1, 0x7C, 0x7C)}
+_UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def sha256_checking_finite(path: Path, refs: Mapping[str, TensorRef], *, error: type[Exception] = LoadError,
+                           block: int = 1 << 22) -> str:
+    """sha256 of a safetensors file, read once from start to end, checking on the way that every float tensor of
+    `refs` (this file's, from `tensor_refs`) holds only finite values. Raises `error` naming the first tensor with a
+    NaN or an infinity."""
+    import hashlib
+
+    import numpy as np
+
+    path = Path(path)
+    h = hashlib.sha256()
+    ordered = sorted(((r.offset, name, r) for name, r in refs.items() if r.file == path), key=lambda t: t[0])
+    with open(path, "rb") as f:
+        pos = 0
+
+        def read(n: int) -> bytes:
+            nonlocal pos
+            data = f.read(n)
+            if len(data) != n:
+                raise error(f"{path} ended early (a truncated file); download or copy it again.")
+            h.update(data)
+            pos += n
+            return data
+
+        for offset, name, ref in ordered:
+            if offset < pos:
+                raise error(f"{path}: tensor {name!r} overlaps the tensor before it; the file is corrupt.")
+            while pos < offset:
+                read(min(block, offset - pos))
+            spec = NONFINITE.get(ref.dtype)
+            left = ref.nbytes
+            step = block if spec is None else max(block - block % spec[0], spec[0])
+            while left:
+                data = read(min(step, left))
+                left -= len(data)
+                if spec is not None:
+                    width, mask, special = spec
+                    bits = np.frombuffer(data, dtype=_UINT[width])
+                    if np.any((bits & np.array(mask, dtype=bits.dtype)) == np.array(special, dtype=bits.dtype)):
+                        raise error(f"{path}: tensor {name!r} holds NaN or infinite values; the checkpoint is "
+                                    f"damaged (export or download it again).")
+        while data := f.read(block):
+            h.update(data)
+    return h.hexdigest()

@@ -1,14 +1,44 @@
-"""Triton kernels for attention over the static KV cache: `kv_write`, `qkv_post` (q/k norm + RoPE + cache write)
-and `attention` (each query row against the cache up to its own position, read from a device tensor; a program
-per (row, kv head) serves the whole GQA group). Rows with position -1 are padding: nothing is written or read.
+"""Triton kernels for attention over the static KV cache: `kv_write`, `qkv_post` (q/k norm + RoPE + cache write),
+`attention` (each query row against the cache up to its own position, read from a device tensor) and `dequant_q8`
+(a quantized cache's prefix into the compute dtype, for the prefill). Rows with position -1 are padding: nothing is
+written or read. Every kernel takes the cache in the compute dtype or as q8_0 (runtime/kv.py: int8 values and a
+float16 scale per 32; `ks`/`vs` are the scales).
+
+`attention` splits the context (flash-decoding): a program per (row, KV head, chunk of KV_CHUNK positions) leaves
+the chunk's unnormalised output, max and sum; a second kernel combines a row's chunks in a fixed order. Chunk
+boundaries are absolute positions and every tile size is a constant, so a row's bits depend only on that row's
+query, its position and the cache, never on the window width, the other rows or the cache capacity (docs/models.md,
+"Numerics"). The grid is fixed by the capacity (programs walk every n-th chunk; those past a row's last chunk do
+nothing), so one CUDA graph serves every position.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
 from runtime.gpu.kernels import HAVE_TRITON, pow2
+from runtime.kv import KV_CHUNK, Q8_BLOCK, split_chunks
+
+REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant: it fixes the summation order)
+# positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
+SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 2}
+PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
+
+
+@functools.cache
+def _sm_count(device: str) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
+
+
+def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:
+    """Programs per (row, KV head) of the split kernel, each walking chunks j, j + n, j + 2n, ...: enough for about
+    PROGRAMS_PER_SM per SM when every chunk is busy (a full wave, no tail), few enough that programs with nothing to
+    do (positions short of the capacity) cost little. Which program computes a chunk never changes its bits."""
+    return max(1, min(chunks, -(-_sm_count(str(device)) * PROGRAMS_PER_SM // (rows * kv_heads))))
+
 
 if HAVE_TRITON:
     import triton
@@ -17,60 +47,155 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     @triton.jit
-    def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, stride_kw, stride_kh, stride_ch, stride_cs,
-                         HD: tl.constexpr):
+    def _q8_quant(x):
+        """x [NB, QB] fp32 -> (int8 [NB, QB], float16 [NB]): GGUF Q8_0 (runtime/kv.py `quantize_q8_0`)."""
+        amax = tl.max(tl.abs(x), 1)
+        d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        inv = tl.where(d == 0.0, 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d == 0.0, 1.0, d)))
+        v = x * inv[:, None]
+        a = tl.abs(v)
+        f = tl.floor(a)
+        r = f + tl.floor(2.0 * (a - f))
+        q = tl.where(v < 0, -r, r)
+        return q.to(tl.int8), d.to(tl.float16)
+
+    @triton.jit
+    def _load_kv(ptr, sptr, base, sbase, s, sm, stride_cs, stride_ss, dt: tl.constexpr,
+                 HD: tl.constexpr, BS: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
+        """Cache rows `s` [BS] (masked by `sm`) of one head as [BS, HD] in `dt`; q8_0 rows dequantized (`q * d` in
+        fp32, rounded once)."""
+        if Q8:
+            b = tl.arange(0, NB)
+            e = tl.arange(0, QB)
+            off = base + s[:, None, None].to(tl.int64) * stride_cs + (b[None, :, None] * QB + e[None, None, :])
+            xq = tl.load(ptr + off, mask=sm[:, None, None], other=0)
+            sc = tl.load(sptr + sbase + s[:, None].to(tl.int64) * stride_ss + b[None, :], mask=sm[:, None],
+                         other=0.0)
+            x = (xq.to(tl.float32) * sc.to(tl.float32)[:, :, None]).to(dt)
+            return tl.reshape(x, (BS, HD))
+        else:
+            d = tl.arange(0, HD)
+            off = base + s[:, None].to(tl.int64) * stride_cs + d[None, :]
+            return tl.load(ptr + off, mask=sm[:, None], other=0.0)
+
+    @triton.jit
+    def _store_row(x, ptr, sptr, dst, sdst, ok, HD: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr,
+                   QB: tl.constexpr):
+        """One head vector x [HD] (fp32 values of the compute dtype) into the cache at `dst` (scales at `sdst`),
+        when `ok` (masks compare against a limit instead of `& ok`: the interpreter mistypes a scalar `&`)."""
+        if Q8:
+            e2 = tl.arange(0, NB)[:, None] * QB + tl.arange(0, QB)[None, :]
+            q, d = _q8_quant(tl.reshape(x, (NB, QB)))
+            tl.store(ptr + dst + e2, q, mask=e2 < tl.where(ok, HD, 0))
+            b = tl.arange(0, NB)
+            tl.store(sptr + sdst + b, d, mask=b < tl.where(ok, NB, 0))
+        else:
+            e = tl.arange(0, HD)
+            tl.store(ptr + dst + e, x.to(ptr.dtype.element_ty), mask=e < tl.where(ok, HD, 0))
+
+    @triton.jit
+    def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pos_ptr, stride_kw, stride_kh,
+                         stride_ch, stride_cs, stride_sh, stride_ss,
+                         HD: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, HD)
-        m = d < tl.where(pos >= 0, HD, 0)     # masks from vector comparisons only (boolean in the interpreter)
+        ok = pos >= 0
         src = row * stride_kw + h * stride_kh + d
-        dst = h * stride_ch + pos.to(tl.int64) * stride_cs + d
-        tl.store(kc_ptr + dst, tl.load(k_ptr + src, mask=m), mask=m)
-        tl.store(vc_ptr + dst, tl.load(v_ptr + src, mask=m), mask=m)
+        dst = h.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs
+        sdst = h.to(tl.int64) * stride_sh + tl.maximum(pos, 0).to(tl.int64) * stride_ss
+        k = tl.load(k_ptr + src, mask=d < tl.where(ok, HD, 0), other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + src, mask=d < tl.where(ok, HD, 0), other=0.0).to(tl.float32)
+        _store_row(k, kc_ptr, ks_ptr, dst, sdst, ok, HD, Q8, NB, QB)
+        _store_row(v, vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
 
     @triton.jit
-    def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, scale,
-                     stride_qw, stride_qh, stride_ch, stride_cs, stride_ow, stride_oh,
-                     G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr):
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, acc_ptr, ml_ptr, scale,
+                           stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC,
+                           G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                           CHUNK: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
+        """Program (row, kv head, first): chunks first, first + step, ... of the row's positions 0..pos; for
+        each, the GQA group's unnormalised output, running max and sum, over blocks of BS positions in order."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
+        first = tl.program_id(2)
+        step = tl.num_programs(2)
+        nh = tl.num_programs(1) * G
         pos = tl.load(pos_ptr + row)
+        n_valid = (pos + CHUNK) // CHUNK               # chunks holding positions 0..pos; 0 for a padding row
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
         gm = g < G
         heads = kvh * G + g
+        dt = q_ptr.dtype.element_ty
         q = tl.load(q_ptr + row * stride_qw + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
-        m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((GP,), dtype=tl.float32)
-        acc = tl.zeros((GP, HD), dtype=tl.float32)
         base = kvh.to(tl.int64) * stride_ch
-        for s0 in range(0, pos + 1, BS):
-            s = s0 + tl.arange(0, BS)
-            sm = s <= pos
-            off = base + s[:, None].to(tl.int64) * stride_cs + d[None, :]
-            k = tl.load(k_ptr + off, mask=sm[:, None], other=0.0)
-            v = tl.load(v_ptr + off, mask=sm[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * scale
-            sc = tl.where(sm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # fully masked so far: keep zeros, no NaN
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        l_i = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / l_i[:, None]
-        tl.store(o_ptr + row * stride_ow + heads[:, None] * stride_oh + d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=gm[:, None])
-
-    # ------------------------------------------------------------------------------------ quantized linear
+        sbase = kvh.to(tl.int64) * stride_sh
+        slot0 = (row * nh + heads).to(tl.int64) * NC
+        for c in range(first, n_valid, step):
+            lo = c * CHUNK
+            hi = tl.minimum(lo + CHUNK, pos + 1)
+            m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros((GP,), dtype=tl.float32)
+            acc = tl.zeros((GP, HD), dtype=tl.float32)
+            for s0 in range(lo, hi, BS):
+                s = s0 + tl.arange(0, BS)
+                sm = s < hi
+                k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                sc = tl.dot(q, tl.trans(k)) * scale
+                sc = tl.where(sm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))       # finite: every block holds a valid position
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+                m_i = m_new
+            slot = slot0 + c
+            tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=gm[:, None])
+            tl.store(ml_ptr + slot * 2, m_i, mask=gm)
+            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=gm)
 
     @triton.jit
-    def _qkv_post_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, eps, rscale,
-                         stride_qkv, stride_q, stride_ch, stride_cs,
-                         NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr):
+    def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
+                            HD: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr, NCB: tl.constexpr):
+        """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
+        an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
+        given position (each column's arithmetic is the same whichever program does it)."""
+        row = tl.program_id(0)
+        h = tl.program_id(1)
+        nh = tl.num_programs(1)
+        pos = tl.load(pos_ptr + row)
+        n_valid = (pos + CHUNK) // CHUNK
+        slot0 = (row * nh + h).to(tl.int64) * NC
+        j = tl.arange(0, NCB)
+        d = tl.program_id(2) * DB + tl.arange(0, DB)
+        mv = tl.full((NCB,), float("-inf"), dtype=tl.float32)
+        for c0 in range(0, n_valid, NCB):
+            c = c0 + j
+            mv = tl.maximum(mv, tl.load(ml_ptr + (slot0 + c) * 2, mask=c < n_valid, other=float("-inf")))
+        m_all = tl.max(mv, 0)
+        lv = tl.zeros((NCB,), dtype=tl.float32)
+        ov = tl.zeros((NCB, DB), dtype=tl.float32)
+        for c0 in range(0, n_valid, NCB):
+            c = c0 + j
+            cm = c < n_valid
+            m = tl.load(ml_ptr + (slot0 + c) * 2, mask=cm, other=float("-inf"))
+            ll = tl.load(ml_ptr + (slot0 + c) * 2 + 1, mask=cm, other=0.0)
+            w = tl.where(cm, tl.exp(m - m_all), 0.0)
+            a = tl.load(acc_ptr + (slot0 + c)[:, None] * HD + d[None, :], mask=cm[:, None], other=0.0)
+            lv += w * ll
+            ov += w[:, None] * a
+        den = tl.sum(lv, 0)
+        o = tl.sum(ov, 0) / tl.where(den > 0, den, 1.0)
+        tl.store(o_ptr + row * stride_ow + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _qkv_post_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, eps,
+                         rscale, stride_qkv, stride_q, stride_ch, stride_cs, stride_sh, stride_ss,
+                         NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, Q8: tl.constexpr,
+                         NB: tl.constexpr, QB: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)                     # 0..NH-1: q heads, NH..NH+NKV-1: k (and v) heads
         pos = tl.load(pos_ptr + row)
@@ -98,38 +223,104 @@ if HAVE_TRITON:
         rot = tl.where(d < HD // 2, -xpn, xpn)
         out = ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
         tl.store(q_ptr + row * stride_q + h * HD + d, out, mask=d < tl.where(is_q, HD, 0))
-        cm = d < tl.where((h >= NH) & (pos >= 0), HD, 0)
-        dst = hk.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs + d
-        tl.store(kc_ptr + dst, out, mask=cm)
-        v = tl.load(qkv_ptr + row * stride_qkv + (NH + NKV + hk) * HD + d, mask=cm, other=0.0)
-        tl.store(vc_ptr + dst, v, mask=cm)
+        ok = (h >= NH) & (pos >= 0)
+        dst = hk.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs
+        sdst = hk.to(tl.int64) * stride_sh + tl.maximum(pos, 0).to(tl.int64) * stride_ss
+        _store_row(out.to(tl.float32), kc_ptr, ks_ptr, dst, sdst, ok, HD, Q8, NB, QB)
+        v = tl.load(qkv_ptr + row * stride_qkv + (NH + NKV + hk) * HD + d, mask=d < tl.where(ok, HD, 0), other=0.0)
+        _store_row(v.to(tl.float32), vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
+
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, o_ptr, end, stride_qh, stride_qs, stride_sh, stride_ss, stride_oh, stride_os,
+                        NB: tl.constexpr, QB: tl.constexpr, BS: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1) * BS + tl.arange(0, BS)
+        sm = s < end
+        b = tl.arange(0, NB)
+        e = tl.arange(0, QB)
+        col = b[None, :, None] * QB + e[None, None, :]
+        s64 = s[:, None, None].to(tl.int64)
+        xq = tl.load(q_ptr + h * stride_qh + s64 * stride_qs + col, mask=sm[:, None, None], other=0)
+        sc = tl.load(s_ptr + h * stride_sh + s[:, None].to(tl.int64) * stride_ss + b[None, :], mask=sm[:, None],
+                     other=0.0)
+        x = xq.to(tl.float32) * sc.to(tl.float32)[:, :, None]
+        tl.store(o_ptr + h * stride_oh + s64 * stride_os + col, x.to(o_ptr.dtype.element_ty), mask=sm[:, None, None])
 
 
-def kv_write(k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pos: Tensor) -> None:
-    """k, v [W, nkv, hd] -> cache kc, vc [nkv, S, hd] at rows `pos` [W] (rows with pos < 0 are skipped)."""
+def _q8(kc: Tensor, ks: Tensor | None) -> tuple[bool, int, int, Tensor, int, int]:
+    """(is q8_0, NB, QB, scale tensor (a dummy when none), scale head stride, scale position stride)."""
+    hd = kc.shape[-1]
+    if ks is None:
+        return False, 1, 1, kc, 0, 0
+    return True, hd // Q8_BLOCK, Q8_BLOCK, ks, ks.stride(0), ks.stride(1)
+
+
+def kv_write(k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, ks: Tensor | None = None,
+             vs: Tensor | None = None) -> None:
+    """k, v [W, nkv, hd] -> cache kc, vc [nkv, S, hd] at rows `pos` [W] (rows with pos < 0 are skipped); with
+    scales ks, vs [nkv, S, hd/32] the cache is q8_0."""
     W, nkv, hd = k.shape
     k, v = k.contiguous(), v.contiguous()
-    _kv_write_kernel[(W, nkv)](k, v, kc, vc, pos, k.stride(0), k.stride(1), kc.stride(0), kc.stride(1), HD=hd)
+    q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
+    _kv_write_kernel[(W, nkv)](k, v, kc, vc, ksx, vs if q8 else vc, pos, k.stride(0), k.stride(1), kc.stride(0),
+                               kc.stride(1), ssh, sss, HD=hd, Q8=q8, NB=nb, QB=qb)
 
 
-def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float) -> Tensor:
-    """q [W, nh, hd] against cache kc, vc [nkv, S, hd]; row r sees cache rows 0..pos[r] (pos < 0: zeros)."""
+def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: torch.device | str) -> Tensor:
+    """The fp32 partials of one `attention` call (runtime/kv.py `split_partials_bytes`), to allocate once."""
+    n = rows * heads * split_chunks(capacity)
+    return torch.empty(n * (head_dim + 2), dtype=torch.float32, device=device)
+
+
+def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
+              vs: Tensor | None = None, part: Tensor | None = None, chunk: int = KV_CHUNK) -> Tensor:
+    """q [W, nh, hd] against cache kc, vc [nkv, S, hd] (q8_0 with scales ks, vs); row r sees cache rows
+    0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk`
+    other than KV_CHUNK is for checks only (chunk >= S is the unsplit attention)."""
     W, nh, hd = q.shape
-    nkv = kc.shape[0]
+    nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
     q = q.contiguous()
+    nc = -(-S // chunk)
+    n_acc = W * nh * nc * hd
+    need = n_acc + W * nh * nc * 2
+    if part is None:
+        part = torch.empty(need, dtype=torch.float32, device=q.device)
+    elif part.numel() < need:
+        raise ValueError(f"attention partials hold {part.numel()} floats, {need} needed.")
+    acc, ml = part[:n_acc], part[n_acc:need]
+    q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
+    t = SPLIT_TILE
+    BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
+    _attn_split_kernel[(W, nkv, split_programs(W, nkv, nc, q.device))](
+        q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
+        kc.stride(1), ssh, sss, nc, G=G, GP=pow2(G), HD=hd, BS=BS, CHUNK=chunk, Q8=q8, NB=nb, QB=qb,
+        num_warps=t["num_warps"], num_stages=t["num_stages"])
     o = torch.empty_like(q)
-    BS = 64 if hd <= 64 else 32
-    _attn_kernel[(W, nkv)](q, kc, vc, pos, o, float(scale), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
-                           o.stride(0), o.stride(1), G=G, GP=pow2(G), HD=hd, BS=BS, num_warps=4, num_stages=2)
+    db = 32 if hd % 32 == 0 else hd
+    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, CHUNK=chunk,
+                                           NCB=REDUCE_TILE, num_warps=2)
     return o
 
 
 def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale: float, pos: Tensor,
-             kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float) -> Tensor:
-    """qkv [W, (nh+2nkv)*hd] -> q [W, nh, hd] (q_norm + RoPE); k (k_norm + RoPE) and v written to the cache."""
+             kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float, ks: Tensor | None = None,
+             vs: Tensor | None = None) -> Tensor:
+    """qkv [W, (nh+2nkv)*hd] -> q [W, nh, hd] (q_norm + RoPE); k (k_norm + RoPE) and v written to the cache
+    (q8_0 with scales ks, vs)."""
     W = qkv.shape[0]
     q = torch.empty(W, nh, hd, dtype=qkv.dtype, device=qkv.device)
-    _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, float(eps), float(rope_scale),
-                                    qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1), NH=nh, NKV=nkv, HD=hd)
+    q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
+    _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, ksx, vs if q8 else vc, float(eps),
+                                    float(rope_scale), qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1),
+                                    ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb)
     return q
+
+
+def dequant_q8(qc: Tensor, sc: Tensor, out: Tensor) -> Tensor:
+    """A q8_0 cache's first out.shape[1] rows: qc [nkv, S, hd] int8, sc [nkv, S, hd/32] -> out [nkv, n, hd]."""
+    nkv, n, hd = out.shape
+    BS = 64
+    _dequant_kernel[(nkv, triton.cdiv(n, BS))](qc, sc, out, n, qc.stride(0), qc.stride(1), sc.stride(0), sc.stride(1),
+                                               out.stride(0), out.stride(1), NB=hd // Q8_BLOCK, QB=Q8_BLOCK, BS=BS)
+    return out

@@ -4,8 +4,9 @@ experts), `attention_kernels` (KV cache, attention), `dense_kernels` (RMSNorm, q
 (the drafter's convolution and selector walk).
 
 Every kernel is *row-invariant* (a row's result depends only on that row's inputs, never on how many other rows share
-the launch or where the row sits in it: fixed tiles, no split-K, fixed loop order), so a one-row decode and a k-row
-verify of the same token give the same bits in BF16 (docs/models.md, "Numerics"). Tests run them on CPU under
+the launch or where the row sits in it: fixed tiles, no split-K, fixed loop order; the decode attention splits a
+row's context, but into chunks fixed by absolute position and combined in a fixed order), so a one-row decode and a
+k-row verify of the same token give the same bits in BF16 (docs/models.md, "Numerics"). Tests run them on CPU under
 TRITON_INTERPRET=1 (float32/float16 there: the interpreter has no bfloat16).
 """
 

@@ -3,7 +3,9 @@
 Why: on a GPU a small model's decode step is dominated by kernel launches (hundreds per step); a CUDA graph replays
 them as one. A graph needs static shapes, so every window runs at one width `W` (a narrower window is padded with
 rows at position -1, which write nothing and read nothing) and attention reads each row's own length from a device
-tensor (runtime/kernels.py), so one graph serves every position and every window size up to W.
+tensor (runtime/gpu/attention_kernels.py: the context split into chunks fixed by position, a grid over the whole
+capacity), so one graph serves every position and every window size up to W. A q8_0 cache (runtime/kv.py) is
+written and read by the same kernels.
 
 Why one width also for the one-token decode: in BF16 a 1-row and a k-row matmul can round differently and flip a
 near-tie, which would break "greedy speculative output == target-only greedy output". At one width every row goes
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import HostScalars
-from runtime.kv import KVCache
+from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
 from runtime.models.layers import SparseMoe, project_qkv
 from runtime.models.qwen3_moe import TargetOutput
 
@@ -51,9 +53,12 @@ class StaticStep:
         caches = {id(c): c for m in moe if (c := getattr(m.offload, "__self__", None)) is not None}
         for c in caches.values():
             c.ensure_window(self.width)
-        self.use_kernels = (kernels.available(kv.k) and kv.k.dtype == p.dtype
+        self.use_kernels = (kernels.available(kv.k) and kv.dtype == p.dtype
                             and all(m.gate_up is not None or m.offload is not None for m in moe))
         cfg = model.cfg
+        # the split attention's partials, one buffer for every layer (runtime/kv.py `split_partials_bytes`)
+        self.part = (attention_kernels.split_scratch(self.width, cfg.num_attention_heads, kv.capacity, cfg.head_dim,
+                                                     dev) if self.use_kernels else None)
         # the fused layer (runtime/kernels.py: 11 launches a layer) needs every layer to be MoE, no attention bias
         self.fused = (self.use_kernels and not cfg.attention_bias and len(moe) == cfg.num_hidden_layers
                       and cfg.head_dim % 2 == 0)
@@ -71,17 +76,23 @@ class StaticStep:
     # ----------------------------------------------------------------------------------------------- the forward
     def _attend(self, a, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
         """q [W, nh, hd], k/v [W, nkv, hd] -> [W, nh, hd]: write the window's K/V, attend up to each row's position."""
-        kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]          # [nkv, S, hd]
+        kc, vc, ks, vs = self.kv.layer(i).kernel_args()      # [nkv, S, hd] (q8_0: scales [nkv, S, hd/32])
         pos = self.pos
         if self.use_kernels:
-            attention_kernels.kv_write(k, v, kc, vc, pos)
-            return attention_kernels.attention(q, kc, vc, pos, a.scale)
+            attention_kernels.kv_write(k, v, kc, vc, pos, ks, vs)
+            return attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
         if self.cpu:
-            return self._attend_rows(a, q, k, v, kc, vc)
+            return self._attend_rows(a, q, k, v, kc, vc, ks, vs)
         valid = pos >= 0
         idx = pos[valid].long()
-        kc[:, idx] = k[valid].transpose(0, 1).to(kc.dtype)
-        vc[:, idx] = v[valid].transpose(0, 1).to(vc.dtype)
+        kn, vn = k[valid].transpose(0, 1), v[valid].transpose(0, 1)
+        if ks is None:
+            kc[:, idx] = kn.to(kc.dtype)
+            vc[:, idx] = vn.to(vc.dtype)
+        else:
+            kc[:, idx], ks[:, idx] = quantize_q8_0(kn)
+            vc[:, idx], vs[:, idx] = quantize_q8_0(vn)
+            kc, vc = dequantize_q8_0(kc, ks, q.dtype), dequantize_q8_0(vc, vs, q.dtype)
         S = kc.shape[1]
         mask = torch.arange(S, device=pos.device)[None, :] <= pos.long()[:, None]
         mask[:, 0] |= ~valid                                     # padded rows: any finite result
@@ -89,18 +100,27 @@ class StaticStep:
                                            attn_mask=mask[None, None], scale=a.scale, enable_gqa=a.nkv != a.nh)
         return o[0].transpose(0, 1)
 
-    def _attend_rows(self, a, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
-        """CPU: write the real rows' K/V, then each real row attends alone to keys 0..its position, so its result
-        does not depend on the window it came in (padded rows give zeros)."""
+    def _attend_rows(self, a, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, ks: Tensor | None = None,
+                     vs: Tensor | None = None) -> Tensor:
+        """CPU: write the real rows' K/V (8-bit blocks for a q8_0 cache), then each real row attends alone to keys
+        0..its position, so its result does not depend on the window it came in (padded rows give zeros)."""
         start, n = self.window
-        kc[:, start:start + n] = k[:n].transpose(0, 1).to(kc.dtype)
-        vc[:, start:start + n] = v[:n].transpose(0, 1).to(vc.dtype)
+        end = start + n
+        kn, vn = k[:n].transpose(0, 1), v[:n].transpose(0, 1)
+        if ks is None:
+            kc[:, start:end] = kn.to(kc.dtype)
+            vc[:, start:end] = vn.to(vc.dtype)
+            keys, vals = kc[:, :end].to(q.dtype), vc[:, :end].to(q.dtype)
+        else:
+            kc[:, start:end], ks[:, start:end] = quantize_q8_0(kn)
+            vc[:, start:end], vs[:, start:end] = quantize_q8_0(vn)
+            keys = dequantize_q8_0(kc[:, :end], ks[:, :end], q.dtype)
+            vals = dequantize_q8_0(vc[:, :end], vs[:, :end], q.dtype)
         o = torch.zeros_like(q)
         for j in range(n):
-            end = start + j + 1
-            oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], kc[None, :, :end].to(q.dtype),
-                                                vc[None, :, :end].to(q.dtype), scale=a.scale,
-                                                enable_gqa=a.nkv != a.nh)
+            stop = start + j + 1
+            oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], keys[None, :, :stop],
+                                                vals[None, :, :stop], scale=a.scale, enable_gqa=a.nkv != a.nh)
             o[j] = oj[0, :, 0]
         return o
 
@@ -155,12 +175,12 @@ class StaticStep:
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
-            kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
+            kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
             qkv = torch.nn.functional.linear(h, a.qkv_weight)
-            q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
-                                 a.hd, eps)
-            o = attention_kernels.attention(q, kc, vc, pos, a.scale)
+            q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
+                                           a.nkv, a.hd, eps, ks=ks, vs=vs)
+            o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
             d = a.o_proj(o.reshape(-1, a.nh * a.hd))
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.kv import LayerKV
 from runtime.models.target_config import Qwen3MoeConfig
 
 
@@ -153,8 +154,9 @@ class Attention(nn.Module):
             o += n
         self.qkv_weight = cat
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
-        """cache = (k_buf [B, nkv, S, hd], v_buf, start): write rows at start.., attend over 0..start+T-1."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[LayerKV, int] | None = None) -> Tensor:
+        """cache = (one layer of a KV cache, start): write rows at start.., attend over 0..start+T-1 (read back from
+        the cache, so a quantized cache's rounding is seen here as in decode)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
@@ -163,11 +165,9 @@ class Attention(nn.Module):
         if cache is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=self.nkv != self.nh)
         else:
-            kb, vb, start = cache
-            end = start + T
-            kb[:, :, start:end] = k.to(kb.dtype)
-            vb[:, :, start:end] = v.to(vb.dtype)
-            keys, vals = kb[:, :, :end].to(q.dtype), vb[:, :, :end].to(q.dtype)
+            lkv, start = cache
+            lkv.write(k, v, start)
+            keys, vals = lkv.read(start + T, q.dtype)
             o = cached_attention(q, keys, vals, self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
@@ -312,6 +312,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: tuple[LayerKV, int] | None = None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from runtime.kv import LayerKV
 from runtime.models.layers import DecoderLayer, RMSNorm, Rotary
 from runtime.models.target_config import Qwen3MoeConfig
 
@@ -29,10 +30,10 @@ class MTPHead(nn.Module):
             mlp.layer_idx = cfg.num_hidden_layers   # the expert cache addresses the MTP layer after the target's
 
     def forward(self, emb: Tensor, g: Tensor, positions: Tensor, rotary: Rotary,
-                cache: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+                cache: tuple[LayerKV, int] | None = None) -> Tensor:
         """emb = embed(x[p]) [B, T, H], g = target hidden after final norm at p-1 [B, T, H] (or the previous
         MTP output when chaining), positions p [B or 1, T]. Without `cache`: causal over the T rows (training).
-        With cache = (k_buf, v_buf, start): rows written at slots start.. and attention over slots 0..start+T-1.
+        With cache = (a KV cache layer, start): rows written at slots start.. and attention over slots 0..start+T-1.
         Returns the output after `mtp.norm` [B, T, H]."""
         x = self.fc(torch.cat((self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(g)), dim=-1))
         cos, sin = rotary(positions, x.dtype)

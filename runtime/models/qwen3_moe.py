@@ -73,7 +73,7 @@ class Qwen3MoeModel(nn.Module):
         wanted = {t: j for j, t in enumerate(taps)}
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(self.model.layers):
-            cache = None if kv is None else (kv.k[i], kv.v[i], start)
+            cache = None if kv is None else (kv.layer(i), start)
             x = layer(x, cos, sin, cache)
             if i in wanted:
                 tap_out[wanted[i]] = x

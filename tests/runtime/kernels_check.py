@@ -1,6 +1,7 @@
 """Run the Triton kernels under TRITON_INTERPRET=1 (CPU) against plain torch; exits 0 when all agree.
 
-Run by tests/runtime/test_kernels_interpret.py in a subprocess (the interpreter must be chosen before triton loads).
+Run by tests/runtime/test_static_step.py in a subprocess (the interpreter must be chosen before triton loads);
+`kernels_check.py attention` runs only the attention and KV-cache checks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _interp._patch_lang_tensor = _patch_tensor
 
 from runtime.formats.quant_linear import QuantLinear  # noqa: E402
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
+from runtime.kv import KV_CHUNK, dequantize_q8_0, quantize_q8_0  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,6 +63,30 @@ def check_moe(dt: torch.dtype) -> None:
     # row invariance: row 0 alone gives the same bits as inside the window
     one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
     assert torch.equal(one[0], out[0])
+
+
+def ref_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax attention of each row r over cache rows 0..pos[r] (GQA heads repeated); zeros for pos < 0."""
+    W, nh, hd = q.shape
+    out = torch.zeros(W, nh, hd)
+    for r in range(W):
+        p = int(pos[r])
+        if p < 0:
+            continue
+        kk = keys[:, : p + 1].float().repeat_interleave(nh // keys.shape[0], 0)
+        vv = vals[:, : p + 1].float().repeat_interleave(nh // keys.shape[0], 0)
+        att = torch.softmax((q[r].float()[:, None] @ kk.transpose(1, 2))[:, 0] * hd ** -0.5, -1)
+        out[r] = (att[:, None] @ vv)[:, 0]
+    return out
+
+
+def cache(nkv: int, S: int, hd: int, dt: torch.dtype, q8: bool, g: torch.Generator):
+    """A random cache: (kc, vc, ks, vs, K and V as attention sees them)."""
+    k, v = torch.randn(nkv, S, hd, generator=g).to(dt), torch.randn(nkv, S, hd, generator=g).to(dt)
+    if not q8:
+        return k, v, None, None, k, v
+    (kq, ks), (vq, vs) = quantize_q8_0(k), quantize_q8_0(v)
+    return kq, vq, ks, vs, dequantize_q8_0(kq, ks, dt), dequantize_q8_0(vq, vs, dt)
 
 
 def ref_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor,
@@ -261,24 +287,150 @@ def check_fused_step_quant() -> None:
 
 def check_attention(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
-    nh, nkv, hd, S, W = 4, 2, 16, 80, 4
-    kc = torch.randn(nkv, S, hd, generator=g).to(dt)
-    vc = torch.randn(nkv, S, hd, generator=g).to(dt)
-    kn = torch.randn(W, nkv, hd, generator=g).to(dt)
-    vn = torch.randn(W, nkv, hd, generator=g).to(dt)
-    pos = torch.tensor([70, 71, 72, -1], dtype=torch.int32)
-    attention_kernels.kv_write(kn, vn, kc, vc, pos)
-    assert torch.equal(kc[:, 71], kn[1]) and torch.equal(vc[:, 72], vn[2])
-    q = torch.randn(W, nh, hd, generator=g).to(dt)
-    o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5)
-    for r in range(3):
-        p = int(pos[r])
-        kk = kc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
-        vv = vc[:, : p + 1].float().repeat_interleave(nh // nkv, 0)
-        att = torch.softmax((q[r].float()[:, None] @ kk.transpose(1, 2))[:, 0] * hd ** -0.5, -1)
-        ref = (att[:, None] @ vv)[:, 0]
-        assert rel(o[r], ref) < 3e-3, rel(o[r], ref)
-    assert float(o[3].abs().max()) == 0.0
+    for q8 in (False, True):
+        nh, nkv, hd, S, W = 4, 2, 32 if q8 else 16, 80, 4
+        kc, vc, ks, vs, _, _ = cache(nkv, S, hd, dt, q8, g)
+        kn = torch.randn(W, nkv, hd, generator=g).to(dt)
+        vn = torch.randn(W, nkv, hd, generator=g).to(dt)
+        pos = torch.tensor([70, 71, 72, -1], dtype=torch.int32)
+        before = kc.clone()
+        attention_kernels.kv_write(kn, vn, kc, vc, pos, ks, vs)
+        if q8:
+            assert torch.equal(kc[:, 71], quantize_q8_0(kn[1])[0]) and torch.equal(ks[:, 72], quantize_q8_0(kn[2])[1])
+            assert torch.equal(vc[:, 72], quantize_q8_0(vn[2])[0]) and torch.equal(vs[:, 70], quantize_q8_0(vn[0])[1])
+            keys, vals = dequantize_q8_0(kc, ks, dt), dequantize_q8_0(vc, vs, dt)
+        else:
+            assert torch.equal(kc[:, 71], kn[1]) and torch.equal(vc[:, 72], vn[2])
+            keys, vals = kc, vc
+        assert torch.equal(kc[:, 73:], before[:, 73:]) and torch.equal(kc[:, :70], before[:, :70])  # pos -1: nothing
+        q = torch.randn(W, nh, hd, generator=g).to(dt)
+        o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs)
+        ref = ref_attention(q, keys, vals, pos)
+        for r in range(3):
+            assert rel(o[r], ref[r]) < 3e-3, (q8, r, rel(o[r], ref[r]))
+        assert float(o[3].abs().max()) == 0.0
+
+
+def check_split_attention(dt: torch.dtype) -> None:
+    """The split attention over several context chunks: equal to the reference and to the unsplit attention (one
+    chunk) up to rounding; and a row's bits do not depend on the window width, the row's place in the window, the
+    other rows, or the cache capacity (docs/models.md, "Numerics")."""
+    C = KV_CHUNK
+    g = torch.Generator().manual_seed(4)
+    nh, nkv, hd = 4, 2, 64
+    S = 3 * C + 40
+    for q8 in (False, True):
+        kc, vc, ks, vs, keys, vals = cache(nkv, S, hd, dt, q8, g)
+        pos = torch.tensor([S - 1, 2 * C - 1, C, C - 1, 5, 2 * C + 17, 0, -1], dtype=torch.int32)
+        W = pos.shape[0]
+        q = torch.randn(W, nh, hd, generator=g).to(dt)
+
+        def att(qq, pp, k=kc, v=vc, a=ks, b=vs, chunk=C):
+            return attention_kernels.attention(qq, k, v, pp, hd ** -0.5, ks=a, vs=b, chunk=chunk)
+
+        o = att(q, pos)
+        ref = ref_attention(q, keys, vals, pos)
+        tol = 1e-5 if dt == torch.float32 else 3e-3
+        for r in range(W - 1):
+            assert rel(o[r], ref[r]) < tol, (q8, r, rel(o[r], ref[r]))
+        assert float(o[-1].abs().max()) == 0.0
+        unsplit = att(q, pos, chunk=4 * C)
+        assert rel(o[:-1], unsplit[:-1]) < tol, rel(o[:-1], unsplit[:-1])
+        assert torch.equal(o[3], unsplit[3]) and torch.equal(o[4], unsplit[4])    # one chunk: the same walk
+        for r in range(W):                                                      # alone (W = 1)
+            assert torch.equal(att(q[r:r + 1], pos[r:r + 1])[0], o[r]), (q8, r)
+        perm = torch.tensor([5, 2, 7, 0, 6, 1, 4, 3])                            # other places, other neighbours
+        assert torch.equal(att(q[perm], pos[perm]), o[perm])
+        wide = torch.cat([q, q[:3].flip(0), torch.randn(5, nh, hd, generator=g).to(dt)])   # W = 16
+        wpos = torch.cat([pos, pos[:3].flip(0), torch.tensor([S - 2, 3, 300, -1, C + 1], dtype=torch.int32)])
+        ow = att(wide, wpos)
+        assert torch.equal(ow[:W], o) and torch.equal(ow[W:W + 3], o[:3].flip(0))
+        # a larger cache holding the same rows: same bits (the chunk is a constant, not chosen from the capacity)
+        extra = cache(nkv, 2 * C, hd, dt, q8, g)
+        big = [torch.cat([a, b], 1) if a is not None else None for a, b in zip((kc, vc, ks, vs), extra[:4],
+                                                                                strict=True)]
+        assert torch.equal(att(q, pos, *big), o)
+
+
+def check_kv_q8(dt: torch.dtype) -> None:
+    """q8_0 writes: the torch quantizer is GGUF's Q8_0 bit for bit; qkv_post writes the quantization of the K/V it
+    would write in the compute dtype; the prefill's dequantization kernel equals the torch one bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-6, 3, 64)[:, None]
+    x[3] = 0.0
+    x[4, :32] = 0.5                                                          # ties round away from zero
+    qv, sc = quantize_q8_0(x)
+    blocks = np.concatenate([sc.numpy().view(np.uint8).reshape(64, 3, 2),
+                             qv.numpy().view(np.uint8).reshape(64, 3, 32)], -1).reshape(64, -1)
+    assert np.array_equal(blocks, quantize(x.numpy(), GGMLQuantizationType.Q8_0))
+    nh, nkv, hd, S, W = 4, 2, 64, 24, 3
+    qkv = torch.randn(W, (nh + 2 * nkv) * hd, generator=g).to(dt)
+    qw, kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt), (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    pos = torch.tensor([7, -1, 20], dtype=torch.int32)
+    kc, vc = torch.zeros(nkv, S, hd, dtype=dt), torch.zeros(nkv, S, hd, dtype=dt)
+    q_ref = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, kc, vc, nh, nkv, hd, 1e-6)
+    kq, vq = torch.zeros(nkv, S, hd, dtype=torch.int8), torch.zeros(nkv, S, hd, dtype=torch.int8)
+    ks, vs = torch.zeros(nkv, S, hd // 32, dtype=torch.float16), torch.zeros(nkv, S, hd // 32, dtype=torch.float16)
+    q = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, kq, vq, nh, nkv, hd, 1e-6, ks=ks, vs=vs)
+    assert torch.equal(q, q_ref)
+    for cq, cs, cf in ((kq, ks, kc), (vq, vs, vc)):
+        want_q, want_s = quantize_q8_0(cf)
+        assert torch.equal(cq, want_q) and torch.equal(cs, want_s)
+        assert int(cs[:, [7, 20]].ne(0).sum()) > 0 and int(cs.ne(0).sum(1).ne(0).sum()) > 0
+        assert torch.equal(cs[:, [i for i in range(S) if i not in (7, 20)]], torch.zeros(nkv, S - 2, hd // 32,
+                                                                                           dtype=torch.float16))
+        out = torch.empty(nkv, 21, hd, dtype=dt)
+        attention_kernels.dequant_q8(cq, cs, out)
+        assert torch.equal(out, dequantize_q8_0(cq[:, :21], cs[:, :21], dt))
+
+
+def check_dense_step_q8() -> None:
+    """The fixed-width step with a q8_0 cache (Triton kv_write + split attention; dense MLP layers, so no MoE
+    kernel) equals the plain forward over the same q8_0 cache, and greedy decoding through it is unchanged by the
+    window width."""
+    import tempfile
+
+    from runtime.gpu.static_step import StaticStep
+    from runtime.kv import KVCache
+    from runtime.loading import load_target
+    from tests.runtime.tiny import make_tiny_target
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_target(make_tiny_target(d, seed=6, scale=2.0, head_dim=32, mlp_only_layers=(0, 1, 2),
+                                             mtp=False))
+    c = model.cfg
+
+    def kv(cap: int = 40) -> KVCache:
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap, quant="q8_0")
+
+    kv_a, kv_b = kv(), kv()
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    with torch.no_grad():
+        model(prompt, kv=kv_a)
+        model(prompt, kv=kv_b)
+        step = StaticStep(model, kv_b, width=4, graph=False)
+        assert step.use_kernels and not step.fused
+        for win in ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]):
+            w = torch.tensor(win)
+            ref = model(w, kv=kv_a, taps=(1,))
+            got = step(w, kv_b, (1,))
+            assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
+            kv_a.rollback(kv_a.length - 1)
+            kv_b.rollback(kv_b.length - 1)
+        assert torch.equal(kv_a.k[:, :, :, :kv_a.length], kv_b.k[:, :, :, :kv_b.length]) or \
+            (kv_a.k[:, :, :, :kv_a.length].int() - kv_b.k[:, :, :, :kv_b.length].int()).abs().max() <= 1
+    from runtime.speculative import generate_ids
+
+    outs = []
+    for width in (1, 4):
+        cache_ = kv(64)
+        outs.append(generate_ids(model, cache_, [5, 6, 7, 8, 9, 10, 3], max_new_tokens=12, stop_ids=set(),
+                                 step=StaticStep(model, cache_, width=width, graph=False)).token_ids)
+    assert outs[0] == outs[1], outs
 
 
 def check_quant(dt: torch.dtype) -> None:
@@ -292,8 +444,9 @@ def check_quant(dt: torch.dtype) -> None:
         assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
 
 
-def check_fused_step() -> None:
-    """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32."""
+def check_fused_step(quant: str | None = None) -> None:
+    """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32 (with a q8_0
+    cache: both read the same 8-bit cache)."""
     import tempfile
 
     from runtime.gpu.static_step import StaticStep
@@ -302,13 +455,13 @@ def check_fused_step() -> None:
     from tests.runtime.tiny import make_tiny_target
 
     with tempfile.TemporaryDirectory() as d:
-        model = load_target(make_tiny_target(d, seed=5, scale=2.0))
+        model = load_target(make_tiny_target(d, seed=5, scale=2.0, head_dim=32 if quant else 16))
     for layer in model.model.layers:
         layer.mlp.stack_experts()
     c = model.cfg
 
     def kv() -> KVCache:
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40, quant=quant)
 
     kv_a, kv_b = kv(), kv()
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
@@ -326,7 +479,7 @@ def check_fused_step() -> None:
             kv_a.rollback(kv_a.length - 1)
             kv_b.rollback(kv_b.length - 1)
         ka, kb = kv_a.committed()[0], kv_b.committed()[0]
-        assert torch.allclose(ka, kb, atol=1e-5), (ka - kb).abs().max()
+        assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
 
 def check_mtp_graphs() -> None:
@@ -477,7 +630,19 @@ def check_lattice_walk() -> None:
         assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-7)
 
 
+def check_attention_all() -> None:
+    for dt in (torch.float32, torch.float16):
+        check_attention(dt)
+        check_split_attention(dt)
+        check_kv_q8(dt)
+    check_dense_step_q8()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["attention"]:   # its own run (tests/runtime/test_static_step.py): no MoE kernel needed
+        check_attention_all()
+        print("attention ok")
+        sys.exit(0)
     if sys.argv[1:] == ["moe"]:         # its own run (tests/runtime/test_moe_kernels.py)
         check_dequant()
         for dt in (torch.float32, torch.float16):
@@ -493,11 +658,12 @@ if __name__ == "__main__":
         check_dflash2_graphs()
         print("dflash2 graphs ok")
         sys.exit(0)
-    for dt in (torch.float32, torch.float16):
-        check_moe(dt)
+    for dt in (torch.float32, torch.float16):     # the long attention checks run in their own process (above)
         check_attention(dt)
+        check_moe(dt)
         check_quant(dt)
         check_dyn_conv(dt)
     check_fused_step()
+    check_fused_step("q8_0")
     check_mtp_graphs()
     print("kernels ok")

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from runtime.artifact_check import check_config_artifacts
 from runtime.cli import app
 from runtime.config import parse
-from runtime.errors import StaleArtifactError
+from runtime.errors import CorruptArtifactError, StaleArtifactError
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -54,7 +54,7 @@ def test_unchanged_artifacts_pass(setup):
 def test_same_size_edit_is_caught_by_its_new_time(setup):
     folder, doc, _ = setup
     _flip_one_byte(folder / "model.safetensors")
-    with pytest.raises(StaleArtifactError, match="model.safetensors changed since strata-setup verified it"):
+    with pytest.raises(CorruptArtifactError, match="model.safetensors changed since strata-setup verified it"):
         check_config_artifacts(parse(doc, base=folder.parent))
 
 
@@ -64,7 +64,7 @@ def test_without_recorded_times_the_files_are_hashed(setup):
         del meta["mtime_ns"]
     check_config_artifacts(parse(doc, base=folder.parent))
     _flip_one_byte(folder / "config.json", keep_mtime=True)
-    with pytest.raises(StaleArtifactError, match="sha256 differs"):
+    with pytest.raises(CorruptArtifactError, match="sha256 differs"):
         check_config_artifacts(parse(doc, base=folder.parent))
 
 
@@ -72,7 +72,7 @@ def test_missing_and_resized_files(setup):
     folder, doc, _ = setup
     with open(folder / "tokenizer.json", "ab") as f:
         f.write(b" ")
-    with pytest.raises(StaleArtifactError, match="tokenizer.json changed size"):
+    with pytest.raises(CorruptArtifactError, match="tokenizer.json changed size"):
         check_config_artifacts(parse(doc, base=folder.parent))
     (folder / "tokenizer.json").unlink()
     with pytest.raises(StaleArtifactError, match="tokenizer.json is missing"):
@@ -85,8 +85,9 @@ def test_strata_run_refuses_a_tampered_target_in_one_sentence(setup):
     assert CliRunner().invoke(app, args).exit_code == 0
     _flip_one_byte(folder / "model.safetensors")
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 1                 # a failed checksum is failed work (docs/commands.md), not bad input
+    assert r.exit_code == 1   # a checksum failure (docs/commands.md, "Exit codes"), with the repair in the sentence
     assert "changed since strata-setup verified it" in r.stderr and "Traceback" not in r.output
+    assert f"rerun strata-setup --target {folder}" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     (folder / "model.safetensors").unlink()
     r = CliRunner().invoke(app, args)

@@ -12,7 +12,11 @@ client takes the metadata from the redirect and fetches the bytes from the CDN U
 Fault injection: `tamper[(repo, path)] = bytes` serves other bytes of the same size; `drop[(repo, path)] = n`
 sends the full Content-Length, then only n bytes, then closes the connection (once, on the first GET
 without a Range header); `pad[(repo, path)] = bytes` appends bytes to every GET body while HEAD and the
-redirect still report the true size (a server that sends more than it announced).
+redirect still report the true size (a server that sends more than it announced); `short[(repo, path)] = n`
+answers a GET with only the first n bytes of the body and a Content-Length that says so (a server whose copy ends
+early); `flaky[(repo, path)] = (n, k)` cuts each of the next k GETs after n bytes, Range or not (a link that drops
+every n bytes); `delay = s` sleeps s seconds per 64 KiB sent (a slow link, so that runs overlap);
+`ignore_range = True` answers every GET with the whole file (200), as some CDNs do.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class FakeHub:
         self.tamper: dict[tuple[str, str], bytes] = {}
         self.drop: dict[tuple[str, str], int] = {}
         self.pad: dict[tuple[str, str], bytes] = {}               # extra bytes after a GET body (HEAD: true size)
+        self.short: dict[tuple[str, str], int] = {}
+        self.flaky: dict[tuple[str, str], tuple[int, int]] = {}
+        self.delay = 0.0
+        self.ignore_range = False
         self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header), bytes served
         self.redirects: list[str] = []                             # resolve paths answered with a 302
         self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
@@ -53,7 +61,14 @@ class FakeHub:
             def do_GET(self) -> None:
                 hub._serve(self, head=False)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address) -> None:  # a client that went away (killed): quiet
+                import sys
+
+                if not isinstance(sys.exc_info()[1], ConnectionError):
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.cdn_url = f"http://localhost:{self.server.server_address[1]}/cdn"
@@ -124,7 +139,7 @@ class FakeHub:
         with self._lock:
             self.log.append((h.command, path, rng))
         start, end, status = 0, total - 1, 200
-        if rng and not head:
+        if rng and not head and not self.ignore_range:
             r = _RANGE.match(rng.strip())
             if r is None:
                 return self._error(h, 416, "RangeNotSatisfiable", "bad range")
@@ -141,6 +156,8 @@ class FakeHub:
                 return
             status = 206
         body = data[start:end + 1] + (b"" if head else self.pad.get((repo, rel), b""))
+        if not head and (repo, rel) in self.short:
+            body = body[:max(self.short[(repo, rel)] - start, 0)]
         h.send_response(status)
         h.send_header("ETag", f'"{etag}"')
         h.send_header("X-Repo-Commit", rev)
@@ -153,6 +170,14 @@ class FakeHub:
         if head:
             return
         cut = self.drop.pop((repo, rel), None) if rng is None else None  # only a whole-file GET is cut
+        with self._lock:
+            if (repo, rel) in self.flaky:
+                n, k = self.flaky[(repo, rel)]
+                cut = n
+                if k <= 1:
+                    del self.flaky[(repo, rel)]
+                else:
+                    self.flaky[(repo, rel)] = (n, k - 1)
         if cut is not None and cut < len(body):
             h.wfile.write(body[:cut])
             h.wfile.flush()
@@ -163,5 +188,13 @@ class FakeHub:
                 h.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            return
+        if self.delay:
+            import time
+
+            for i in range(0, len(body), 1 << 16):
+                h.wfile.write(body[i:i + (1 << 16)])
+                h.wfile.flush()
+                time.sleep(self.delay)
             return
         h.wfile.write(body)

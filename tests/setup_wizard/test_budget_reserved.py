@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
+from runtime.kv import KV_CHUNK
 from runtime.models.target_config import TargetGeometry
 from setup_wizard.budget import (
     MIB,
+    BudgetError,
     BudgetInputs,
     alloc_size,
     compute_budget,
     cublas_workspace_bytes,
     persistent_tensors,
+    scratch_bytes,
     segment_bytes,
 )
 from tests.setup_wizard.test_budget import DF, TINY
@@ -84,13 +87,14 @@ def test_no_graphs_one_workspace_no_pool_and_cpu_has_none_of_these():
     assert not {"workspace", "graph_pool", "allocator"} & set(cpu.items)
 
 
-def test_flash_scratch_does_not_grow_with_context_on_cuda():
-    """The CUDA prefill attention keeps no [chunk x context] scores, so the transient is context-free there; the
-    CPU path (math kernel) still counts them."""
+def test_flash_scratch_grows_with_context_only_by_the_split_partials_on_cuda():
+    """The CUDA prefill attention keeps no [chunk x context] scores, so the transient grows with the context only by
+    the split decode attention's partials (one chunk of KV_CHUNK positions more, (hd + 2) floats per head); the
+    CPU path (math kernel) still counts the scores."""
     t = TargetGeometry.from_config(TINY, has_mtp=False)
-    a = compute_budget(t, "none", _cuda(context=1024, block=1)).items
-    b = compute_budget(t, "none", _cuda(context=4096, block=1)).items
-    assert a["scratch"] == b["scratch"]
+    a = compute_budget(t, "none", _cuda(context=1024, block=1, prefill_chunk=512)).items
+    b = compute_budget(t, "none", _cuda(context=4096, block=1, prefill_chunk=512)).items
+    assert b["scratch"] - a["scratch"] == 1 * t.heads * (4096 - 1024) // KV_CHUNK * (t.head_dim + 2) * 4
     cpu = dict(block=1, device_type="cpu", available_bytes=1 << 30, total_bytes=1 << 30)
     c1 = compute_budget(t, "none", BudgetInputs(context=1024, **cpu)).items["scratch"]
     c2 = compute_budget(t, "none", BudgetInputs(context=4096, **cpu)).items["scratch"]
@@ -133,3 +137,69 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
     assert it["allocator"] == packed - sum(pers) - it["scratch"]
     reserved = sum(v for k, v in it.items() if k not in ("headroom", "reserve"))
     assert reserved == packed + it["workspace"] + it["graph_pool"]
+
+
+def _partials(rows, heads, ctx, hd):
+    return rows * heads * -(-ctx // KV_CHUNK) * (hd + 2) * 4
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_scratch_counts_the_split_attention_partials_of_target_and_drafter(graphs):
+    """CUDA: the target step's partials (block rows x heads x chunks x (hd + 2) fp32) and, with graphs, the drafter
+    graphs' own (MTP: the target's heads; DFlash2: the head's)."""
+    t = TargetGeometry.from_config(TINY, has_mtp=True)
+    g = DFlash2Geometry.from_config(DF)
+    ctx, block = 1000, 8
+    base = scratch_bytes(t, context=ctx, block=block, prefill_chunk=64, act_bytes=2, flash=True)
+    tgt = _partials(block, t.heads, ctx, t.head_dim)
+    want = {"none": _partials(1, t.heads, ctx, t.head_dim) - tgt, "mtp": tgt if graphs else 0,
+            "dflash2": _partials(block, g.num_heads, ctx, g.head_dim) if graphs else 0}
+    for drafter, extra in want.items():
+        b = compute_budget(t, drafter, _cuda(context=ctx, block=block, prefill_chunk=64, graphs=graphs), dflash2=g)
+        rows = block if drafter != "none" else 1
+        assert b.items["scratch"] - scratch_bytes(t, context=ctx, block=rows, prefill_chunk=64, act_bytes=2,
+                                                  flash=True) == tgt + extra, drafter
+    assert base > 0
+
+
+def test_q8_0_cache_items():
+    """kv_quant = "q8_0": the target's cache at hd + 2*hd/32 bytes per head vector (drafters' caches unchanged),
+    the prefill's dequantization buffers in scratch (2 x nkv x ctx x hd x wb; on CPU also two fp32 temporaries),
+    and the persistent tensors still sum to the exact items."""
+    t = TargetGeometry.from_config({**TINY, "head_dim": 64}, has_mtp=True)
+    g = DFlash2Geometry.from_config(DF)
+    ctx = 4096
+    for drafter in ("none", "mtp", "dflash2"):
+        plain = compute_budget(t, drafter, _cuda(context=ctx), dflash2=g)
+        q8 = compute_budget(t, drafter, _cuda(context=ctx, kv_quant="q8_0"), dflash2=g)
+        assert q8.items["target_kv"] == t.layers * 2 * t.kv_heads * ctx * (64 + 4)
+        assert plain.items["target_kv"] == t.layers * 2 * t.kv_heads * ctx * 64 * 2
+        assert q8.items["drafter_kv"] == plain.items["drafter_kv"]
+        assert q8.items["scratch"] - plain.items["scratch"] == 2 * t.kv_heads * ctx * 64 * 2
+        exact = sum(q8.table()[k] for k in ("target_dense_weights", "drafter_weights", "target_kv", "drafter_kv",
+                                              "logits", "expert_cache"))
+        block = 1 if drafter == "none" else 8
+        assert sum(persistent_tensors(t, drafter, 2, 2, ctx, block, g, "bf16", "q8_0")) == exact
+    cpu = dict(context=ctx, block=1, device_type="cpu", available_bytes=1 << 34, total_bytes=1 << 34, weight_bytes=4,
+               kv_bytes=4)
+    a = compute_budget(t, "none", BudgetInputs(**cpu)).items
+    b = compute_budget(t, "none", BudgetInputs(kv_quant="q8_0", **cpu)).items
+    assert b["scratch"] - a["scratch"] == 2 * t.kv_heads * ctx * 64 * (4 + 4)
+    assert b["target_kv"] == t.layers * 2 * t.kv_heads * ctx * 68
+
+
+def test_prefill_chunk_defaults_per_device_and_is_an_input():
+    """The budget's prefill chunk is the runtime's default for the device unless given (runtime/memory.py)."""
+    from runtime.memory import default_prefill_chunk
+
+    t = TargetGeometry.from_config(TINY, has_mtp=False)
+    for dev, kw in (("cuda", {}), ("cpu", dict(weight_bytes=4, kv_bytes=4))):
+        inp = dict(context=1 << 14, block=1, device_type=dev, available_bytes=1 << 34, total_bytes=1 << 34, **kw)
+        dflt = compute_budget(t, "none", BudgetInputs(**inp)).items["scratch"]
+        same = compute_budget(t, "none", BudgetInputs(prefill_chunk=default_prefill_chunk(dev), **inp))
+        assert same.items["scratch"] == dflt
+        big = compute_budget(t, "none", BudgetInputs(prefill_chunk=4 * default_prefill_chunk(dev), **inp))
+        assert big.items["scratch"] > dflt
+    assert default_prefill_chunk("cuda") == 2048 and default_prefill_chunk("cpu") == 512
+    with pytest.raises(BudgetError, match="KV cache format"):
+        compute_budget(t, "none", _cuda(kv_quant="q4_0"))

@@ -194,13 +194,29 @@ def test_ctrl_c_during_a_step_leaves_nothing_half_written(machine, home, service
     leftovers = [f for f in files_under(home) if f.endswith((".tmp", ".part"))]
     assert leftovers == []
     cfg = home / "configs" / "nano-dflash2-q8_0.toml"
-    if step == "calibrate":  # the config before calibration is complete and valid; a rerun calibrates
-        assert tomllib.loads(cfg.read_text())["calibration"]["status"] == "uncalibrated"
+    assert not cfg.exists()   # the config is written once, after calibration: a stopped run leaves none
+    if step == "calibrate":   # a rerun calibrates and writes the calibrated config
         services.interrupt_on = None
         assert run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0").exit_code == 0
         assert tomllib.loads(cfg.read_text())["speculative"]["source"] == "calibrated"
-    else:
-        assert not cfg.exists()
+
+
+def test_a_failed_calibration_leaves_no_config_and_keeps_the_old_one(machine, home, services, monkeypatch):
+    """A calibration that fails writes nothing: no config on a first run, the previous config intact on a rerun."""
+    from runtime.errors import WorkError
+
+    def broken(doc, **kw):
+        raise WorkError("calibration failed: the arm changed greedy output.")
+
+    monkeypatch.setattr(services, "calibrate", broken)
+    res = run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0")
+    assert res.exit_code == 1 and "calibration failed" in res.output
+    cfg = home / "configs" / "nano-dflash2.toml"
+    assert not cfg.exists()
+    assert run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0", "--no-calibrate").exit_code == 0
+    before = cfg.read_bytes()
+    res = run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0", "--context", "512")
+    assert res.exit_code == 1 and cfg.read_bytes() == before
 
 
 def test_budget_and_calibrate_subcommands(machine, home, services):

@@ -47,6 +47,9 @@ class DFlash2Graphs(GraphSet):
                 a = layer.self_attn
                 self.qkv.append(stack_linears([a.q_proj, a.k_proj, a.v_proj]))
                 self.gate_up.append(stack_linears([layer.mlp.gate_proj, layer.mlp.up_proj]))
+        # the split attention's partials, shared by every graph of this set (they run one at a time)
+        self.part = (attention_kernels.split_scratch(self.obs_rows, g.num_heads, drafter.cache.capacity, g.head_dim,
+                                                     self.dev) if self.fast else None)
         self.ar = torch.arange(self.obs_rows, device=self.dev)
         self.noise = torch.zeros(self.obs_rows, g.vocab_size, dtype=torch.float32, device=self.dev)
         self.mask_ids = torch.full((self.obs_rows,), g.mask_token_id, dtype=torch.long, device=self.dev)
@@ -116,7 +119,7 @@ class DFlash2Graphs(GraphSet):
                 dyn = ac.kernel_projection(y)
                 y = self._conv(ac, y, dyn, 0)
             q = self._post(i, self._qkv(i, y), qpos)
-            o = attention_kernels.attention(q, d.cache.k[i], d.cache.v[i], last, a.hd ** -0.5)
+            o = attention_kernels.attention(q, d.cache.k[i], d.cache.v[i], last, a.hd ** -0.5, part=self.part)
             y = a.o_proj(o.reshape(width, a.nh * a.hd))
             if ac is not None:
                 y = self._conv(ac, y, dyn, 1)
