@@ -83,16 +83,26 @@ def test_triton_kernels_in_interpreter():
     assert r.returncode == 0 and "kernels ok" in r.stdout, r.stderr[-2000:]
 
 
-def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model):
+@pytest.fixture(scope="module")
+def model32(tmp_path_factory):
+    return load_target(make_tiny_target(tmp_path_factory.mktemp("static32"), seed=3, scale=2.0, head_dim=32))
+
+
+@pytest.mark.parametrize("quant", [None, "q8_0"])
+def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, model32, quant):
     """On the CPU the engine's step is row-invariant: a token's logits, hidden row and taps are bitwise the same
     whether it is decoded alone or verified at any row of a wider window (what greedy equality needs: a 1e-7
-    difference can flip a near-tie). The plain forward gives no such promise (1-row and k-row products differ)."""
+    difference can flip a near-tie), with a float or a q8_0 KV cache. The plain forward gives no such promise
+    (1-row and k-row products differ)."""
+    if quant is not None:
+        model = model32              # q8_0 blocks need a head_dim that is a multiple of 32
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
     seq = [12, 40, 3, 8, 41, 4, 5]
     width = 8
     outs = {}
     for split in ((1,) * 7, (3, 4), (2, 5), (7,), (1, 6)):
-        kv = _kv(model)
+        c = model.cfg
+        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, quant=quant)
         with torch.no_grad():
             model(prompt, kv=kv)
             step = StaticStep(model, kv, width=width, graph=False)
