@@ -111,11 +111,11 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
 
     from bench.budget import inventory
     from bench.common import NANO
-    from setup_wizard.budget import SMALL_SEGMENT, SMALL_SIZE, transient_tensors
+    from setup_wizard.budget import SMALL_SEGMENT, SMALL_SIZE, attention_scratch_tensors, transient_tensors
 
     ctx = 131072
     geo = TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
-    it = compute_budget(geo, "none", _cuda(context=ctx, block=1)).table()
+    it = compute_budget(geo, "none", _cuda(context=ctx, block=1, prefill_chunk=512)).table()
     H, L, V, hd = 256, 6, 4096, 64
     per_layer = 2 * H * 4 * hd + 2 * H * 2 * hd + 2 * hd + 2 * H + H * 8      # q, o, k, v, q/k norms, 2 norms, router
     assert it["target_dense_weights"] == 2 * (2 * V * H + H + L * per_layer)     # embeddings, lm_head, final norm
@@ -126,7 +126,9 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
     assert it["graph_pool"] == 2 * 2 * MIB                   # the target step's graph + the capture warm-up
     # the allocator term: what packing every persistent and prefill-transient tensor into segments adds
     pers = persistent_tensors(geo, "none", 2, 2, ctx, 1)
-    trans = transient_tensors(geo, 512, 2)
+    attn = attention_scratch_tensors(geo, "none", context=ctx, block=1, wb=2, cuda=True)
+    assert attn == [1 * 4 * -(-ctx // KV_CHUNK) * (hd + 2) * 4]   # the split attention's fp32 partials, 1 row
+    trans = transient_tensors(geo, 512, 2) + attn
     assert sum(pers) == sum(it[k] for k in ("target_dense_weights", "target_kv", "logits", "expert_cache"))
     assert sorted(pers, reverse=True)[:4] == [192 * MIB, 192 * MIB, 2 * MIB, 2 * MIB]   # K, V, embed, lm_head
     assert all(n <= SMALL_SIZE for n in sorted(pers, reverse=True)[4:] + trans)

@@ -74,8 +74,10 @@ def test_rerun_reuses_calibration_and_keeps_user_keys(machine, home, services):
     assert "already done" in res.output
     doc = tomllib.loads(p.read_text())
     assert doc["mine"] == {"note": "keep me"} and doc["speculative"]["source"] == "calibrated"
-    assert (home / "backups" / "nano-mtp.toml").is_file()               # the one backup, in the store
-    assert sorted(x.name for x in p.parent.iterdir()) == ["nano-mtp.toml"]
+    assert not (home / "backups").exists()             # the rerun changed nothing: nothing to back up
+    assert run("--yes", "--context", "2048").exit_code == 0                  # a rerun that changes the config
+    assert tomllib.loads((home / "backups" / "nano-mtp.toml").read_text())["mine"] == {"note": "keep me"}
+    assert sorted(x.name for x in p.parent.iterdir()) == ["nano-mtp.toml"]    # nothing left beside it
 
 
 @pytest.mark.parametrize("quant", ["bf16", "q8_0", "q5_0", "q4_0"])
@@ -211,7 +213,7 @@ def test_a_failed_calibration_leaves_no_config_and_keeps_the_old_one(machine, ho
     monkeypatch.setattr(services, "calibrate", broken)
     res = run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0")
     assert res.exit_code == 1 and "calibration failed" in res.output
-    cfg = home / "configs" / "nano-dflash2.toml"
+    cfg = home / "configs" / "nano-dflash2-q8_0.toml"
     assert not cfg.exists()
     assert run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0", "--no-calibrate").exit_code == 0
     before = cfg.read_bytes()
