@@ -1,7 +1,7 @@
 """The calibration key (docs/calibration.md): a stored result is reused only when every field matches.
 
 `(device name and memory, target sha256, drafter kind, drafter artifact sha256, quantization, context, runtime
-version)`. The device is the live machine (not what an old config says), so a config copied to another machine
+version, target quantization)`. The device is the live machine (not what an old config says), so a config copied to another machine
 is recalibrated there.
 """
 
@@ -32,6 +32,7 @@ class CalibrationKey:
     quantization: str
     context: int
     runtime_version: str
+    target_quantization: str = "bf16"     # how the target is stored (a quantized target drafts and verifies differently)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -42,7 +43,8 @@ class CalibrationKey:
             return cls(device_name=str(d["device_name"]), device_total_mib=int(d["device_total_mib"]),
                        target_sha256=str(d["target_sha256"]), drafter_kind=str(d["drafter_kind"]),
                        drafter_sha256=str(d["drafter_sha256"]), quantization=str(d["quantization"]),
-                       context=int(d["context"]), runtime_version=str(d["runtime_version"]))
+                       context=int(d["context"]), runtime_version=str(d["runtime_version"]),
+                       target_quantization=str(d.get("target_quantization", "bf16")))
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationConfigError(f"a calibration key is incomplete or malformed ({e}).") from None
 
@@ -116,4 +118,5 @@ def key_for_config(config: dict[str, Any], *, device: tuple[str, int] | None = N
     return CalibrationKey(device_name=device[0], device_total_mib=int(device[1]), target_sha256=tsha,
                           drafter_kind=kind, drafter_sha256=dsha if kind != "none" else "",
                           quantization=quant if kind != "none" else "", context=context,
-                          runtime_version=RUNTIME_VERSION)
+                          runtime_version=RUNTIME_VERSION,
+                          target_quantization=str(target.get("quantization") or "bf16"))

@@ -93,6 +93,8 @@ def check_config_artifacts(cfg: StrataConfig) -> None:
     """Raise when a file the config lists is missing (StaleArtifactError), changed or marked failed by
     `models verify` (CorruptArtifactError)."""
     root = cfg.resolve(cfg.target.path)
+    if root.suffix.lower() == ".gguf":
+        root = root.parent            # a GGUF target's files (it and its MTP file) are named relative to its folder
     m = _check_mark(root, cfg, "target")
     hint = _repair_hint(cfg, "target file")
     for rel, rec in cfg.target.files.items():

@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.drafters.registry import KINDS
 from runtime.errors import ConfigError
-from runtime.formats.registry import QTYPES
+from runtime.formats.registry import FORMATS, QTYPES
 
 SCHEMA = 1
 DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
@@ -45,6 +45,9 @@ class TargetSection:
     sha256: str = ""
     revision: str | None = None
     has_mtp: bool | None = None
+    quantization: str | None = None           # how the target is stored (docs/formats.md); None: bf16
+    source_sha256: str | None = None          # a converted target: the checkpoint it was converted from
+    source_path: str | None = None
     files: dict[str, FileRecord] = field(default_factory=dict)
 
 
@@ -225,7 +228,10 @@ def parse(doc: Mapping[str, Any], *, where: str = "", base: Path | None = None,
     target = TargetSection(
         path=c.get(t, "target", "path", "str"), name=c.get(t, "target", "name", "str", ""),
         source=c.get(t, "target", "source", "str", "local"), sha256=c.get(t, "target", "sha256", "str", ""),
-        revision=c.get(t, "target", "revision", "str"), has_mtp=c.get(t, "target", "has_mtp", "bool"), files=files)
+        revision=c.get(t, "target", "revision", "str"), has_mtp=c.get(t, "target", "has_mtp", "bool"),
+        quantization=c.get(t, "target", "quantization", "str", choices=tuple(FORMATS)),
+        source_sha256=c.get(t, "target", "source_sha256", "str"), source_path=c.get(t, "target", "source_path", "str"),
+        files=files)
 
     d = c.table(doc, "drafter", required=complete)
     if complete and "kind" not in d:

@@ -90,6 +90,16 @@ def _stop_ids(folder: Path, cfg_eos: list[int]) -> set[int]:
     return ids
 
 
+def _load_target(target: Path, dtype: torch.dtype, *, with_mtp: bool):
+    """(model on the CPU, tokenizer) from a Hugging Face folder or a qwen3moe GGUF file (runtime/loading_gguf.py:
+    its tokenizer comes from the file's metadata, so the file runs by itself)."""
+    from runtime.loading_gguf import is_gguf, load_target_gguf, load_tokenizer_gguf
+
+    if is_gguf(target):
+        return load_target_gguf(target, device="cpu", dtype=dtype, with_mtp=with_mtp), load_tokenizer_gguf(target)
+    return load_target(target, device="cpu", dtype=dtype, with_mtp=with_mtp), load_tokenizer(target)
+
+
 class Engine:
     def __init__(self, *, model, tokenizer, kv: KVCache, drafter, drafter_kind: str, experts: ExpertCache,
                  device: torch.device, block: int, spec_min_p: float, stop_ids: set[int], target_dir: Path,
@@ -117,7 +127,8 @@ class Engine:
         the slots and `expert_miss` says how the other experts are served (runtime/experts.py). `vram_limit_mib`
         caps what this process may reserve on the GPU (runtime/memory.py `cap_device_memory`). `kv_dtype`: a dtype
         name or "q8_0" (the target's KV cache in 8 bits); `prefill_chunk`: prompt tokens per prefill forward
-        (default per device, runtime/memory.py)."""
+        (default per device, runtime/memory.py). `target_dir` is a Hugging Face folder or a qwen3moe `.gguf` file
+        (docs/formats.md)."""
         if drafter_kind not in KINDS:
             raise EngineConfigError(f"unknown drafter kind {drafter_kind!r}; use one of {', '.join(KINDS)}.")
         if int(context) < 2:
@@ -138,12 +149,11 @@ class Engine:
         profile = routing_profile
         if profile is not None and not isinstance(profile, RoutingProfile):
             profile = RoutingProfile.load(Path(profile).expanduser())
-        model = load_target(target_dir, device="cpu", dtype=dt, with_mtp=drafter_kind == "mtp")
+        model, tokenizer = _load_target(target_dir, dt, with_mtp=drafter_kind == "mtp")
         limit = model.cfg.max_position_embeddings
         if int(context) > limit:
             raise EngineConfigError(f"context {int(context)} is beyond the model's maximum of {limit} tokens; set "
                                     f"[memory] context to {limit} or less (or rerun strata-setup).")
-        tokenizer = load_tokenizer(target_dir)
         experts = ExpertCache(model, dev, expert_slots, miss=expert_miss, profile=profile,
                               lru_slots=int(expert_lru_slots))
         experts.place(model)
@@ -155,7 +165,8 @@ class Engine:
             raise EngineConfigError(str(e)) from None
         kind = KINDS[drafter_kind]
         if drafter_kind == "mtp" and model.mtp is None:
-            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors); use another drafter.")
+            raise LoadError(f"target {target_dir} has no MTP head (no mtp.* tensors, or no MTP file beside the GGUF); "
+                            f"use another drafter.")
         if kind.needs_file and drafter_path is None:
             raise EngineConfigError(f"a {drafter_kind} drafter needs its artifact path (drafter.path in the config).")
         drafter = kind.load(LoadRequest(target=model, path=Path(drafter_path).expanduser() if drafter_path else None,

@@ -41,6 +41,11 @@ def _nbytes(m: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
+def _stack_nbytes(blk: SparseMoe) -> int:
+    """Bytes of a layer's experts held as ggml block stacks."""
+    return sum(t.numel() * t.element_size() for t in (blk.gate_up, blk.down) if t is not None)
+
+
 class ExpertCache:
     def __init__(self, model: nn.Module, device: torch.device, slots: int | None = None,
                  enforce_on_cpu: bool = False, *, miss: str = "auto", profile: RoutingProfile | None = None,
@@ -74,6 +79,12 @@ class ExpertCache:
         self.profile = profile or uniform_profile(layers, self.n_exp)
         self.profiled = profile is not None
         self.lru_slots = int(lru_slots)
+        # experts held as ggml blocks (a quantized target, `SparseMoe.bind_blocks`): resident only for now (the
+        # arena, the slot pool and the host miss paths move and compute float experts)
+        self.blocked = any(blk.fmt is not None for blk in self.blocks.values())
+        if self.blocked and slots < self.total:
+            raise UsageError(f"a quantized target needs all {self.total} experts on the GPU, but the memory leaves "
+                             f"room for {slots}; choose a smaller size (strata-setup --target-quant) or context.")
         self.mode = "resident" if slots >= self.total else ("legacy" if miss == "legacy" else "pool")
         self.miss = miss if self.mode == "pool" else "none"
         self.probe: dict[str, Any] = {}
@@ -106,7 +117,7 @@ class ExpertCache:
         if self.mode == "pool":
             self._arena()
         stacked = None
-        if self.mode == "resident" and cuda and self.blocks:   # stacked on the host, a layer at a time, then moved
+        if self.mode == "resident" and cuda and self.blocks and not self.blocked:   # stacked on the host, then moved
             stacked = self.arena if self.arena is not None else ExpertArena.from_blocks(self.blocks, pin=False)
         if cuda:
             for layer in model.model.layers:
@@ -120,6 +131,9 @@ class ExpertCache:
         for mod in model.modules():
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
+        for m in model.modules():     # experts held as ggml blocks (target and MTP layer): their two stacks move
+            if isinstance(m, SparseMoe) and m.fmt is not None:
+                m.gate_up, m.down = m.gate_up.to(self.device), m.down.to(self.device)
         if cuda:
             if stacked is not None:
                 for li, blk in self.blocks.items():    # the grouped Triton kernel reads them stacked (same bytes)
@@ -402,12 +416,16 @@ class ExpertCache:
         """Bytes of the expert weights held on the device (on CPU-only machines: all experts)."""
         if self.mode == "pool":
             return self._ready().nbytes
+        if self.blocked:
+            return sum(_stack_nbytes(blk) for blk in self.blocks.values())
         return sum(_nbytes(self.blocks[li].experts[e]) for li, e in self.resident)
 
     @property
     def expert_nbytes(self) -> int:
         """Bytes of one routed expert (the budget's unit)."""
         blk = next(iter(self.blocks.values()), None)
+        if blk is not None and self.blocked:
+            return _stack_nbytes(blk) // blk.n_exp
         return _nbytes(blk.experts[0]) if blk is not None else 0
 
     def expected_hit_rate(self) -> float:

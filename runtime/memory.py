@@ -13,15 +13,27 @@ def is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+def is_block_weight(name: str) -> bool:
+    """A weight held as ggml blocks (`QuantLinear`/`QuantEmbedding` buffer `blocks`): a weight, not scratch."""
+    return name == "blocks" or name.endswith(".blocks")
+
+
+def weight_tensors(model: nn.Module):
+    """(name, tensor) of every weight: parameters and block buffers, each storage counted once (tied embeddings,
+    q/k/v views of one stacked matrix)."""
+    seen: set[tuple[int, int]] = set()
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if is_block_weight(n)]:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.device.type != "meta" else (id(t), 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, t
+
+
 def target_dense_bytes(model: nn.Module) -> int:
     """Target weights except routed experts and the MTP head (tied embeddings counted once)."""
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen or is_routed_expert(name) or name.startswith("mtp."):
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for name, t in weight_tensors(model)
+               if not (is_routed_expert(name) or name.startswith("mtp.")))
 
 
 def kv_bytes(n_layers: int, n_kv_heads: int, head_dim: int, context: int, elem_bytes: int) -> int:
@@ -35,8 +47,8 @@ def logits_bytes(max_block: int, vocab: int) -> int:
 
 
 def buffers_bytes(model: nn.Module) -> int:
-    """Persistent non-parameter buffers (rope tables): the runtime's scratch."""
-    return sum(b.numel() * b.element_size() for b in model.buffers())
+    """Persistent non-parameter buffers (rope tables): the runtime's scratch (block weights are weights)."""
+    return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if not is_block_weight(n))
 
 
 # Prompt tokens per prefill forward. Larger chunks run the prefill's matmuls (and the grouped experts) at a better

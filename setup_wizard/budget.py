@@ -5,8 +5,9 @@ tested by hand and reused by `strata-setup budget`. Names follow docs/INTERFACES
 reports the same names from `Engine.memory_report()` and a test compares the two.
 
 What is counted (bytes):
-- `target_dense_weights`: every target tensor except routed experts and `mtp.*`, at the runtime dtype.
-- `drafter_weights`: MTP = the `mtp.*` tensors at the runtime dtype; DFlash2 = as stored (45 norm/conv/selector tensors
+- `target_dense_weights`: every target tensor except routed experts and `mtp.*`, at the runtime dtype; for a
+  quantized target (Q8_0/Q4_0 GGUF) its matrices as ggml blocks and its norms and router at the runtime dtype.
+- `drafter_weights`: MTP = the `mtp.*` tensors, stored as the target is; DFlash2 = as stored (45 norm/conv/selector tensors
   BF16, 36 backbone matrices BF16 or in Q8_0/Q5_0/Q4_0 blocks); none = 0. On CPU the runtime widens the BF16
   tensors to its fp32 dtype, so there they count 4 B/element (quantized blocks stay as stored).
 - `target_kv = n_layers * 2 * n_kv_heads * head_dim * kv_bytes * context`; with `kv_quant = "q8_0"` each head
@@ -236,7 +237,8 @@ def pool_tensors(t: TargetGeometry, slots: int, dynamic: int, wb: int) -> tuple[
     """The offloaded layout's device tensors (runtime/expert_pool.py): the two slot planes (gate_up, down: the
     expert cache), then the table and LRU state (a few KiB, counted under `allocator`)."""
     L, E = len(t.sparse_layers), t.experts
-    planes = [slots * 2 * t.moe_intermediate * t.hidden * wb, slots * t.hidden * t.moe_intermediate * wb]
+    planes = [slots * t.matrix_bytes(2 * t.moe_intermediate, t.hidden, wb),
+              slots * t.matrix_bytes(t.hidden, t.moe_intermediate, wb)]
     state = [(L * (E + 1) + 1) * 4, dynamic * 8, (dynamic + 1) * 8, (dynamic + 1) * 8, (slots + 1) * 8, 8, 3 * 8,
              E * 8]
     return planes, state
@@ -250,16 +252,21 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
     (`pool` = (slots, dynamic slots)), the slot pool and its table, K and V caches, logits buffers, the drafter's
     matrices and its cache. Their sum is close to the exact items; the list is what `segment_bytes` rounds."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
-    out = [t.vocab * h * wb] * (1 if t.tie_embeddings else 2) + [h * wb]
+    mi = t.moe_intermediate
+
+    def mat(rows: int, cols: int) -> int:      # floats, or ggml blocks for a quantized target
+        return t.matrix_bytes(rows, cols, wb)
+
+    out = [mat(t.vocab, h)] * (1 if t.tie_embeddings else 2) + [h * wb]
     for i in range(t.layers):
         sparse = i in t.sparse_layers
-        out += [(q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb, t.head_dim * wb, t.head_dim * wb]
+        out += [mat(q + 2 * kv, h), mat(h, q), h * wb, h * wb, t.head_dim * wb, t.head_dim * wb]
         if sparse:
             out += [t.experts * h * wb]
             if pool is None:
-                out += [t.experts * 2 * t.moe_intermediate * h * wb, t.experts * h * t.moe_intermediate * wb]
+                out += [t.experts * mat(2 * mi, h), t.experts * mat(h, mi)]
         else:
-            out += [t.intermediate * h * wb] * 3
+            out += [mat(t.intermediate, h)] * 2 + [mat(h, t.intermediate)]
     if pool is not None:
         planes, state = pool_tensors(t, pool[0], pool[1], wb)
         out += planes + state
@@ -269,11 +276,10 @@ def persistent_tensors(t: TargetGeometry, drafter: str, wb: int, kb: int, contex
         out += [t.layers * kv * context] * 2 + [t.layers * kv // Q8_BLOCK * 2 * context] * 2
     out.append(block * t.vocab * 4)
     if drafter == "mtp":
-        out += [h * wb] * 3 + [2 * h * h * wb, (q + 2 * kv) * h * wb, q * h * wb, h * wb, h * wb]
+        out += [h * wb] * 3 + [mat(h, 2 * h), mat(q + 2 * kv, h), mat(h, q), h * wb, h * wb]
         out += [t.head_dim * wb] * 2
         if t.mtp_sparse:
-            out += [t.experts * h * wb, t.experts * 2 * t.moe_intermediate * h * wb,
-                    t.experts * h * t.moe_intermediate * wb]
+            out += [t.experts * h * wb, t.experts * mat(2 * mi, h), t.experts * mat(h, mi)]
         out += [kv * context * kb] * 2 + [block * t.vocab * 4]
     elif drafter == "dflash2" and dflash2 is not None:
         d = dflash2
@@ -367,7 +373,7 @@ def compute_budget(
 
     wb, kb, ctx = inputs.weight_bytes, inputs.kv_bytes, inputs.context
     block = inputs.block if drafter != "none" else 1
-    items: dict[str, int] = {"target_dense_weights": target.dense_elems() * wb}
+    items: dict[str, int] = {"target_dense_weights": target.dense_bytes(wb)}
     items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
     items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * ctx
     items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
@@ -392,7 +398,7 @@ def compute_budget(
     items["headroom"] = headroom_bytes(inputs.device_type, inputs.total_bytes) if hr is None else hr
     items["reserve"] = inputs.reserve_bytes
 
-    expert = target.expert_elems() * wb
+    expert = target.expert_bytes(wb)
     fixed = sum(items.values())
     room = inputs.available_bytes - fixed
     if expert > 0 and room > 0:
@@ -461,8 +467,8 @@ def compute_budget(
         reason=reason,
         notes=notes,
         dynamic_slots=int(dynamic),
-        dense_read_bytes=int(target.dense_elems() * wb - target.vocab * target.hidden * wb + target.hidden * wb
-                             + items["target_kv"] // 2),
+        dense_read_bytes=int(target.dense_bytes(wb) - target.matrix_bytes(target.vocab, target.hidden, wb)
+                             + target.matrix_bytes(1, target.hidden, wb) + items["target_kv"] // 2),
         experts_per_token=len(target.sparse_layers) * target.top_k,
     )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError, one_of
 from runtime.formats.registry import QTYPES
+from runtime.formats.target_gguf import TARGET_QUANTS
 
 QUANTS = QTYPES
 
@@ -25,6 +26,7 @@ class Choices:
     drafter: str | None = None
     dflash2_head: str | None = None
     dflash2_quant: str | None = None
+    target_quant: str | None = None   # bf16 | q8_0 | q4_0: how the target is stored (a local .gguf says itself)
     context: int | None = None
     vram_reserve_mib: int | None = None
     vram_limit_mib: int | None = None
@@ -41,6 +43,9 @@ class Choices:
         if self.dflash2_quant is not None and self.dflash2_quant not in QUANTS:
             raise UsageError(f"Unknown DFlash2 quantization '{self.dflash2_quant}'; use --dflash2-quant "
                              f"{one_of(QUANTS)}.")
+        if self.target_quant is not None and self.target_quant not in TARGET_QUANTS:
+            raise UsageError(f"Unknown target quantization '{self.target_quant}'; use --target-quant "
+                             f"{one_of(TARGET_QUANTS)}.")
         if self.drafter is not None and not KINDS[self.drafter].needs_file and (self.dflash2_head or self.dflash2_quant):
             raise UsageError(f"--drafter {self.drafter} cannot be combined with --dflash2-head/--dflash2-quant; "
                              "pass --drafter dflash2 or drop the DFlash2 flags.")
@@ -66,8 +71,8 @@ def check_config_out(path: Path) -> None:
                          f"pass a path you can write to.")
 
 
-ANSWER_KEYS = {f: f for f in ("target", "drafter", "dflash2_head", "dflash2_quant", "context", "vram_reserve_mib",
-                              "vram_limit_mib", "calibrate", "offline", "config_out")}
+ANSWER_KEYS = {f: f for f in ("target", "drafter", "dflash2_head", "dflash2_quant", "target_quant", "context",
+                              "vram_reserve_mib", "vram_limit_mib", "calibrate", "offline", "config_out")}
 
 
 def load_answers(path: Path) -> Choices:

@@ -27,7 +27,7 @@ app = typer.Typer(
 
 FLAGS_HINT = (
     "strata-setup needs a terminal to ask questions; pass --yes to take the recommended answers "
-    "(with any of --target, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
+    "(with any of --target, --target-quant, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
     "--calibrate/--no-calibrate, --threads, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
 )
 
@@ -92,7 +92,9 @@ def main_callback(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     yes: bool = typer.Option(False, "--yes", "-y", help="No questions: take the recommended answer for the rest."),
-    target: str | None = typer.Option(None, help="Catalog name or a local model folder."),
+    target: str | None = typer.Option(None, help="Catalog name, a local model folder or a local qwen3moe .gguf file."),
+    target_quant: str | None = typer.Option(
+        None, "--target-quant", help="bf16 | q8_0 | q4_0: the target's size (default: recommended from the budget)."),
     drafter: str | None = typer.Option(None, help=" | ".join(KINDS) + " (default: mtp when the target has a head)."),
     dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
     dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help=" | ".join(QTYPES) + "."),
@@ -119,8 +121,8 @@ def main_callback(
     from setup_wizard.choices import Choices, load_answers, merge_choices
 
     flags = Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
-                      context=context, vram_reserve_mib=vram_reserve_mib, vram_limit_mib=vram_limit_mib,
-                      calibrate=calibrate, offline=offline,
+                      target_quant=target_quant, context=context, vram_reserve_mib=vram_reserve_mib,
+                      vram_limit_mib=vram_limit_mib, calibrate=calibrate, offline=offline,
                       config_out=config_out)
     try:
         if threads is not None and threads < 1:

@@ -27,7 +27,8 @@ from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-e
 # marked None is replaced as a whole (its contents are all ours).
 OWNED: dict[str, set[str] | None] = {
     "": {"schema", "created_by", "target", "drafter", "speculative", "memory", "device", "calibration"},
-    "target": {"name", "path", "sha256", "source", "revision", "files", "has_mtp"},
+    "target": {"name", "path", "sha256", "source", "revision", "files", "has_mtp", "quantization", "source_sha256",
+               "source_path"},
     "target.files": None,
     "drafter": {"kind", "head", "path", "sha256", "size", "quantization", "source_sha256", "source_path"},
     "speculative": {"block", "spec_min_p", "source", "block_source", "spec_min_p_source"},

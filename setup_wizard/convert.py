@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,73 +167,28 @@ def _gguf_order(gname: str) -> tuple:
     return (0 if gname in ("fc.weight", "hidden_norm.weight") else 2, 0, gname)
 
 
-def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo: str = "", source_revision: str = "",
-                    source_sha: str | None = None, on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
-    """Convert a DFlash2 checkpoint to GGUF at `out` (atomically). ContractError for a bad source (nothing written),
-    ConvertError when writing or the read-back check fails."""
-    import gguf
-
-    quant = _check_quant(quant)
-    src = Path(src)
-    out = Path(out)
-    source = validate_source(src, quant)
-    sha = source_sha or source_sha256(source.files)
-    plan = _plan(source, quant)
-    total = sum(nb for *_, nb in plan)
+def write_verified(out: Path, nbytes: int, write: Callable[[Path], None], check: Callable[[Path], list[str]],
+                   what: str) -> tuple[str, int]:
+    """The one way a converted file comes into being: the missing parent folders made (and removed again on
+    failure), a new temporary file beside `out` created without following links, enough free disk for `nbytes`,
+    `write(tmp)`, `check(tmp)` reading it back (a problem raises ConvertError), sha256, rename. Any failure removes
+    the temporary file and the folders made for it. Returns (sha256, size)."""
     made = _make_parents(out.parent)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         _create_new(tmp)
-        check_disk_space(Store(out.parent), total + (1 << 20), out.parent, f"the converted {quant} file")
-    except BaseException:
-        _undo(tmp, made)
-        raise
-    try:
-        w = gguf.GGUFWriter(tmp, ARCH)
-        w.add_file_type(Q.FORMATS[quant].file_type)
-        w.add_custom_alignment(ALIGNMENT)
-        write_gguf_metadata(w, source.geom)
-        # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and docs/formats.md
-        # requires every strata.* key (an empty repo/revision means "converted from a local folder")
-        for key, val in ((KEY_SOURCE_REPO, source_repo or ""), (KEY_SOURCE_REVISION, source_revision or ""),
-                         (KEY_SOURCE_SHA256, sha), (KEY_QUANTIZATION, quant),
-                         (KEY_CONVERTER_VERSION, CONVERTER_VERSION)):
-            w.add_key_value(key, val, gguf.GGUFValueType.STRING)
-        for _name, gname, qt, shape, nbytes in plan:
-            byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
-            w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,
-                              raw_dtype=Q.FORMATS[qt].ggml)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for i, (name, _gname, qt, shape, nbytes) in enumerate(plan):
-            bits = _bf16_bits(source.tensors[name])
-            if ((bits & 0x7F80) == 0x7F80).any():
-                raise ContractError(f"tensor {name!r} holds NaN or infinite values; the checkpoint is damaged.")
-            if qt == "bf16":
-                data = bits.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
-            else:
-                data = Q.quantize_bf16(bits.reshape(-1, shape[-1]), qt)
-            assert data.nbytes == nbytes
-            w.write_tensor_data(np.ascontiguousarray(data))
-            del bits, data
-            if on_tensor:
-                on_tensor(name, i + 1, len(plan))
-        w.close()
-        problems = check_gguf(tmp, source.geom, quant, sha)
+        check_disk_space(Store(out.parent), nbytes + (1 << 20), out.parent, what)
+        write(tmp)
+        problems = check(tmp)
         if problems:
             raise ConvertError(f"The converted file failed its read-back check ({problems[0]}); nothing was kept.")
         digest = sha256_file(tmp)
         size = tmp.stat().st_size
         os.replace(tmp, out)
     except BaseException:
-        try:
-            w.close()  # type: ignore[possibly-undefined]
-        except Exception:
-            pass
         _undo(tmp, made)
         raise
-    return Converted(out, digest, size, quant, sha)
+    return digest, size
 
 
 def _cannot_write(folder: Path, exc: OSError) -> Exception:
@@ -287,6 +242,77 @@ def _undo(tmp: Path | None, made: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def close_quietly(w) -> None:
+    """Close a `gguf.GGUFWriter` after a failure (its own error, if any, would hide the first one)."""
+    try:
+        w.close()
+    except Exception:
+        pass
+
+
+def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo: str = "", source_revision: str = "",
+                    source_sha: str | None = None, on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
+    """Convert a DFlash2 checkpoint to GGUF at `out` (atomically). ContractError for a bad source (nothing written),
+    ConvertError when writing or the read-back check fails."""
+    import gguf
+
+    quant = _check_quant(quant)
+    src = Path(src)
+    out = Path(out)
+    source = validate_source(src, quant)
+    sha = source_sha or source_sha256(source.files)
+    plan = _plan(source, quant)
+    total = sum(nb for *_, nb in plan)
+
+    def write(tmp: Path) -> None:
+        w = gguf.GGUFWriter(tmp, ARCH)
+        try:
+            w.add_file_type(Q.FORMATS[quant].file_type)
+            w.add_custom_alignment(ALIGNMENT)
+            write_gguf_metadata(w, source.geom)
+            # add_key_value, not add_string: gguf-py's add_string silently drops an empty value, and docs/formats.md
+            # requires every strata.* key (an empty repo/revision means "converted from a local folder")
+            add_provenance(w, source_repo, source_revision, sha, quant, CONVERTER_VERSION)
+            for _name, gname, qt, shape, nbytes in plan:
+                byte_shape = (*shape[:-1], Q.row_bytes(shape[-1], qt))
+                w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes,
+                                  raw_dtype=Q.FORMATS[qt].ggml)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for i, (name, _gname, qt, shape, nbytes) in enumerate(plan):
+                bits = _bf16_bits(source.tensors[name])
+                if ((bits & 0x7F80) == 0x7F80).any():
+                    raise ContractError(f"tensor {name!r} holds NaN or infinite values; the checkpoint is damaged.")
+                if qt == "bf16":
+                    data = bits.view(np.uint8).reshape(*shape[:-1], shape[-1] * 2)
+                else:
+                    data = Q.quantize_bf16(bits.reshape(-1, shape[-1]), qt)
+                assert data.nbytes == nbytes
+                w.write_tensor_data(np.ascontiguousarray(data))
+                del bits, data
+                if on_tensor:
+                    on_tensor(name, i + 1, len(plan))
+            w.close()
+        except BaseException:
+            close_quietly(w)
+            raise
+
+    digest, size = write_verified(out, total, write, lambda p: check_gguf(p, source.geom, quant, sha),
+                                  f"the converted {quant} file")
+    return Converted(out, digest, size, quant, sha)
+
+
+def add_provenance(w, repo: str, revision: str, sha: str, quant: str, version: str) -> None:
+    """The strata.* keys of every converted file (docs/formats.md); written even when empty (gguf-py's add_string
+    would drop an empty value)."""
+    import gguf
+
+    for key, val in ((KEY_SOURCE_REPO, repo or ""), (KEY_SOURCE_REVISION, revision or ""), (KEY_SOURCE_SHA256, sha),
+                     (KEY_QUANTIZATION, quant), (KEY_CONVERTER_VERSION, version)):
+        w.add_key_value(key, val, gguf.GGUFValueType.STRING)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -344,6 +370,26 @@ def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha:
 # ---------------------------------------------------------------------------------------------------------------
 # the artifact cache
 
+def reuse_verified(store: Store, d: Path, checks: Mapping[str, Callable[[Path], list[str]]]) -> dict | None:
+    """The manifest of the converted item in `d` when it can be used as is: verified, exactly the files `checks`
+    names, each with its recorded size, passing its read-back check and hashing to its recorded sha256 (the sha256
+    the config records must be the file's: a same-size edit passes every other check). None otherwise."""
+    m = store.read_manifest(d)
+    if not (m and m.get("verified")):
+        return None
+    files = {str(m.get("file", "model.gguf")): {"sha256": m.get("sha256"), "size": m.get("size")},
+             **dict(m.get("extra_files") or {})}
+    if set(files) != set(checks):
+        return None
+    for name, want in files.items():
+        p = d / name
+        if regular_file_problem(store.root, p) is not None or p.stat().st_size != want.get("size"):
+            return None
+        if checks[name](p) or sha256_file(p) != want.get("sha256"):
+            return None
+    return m
+
+
 def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *, source_name: str = "",
                      source_repo: str = "", source_revision: str = "", source_sha: str | None = None,
                      on_tensor: Callable[[str, int, int], None] | None = None) -> Converted:
@@ -360,14 +406,11 @@ def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *,
     with writing(store.root, f"the converted drafter {label}", then="run the command again"), \
             item_lock(store.root, d, what=f"the converted drafter {label}"):
         unlink_tmp_files(store.root, d)       # a temporary GGUF or manifest an interrupted run left
-        m = store.read_manifest(d)
-        if (m and m.get("verified") and regular_file_problem(store.root, gg) is None
-                and gg.stat().st_size == m.get("size")):
-            # the sha256 the config will record must be the file's: a same-size edit passes every other check
-            if not check_gguf(gg, source.geom, quant, sha) and sha256_file(gg) == m.get("sha256"):
-                if source_name and not m.get("source_name"):
-                    store.write_manifest(d, {**m, "source_name": source_name, "name": label})
-                return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
+        m = reuse_verified(store, d, {"model.gguf": lambda p: check_gguf(p, source.geom, quant, sha)})
+        if m is not None:
+            if source_name and not m.get("source_name"):
+                store.write_manifest(d, {**m, "source_name": source_name, "name": label})
+            return Converted(gg, m["sha256"], int(m["size"]), quant, sha, CONVERTER_VERSION, reused=True)
         store.invalidate(d)
         try:
             with open_dir(store.root, d):

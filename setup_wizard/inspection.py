@@ -24,9 +24,24 @@ def safetensors_inventory(folder: Path) -> dict[str, int]:
     return {name: ref.numel for name, ref in inventory(Path(folder), error=UsageError).items()}
 
 
+def is_gguf_target(path: Path) -> bool:
+    """A target given as one GGUF file (docs/formats.md, "Converted target GGUF") rather than a folder."""
+    p = Path(path)
+    return p.is_file() and p.suffix.lower() == ".gguf"
+
+
 def target_geometry(folder: Path) -> TargetGeometry:
-    """The budget geometry of a target folder: config.json arithmetic, made exact by the tensor inventory."""
+    """The budget geometry of a target folder: config.json arithmetic, made exact by the tensor inventory. A GGUF
+    target file: exact from its tensor table, stored as the file says."""
     folder = Path(folder)
+    if is_gguf_target(folder):
+        from runtime.errors import LoadError
+        from runtime.formats.target_gguf import read_geometry
+
+        try:
+            return read_geometry(folder)
+        except LoadError as exc:
+            raise UsageError(str(exc)) from None
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise UsageError(f"{folder} has no config.json; point --target at a Hugging Face model folder.")
@@ -67,6 +82,35 @@ def hash_folder(folder: Path, on_file: Callable[[str], None] | None = None, *, v
         sha = sha256_checking_finite(p, by_file[p], error=LoadError) if p in by_file else sha256_file(p)
         files[rel] = {"sha256": sha, "size": p.stat().st_size}
     return Artifact(path=folder.resolve(), sha256=manifest_sha256(files), files=files,
+                    size=sum(f["size"] for f in files.values()))
+
+
+def target_files(path: Path) -> list[str]:
+    """A GGUF target's files (the target file and the MTP file it names), relative to its folder."""
+    from runtime.formats.gguf_meta import read_metadata
+    from runtime.formats.target_gguf import KEY_MTP_FILE
+
+    p = Path(path)
+    names = [p.name]
+    mtp = read_metadata(p, "strata.", error=UsageError).get(KEY_MTP_FILE)
+    if isinstance(mtp, str) and "/" not in mtp and "\\" not in mtp and (p.parent / mtp).is_file():
+        names.append(mtp)
+    return names
+
+
+def hash_target(path: Path, on_file: Callable[[str], None] | None = None) -> Artifact:
+    """`hash_folder` for a folder (validated: inventory, shapes and finite weights, checked while hashing); for a GGUF
+    target file, its files (with the MTP file) by sha256 and size, relative to its folder, and the target file's own
+    sha256 as the target's (it changes with the quantization)."""
+    p = Path(path)
+    if not is_gguf_target(p):
+        return hash_folder(p, on_file, validate=True)
+    files = {}
+    for rel in target_files(p):
+        if on_file:
+            on_file(rel)
+        files[rel] = {"sha256": sha256_file(p.parent / rel), "size": (p.parent / rel).stat().st_size}
+    return Artifact(path=p.resolve(), sha256=files[p.name]["sha256"], files=files,
                     size=sum(f["size"] for f in files.values()))
 
 

@@ -3,6 +3,7 @@ the budget computed when the model is already here. `setup_wizard/steps.py` carr
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,9 +15,10 @@ from runtime.errors import UsageError
 from runtime.models.target_config import TargetGeometry
 from runtime.paths import strata_home
 from setup_wizard import budget as B
+from setup_wizard import target_sizes as TS
 from setup_wizard.choices import Choices
 from setup_wizard.hardware import MIB, Hardware
-from setup_wizard.inspection import drafter_geometry, target_geometry
+from setup_wizard.inspection import drafter_geometry, is_gguf_target, target_geometry
 from setup_wizard.services import HeadOption, Services, TargetOption
 
 
@@ -37,7 +39,20 @@ class Plan:
     why: dict[str, str] = field(default_factory=dict)  # answer → why it was recommended
     budget: B.Budget | None = None  # known when the target (and drafter geometry) is already here
     context_given: bool = True  # False: recommend it again once the model's geometry is known
+    config_path_given: bool = True  # False: the default name, which follows the target quantization chosen later
     record_routing: bool = True  # offloaded experts: record the routing profile that places them (--no-calibrate: no)
+    target_quant: str = "bf16"  # how the target is stored: bf16 (the folder as is), q8_0/q4_0 (converted to GGUF)
+    target_quant_given: bool = True  # False: recommend it again once the model's geometry is known
+    sizes: list[TS.SizeOption] = field(default_factory=list)  # the "Which size?" lines (with their budgets)
+
+    @property
+    def target_is_gguf(self) -> bool:
+        """The target named is a GGUF file: used as it is stored (no conversion)."""
+        return self.target.local_path is not None and is_gguf_target(self.target.local_path)
+
+    @property
+    def converts_target(self) -> bool:
+        return self.target_quant != "bf16" and not self.target_is_gguf
 
     def steps(self) -> list[str]:
         s = []
@@ -45,6 +60,8 @@ class Plan:
             s.append(f"download {self.target.name}" + (" (verified, here)" if self.target.available else ""))
         else:
             s.append(f"check and hash local target {self.target.local_path}")
+        if self.converts_target:
+            s.append(f"convert {self.target.name} → GGUF {self.target_quant}")
         if KINDS[self.drafter].needs_file and self.head and self.head.description == "local folder":
             s.append(f"use local DFlash2 head {self.head.local_path}")
         elif KINDS[self.drafter].needs_file and self.head:
@@ -70,6 +87,7 @@ class Plan:
         return {
             "target": self.target.name,
             "target_source": self.target.source,
+            "target_quant": self.target_quant,
             "drafter": self.drafter,
             "dflash2_head": self.head.name if self.head else None,
             "dflash2_quant": self.quant,
@@ -109,11 +127,15 @@ def resolve_target(value: str | None, options: list[TargetOption]) -> tuple[Targ
     explicit_path = value is not None and (value.startswith((".", "/", "~")) or os.sep in value)
     if value and not explicit_path and any(o.name == value for o in options):
         return next(o for o in options if o.name == value), "you chose it"
+    if value and _is_local_path(value) and is_gguf_target(Path(value).expanduser()):
+        p = Path(value).expanduser().resolve()
+        return TargetOption(name=p.stem if p.stem != "model" else p.parent.name, source="local", local_path=p), \
+            "a local GGUF file you named"
     if value and _is_local_path(value):
         p = Path(value).expanduser()
         if not (p / "config.json").is_file():
-            raise UsageError(f"--target {value} is not a model folder (no config.json); pass a catalog name or a "
-                             "Hugging Face model folder.")
+            raise UsageError(f"--target {value} is not a model folder (no config.json) or a .gguf file; pass a "
+                             "catalog name, a Hugging Face model folder or a qwen3moe GGUF file.")
         p = p.resolve()
         return TargetOption(name=p.name, source="local", local_path=p), "a local folder you named"
     if value:
@@ -148,6 +170,10 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     if target.local_path is not None:
         geo = target_geometry(target.local_path)
         target = replace(target, has_mtp=geo.has_mtp)
+    if geo is not None and is_gguf_target(target.local_path):   # type: ignore[arg-type]
+        if choices.target_quant and choices.target_quant != geo.quant:
+            raise UsageError(f"--target-quant {choices.target_quant} does not match the GGUF file you named, which is "
+                             f"stored as {geo.quant}; drop --target-quant or convert the model again.")
 
     drafter = choices.drafter
     if drafter is None:
@@ -228,10 +254,12 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     if geo is not None and choices.context is not None and choices.context > geo.max_position:
         raise UsageError(f"--context {choices.context} is longer than the model's limit of {geo.max_position} "
                          "tokens; pass a smaller --context.")
+    choose_target_quant(plan, geo, dgeo, given=choices.target_quant, context=choices.context)
     if choices.context is None:
         if geo is not None and (not KINDS[drafter].needs_file or dgeo is not None):
             plan.context, why["context"] = B.recommend_context(
-                geo, drafter, budget_inputs(plan, hw, 0, dgeo), dflash2=dgeo, quant=quant or "bf16")
+                stored_geometry(plan, geo), drafter, budget_inputs(plan, hw, 0, dgeo), dflash2=dgeo,
+                quant=quant or "bf16")
         else:
             plan.context, why["context"] = 4096, "a safe default until the model's size is known"
     else:
@@ -241,18 +269,105 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
         plan.budget = compute(plan, geo, dgeo)
         plan.context_given = True  # the recommendation above already saw the geometry
     plan.config_path = Path(choices.config_out).expanduser() if choices.config_out else default_config_path(
-        target.name, drafter, quant)
+        target.name, drafter, quant, plan.target_quant)
+    plan.config_path_given = choices.config_out is not None
     for k, note in choices.notes.items():
         if why.get(k) == "you chose it":
             why[k] = note
     return plan
 
 
-def default_config_path(target: str, drafter: str, quant: str | None = None) -> Path:
-    """`$STRATA_HOME/configs/<target>-<drafter>[-<quant>].toml` (the model manager reads
-    `$STRATA_HOME/configs/*.toml`): the quantization is part of the name, so a second setup of the same pair with
-    another one gets its own config instead of silently replacing the first."""
-    name = f"{target}-{drafter}" + (f"-{quant}" if quant else "")
+def stored_geometry(plan: Plan, geo: TargetGeometry) -> TargetGeometry:
+    """The target's geometry as the runtime will hold it: a GGUF file as it is, a folder at the planned size."""
+    if plan.target_is_gguf or geo.quant == plan.target_quant:
+        return geo
+    return geo.with_quant(plan.target_quant)
+
+
+def size_options(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geometry | None,
+                 context: int | None) -> list[TS.SizeOption]:
+    """The "Which size?" lines: each size with its own budget at `context` (None: the context the budget recommends
+    for that size), or estimates from the catalog's download size before the model is here."""
+    hw = plan.hardware
+    wb = 2 if hw.device_type == "cuda" else 4
+    here = plan.target.available
+    opts = []
+    quants = TS.TARGET_QUANTS if conversion_problem(plan) is None else ("bf16",)
+    for q in quants:
+        p = replace(plan, target_quant=q, sizes=[])
+        if geo is None or (plan.drafter == "dflash2" and dgeo is None):
+            opts.append(TS.option(q, None, None, context=context or 4096, wb=wb,
+                                  checkpoint_bytes=plan.target.size_bytes, here=here,
+                                  with_mtp=plan.drafter == "mtp"))
+            continue
+        p.context = context or B.recommend_context(stored_geometry(p, geo), plan.drafter,
+                                                   budget_inputs(p, hw, 0, dgeo), dflash2=dgeo,
+                                                   quant=plan.quant or "bf16")[0]
+        opts.append(TS.option(q, geo, compute(p, geo, dgeo), context=p.context, wb=wb,
+                              checkpoint_bytes=plan.target.size_bytes, here=here, with_mtp=plan.drafter == "mtp"))
+    return opts
+
+
+def conversion_problem(plan: Plan) -> str | None:
+    """Why the target folder cannot become a Q8_0/Q4_0 GGUF (llama.cpp's qwen3moe layout: MoE layers only, rows
+    a multiple of 32, a byte-level BPE tokenizer), or None. Unknown until the folder is here (None then)."""
+    folder = plan.target.local_path
+    if folder is None or plan.target_is_gguf:
+        return None
+    cfg = Path(folder) / "config.json"
+    return _conversion_problem(str(folder), cfg.stat().st_mtime_ns if cfg.is_file() else 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _conversion_problem(folder: str, _mtime: int) -> str | None:
+    """(cached: the wizard plans several times; the check reads headers, the tokenizer and builds a meta model)"""
+    from runtime.errors import StrataError, message
+    from setup_wizard.convert_target import validate_source
+
+    try:
+        validate_source(Path(folder), "q4_0")
+    except StrataError as exc:
+        return message(exc).rstrip(".")
+    return None
+
+
+def choose_target_quant(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geometry | None, *,
+                        given: str | None, context: int | None) -> None:
+    """Fill `plan.target_quant` (and `plan.sizes`): a GGUF file's own, the user's, or the recommendation
+    (setup_wizard/target_sizes.py). Before the download the recommendation is an estimate, made again once the
+    model's config is here (`target_quant_given` False)."""
+    if plan.target_is_gguf:
+        assert geo is not None
+        plan.target_quant, plan.why["target_quant"] = geo.quant, "the GGUF file you named is stored so"
+        plan.sizes, plan.target_quant_given = [], True
+        return
+    plan.sizes = size_options(plan, geo, dgeo, context)
+    problem = conversion_problem(plan)
+    if given and given != "bf16" and problem is not None:
+        raise UsageError(f"--target-quant {given} is not possible for {plan.target.name}: {problem}")
+    if problem is not None and not given:
+        plan.target_quant, plan.why["target_quant"], plan.target_quant_given = "bf16", \
+            f"the only size: it cannot be converted ({problem})", True
+        return
+    if given:
+        plan.target_quant, plan.why["target_quant"], plan.target_quant_given = given, "you chose it", True
+        return
+    exact = bool(plan.sizes) and plan.sizes[0].exact
+    if exact:
+        plan.target_quant, plan.why["target_quant"] = TS.recommend(plan.sizes)
+    elif plan.target.size_bytes:
+        plan.target_quant, plan.why["target_quant"] = TS.recommend_estimated(plan.sizes, plan.hardware.free_bytes)
+    else:
+        plan.target_quant, plan.why["target_quant"] = "bf16", "the original weights until the model's size is known"
+    plan.target_quant_given = exact
+
+
+def default_config_path(target: str, drafter: str, quant: str | None = None, target_quant: str = "bf16") -> Path:
+    """`$STRATA_HOME/configs/<target>[-<target quant>]-<drafter>[-<drafter quant>].toml` (the model manager reads
+    `$STRATA_HOME/configs/*.toml`): the quantizations are part of the name (the target's when it is converted), so a
+    second setup of the same pair with another one gets its own config instead of silently replacing the first."""
+    name = target + (f"-{target_quant}" if target_quant and target_quant != "bf16" else "") + f"-{drafter}"
+    name += f"-{quant}" if quant else ""
     return strata_home() / "configs" / f"{name}.toml"
 
 
@@ -272,5 +387,7 @@ def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry 
 
 
 def compute(plan: Plan, geo: TargetGeometry, dgeo: DFlash2Geometry | None) -> B.Budget:
-    return B.compute_budget(geo, plan.drafter, budget_inputs(plan, plan.hardware, plan.context, dgeo),
-                            dflash2=dgeo, quant=plan.quant or "bf16")
+    """The budget of the plan, the target at its planned size."""
+    return B.compute_budget(stored_geometry(plan, geo), plan.drafter,
+                            budget_inputs(plan, plan.hardware, plan.context, dgeo), dflash2=dgeo,
+                            quant=plan.quant or "bf16")

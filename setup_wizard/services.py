@@ -63,6 +63,7 @@ class Services(Protocol):
     def heads(self, target: str) -> list[HeadOption]: ...
     def fetch(self, name: str, *, offline: bool) -> Artifact: ...
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact: ...
+    def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult: ...
 
 
@@ -101,6 +102,26 @@ class RealServices:
                                  source_revision=source.revision or "", on_tensor=on_tensor)
         return Artifact(path=Path(res.path), sha256=res.sha256, size=res.size, reused=res.reused,
                         source_sha256=res.source_sha256)
+
+    def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact:
+        """The target folder as a GGUF at `quant` in the store (setup_wizard/convert_target.py), keyed by the
+        folder's manifest hash; the artifact's files are the GGUF files relative to their folder."""
+        from setup_wizard.convert_target import convert_target_to_store
+
+        report = self.on_progress
+
+        def on_tensor(name: str, i: int, n: int) -> None:
+            if report is not None:
+                report(f"convert target → {quant}", i, n)
+
+        res = convert_target_to_store(folder, quant, source_name=Path(folder).name, source_repo=source.repo or "",
+                                      source_revision=source.revision or "", source_sha=source.sha256,
+                                      on_tensor=on_tensor)
+        files = {res.path.name: {"sha256": res.sha256, "size": res.size}}
+        if res.mtp_path is not None:
+            files[res.mtp_path.name] = {"sha256": res.mtp_sha256, "size": res.mtp_size}
+        return Artifact(path=Path(res.path), sha256=res.sha256, size=res.total_size, files=files, reused=res.reused,
+                        source_sha256=res.source_sha256, revision=source.revision, repo=source.repo)
 
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
         budget = DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds

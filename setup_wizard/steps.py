@@ -22,8 +22,15 @@ from runtime.version import __version__
 from setup_wizard import budget as B
 from setup_wizard.config import sha256_file, write_config
 from setup_wizard.hardware import MIB, Hardware
-from setup_wizard.inspection import drafter_geometry, hash_folder, target_geometry
-from setup_wizard.plan import Plan, budget_inputs, compute
+from setup_wizard.inspection import drafter_geometry, hash_target, is_gguf_target, target_geometry
+from setup_wizard.plan import (
+    Plan,
+    budget_inputs,
+    choose_target_quant,
+    compute,
+    default_config_path,
+    stored_geometry,
+)
 from setup_wizard.registry import register_config
 from setup_wizard.services import Artifact, Services, TargetOption
 from setup_wizard.store_locks import hold_locks
@@ -77,7 +84,7 @@ def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_c
     if plan.target.source == "local":
         step = "check and hash target"
         mark(step, "start")
-        target = hash_folder(plan.target.local_path, validate=True)  # type: ignore[arg-type]
+        target = hash_target(plan.target.local_path)  # type: ignore[arg-type]
         mark(step, "done", path=str(target.path))
     else:
         step = f"download {plan.target.name}"
@@ -112,22 +119,40 @@ def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_c
         mark(step, "skipped" if drafter_art.reused else "done", path=str(drafter_art.path))
         dgeo = drafter_geometry(head_art.path) or drafter_geometry(drafter_art.path)
 
+    # 2b. the target's size (recommended now if it could only be estimated before the download), and its conversion
+    source_target: Artifact | None = None
+    if not plan.target_quant_given:
+        plan.target = replace(plan.target, local_path=Path(target.path))    # here now: its folder can be checked
+        choose_target_quant(plan, geo, dgeo, given=None, context=plan.context if plan.context_given else None)
+        if not plan.config_path_given:      # the default name carries the quantization chosen just now
+            plan.config_path = default_config_path(plan.target.name, plan.drafter, plan.quant, plan.target_quant)
+    if plan.converts_target:
+        step = f"convert {plan.target.name} to {plan.target_quant}"
+        mark(step, "start")
+        source_target, target = target, services.convert_target(target.path, plan.target_quant, source=target)
+        mark(step, "skipped" if target.reused else "done", path=str(target.path))
+        geo = target_geometry(target.path)          # exact, from the converted file's tensor table
+
     # 3. budget (the context is recommended now if it could not be before the download)
     step = "budget"
     mark(step, "start")
     if not plan.context_given:
         plan.context, plan.why["context"] = B.recommend_context(
-            geo, plan.drafter, budget_inputs(plan, plan.hardware, 0, dgeo), dflash2=dgeo, quant=plan.quant or "bf16")
+            stored_geometry(plan, geo), plan.drafter, budget_inputs(plan, plan.hardware, 0, dgeo), dflash2=dgeo,
+            quant=plan.quant or "bf16")
     elif plan.context > geo.max_position:
         raise UsageError(f"--context {plan.context} is longer than the model's limit of {geo.max_position} tokens; "
                          "pass a smaller --context.")
     budget = compute(plan, geo, dgeo)
     if not budget.fits:
         raise WorkError(budget.reason)
+    if geo.quant != "bf16" and budget.expert_cache_slots < budget.total_experts:
+        raise WorkError(f"Does not fit: a {geo.quant} target keeps all {budget.total_experts} experts on the GPU, "
+                        f"but only {budget.expert_cache_slots} fit; choose a smaller --target-quant or --context.")
     mark(step, "done", expert_cache_slots=budget.expert_cache_slots)
 
     # 4. calibration, on the document in memory (a failed or interrupted calibration writes nothing)
-    doc = build_doc(plan, target, drafter_art, head_art, budget, dgeo)
+    doc = build_doc(plan, target, drafter_art, head_art, budget, dgeo, source_target)
     previous = _read_previous(plan.config_path)
     reuse = _reusable_calibration(previous, doc)
     if reuse:
@@ -205,8 +230,10 @@ def apply_calibration(doc: dict[str, Any], result: CalibrationResult) -> None:
 
 
 def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Artifact | None,
-              budget: B.Budget, dgeo: DFlash2Geometry | None = None) -> dict[str, Any]:
-    """The schema-1 document (docs/INTERFACES.md "Config")."""
+              budget: B.Budget, dgeo: DFlash2Geometry | None = None,
+              source_target: Artifact | None = None) -> dict[str, Any]:
+    """The schema-1 document (docs/INTERFACES.md "Config"). A converted target's `path` is its GGUF file, its
+    `files` the GGUF files (relative to their folder) and `source_sha256`/`source_path` the checkpoint's."""
     hw = plan.hardware
     kind = KINDS[plan.drafter]   # uncalibrated: the kind's defaults (DFlash2: the head's own block_size)
     block, floor = kind.default_block(dgeo), kind.default_spec_min_p
@@ -221,6 +248,7 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
             "sha256": target.sha256,
             "revision": target.revision,
             "has_mtp": bool(plan.target.has_mtp) if plan.target.has_mtp is not None else None,
+            "quantization": plan.target_quant,
             "files": target.files,
         },
         "drafter": {"kind": plan.drafter},
@@ -243,6 +271,9 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
             "dtype": dtype,
         },
     }
+    if source_target is not None:
+        doc["target"]["source_sha256"] = source_target.sha256
+        doc["target"]["source_path"] = str(Path(source_target.path).resolve())
     if hw.gpus:
         doc["device"]["capability"] = f"{hw.gpus[0].capability[0]}.{hw.gpus[0].capability[1]}"
     if hw.vram_limit_mib is not None:
@@ -270,6 +301,8 @@ def _record_mtimes(doc: dict[str, Any]) -> None:
     """Record each verified file's modification time: strata-run trusts an unchanged file by size and time and
     re-hashes one whose time moved (runtime/artifact_check.py)."""
     tpath = Path(doc["target"]["path"])
+    if is_gguf_target(tpath):
+        tpath = tpath.parent            # a GGUF target's files are named relative to its folder
     files = {rel: dict(meta) for rel, meta in (doc["target"].get("files") or {}).items()}
     for rel, meta in files.items():
         f = tpath / rel
@@ -313,7 +346,7 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware, *, vram_limit_mib: int 
     plan = Plan(target=TargetOption(name=target.get("name", ""), source=target.get("source", "local")),
                 drafter=kind, head=None, quant=drafter.get("quantization"), context=int(mem["context"]),
                 reserve_mib=int(mem.get("reserve_mib", 0)), calibrate=False, offline=True,
-                config_path=Path(), hardware=hw)
+                config_path=Path(), hardware=hw, target_quant=geo.quant)
     inputs = budget_inputs(plan, hw, plan.context, dgeo, dtype=mem.get("dtype"), kv_dtype=mem.get("kv_dtype"),
                            prefill_chunk=mem.get("prefill_chunk"))
     return B.compute_budget(geo, kind, inputs, dflash2=dgeo, quant=plan.quant or "bf16")

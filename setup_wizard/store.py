@@ -10,6 +10,7 @@ Layout:
     $STRATA_HOME/downloads/<org>--<name>/<revision>/<files...>   + .strata-manifest.json
     $STRATA_HOME/downloads/bundled--<folder>/<revision or sha-...>/  (bundled packs, copied through the same checks)
     $STRATA_HOME/converted/<source sha256[:16]>-<quant>-c<converter version>/model.gguf + .strata-manifest.json
+        (a converted target with an MTP head also holds mtp.gguf, listed in the manifest's `extra_files`)
     $STRATA_HOME/configs/*.toml                                  (the default place of configs)
     $STRATA_HOME/config-registry.json                            (every config strata-setup wrote, wherever)
     $STRATA_HOME/locks/*.lock                                    (filelock files)
@@ -88,7 +89,8 @@ class StoreItem:
     def size(self) -> int:
         if self.partial:
             return _tree_size(self.path)
-        return int(self.manifest.get("size", 0))
+        extra = self.manifest.get("extra_files") or {}
+        return int(self.manifest.get("size", 0)) + sum(int(f.get("size", 0)) for f in extra.values())
 
     @property
     def name(self) -> str:
@@ -230,7 +232,9 @@ class Store:
             return ["its manifest is unreadable"]
         if item.kind == "converted":
             f = str(m.get("file", "model.gguf"))
-            return self.verify_files(item.path, {f: {"sha256": m.get("sha256", ""), "size": m.get("size", -1)}})
+            files = {f: {"sha256": m.get("sha256", ""), "size": m.get("size", -1)}}
+            files.update(m.get("extra_files") or {})   # a converted target's MTP file (docs/store.md)
+            return self.verify_files(item.path, files)
         return self.verify_files(item.path, m.get("files", {}))
 
     # -- removal --------------------------------------------------------------------------------------------------

@@ -123,6 +123,16 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
             if ans.dflash2_quant == RECOMMENDED_QUANT:
                 ans.notes["dflash2_quant"] = "original weights; Q8_0/Q4_0 save memory"
 
+    if ans.target_quant is None:
+        rec = resolve(ans, hw, services)
+        if not rec.target_is_gguf and len(rec.sizes) > 1:     # one possible size: nothing to ask
+            items = [questionary.Choice(o.line(recommended=o.quant == rec.target_quant), value=o.quant)
+                     for o in rec.sizes]
+            ans.target_quant = _ask(questionary.select(
+                "Which size?", choices=items, default=rec.target_quant,
+                instruction=f"(recommended: {rec.target_quant} — {rec.why.get('target_quant', '')})", **io))
+            _note(ans, "target_quant", ans.target_quant == rec.target_quant, rec.why)
+
     if ans.context is None:
         rec = resolve(ans, hw, services)  # recommended with the default (or given) reserve
         limit = _model_limit(rec)
@@ -215,6 +225,8 @@ def summary_table(plan: Plan) -> Table:
     t.add_column("why", style="dim")
     t.add_row("device", plan.hardware.describe(), "; ".join(plan.hardware.notes))
     t.add_row("target", f"{plan.target.name} ({plan.target.source})", plan.why.get("target", ""))
+    size = plan.target_quant + ("" if plan.converts_target or plan.target_is_gguf else " (the folder as is)")
+    t.add_row("size", size, plan.why.get("target_quant", ""))
     t.add_row("drafter", plan.drafter, plan.why.get("drafter", ""))
     if KINDS[plan.drafter].needs_file and plan.head:
         t.add_row("DFlash2 head", plan.head.name, plan.why.get("dflash2_head", ""))

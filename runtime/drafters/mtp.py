@@ -31,7 +31,7 @@ class MTPDrafter:
             raise ValueError("the target has no MTP head (no mtp.* tensors); choose another drafter.")
         self.model, self.mtp, self.max_block, self.chunk = model, model.mtp, max_block, chunk
         cfg = model.cfg
-        p = model.lm_head.weight
+        p = model.model.norm.weight          # the model's dtype and device (lm_head may hold ggml blocks)
         self.kv = KVCache(1, cfg.num_key_value_heads, cfg.head_dim, capacity, dtype=kv_dtype or p.dtype,
                           device=p.device)
         self.logits_buf = torch.zeros(max_block, cfg.vocab_size, dtype=torch.float32, device=p.device)
@@ -128,7 +128,12 @@ class MTPDrafter:
         return MTPGraphs(self)
 
     def memory_report(self) -> dict[str, int]:
-        w = sum(p.numel() * p.element_size() for p in self.mtp.parameters())
+        from runtime.memory import weight_tensors
+
+        w = sum(t.numel() * t.element_size() for _, t in weight_tensors(self.mtp))   # floats and ggml blocks
+        mlp = self.mtp.layers[0].mlp
+        if getattr(mlp, "fmt", None) is not None:        # experts as ggml block stacks (not registered tensors)
+            w += sum(t.numel() * t.element_size() for t in (mlp.gate_up, mlp.down))
         return {"drafter_weights": w, "drafter_kv": self.kv.nbytes,
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
 
@@ -142,7 +147,7 @@ class MTPGraphs(GraphSet):
         super().__init__(drafter.kv.k.device)
         self.d = drafter
         H = drafter.model.cfg.hidden_size
-        dt = drafter.model.lm_head.weight.dtype
+        dt = drafter.model.model.norm.weight.dtype
         self.R = drafter.max_block
         self.g_in = torch.zeros(1, H, dtype=dt, device=self.dev)
         self.obs_tok = torch.zeros(self.R, dtype=torch.long, device=self.dev)

@@ -90,7 +90,7 @@ KINDS: dict[str, DrafterKind] = {k.name: k for k in (
         needs_file=False, experimental=False, default_spec_min_p=0.5,
         default_block=lambda g: 4,
         max_block=lambda g, block: max(MTP_MAX_BLOCK, int(block or 0)),
-        weight_bytes=lambda t, g, quant, wb: t.mtp_elems() * wb,
+        weight_bytes=lambda t, g, quant, wb: t.mtp_bytes(wb),      # stored as the target is
         kv_bytes=lambda t, g, kb, ctx: kv_cache_bytes(1, t.kv_heads, t.head_dim, kb, ctx),
         makes_logits=True, graph_sets=2, load=_load_mtp),
     DrafterKind(

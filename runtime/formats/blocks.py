@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from runtime.errors import QuantFormatError
+from runtime.formats import kquants
 from runtime.formats.registry import (  # noqa: F401  (the table's names, for callers that quantize)
     BLOCK,
     FORMATS,
@@ -31,6 +32,7 @@ from runtime.formats.registry import (  # noqa: F401  (the table's names, for ca
     by_tensor_type,
     cols_from_row_bytes,
     row_bytes,
+    writable_format,
 )
 
 # nextafter(0.5, 0) in float32: floor(a + HALF_DOWN) == round-half-away(a) for 0 <= a < 2**22 (checked
@@ -371,7 +373,7 @@ def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     blocks with per-thread work buffers (a few MiB whatever the tensor size), the rows split over `_workers()`
     threads. Rows not a multiple of 32 raise `QuantFormatError`.
     """
-    q = _check_qtype(qtype)
+    q = writable_format(qtype).name
     x = np.asarray(x)
     if x.ndim == 0:
         raise QuantFormatError("cannot quantize a scalar")
@@ -387,7 +389,7 @@ def quantize_bf16(bits: np.ndarray, qtype: str) -> np.ndarray:
 
     The converter's path: each chunk is widened to float32 inside the cache, so the weights are read from memory
     once at 2 bytes a value and no float32 copy of a whole tensor is ever made."""
-    q = _check_qtype(qtype)
+    q = writable_format(qtype).name
     bits = np.ascontiguousarray(bits)
     if bits.dtype.itemsize != 2:
         raise QuantFormatError(f"BF16 bits must be a 2-byte dtype, got {bits.dtype}")
@@ -471,6 +473,9 @@ def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
 def dequantize(blocks: np.ndarray, qtype: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """uint8 blocks [rows, row_bytes] -> float32 (reshaped to `shape` when given); same values as gguf-py."""
     q = _check_qtype(qtype)
+    if q in kquants.KQUANTS:
+        res = kquants.dequantize(blocks, q)
+        return res.reshape(shape) if shape is not None else res
     raw = np.ascontiguousarray(blocks).view(np.uint8)
     rb = raw.shape[-1]
     lead = raw.shape[:-1]
@@ -499,6 +504,8 @@ def dequantize(blocks: np.ndarray, qtype: str, shape: tuple[int, ...] | None = N
 def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 tensor [rows, row_bytes] -> float32 [rows, cols] on the same device (same values as `dequantize`)."""
     q = _check_qtype(qtype)
+    if q in kquants.KQUANTS:
+        return kquants.dequantize_torch(blocks, q)
     if blocks.dtype != torch.uint8:
         raise QuantFormatError(f"blocks must be uint8, got {blocks.dtype}")
     rows, rb = blocks.shape

@@ -8,6 +8,13 @@ from typing import Any
 
 from runtime.errors import LoadError
 
+# Provenance keys every GGUF Strata writes (docs/formats.md): the drafter's file and the target's files alike.
+KEY_SOURCE_REPO = "strata.source.repo"
+KEY_SOURCE_REVISION = "strata.source.revision"
+KEY_SOURCE_SHA256 = "strata.source.sha256"
+KEY_QUANTIZATION = "strata.quantization"
+KEY_CONVERTER_VERSION = "strata.converter_version"
+
 
 def open_gguf(path: Path, *, error: type[Exception] = LoadError) -> Any:
     """A `gguf.GGUFReader` over `path` (memory-mapped, read-only), or one sentence when the file is not GGUF."""

@@ -52,10 +52,47 @@ class QuantLinear(nn.Module):
         if x.is_cuda and self.qtype != "bf16":
             from runtime.gpu import dense_kernels, kernels
 
-            if kernels.available(x):   # dequantized in registers: no float copy of the matrix, one launch
+            # dequantized in registers: no float copy of the matrix, one launch (K-quants: the fallback below)
+            if kernels.available(x) and self.qtype in dense_kernels.QCODE:
                 y = dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept as ggml blocks (one row per token): a lookup dequantizes only the rows it reads.
+
+    A quantized GGUF target stores `token_embd` in its block format; with tied embeddings the output head is a
+    `QuantLinear` over the same blocks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.qtype = block_format(qtype).name
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.register_buffer("blocks", torch.zeros(num_embeddings, row_bytes(embedding_dim, self.qtype),
+                                                   dtype=torch.uint8, device=device))
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, qtype: str, embedding_dim: int,
+                    dtype: torch.dtype = torch.float32) -> QuantEmbedding:
+        mod = cls(blocks.shape[0], embedding_dim, qtype, dtype, device="meta")
+        if tuple(blocks.shape) != (blocks.shape[0], row_bytes(embedding_dim, mod.qtype)):
+            raise QuantFormatError(f"blocks shape {tuple(blocks.shape)} does not hold rows of {embedding_dim} "
+                                   f"{qtype} values")
+        mod.blocks = blocks.to(torch.uint8)
+        return mod
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1).to(self.blocks.device))
+        return dequantize_torch(rows, self.qtype).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"

@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from runtime.errors import QuantFormatError
 
 __all__ = ["BLOCK", "FORMATS", "QTYPES", "BlockFormat", "block_format", "by_tensor_type", "cols_from_row_bytes",
-           "row_bytes"]
+           "row_bytes", "writable_format"]
 
 
 @dataclass(frozen=True)
@@ -83,17 +83,24 @@ def block_format(name: str) -> BlockFormat:
     return f
 
 
+def writable_format(name: str) -> BlockFormat:
+    """`block_format`, refusing the read-only formats (one sentence naming the ones Strata writes)."""
+    f = block_format(name)
+    if not f.writable:
+        raise QuantFormatError(f"{f.name} is read only (llama.cpp's K-quants): Strata reads it but does not write "
+                               f"it; use one of {', '.join(QTYPES)}.")
+    return f
+
+
 def by_tensor_type(tensor_type: str) -> BlockFormat | None:
     """The format of a GGUF tensor type name ("Q4_0"), None when it is not in the table (F32, IQ-quants, ...)."""
     return next((f for f in FORMATS.values() if f.tensor_type == str(tensor_type).upper()), None)
 
 
 def _check_qtype(qtype: str) -> str:
-    """A format Strata quantizes to and dequantizes on its own (runtime/formats/blocks.py)."""
-    f = block_format(qtype)
-    if not f.writable:
-        raise QuantFormatError(f"{f.name} is read only here (llama.cpp's K-quants); use one of {', '.join(QTYPES)}.")
-    return f.name
+    """A format runtime/formats/blocks.py dequantizes (every row of the table: the K-quants through
+    runtime/formats/kquants.py); quantizing asks `writable_format`."""
+    return block_format(qtype).name
 
 
 def row_bytes(cols: int, qtype: str) -> int:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.errors import QuantFormatError
-from runtime.formats.registry import FORMATS, block_format, cols_from_row_bytes
+from runtime.formats.registry import block_format, cols_from_row_bytes
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
@@ -593,16 +593,9 @@ def dequantize(blocks: Tensor, fmt: str) -> Tensor:
 
 def dequantize_ref(blocks: Tensor, fmt: str) -> Tensor:
     """The torch-side dequantizer of one weight matrix (the fallback's: one expert at a time) -> float32."""
-    name = block_format(fmt).name
-    if FORMATS[name].writable:
-        from runtime.formats.blocks import dequantize_torch
+    from runtime.formats.blocks import dequantize_torch  # every format of the table, on the blocks' device
 
-        return dequantize_torch(blocks, name)
-    import numpy as np
-    from gguf.quants import dequantize as gguf_dequantize
-
-    vals = gguf_dequantize(np.ascontiguousarray(blocks.cpu().numpy()), FORMATS[name].ggml)
-    return torch.from_numpy(np.ascontiguousarray(vals, dtype=np.float32)).to(blocks.device)
+    return dequantize_torch(blocks.contiguous(), block_format(fmt).name)
 
 
 # -------------------------------------------------------------------------------------------- torch fallback

@@ -65,6 +65,7 @@ class StaticStep:
         if self.fused:
             for layer in model.model.layers:
                 layer.self_attn.stack_qkv()
+            self.fused = all(layer.self_attn.has_qkv for layer in model.model.layers)
         self.use_graph = (bool(graph) and dev.type == "cuda" and self.use_kernels
                           and all(c.graphable for c in caches.values()))
         self.cpu = dev.type == "cpu"      # without kernels: the row-invariant torch paths (module docstring)
@@ -177,7 +178,7 @@ class StaticStep:
             a = layer.self_attn
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = torch.nn.functional.linear(h, a.qkv_weight)
+            qkv = a.qkv(h)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
                                            a.nkv, a.hd, eps, ks=ks, vs=vs)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)

@@ -136,11 +136,43 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
+        self.qkv_blocks = None                  # the same for block-format q/k/v (a `QuantLinear` over their rows)
+
+    def qkv(self, h: Tensor) -> Tensor:
+        """q, k and v projections in one matmul (after `stack_qkv`; `has_qkv` says whether it stacked)."""
+        if self.qkv_weight is not None:
+            return F.linear(h, self.qkv_weight)
+        return self.qkv_blocks(h)
+
+    @property
+    def has_qkv(self) -> bool:
+        return self.qkv_weight is not None or self.qkv_blocks is not None
 
     def stack_qkv(self, device: torch.device | None = None) -> None:
         """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
         bytes; parameter names unchanged), on `device` when given. Stacking before the weights reach the GPU keeps
-        the GPU from ever holding the three separate copies (the caching allocator would keep their segments)."""
+        the GPU from ever holding the three separate copies (the caching allocator would keep their segments).
+        Block-format q/k/v (a quantized GGUF target) stack their rows of blocks the same way (`qkv_blocks`)."""
+        from runtime.formats.quant_linear import QuantLinear
+
+        projs = [self.q_proj, self.k_proj, self.v_proj]
+        if any(isinstance(p, QuantLinear) for p in projs):
+            if not all(isinstance(p, QuantLinear) for p in projs) or len({p.qtype for p in projs}) != 1 \
+                    or any(p.bias is not None for p in projs):
+                return                      # mixed formats (a K-quant mix): the three projections stay apart
+            have = self.qkv_blocks.blocks if self.qkv_blocks is not None else None
+            cat = have if have is not None else torch.cat([p.blocks for p in projs], 0)   # rows: independent blocks
+            if device is not None:
+                cat = cat.to(device)
+            if cat is have:
+                return
+            o = 0
+            for p in projs:
+                p.blocks = cat[o:o + p.out_features]
+                o += p.out_features
+            # not registered as a submodule (like `qkv_weight`): state_dict and the weight count stay as they were
+            object.__setattr__(self, "qkv_blocks", QuantLinear.from_blocks(cat, projs[0].qtype, projs[0].in_features))
+            return
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         cat = self.qkv_weight if self.qkv_weight is not None else torch.cat([w.data for w in ws], 0)
         if device is not None:
@@ -217,6 +249,8 @@ class SparseMoe(nn.Module):
     def stack_experts(self) -> None:
         """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
         make each expert's parameters views into them, so the grouped kernel (runtime/kernels.py) reads them."""
+        if self.fmt is not None:   # block stacks are made stacked (`bind_blocks`)
+            return
         w0 = self.experts[0].gate_proj.weight
         inter, hidden = w0.shape
         gu = torch.empty(self.n_exp, 2 * inter, hidden, dtype=w0.dtype, device=w0.device)
@@ -274,7 +308,8 @@ class SparseMoe(nn.Module):
             self.recorder(self.layer_idx, idx)
         if self.offload is not None:
             return self.offload(self.layer_idx, x, idx, w).view(shape)
-        if self.gate_up is not None and not torch.is_grad_enabled():
+        # block stacks (`bind_blocks`) are the experts' only copy: they take this path with autograd on too
+        if self.gate_up is not None and (not torch.is_grad_enabled() or self.fmt is not None):
             from runtime.gpu import kernels, moe_kernels
 
             kw = {"fmt": self.fmt, "slot": self.slot, "miss_fn": self.miss_fn}

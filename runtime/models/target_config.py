@@ -146,6 +146,14 @@ class TargetGeometry:
     # exact element counts from a tensor inventory (see `with_inventory`), preferred over the config arithmetic
     dense_count: int | None = None
     mtp_count: int | None = None
+    # how the weights are stored (docs/budget.md): "bf16" = floats in the runtime dtype (a folder, a BF16 GGUF); a
+    # block format name = a quantized GGUF, whose matrices stay ggml blocks while norms and the router are floats
+    quant: str = "bf16"
+    # exact (block bytes, float elements) from a GGUF tensor table (`runtime/formats/target_gguf.py`): the dense
+    # part, one expert (of the layer whose experts are largest) and the MTP head
+    gguf_dense: tuple[int, int] | None = None
+    gguf_expert: tuple[int, int] | None = None
+    gguf_mtp: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], *, has_mtp: bool | None = None) -> TargetGeometry:
@@ -230,3 +238,60 @@ class TargetGeometry:
     @property
     def total_experts(self) -> int:
         return len(self.sparse_layers) * self.experts
+
+    # --- bytes as the runtime holds them (`wb`: bytes of the runtime's float dtype) ------------------------------
+    def with_quant(self, quant: str) -> TargetGeometry:
+        """The same model stored as `quant` (a conversion the setup would make)."""
+        from runtime.formats.registry import block_format
+
+        return replace(self, quant=block_format(quant).name, gguf_dense=None, gguf_expert=None, gguf_mtp=None)
+
+    def _blocked(self) -> bool:
+        from runtime.formats.registry import block_format
+
+        return block_format(self.quant).quantized
+
+    def matrix_bytes(self, rows: int, cols: int, wb: int) -> int:
+        """One [rows, cols] weight matrix: ggml blocks when the target is quantized, else floats."""
+        from runtime.formats.registry import row_bytes
+
+        return rows * row_bytes(cols, self.quant) if self._blocked() else rows * cols * wb
+
+    def layer_dense_bytes(self, sparse: bool, wb: int) -> int:
+        """`layer_dense_elems` in bytes: matrices per `matrix_bytes`, norms and router as floats."""
+        h, q, kv, hd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim
+        n = self.matrix_bytes(q, h, wb) + 2 * self.matrix_bytes(kv, h, wb) + self.matrix_bytes(h, q, wb)
+        n += (2 * h + 2 * hd) * wb + ((q + 2 * kv + h) * wb if self.attention_bias else 0)
+        if sparse:
+            return n + self.experts * h * wb
+        return n + 2 * self.matrix_bytes(self.intermediate, h, wb) + self.matrix_bytes(h, self.intermediate, wb)
+
+    def dense_bytes(self, wb: int) -> int:
+        """The dense part (`dense_elems`) in bytes."""
+        if self.gguf_dense is not None:
+            return self.gguf_dense[0] + self.gguf_dense[1] * wb
+        if not self._blocked():
+            return self.dense_elems() * wb
+        n = self.matrix_bytes(self.vocab, self.hidden, wb) * (1 if self.tie_embeddings else 2) + self.hidden * wb
+        return n + sum(self.layer_dense_bytes(i in self.sparse_layers, wb) for i in range(self.layers))
+
+    def expert_bytes(self, wb: int) -> int:
+        """One routed expert in bytes (the expert cache's unit)."""
+        if self.gguf_expert is not None:
+            return self.gguf_expert[0] + self.gguf_expert[1] * wb
+        if not self._blocked():
+            return self.expert_elems() * wb
+        h, mi = self.hidden, self.moe_intermediate
+        return 2 * self.matrix_bytes(mi, h, wb) + self.matrix_bytes(h, mi, wb)
+
+    def mtp_bytes(self, wb: int) -> int:
+        """The MTP head (`mtp_elems`) in bytes."""
+        if not self.has_mtp:
+            return 0
+        if self.gguf_mtp is not None:
+            return self.gguf_mtp[0] + self.gguf_mtp[1] * wb
+        if not self._blocked():
+            return self.mtp_elems() * wb
+        h = self.hidden
+        n = 3 * h * wb + self.matrix_bytes(h, 2 * h, wb) + self.layer_dense_bytes(self.mtp_sparse, wb)
+        return n + (self.experts * self.expert_bytes(wb) if self.mtp_sparse else 0)

@@ -45,12 +45,13 @@ def test_identical_inputs_give_the_same_key():
     k = key(config())
     assert k.to_dict() == {"device_name": "NVIDIA H200", "device_total_mib": 143771, "target_sha256": "a" * 64,
                            "drafter_kind": "dflash2", "drafter_sha256": "b" * 64, "quantization": "q4_0",
-                           "context": 4096, "runtime_version": __version__}
+                           "context": 4096, "runtime_version": __version__, "target_quantization": "bf16"}
     assert CalibrationKey.from_dict(k.to_dict()) == k
 
 
 @pytest.mark.parametrize("change", [
     {"drafter__quantization": "q8_0"},
+    {"target__quantization": "q8_0"},
     {"drafter__sha256": "c" * 64},
     {"memory__context": 8192},
     {"target__sha256": "d" * 64},

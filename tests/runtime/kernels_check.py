@@ -285,6 +285,40 @@ def check_fused_step_quant() -> None:
             assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
 
 
+def check_fused_step_gguf() -> None:
+    """A quantized GGUF target as runtime/loading_gguf.py builds it (q/k/v stacked as one block matrix, o_proj,
+    lm_head and token_embd as blocks, the experts as block stacks) through the fused step, against the plain
+    forward (the torch fallbacks), for Q8_0 and Q4_0."""
+    import tempfile
+
+    from runtime.formats.quant_linear import QuantEmbedding
+    from runtime.gpu.static_step import StaticStep
+    from runtime.kv import KVCache
+    from runtime.loading_gguf import load_target_gguf
+    from setup_wizard.convert_target import convert_target
+    from tests.setup_wizard.target_gguf_helpers import make_bpe_target
+
+    for q in ("q8_0", "q4_0"):
+        with tempfile.TemporaryDirectory() as d:
+            src = make_bpe_target(d, seed=2, mtp=False)
+            model = load_target_gguf(convert_target(src, q, Path(d) / "out" / "model.gguf").path)
+        assert isinstance(model.model.embed_tokens, QuantEmbedding)
+        c = model.cfg
+        kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40) for _ in range(2))
+        prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+        with torch.no_grad():
+            model(prompt, kv=kv_a)
+            model(prompt, kv=kv_b)
+            step = StaticStep(model, kv_b, width=4, graph=False)
+            assert step.fused and model.model.layers[0].self_attn.qkv_blocks is not None
+            for win in ([[12]], [[3, 4, 5]]):
+                wt = torch.tensor(win)
+                ref = model(wt, kv=kv_a, taps=(1,))
+                got = step(wt, kv_b, (1,))
+                err = (got.logits - ref.logits).abs().max()
+                assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (q, err)
+
+
 def check_attention(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     for q8 in (False, True):
@@ -652,6 +686,10 @@ if __name__ == "__main__":
             check_moe_prefill(dt)
         check_fused_step_quant()
         print("moe kernels ok")
+        sys.exit(0)
+    if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
+        check_fused_step_gguf()
+        print("gguf step ok")
         sys.exit(0)
     if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow
         check_lattice_walk()

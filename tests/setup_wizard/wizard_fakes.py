@@ -94,6 +94,20 @@ class FakeServices:
             tmp.rename(out)
         return Artifact(path=out, sha256=sha256_file(out), size=out.stat().st_size, reused=reused)
 
+    def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact:
+        """The real target converter into the fake store (the folder needs a byte-level BPE tokenizer)."""
+        from setup_wizard.convert_target import convert_target_to_store
+        from setup_wizard.store import Store
+
+        self.calls.append(("convert_target", (Path(folder).name, quant)))
+        self._check("convert_target")
+        res = convert_target_to_store(folder, quant, Store(self.store), source_sha=source.sha256)
+        files = {res.path.name: {"sha256": res.sha256, "size": res.size}}
+        if res.mtp_path is not None:
+            files[res.mtp_path.name] = {"sha256": res.mtp_sha256, "size": res.mtp_size}
+        return Artifact(path=res.path, sha256=res.sha256, size=res.total_size, files=files, reused=res.reused,
+                        source_sha256=res.source_sha256)
+
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
         self.calls.append(("calibrate", doc["target"]["path"]))
         self._check("calibrate")

@@ -35,6 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import ContractError
+from runtime.formats.gguf_meta import (  # noqa: F401  (re-exported: the drafter's keys)
+    KEY_CONVERTER_VERSION,
+    KEY_QUANTIZATION,
+    KEY_SOURCE_REPO,
+    KEY_SOURCE_REVISION,
+    KEY_SOURCE_SHA256,
+)
 from runtime.formats.registry import FORMATS, block_format, row_bytes
 
 __all__ = [
@@ -63,11 +70,7 @@ ALIGNMENT = 32
 KEY_ARCHITECTURE = "general.architecture"
 KEY_FILE_TYPE = "general.file_type"
 KEY_ALIGNMENT = "general.alignment"
-KEY_SOURCE_REPO = "strata.source.repo"
-KEY_SOURCE_REVISION = "strata.source.revision"
-KEY_SOURCE_SHA256 = "strata.source.sha256"
-KEY_QUANTIZATION = "strata.quantization"
-KEY_CONVERTER_VERSION = "strata.converter_version"
+# strata.* provenance keys: runtime/formats/gguf_meta.py (shared with the target's files)
 # Extra keys of ours, written only when a rope scaling is set (docs/formats.md leaves it open on rope scaling).
 KEY_ROPE_SCALING_TYPE = "dflash2.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "dflash2.rope.scaling.factor"

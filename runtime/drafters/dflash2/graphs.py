@@ -104,7 +104,7 @@ class DFlash2Graphs(GraphSet):
         anchor, pos = self.scal[0:1], self.scal[1:2]
         ar = self.ar[:width]
         ids = torch.where(ar == 0, anchor, self.mask_ids[:width])
-        x = F.embedding(ids, embed.weight).to(m.dtype)
+        x = embed(ids).to(m.dtype)     # the target's module: a table of floats or of ggml blocks
         if g.input_embedding_scale != 1.0:
             x = x * g.input_embedding_scale
         qpos = (pos + ar).to(torch.int32)                                    # the block's cache slots
@@ -206,7 +206,7 @@ class DFlash2Graphs(GraphSet):
         k_pos = torch.cat([ck, q_pos[0]])[None]
         k_valid = torch.cat([ck < pos, torch.ones(width, dtype=torch.bool, device=self.dev)])[None]
         ctx = [(cache.k[i, None], cache.v[i, None]) for i in range(len(m.layers))]
-        hs = m._run_layers(m.block_input(ids, embed.weight), q_pos, ctx, k_pos, k_valid)[0, 1:]
+        hs = m._run_layers(m.block_input(ids, embed), q_pos, ctx, k_pos, k_valid)[0, 1:]
         return self._select(hs, anchor, sp)
 
     def propose(self, anchor: int, pos: int, n: int, min_p: float, sampling: SamplingParams | None = None,

@@ -186,7 +186,7 @@ def load_dflash2_drafter(path: str | Path, target_model: nn.Module, *, device: t
     device defaults to the target's lm_head device; dtype to fp32 on CPU and BF16 on CUDA (compute and draft KV).
     `context` is the draft KV capacity in positions (the engine's context length).
     """
-    head_w = target_model.lm_head.weight
+    head_w = target_model.model.norm.weight     # where the target lives (its lm_head may hold ggml blocks)
     dev = torch.device(device) if device is not None else head_w.device
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     geom, layout, tensors = read_dflash2(path)
@@ -253,7 +253,7 @@ class DFlash2Drafter:
             if prop is not None:
                 return prop
         embed, lm_head = self._shared
-        hs = self.model.draft_hidden(int(anchor), pos, n + 1, self.cache, embed.weight)
+        hs = self.model.draft_hidden(int(anchor), pos, n + 1, self.cache, embed)
         logits = self.logits_buf[:n]
         logits.copy_(self.model.compute_logits(hs, lm_head))
         if self.model.candidate_selector is None:

@@ -1,0 +1,264 @@
+"""runtime/loading_gguf.py and Engine.build on a .gguf target: files of Strata's converter and of gguf-py's own
+writer in llama.cpp's layout load to the same model; BF16 equals the Hugging Face folder; block-format experts stay
+blocks; K-quant (Q4_K_M-style) files read as gguf-py dequantizes them; drafters stay lossless on a quantized target."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from runtime.engine import Engine
+from runtime.errors import LoadError
+from runtime.experts import ExpertCache
+from runtime.formats.quant_linear import QuantEmbedding, QuantLinear
+from runtime.kv import KVCache
+from runtime.loading import load_target
+from runtime.loading_gguf import load_target_gguf, load_tokenizer_gguf, read_target_config
+from runtime.models.layers import SparseMoe
+from runtime.speculative import generate_ids
+from setup_wizard.convert_target import convert_target
+from tests.runtime.tiny import single_thread  # noqa: F401
+from tests.setup_wizard.target_gguf_helpers import BUNDLED, corpus, llamacpp_style_gguf, make_bpe_target
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _greedy(model, ids: list[int], n: int, drafter=None, block: int = 1) -> list[int]:
+    kv = KVCache(model.cfg.num_hidden_layers, model.cfg.num_key_value_heads, model.cfg.head_dim, 512,
+                 dtype=torch.float32, device="cpu")
+    return generate_ids(model, kv, ids, drafter=drafter, max_new_tokens=n, block=block, stop_ids=set()).token_ids
+
+
+def _prompts(tok, n: int = 3, length: int = 48) -> list[list[int]]:
+    return [tok.encode(t).ids[:length] for t in corpus()[:n]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    src = make_bpe_target(root, style="qwen2", seed=1)
+    out = {q: convert_target(src, q, root / q / "model.gguf") for q in ("bf16", "q8_0", "q4_0")}
+    return src, out, root
+
+
+def test_bf16_file_equals_folder(files):
+    src, out, _ = files
+    hf = load_target(src, with_mtp=True)
+    gg = load_target_gguf(out["bf16"].path, with_mtp=True)
+    tok = load_tokenizer_gguf(out["bf16"].path)
+    ids = torch.tensor([_prompts(tok)[0]])
+    a, b = hf(ids), gg(ids)
+    assert torch.equal(a.logits, b.logits)            # the same fp32 weights, the same modules
+    assert torch.equal(hf.mtp_logits(ids, a.hidden), gg.mtp_logits(ids, b.hidden))
+    for p in _prompts(tok):
+        assert _greedy(hf, p, 16) == _greedy(gg, p, 16)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_gguf_py_file_gives_our_tokens(files, quant):
+    """A file written by gguf-py's own writer and quantizer in llama.cpp's layout (no strata.* keys, no MTP file)
+    loads and gives the same greedy tokens as Strata's conversion of the same checkpoint."""
+    src, out, root = files
+    ref = llamacpp_style_gguf(src, root / f"ref-{quant}.gguf", quant, pre="qwen2")
+    a = load_target_gguf(out[quant].path, with_mtp=False)
+    b = load_target_gguf(ref)
+    assert b.mtp is None and read_target_config(ref).mtp_layers == 0
+    tok = load_tokenizer_gguf(ref)
+    for p in _prompts(tok):
+        assert _greedy(a, p, 16) == _greedy(b, p, 16)
+
+
+def test_block_experts_are_never_floats(files):
+    _, out, _ = files
+    m = load_target_gguf(out["q4_0"].path, with_mtp=True)
+    assert isinstance(m.model.embed_tokens, QuantEmbedding) and isinstance(m.lm_head, QuantLinear)
+    assert isinstance(m.model.layers[0].self_attn.q_proj, QuantLinear)
+    for blk in [layer.mlp for layer in m.model.layers] + [m.mtp.layers[0].mlp]:
+        assert isinstance(blk, SparseMoe) and blk.fmt == "q4_0" and blk.gate_up.dtype == torch.uint8
+        assert blk.gate_up.shape == (4, 2 * 32, 64 // 32 * 18) and blk.down.shape == (4, 64, 32 // 32 * 18)
+        assert not list(blk.experts.parameters())              # no float expert weight anywhere
+    # router and norms are F32 in the file: floats here
+    assert m.model.layers[0].mlp.gate.weight.dtype == torch.float32
+
+
+def test_q8_0_agreement_measured(files):
+    """Next-token top-1 agreement of the Q8_0 and Q4_0 files with BF16 on held-out prompts (teacher-forced)."""
+    _, out, _ = files
+    ref = load_target_gguf(out["bf16"].path, with_mtp=False)
+    tok = load_tokenizer_gguf(out["bf16"].path)
+    ids = torch.tensor(_prompts(tok, 4, 96))
+    top = ref(ids).logits.argmax(-1)
+    agree = {}
+    for q in ("q8_0", "q4_0"):
+        m = load_target_gguf(out[q].path, with_mtp=False)
+        agree[q] = (m(ids).logits.argmax(-1) == top).float().mean().item()
+    print("top-1 agreement with BF16:", agree)
+    assert agree["q8_0"] >= 0.95
+    assert agree["q8_0"] >= agree["q4_0"] - 0.02
+
+
+def test_block_experts_in_the_expert_cache(files):
+    """Block experts count as blocks in the expert cache, and a partial cache of them is refused in one sentence
+    (runtime/experts.py keeps ggml-block experts resident)."""
+    from runtime.errors import UsageError
+
+    _, out, _ = files
+    m = load_target_gguf(out["q8_0"].path, with_mtp=False)
+    p = _prompts(load_tokenizer_gguf(out["q8_0"].path))[0]
+    want = _greedy(m, p, 12)
+    cache = ExpertCache(m, torch.device("cpu"))
+    cache.place(m)
+    assert _greedy(m, p, 12) == want
+    assert cache.expert_nbytes == 3 * 32 * (64 // 32 * 34)      # gate, up, down of one expert as Q8_0 rows
+    assert cache.resident_nbytes == cache.expert_nbytes * cache.total
+    with pytest.raises(UsageError, match="needs all 8 experts on the GPU"):
+        ExpertCache(m, torch.device("cpu"), slots=3, enforce_on_cpu=True)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_mtp_lossless_on_quantized_target(files, quant):
+    _, out, _ = files
+    eng = Engine.build(out[quant].path, drafter_kind="mtp", device="cpu", context=512, block=4)
+    for text in corpus()[:2]:
+        a = eng.generate(text[:300], max_new_tokens=20)
+        b = eng.generate(text[:300], max_new_tokens=20, draft=False)
+        assert a.token_ids == b.token_ids and a.stats["proposed"] > 0
+
+
+def test_bundled_pack_q8_0_with_both_drafters(tmp_path):
+    """The bundled pack as a Q8_0 GGUF: MTP and DFlash2 drafts leave the greedy output unchanged."""
+    res = convert_target(BUNDLED, "q8_0", tmp_path / "model.gguf")
+    head = BUNDLED.parent / "strata-nano-dflash2"
+    prompt = corpus()[0][:400]
+    base = Engine.build(res.path, device="cpu", context=1024).generate(prompt, max_new_tokens=24).token_ids
+    for kind, path in (("mtp", None), ("dflash2", head)):
+        eng = Engine.build(res.path, drafter_kind=kind, drafter_path=path, device="cpu", context=1024)
+        r = eng.generate(prompt, max_new_tokens=24)
+        assert r.token_ids == base, kind
+        assert r.stats["proposed"] > 0
+
+
+def test_engine_memory_report_counts_blocks(files):
+    _, out, _ = files
+    eng = Engine.build(out["q4_0"].path, device="cpu", context=64)
+    rep = eng.memory_report()
+    m = eng.model
+    blocks = sum(b.numel() for n, b in m.named_buffers() if n.endswith("blocks") and ".experts." not in n
+                 and not n.startswith("mtp."))
+    floats = sum(p.numel() * 4 for n, p in m.named_parameters() if not n.startswith("mtp."))
+    assert rep["target_dense_weights"] == blocks + floats
+    assert rep["expert_cache"] == sum(layer.mlp.gate_up.numel() + layer.mlp.down.numel() for layer in m.model.layers)
+    mtp = Engine.build(out["q4_0"].path, drafter_kind="mtp", device="cpu", context=64).memory_report()
+    from runtime.formats.target_gguf import read_geometry
+    from runtime.models.target_config import TargetGeometry
+
+    geo: TargetGeometry = read_geometry(out["q4_0"].path)
+    assert mtp["drafter_weights"] == geo.mtp_bytes(4) and rep["target_dense_weights"] == geo.dense_bytes(4)
+    assert rep["scratch"] == m.rotary.inv_freq.numel() * 4
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# K-quants: a file mixing Q4_K and Q6_K, as llama-quantize's Q4_K_M does
+
+def _kquant_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
+    bb = {"Q6_K": 210, "Q4_K": 144}[kind]
+    raw = rng.integers(0, 256, size=(rows * cols // 256, bb), dtype=np.uint8)
+    small = np.array([0x1400], np.uint16).view(np.uint8)          # f16 scale 2**-10
+    if kind == "Q6_K":
+        raw[:, 208:210] = small
+    else:
+        raw[:, 0:2] = small
+        raw[:, 2:4] = small
+    return raw.reshape(rows, cols // 256 * bb)
+
+
+def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path):
+    src = make_bpe_target(tmp_path, hidden=256, moe_inter=256, head_dim=128, heads=2, kv_heads=1, layers=2,
+                          inter=256, mtp=False, tok_vocab=300)
+    ref_path = llamacpp_style_gguf(src, tmp_path / "bf16.gguf", "bf16", pre="gpt-2")
+    r = gguf.GGUFReader(ref_path)
+    rng = np.random.default_rng(0)
+    out = tmp_path / "q4_k_m.gguf"
+    w = gguf.GGUFWriter(out, "qwen3moe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+    deq: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        shape = tuple(int(d) for d in reversed(list(t.shape)))
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(t.name, np.array(t.data))
+            continue
+        kind = "Q6_K" if ("down" in t.name or "attn_v" in t.name or t.name == "output.weight") else "Q4_K"
+        rows = int(np.prod(shape[:-1]))
+        raw = _kquant_blocks(rng, rows, shape[-1], kind).reshape(*shape[:-1], -1)
+        qt = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(t.name, raw, raw_dtype=qt)
+        deq[t.name] = gguf.quants.dequantize(raw, qt).reshape(shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    m = load_target_gguf(out)
+    blk = m.model.layers[0].mlp
+    assert blk.fmt == ("q4_k", "q6_k")
+    # the same model with gguf-py's dequantized floats in place of every block tensor
+    ref = load_target_gguf(ref_path)
+    with torch.no_grad():
+        ref.model.embed_tokens.weight.copy_(torch.from_numpy(deq["token_embd.weight"]))
+        ref.lm_head.weight.copy_(torch.from_numpy(deq["output.weight"]))
+        for i, layer in enumerate(ref.model.layers):
+            a = layer.self_attn
+            for proj, g in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+                getattr(a, proj).weight.copy_(torch.from_numpy(deq[f"blk.{i}.{g}.weight"]))
+            for e, ex in enumerate(layer.mlp.experts):
+                ex.gate_proj.weight.copy_(torch.from_numpy(deq[f"blk.{i}.ffn_gate_exps.weight"][e]))
+                ex.up_proj.weight.copy_(torch.from_numpy(deq[f"blk.{i}.ffn_up_exps.weight"][e]))
+                ex.down_proj.weight.copy_(torch.from_numpy(deq[f"blk.{i}.ffn_down_exps.weight"][e]))
+    ids = torch.tensor([list(range(3, 40))])
+    torch.testing.assert_close(m(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_files_one_sentence(tmp_path, files):
+    _, out, _ = files
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all")
+    with pytest.raises(LoadError, match="not a readable GGUF"):
+        load_target_gguf(junk)
+    drafter = tmp_path / "d" / "model.gguf"
+    from setup_wizard.convert import convert_dflash2
+
+    convert_dflash2(BUNDLED.parent / "strata-nano-dflash2", "bf16", drafter)
+    with pytest.raises(LoadError, match="holds a 'dflash2' model"):
+        load_target_gguf(drafter)
+    # the MTP file missing beside a target that names it
+    lonely = tmp_path / "lonely" / "model.gguf"
+    lonely.parent.mkdir()
+    lonely.write_bytes(out["q8_0"].path.read_bytes())
+    with pytest.raises(LoadError, match="MTP head mtp.gguf, which is missing"):
+        load_target_gguf(lonely, with_mtp=True)
+    assert load_target_gguf(lonely, with_mtp=False).mtp is None
+    # an MTP file from another conversion
+    (lonely.parent / "mtp.gguf").write_bytes(out["q4_0"].mtp_path.read_bytes())
+    with pytest.raises(LoadError, match="was not converted with"):
+        load_target_gguf(lonely, with_mtp=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_quantized_fused_step_in_interpreter():
+    """The GPU path of a quantized target (fused step: block q/k/v, o_proj, lm_head, embedding and experts) under the
+    Triton interpreter against the plain forward (tests/runtime/kernels_check.py gguf)."""
+    script = Path(__file__).with_name("kernels_check.py")
+    r = subprocess.run([sys.executable, str(script), "gguf"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "gguf step ok" in r.stdout, r.stderr[-3000:]
