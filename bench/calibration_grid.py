@@ -37,7 +37,7 @@ from calibrate.api import (  # noqa: E402
     result_from_search,
 )
 from calibrate.fixtures import NEW_TOKENS  # noqa: E402
-from calibrate.report import progress_bar, stderr_console, summary_lines, sweep_table  # noqa: E402
+from calibrate.report import has_sweep, progress_bar, stderr_console, summary_lines, sweep_table  # noqa: E402
 from calibrate.results import CalibrationResult  # noqa: E402
 from calibrate.search import Arm, ArmStats, Plan, exhaustive, geomean_of  # noqa: E402
 
@@ -70,6 +70,19 @@ def grid_rows(arms: dict[Arm, ArmStats], tasks: list[str]) -> list[dict[str, Any
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(float(x), 3)
+
+
+BAR = 0.97     # "within 3% of the best grid arm"
+
+
+def within_bar(ratio: float | None, bar: float = BAR) -> bool:
+    """The verdict on the exact ratio (0.9695 is not within 3%), never on a rounded one."""
+    return ratio is not None and float(ratio) >= bar
+
+
+def fmt_ratio(ratio: float | None) -> str:
+    """The ratio with enough digits that the printed figure and the verdict cannot disagree at the bar."""
+    return "-" if ratio is None else f"{ratio:.4f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     calib_wall = time.perf_counter() - t
     refs = facts["references"]
     res: CalibrationResult = result_from_search(None, sr, facts)
-    console.print(sweep_table(res.record, sr.tasks))
+    if has_sweep(res.record):
+        console.print(sweep_table(res.record, sr.tasks))
     for line in summary_lines(res):
         console.print(line)
 
@@ -119,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(geo, key=lambda a: (geo[a] or 0.0, -a.block))
     chosen = sr.chosen
     ratio = (geo[chosen] / geo[best]) if geo.get(chosen) and geo.get(best) else None
-    # judged on the ratio as reported (3 decimals), so the printed number and the verdict never disagree
-    within = ratio is not None and _r(ratio) >= 0.97
+    within = within_bar(ratio)
     grid_map = {f"{a.block}/{a.spec_min_p:g}": g for a, g in geo.items()}
     console.print(sweep_table({"arms": rows, "settings": chosen.to_dict(), "default": es.default.to_dict()},
                               sr.tasks, title=f"exhaustive grid ({args.grid_repeats} repeats, decode tok/s)"))
@@ -129,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         "chosen": chosen.to_dict(), "chosen_grid_geomean_tok_s": _r(geo.get(chosen)),
         "best": best.to_dict(), "best_grid_geomean_tok_s": _r(geo[best]),
         "default": es.default.to_dict(), "default_grid_geomean_tok_s": _r(geo.get(es.default)),
-        "chosen_over_best": _r(ratio), "within_3pct": within,
+        "chosen_over_best": None if ratio is None else round(ratio, 6), "within_3pct": within,
         "calibration_seconds": round(calib_wall, 2), "calibration_budget_s": args.max_seconds,
         "calibration_timed_runs": sr.timed_runs(), "grid_timed_runs": sum(1 for s in samples if s.timed),
         "grid_seconds": round(grid_s, 2), "target_only_geomean_tok_s": _r(target_geo),
     }
     console.print(
         f"calibrated choice {chosen.label}: {verdict['chosen_grid_geomean_tok_s']} tok/s in the grid vs best "
-        f"{best.label} {verdict['best_grid_geomean_tok_s']} tok/s -> {ratio or 0:.3f} of the best "
+        f"{best.label} {verdict['best_grid_geomean_tok_s']} tok/s -> {fmt_ratio(ratio)} of the best "
         f"({'within' if within else 'NOT within'} 3%); default {es.default.label} "
         f"{verdict['default_grid_geomean_tok_s']} tok/s; calibration took {calib_wall:.1f} s "
         f"(budget {args.max_seconds:g} s, {sr.timed_runs()} timed runs), grid {grid_s:.1f} s "

@@ -13,7 +13,8 @@ import datetime as dt
 import inspect
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,13 +56,16 @@ class EngineRunner:
         self.prompts = prompts
         self.new_tokens = new_tokens
         self.sampling = _greedy()
+        self.should_stop: Callable[[], bool] | None = None     # the search's deadline, asked between windows
         # an engine whose fixed-width step can follow the block: each arm runs at its own width (what it will cost
-        # once chosen), the target alone at width 1; on a GPU the widths' greedy bits may differ (BF16)
+        # once chosen), the target alone at width 1; the widths' greedy bits may differ
         try:
             self.widths = "width" in inspect.signature(engine.generate).parameters
         except (TypeError, ValueError):
             self.widths = False
-        self.width_sensitive = self.widths and getattr(getattr(engine, "device", None), "type", None) == "cuda"
+        # the CPU's fixed-width step is row-invariant within a width, not across widths (a 1-row and a k-row
+        # product round apart), so there too an arm is checked against the target alone at its own width
+        self.width_sensitive = self.widths
 
     def __call__(self, arm: Arm | None, task: str) -> RunOutcome:
         # no stop tokens: every run generates exactly `new_tokens`, so runs and arms are comparable
@@ -74,6 +78,8 @@ class EngineRunner:
             kw.update(draft=True, block=arm.block, spec_min_p=arm.spec_min_p)
         if self.widths:
             kw["width"] = 1 if arm is None else arm.block
+        if self.should_stop is not None:
+            kw["cancel"] = self.should_stop
         return self._outcome(self.engine.generate(list(self.prompts[task].ids), **kw))
 
     def target_at(self, width: int, task: str) -> RunOutcome:
@@ -81,6 +87,8 @@ class EngineRunner:
         kw: dict[str, Any] = {"max_new_tokens": self.new_tokens, "stop_ids": set(), "draft": False, "width": width}
         if self.sampling is not None:
             kw["sampling"] = self.sampling
+        if self.should_stop is not None:
+            kw["cancel"] = self.should_stop
         return self._outcome(self.engine.generate(list(self.prompts[task].ids), **kw))
 
     @staticmethod
@@ -91,7 +99,7 @@ class EngineRunner:
         tok_s = float(st.get("decode_tok_s") or (n / decode_s if decode_s > 0 else 0.0))
         return RunOutcome(token_ids=list(res.token_ids), tok_s=tok_s, decode_s=decode_s,
                           accepted=int(st.get("accepted", 0) or 0), proposed=int(st.get("proposed", 0) or 0),
-                          windows=int(st.get("windows", 0) or 0))
+                          windows=int(st.get("windows", 0) or 0), cancelled=st.get("stop_reason") == "cancelled")
 
 
 def _greedy() -> Any:
@@ -218,8 +226,13 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
                          max_seconds: float | None = DEFAULT_MAX_SECONDS, on_progress: ProgressFn | None = None,
                          store_dir: str | Path | None = None, device: tuple[str, int] | None = None,
                          prompts: dict[str, str] | None = None, new_tokens: int = NEW_TOKENS,
-                         plan: Plan | None = None, clock: Callable[[], float] = time.perf_counter) -> CalibrationResult:
+                         plan: Plan | None = None, clock: Callable[[], float] = time.perf_counter,
+                         threads: int | None = None) -> CalibrationResult:
     """Calibrate (block, spec_min_p) for a strata-setup config on this machine, or reuse the stored result.
+
+    `max_seconds` bounds the whole calibration, loading the engine included (the search gets what is left and
+    stops mid-run at its deadline). On a CPU it runs with `threads` torch threads, or with the count measured
+    here (`Engine.choose_threads`); the choice is in the record.
 
     Progress goes to `on_progress("calibrating: ...", runs done, runs planned)`; nothing is printed (the caller
     shows `report.sweep_table(result.record)` and `report.summary_lines(result)`). Raises `CalibrationConfigError`
@@ -247,6 +260,42 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
 
         engine = Engine.from_config(source)
     build_s = time.perf_counter() - t0
+    with _cpu_threads(engine, threads) as thread_facts:
+        res = _calibrate_built(engine, cfg, kind, key, store, t0, build_s, max_seconds=max_seconds,
+                               on_progress=on_progress, store_dir=store_dir, force=force, prompts=prompts,
+                               new_tokens=new_tokens, plan=plan, clock=clock, offload=offload, nothing=nothing,
+                               thread_facts=thread_facts)
+    return res
+
+
+@contextmanager
+def _cpu_threads(engine: Any, threads: int | None) -> Iterator[dict[str, Any] | None]:
+    """On a CPU engine: torch runs with `threads` (given) or the measured choice while calibrating; restored
+    after. Yields what was chosen, for the record (None off the CPU)."""
+    if getattr(getattr(engine, "device", None), "type", None) != "cpu":
+        yield None
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        facts: dict[str, Any] = {"threads": int(threads), "reason": "given (--threads)"}
+    elif hasattr(engine, "choose_threads"):
+        facts = engine.choose_threads().to_dict()
+    else:
+        facts = {"threads": before, "reason": "torch's default"}
+    torch.set_num_threads(int(facts["threads"]))
+    try:
+        yield facts
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate_built(engine: Any, cfg: dict[str, Any], kind: str, key: Any, store: ResultStore, t0: float,
+                     build_s: float, *, max_seconds: float | None, on_progress: ProgressFn | None,
+                     store_dir: str | Path | None, force: bool, prompts: dict[str, str] | None, new_tokens: int,
+                     plan: Plan | None, clock: Callable[[], float], offload: bool, nothing: CalibrationResult,
+                     thread_facts: dict[str, Any] | None) -> CalibrationResult:
     prof = None
     if offload:           # the slots go to the experts this model uses on these prompts, before anything is timed
         if on_progress is not None:
@@ -264,10 +313,16 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
         if on_progress is not None:
             on_progress(f"calibrating: {message}", done, max(planned, done, 1))
 
-    sr, facts = calibrate_engine(engine, config=cfg, prompts=prompts, new_tokens=new_tokens, max_seconds=max_seconds,
+    # the budget covers the whole calibration: the search gets what loading the engine (and profiling) left
+    left = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - t0))
+    sr, facts = calibrate_engine(engine, config=cfg, prompts=prompts, new_tokens=new_tokens, max_seconds=left,
                                  plan=plan, clock=clock, progress=bar, context=key.context)
     facts["engine_build_s"] = round(build_s, 3)
     facts["total_s"] = round(time.perf_counter() - t0, 3)
+    facts["budget_s"] = max_seconds
+    facts["search_budget_s"] = None if left is None else round(left, 3)
+    if thread_facts is not None:
+        facts["threads"] = thread_facts
     if prof is not None:
         facts["routing_profile"] = {"path": str(prof.path), "reused": prof.reused, "key": prof.key,
                                     "expected_hit_rate": engine.experts.expected_hit_rate()}

@@ -39,6 +39,12 @@ def _fmt(x: float | None, nd: int = 2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def has_sweep(record: dict[str, Any]) -> bool:
+    """Whether the record holds an arm measured on every prompt: only then is a sweep table worth printing (a
+    search the budget cut short may hold none; its summary says what it measured instead)."""
+    return any(r.get("geomean_tok_s") is not None for r in record.get("arms") or [])
+
+
 def sweep_table(record: dict[str, Any], tasks: Sequence[str], *, title: str = "calibration sweep (decode tok/s)",
                 grid: dict[str, Any] | None = None) -> Table:
     """One row per measured arm: per-task medians, geomean, acceptance, repeats; the default and choice marked."""
@@ -88,7 +94,16 @@ def summary_lines(result: Any) -> list[str]:
         lines.append(f"reused the stored calibration from {result.record.get('date', '?')} ({result.path}); "
                      f"pass --force to measure again")
     elif sec is not None:
-        build = result.record.get("engine_build_s")
-        extra = f", plus {build:.1f} s to load the engine" if build else ""
-        lines.append(f"calibration took {sec:.1f} s (budget {result.record.get('budget_s')} s{extra})")
+        rec = result.record
+        total, budget, build = rec.get("total_s"), rec.get("budget_s"), rec.get("engine_build_s")
+        parts = [f"{build:.1f} s loading the engine"] if build else []
+        threads = (rec.get("threads") or {}).get("threads")
+        if threads:
+            parts.append(f"{threads} CPU thread{'s' if threads != 1 else ''}")
+        took = total if total is not None else sec
+        of = f" of its {budget:g} s budget" if budget is not None else ""
+        lines.append(f"calibration took {took:.1f} s{of}" + (f" ({', '.join(parts)})" if parts else ""))
+        if result.decision == "budget" or rec.get("budget_hit"):
+            lines.append("the budget cut calibration short; give it more time with --calibrate-seconds S "
+                         "(or `strata-setup calibrate --config PATH --max-seconds S`)")
     return lines

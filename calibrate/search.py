@@ -73,14 +73,16 @@ class RunOutcome:
     accepted: int = 0
     proposed: int = 0
     windows: int = 0
+    cancelled: bool = False   # stopped early by the runner's `should_stop` (the budget ran out mid-run)
 
 
 class Runner(Protocol):
     """One greedy generation of `task`'s prompt: `arm=None` means the target alone (no drafter), at width 1.
 
     Optional: `width_sensitive` (True where the target's fixed-width step follows the block, so a block's windows
-    cost what that width costs and greedy bits can differ between widths) and `target_at(width, task)`, the target
-    alone through the step of that width."""
+    cost what that width costs and greedy bits can differ between widths), `target_at(width, task)`, the target
+    alone through the step of that width, and `should_stop`: the search sets its deadline there (asked between
+    windows), so a run that takes far longer than its estimate cannot carry the search past its budget."""
 
     def __call__(self, arm: Arm | None, task: str) -> RunOutcome: ...
 
@@ -351,6 +353,9 @@ class Search:
         t = self.clock()
         out = self.runner(arm, task)
         wall = self.clock() - t
+        if out.cancelled:                 # past the deadline mid-run: nothing measured, nothing recorded
+            self.budget_hit = True
+            raise TimeBudgetSpent(phase)
         if arm is not None:
             self._check(arm, task, out.token_ids)
         return self._note(arm, task, phase, out, wall, timed=timed)
@@ -363,6 +368,9 @@ class Search:
                 raise TimeBudgetSpent("reference")
             t = self.clock()
             out = self.runner.target_at(width, task)  # type: ignore[attr-defined]
+            if out.cancelled:
+                self.budget_hit = True
+                raise TimeBudgetSpent("reference")
             self._note(None, task, f"reference-w{width}", out, self.clock() - t, timed=False)
             self.width_refs[(task, width)] = list(out.token_ids)
             if task == self.tasks[0] and out.tok_s > 0 and self.target_tok_s.get(task):
@@ -428,22 +436,48 @@ class Search:
 
     def run(self) -> SearchResult:
         self._t0 = self.clock()
+        hook = hasattr(self.runner, "should_stop")
+        if hook:       # a hard deadline inside each run: the overshoot is at most one window, whatever the estimates
+            self.runner.should_stop = (None if self.max_seconds is None else   # type: ignore[attr-defined]
+                                       (lambda: self.elapsed() > self.max_seconds))
+        try:
+            return self._run_stages()
+        finally:
+            if hook:
+                self.runner.should_stop = None   # type: ignore[attr-defined]
+
+    def measured(self) -> str:
+        """What was measured so far, in words (for a search the budget cut short)."""
+        done = [t for t in self.tasks if t in self.target_tok_s]
+        parts = []
+        if done:
+            geo = geomean_of(self.target_tok_s[t] for t in done)
+            parts.append(f"the target alone on {len(done)} of {len(self.tasks)} prompts ({geo:.1f} tok/s geomean)")
+        spec = [x for x in self.samples if x.arm is not None and x.timed]
+        if spec:
+            arms = {x.arm for x in spec}
+            full = sum(1 for a in arms if self.arms.get(a) and self.arms[a].geomean(self.tasks) is not None)
+            parts.append(f"{len(spec)} speculative run{'s' * (len(spec) != 1)} of {len(arms)} "
+                         f"arm{'s' * (len(arms) != 1)} ({full} measured on every prompt)")
+        return "measured " + " and ".join(parts) if parts else "nothing was measured"
+
+    def _run_stages(self) -> SearchResult:
         p = self.plan
         decision, reason, winner = "budget", "", None
         chosen = self.default
         try:
             self._reference_pass()
         except TimeBudgetSpent:
-            reason = (f"the {self.max_seconds:g} s budget ran out while measuring the target alone; "
-                      f"kept the default {self.default.label}")
+            reason = (f"the {self.max_seconds:.3g} s budget ran out while measuring the target alone "
+                      f"({self.measured()}); kept the default {self.default.label}")
             return self._result(chosen, None, decision, reason)
         try:
             winner = self._sweep()
         except TimeBudgetSpent:
             winner = self._best()
         if winner is None:
-            reason = (f"the {self.max_seconds:g} s budget ran out before any arm was fully measured; "
-                      f"kept the default {self.default.label}")
+            reason = (f"the {self.max_seconds:.3g} s budget ran out before any arm was measured on every prompt "
+                      f"({self.measured()}); kept the default {self.default.label}")
             return self._result(chosen, None, "budget", reason)
         if winner == self.default:
             d = self.arms[self.default].geomean(self.tasks)
@@ -486,6 +520,9 @@ class Search:
                     raise TimeBudgetSpent("reference")
                 t = self.clock()
                 out = self.runner(None, task)
+                if out.cancelled:
+                    self.budget_hit = True
+                    raise TimeBudgetSpent("reference")
                 self._note(None, task, "reference", out, self.clock() - t, timed=timed)
                 outs.append(list(out.token_ids))
             if outs[0] != outs[1]:

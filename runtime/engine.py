@@ -16,7 +16,7 @@ from runtime.artifact_check import check_config_artifacts
 from runtime.config import StrataConfig, load, parse
 from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
-from runtime.errors import ConfigError, LoadError
+from runtime.errors import ConfigError, LoadError, UsageError
 from runtime.experts import ExpertCache
 from runtime.kv import KV_QUANTS, KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
@@ -106,7 +106,7 @@ class Engine:
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.steps: dict[int, Any] = {}   # runtime.gpu.static_step.StaticStep by width, on CUDA (built when used)
+        self.steps: dict[int, Any] = {}   # runtime.gpu.static_step.StaticStep by width (built when used)
         self.step = None                  # the step the last generate used
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
@@ -175,10 +175,12 @@ class Engine:
             block = 1
         elif block is None:
             block = kind.default_block(getattr(drafter, "geom", None))   # DFlash2: the head's own block_size
+        if spec_min_p is None:       # no configured floor: the kind's uncalibrated default (an explicit 0 wins)
+            spec_min_p = kind.default_spec_min_p if drafter is not None else 0.0
         # the static step's width (runtime/gpu/static_step.py): the pool keeps enough dynamic slots for its misses
         experts.ensure_window(drafter.max_block if drafter is not None else 1)
         return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
-                   experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p or 0.0),
+                   experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
                    prefill_chunk=prefill_chunk, graphs=graphs)
 
@@ -224,11 +226,13 @@ class Engine:
         """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
         `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled".
 
-        `width` (CUDA): the fixed step's rows for this run; default the engine's `step_width`, widened to `block`
+        `width`: the fixed step's rows for this run; default the engine's `step_width`, widened to `block`
         when a run asks for wider windows. Greedy output is bit-identical between runs of the same width."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
+        if len(ids) + 1 > self.kv.capacity:
+            self.check_room(ids, 0)          # the one message, with advice that fits this context
         use = self.drafter if (draft and self.drafter is not None) else None
         blk = int(block if block is not None else self.block) if use is not None else 1
         if use is not None:
@@ -277,6 +281,42 @@ class Engine:
         for st in self.steps.values():
             st.graphs.clear()
 
+    def room(self, n_prompt: int) -> int:
+        """How many tokens a prompt of `n_prompt` tokens leaves room for: the first comes from the prompt's last
+        row, each later one needs the position of the token before it (0 when the prompt does not fit)."""
+        return self.kv.capacity - int(n_prompt) + 1 if n_prompt + 1 <= self.kv.capacity else 0
+
+    def context_advice(self) -> str:
+        """What a user can do about the context: raise it (up to the model's maximum); nothing when it is already
+        the maximum."""
+        limit = self.model.cfg.max_position_embeddings
+        if self.kv.capacity < limit:
+            return f", or raise [memory] context in the config (this model allows up to {limit} tokens)"
+        return f" ({self.kv.capacity} tokens is already this model's maximum context)"
+
+    def check_room(self, prompt: str | list[int], max_new_tokens: int, *, flag: str = "max_new_tokens") -> None:
+        """Refuse up front (UsageError, exit 2) a prompt that does not fit the context, or more new tokens than the
+        context leaves room for, instead of stopping short without a word."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        n, cap = len(ids), self.kv.capacity
+        if n + 1 > cap:
+            raise UsageError(f"the prompt has {n} tokens and does not fit the context of {cap} tokens; shorten "
+                             f"it{self.context_advice()}.")
+        room = self.room(n)
+        if max_new_tokens > room:
+            raise UsageError(f"{flag} {max_new_tokens} does not fit: after the {n}-token prompt the context of {cap} "
+                             f"tokens leaves room for {room} new tokens; pass {flag} {room} or "
+                             f"less{self.context_advice()}.")
+
+    def choose_threads(self):
+        """The torch thread count for this engine on a CPU: runtime/hostinfo.py's measured choice, its probe shaped
+        like this model's decode work (the hidden size; the routed experts' or dense MLP's width)."""
+        from runtime.hostinfo import choose_threads
+
+        c = self.model.cfg
+        routed = int(getattr(c, "moe_intermediate_size", 0) or 0) * int(getattr(c, "num_experts_per_tok", 1) or 1)
+        return choose_threads(hidden=c.hidden_size, inner=max(routed, c.hidden_size))
+
     def encode(self, text: str) -> list[int]:
         """The token ids `generate` uses for a text prompt (callers that must count them first use this too)."""
         return self.tokenizer.encode(text).ids
@@ -287,19 +327,18 @@ class Engine:
         return self.kv.capacity
 
     def static_step(self, width: int | None = None):
-        """On CUDA: the fixed-width (CUDA-graph) decode/verify step of `width` rows (default `step_width`: the
-        configured block, 1 without a drafter). Target-only decoding of this engine runs at the same width as its
-        drafted windows, so greedy output is the same with and without drafting in BF16, and a narrow block or an
-        engine without a drafter does not pay for rows it never fills (docs/models.md, "Numerics"). None on CPU
-        (the plain forward; fp32 there)."""
-        if self.device.type != "cuda":
-            return None
+        """The fixed-width decode/verify step of `width` rows (default `step_width`: the configured block, 1 without
+        a drafter): a CUDA graph on CUDA, eager row-invariant torch on the CPU (runtime/gpu/static_step.py).
+        Target-only decoding of this engine runs at the same width as its drafted windows, so greedy output is the
+        same bits with and without drafting, and a narrow block or an engine without a drafter does not pay for
+        rows it never fills (docs/models.md, "Numerics")."""
+        cuda = self.device.type == "cuda"
         w = int(width if width is not None else self.step_width)
         if w not in self.steps:
             from runtime.gpu.static_step import StaticStep
 
-            self.steps[w] = StaticStep(self.model, self.kv, w, graph=self.graphs)
-            if self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
+            self.steps[w] = StaticStep(self.model, self.kv, w, graph=self.graphs and cuda)
+            if cuda and self.graphs and self.drafter is not None and getattr(self.drafter, "graphs", False) is None:
                 self.drafter.graphs = self.drafter.make_graphs()
         self.step = self.steps[w]
         return self.step

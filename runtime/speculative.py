@@ -121,6 +121,11 @@ def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | N
     return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], tgt[a:a + 1]
 
 
+def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """m draws of U[0, 1) for the acceptance test (0 included: float32 rand can return exactly 0)."""
+    return torch.rand(m, generator=gen, device=device)
+
+
 def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | None, sp: SamplingParams,
                            gen: torch.Generator, keep: Tensor | None = None
                            ) -> tuple[int, int, list[int], list[int], Tensor]:
@@ -136,8 +141,10 @@ def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | Non
         idx = torch.arange(m, device=dev)
         d = draft.clamp(0, p.shape[-1] - 1)             # an id outside the vocabulary is refused after the read
         px, qx = p[idx, d], q[idx, d]
-        u = torch.rand(m, generator=gen, device=dev)
-        ok = u * qx <= px                                                 # u < p/q, without dividing
+        u = _uniforms(m, gen, dev)
+        # u < p/q without dividing; strict, so a token the target cannot emit (p = 0) is never accepted, not
+        # even when u draws exactly 0 (once in 2^24 draws in float32)
+        ok = u * qx < px
         if keep is not None:
             ok = ok & (idx < keep)
         acc = torch.cumprod(ok.to(torch.int32), 0).sum()
@@ -202,7 +209,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     n_prompt = len(prompt_ids)
     if n_prompt + 1 > kv.capacity:
         raise UsageError(f"the prompt has {n_prompt} tokens and does not fit the context of {kv.capacity}; "
-                         f"shorten it or raise the context.")
+                         f"shorten it.")      # the engine adds whether the context can grow (Engine.check_room)
     dev = kv.k.device
     if drafter is not None and block > 1:
         block = min(block, drafter.max_block)

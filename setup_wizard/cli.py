@@ -23,13 +23,12 @@ app = typer.Typer(
     name="strata-setup",
     help="Set up a mixture-of-experts model with a speculative drafter, and manage local models.",
     no_args_is_help=False,
-    add_completion=False,
 )
 
 FLAGS_HINT = (
     "strata-setup needs a terminal to ask questions; pass --yes to take the recommended answers "
     "(with any of --target, --target-quant, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
-    "--calibrate/--no-calibrate, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
+    "--calibrate/--no-calibrate, --threads, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
 )
 
 
@@ -47,10 +46,10 @@ def get_hardware():
     return detect(strata_home())
 
 
-def get_services(on_progress=None):
+def get_services(on_progress=None, threads=None):
     from setup_wizard.services import RealServices
 
-    return RealServices(on_progress)
+    return RealServices(on_progress, threads)
 
 
 class _Relay:
@@ -64,9 +63,9 @@ class _Relay:
 
 
 def _print_calibration(result, console: Console) -> None:
-    from calibrate.report import summary_lines, sweep_table
+    from calibrate.report import has_sweep, summary_lines, sweep_table
 
-    if result.record.get("arms") and not result.reused:
+    if has_sweep(result.record) and not result.reused:     # never an empty table: the summary says what was done
         console.print(sweep_table(result.record, list(result.record.get("prompts") or [])))
     for line in summary_lines(result):
         console.print(line)
@@ -108,6 +107,8 @@ def main_callback(
     calibrate_seconds: float | None = typer.Option(
         None, "--calibrate-seconds", min=1.0, help="Time budget for calibration in seconds (default 110)."),
     offline: bool = typer.Option(False, "--offline", help="Use only what is already downloaded and verified."),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads for calibration on a CPU (default: "
+                                       "measured here, from the CPUs this process may use and how busy they are)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and budget; write nothing."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (progress goes to stderr)."),
     config_out: Path | None = typer.Option(None, "--config-out", help="Where to write the config."),
@@ -124,13 +125,15 @@ def main_callback(
                       vram_limit_mib=vram_limit_mib, calibrate=calibrate, offline=offline,
                       config_out=config_out)
     try:
+        if threads is not None and threads < 1:
+            _fail(f"--threads must be >= 1, got {threads}.", 2, False)
         choices = merge_choices(load_answers(answers), flags) if answers else flags
         choices.validate()
         scripted = yes or answers is not None
         if not scripted and not is_interactive():
             _fail(FLAGS_HINT, 2, False)
         run_setup(choices, interactive=not scripted, dry_run=dry_run, json_out=json_out,
-                  calibrate_seconds=calibrate_seconds)
+                  calibrate_seconds=calibrate_seconds, threads=threads)
     except typer.Exit:
         raise
     except KeyboardInterrupt:
@@ -144,7 +147,7 @@ def main_callback(
 
 
 def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, input: Any = None,
-              output: Any = None, calibrate_seconds: float | None = None) -> int:
+              output: Any = None, calibrate_seconds: float | None = None, threads: int | None = None) -> int:
     """Questions (when interactive) → plan → summary → confirmation → steps → the strata-run and strata-serve
     commands."""
     from runtime.errors import WorkError
@@ -162,7 +165,7 @@ def run_setup(choices, *, interactive: bool, dry_run: bool, json_out: bool, inpu
 
         hw = replace(hw, links=measure_links())
     relay = _Relay()
-    services = get_services(relay)
+    services = get_services(relay, threads)
     if interactive:
         choices = W.ask(choices, hw, services, input=input, output=output)
     plan = resolve(choices, hw, services)
@@ -263,6 +266,8 @@ def calibrate_cmd(
     config: Path = typer.Option(..., "--config", help="A config written by strata-setup."),
     force: bool = typer.Option(False, "--force", help="Measure again even when a result with this key exists."),
     max_seconds: float | None = typer.Option(None, "--max-seconds", help="Time budget for the sweep."),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads for calibration on a CPU (default: "
+                                       "measured here, from the CPUs this process may use and how busy they are)."),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -274,6 +279,8 @@ def calibrate_cmd(
         doc = load_config(config)
         if max_seconds is not None and max_seconds <= 0:
             _fail(f"--max-seconds must be positive, not {max_seconds}.", 2, False)
+        if threads is not None and threads < 1:
+            _fail(f"--threads must be >= 1, got {threads}.", 2, False)
         from calibrate.routing import offloads
 
         if doc["drafter"]["kind"] == "none" and not offloads(doc):
@@ -285,7 +292,7 @@ def calibrate_cmd(
         from setup_wizard.progress_view import progress_bars
 
         with progress_bars(Console(stderr=True)) as bars:
-            result = get_services(bars).calibrate(doc, force=force, max_seconds=max_seconds)
+            result = get_services(bars, threads).calibrate(doc, force=force, max_seconds=max_seconds)
         _print_calibration(result, Console(stderr=True))
         apply_calibration(doc, result)
         write_config(config, doc)

@@ -8,6 +8,7 @@ keys a user added (anything outside the keys below).
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import shutil
 import tempfile
@@ -58,9 +59,22 @@ def merge_user_keys(old: Mapping[str, Any], new: Mapping[str, Any], _table: str 
     return out
 
 
+def backup_path(path: Path) -> Path:
+    """Where the one backup of the config at `path` lives: `$STRATA_HOME/backups/` (docs/store.md), never beside
+    the config. Configs in `$STRATA_HOME/configs` keep their name; others get a short hash of their full path."""
+    from runtime.paths import configs_dir, strata_home
+
+    path = Path(path).expanduser().resolve()
+    name = path.name
+    if path.parent != configs_dir().expanduser().resolve():
+        name = f"{path.stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}{path.suffix}"
+    return strata_home() / "backups" / name
+
+
 def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = True) -> Path:
-    """Atomic write: temp file in the same folder, fsync, re-parse to verify, keep the old file as `.bak`, rename.
-    An interruption at any point leaves either the old config or the new one, never half of one."""
+    """Atomic write: temp file in the same folder, fsync, re-parse to verify, rename. An interruption at any
+    point leaves either the old config or the new one, never half of one. The replaced file is kept as the one
+    backup of this config in the store (`backup_path`), nothing is left beside it."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,9 +105,10 @@ def write_config(path: Path, doc: Mapping[str, Any], *, keep_user_keys: bool = T
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists():
-            bak = path.with_name(path.name + ".bak")
-            fd2, tmp_bak = tempfile.mkstemp(prefix=f".{bak.name}.", suffix=".tmp", dir=path.parent)
+        if path.exists() and path.read_bytes() != text.encode("utf-8"):
+            bak = backup_path(path)
+            bak.parent.mkdir(parents=True, exist_ok=True)
+            fd2, tmp_bak = tempfile.mkstemp(prefix=f".{bak.name}.", suffix=".tmp", dir=bak.parent)
             os.close(fd2)
             shutil.copyfile(path, tmp_bak)
             os.replace(tmp_bak, bak)

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from runtime.errors import exit_code, message
 from runtime.formats.registry import QTYPES
@@ -255,15 +258,85 @@ def list_cmd(json_out: bool = JSON, debug: bool = DEBUG) -> None:
     rows = _run(list_models, debug)
     if json_out:
         return _print_json({"models": rows})
-    t = Table(title="Models")
-    for c in ("name", "kind", "quant", "size", "revision", "state", "used by"):
-        t.add_column(c, overflow="fold")        # narrow terminals wrap; names (what users type) are never cut
-    for r in rows:
-        rev = (r["revision"] or "")[:12] if r["pinned"] else "unpinned"
-        name = r["name"] + (" (default)" if r["default"] else "")
-        t.add_row(name, r["kind"], r["quant"], _fmt_size(r["size"]) if r["size"] else "-", rev, r["state"],
-                  ", ".join(Path(c).name for c in r["used_by"]) or "-")
-    Console().print(t)
+    console = Console()
+    for part in list_renderables(rows, console.width):
+        console.print(part, soft_wrap=not isinstance(part, Table), highlight=False)
+
+
+def _list_cells(r: Mapping[str, Any]) -> list[str]:
+    rev = (r["revision"] or "")[:12] if r["pinned"] else "unpinned"
+    return [r["kind"], r["quant"], _fmt_size(r["size"]) if r["size"] else "-", rev, r["state"],
+            ", ".join(Path(c).name for c in r["used_by"]) or "-"]
+
+
+LIST_COLUMNS = ("kind", "quant", "size", "revision", "state", "used by")
+
+
+def list_renderables(rows: list[Mapping[str, Any]], width: int) -> list[Any]:
+    """The `models list` table when it fits `width` with every name whole; else one block per model (its name on
+    a line of its own, the rest below), so a name (what users type) is never broken mid-word."""
+    names = [r["name"] + (" (default)" if r["default"] else "") for r in rows]
+    t = Table(title="Models", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("name", no_wrap=True, min_width=max((len(n) for n in names), default=4))
+    for c in LIST_COLUMNS:
+        t.add_column(c, no_wrap=c not in ("state", "used by"), overflow="fold" if c == "used by" else "ellipsis")
+    cells = [_list_cells(r) for r in rows]
+    for name, row in zip(names, cells, strict=True):
+        t.add_row(name, *row)
+    need = Measurement.get(Console(width=10_000), Console(width=10_000).options, t).minimum
+    if need <= width:
+        return [t]
+    out: list[Any] = [Text("Models", style="italic")]
+    for name, row in zip(names, cells, strict=True):
+        out.append(Text(name, style="bold"))
+        out.append(Text("  " + "  ".join(f"{k}: {v}" for k, v in zip(LIST_COLUMNS, row, strict=True))))
+    return out
+
+
+def _show_value(key: str, v: Any) -> str:
+    """One field of `models show` in words (never a Python repr)."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if key == "size" and isinstance(v, int):
+        return f"{_fmt_size(v)} ({v:,} bytes)"
+    if isinstance(v, Mapping):
+        return "\n".join(f"{k}: {_show_value(str(k), x) if not isinstance(x, Mapping | list) else json.dumps(x)}"
+                         for k, x in v.items()) or "-"
+    if isinstance(v, list | tuple):
+        return ", ".join(_show_value(key, x) for x in v) or "-"
+    return str(v)
+
+
+def show_renderables(doc: Mapping[str, Any]) -> list[Any]:
+    """`models show` as a two-column table of fields, then each list of files (path, size, sha256 whole on one
+    line each)."""
+    t = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    t.add_column("field", style="bold", no_wrap=True)
+    t.add_column("value", overflow="fold")
+    lists: list[tuple[str, list[Mapping[str, Any]]]] = []
+    for k, v in doc.items():
+        if isinstance(v, list) and v and all(isinstance(x, Mapping) for x in v):
+            lists.append((k, v))
+            continue
+        if isinstance(v, Mapping) and isinstance(v.get("files"), list):      # a store item's manifest
+            v = {kk: vv for kk, vv in v.items() if kk != "files"}
+            lists.append((f"{k} files", doc[k]["files"]))
+        t.add_row(k.replace("_", " "), _show_value(k, v))
+    out: list[Any] = [t]
+    for title, items in lists:
+        out.append(Text(f"{title.replace('_', ' ')}:", style="bold"))
+        for x in items:
+            bits = [str(x.get("path") or x.get("name") or "")]
+            if x.get("quant"):
+                bits.append(str(x["quant"]))
+            if isinstance(x.get("size"), int):
+                bits.append(_fmt_size(x["size"]))
+            if x.get("sha256"):
+                bits.append(f"sha256 {x['sha256']}")
+            out.append(Text("  " + "  ".join(b for b in bits if b)))
+    return out
 
 
 @models_app.command("show")
@@ -273,14 +346,9 @@ def show_cmd(name: str = typer.Argument(..., help="Catalog entry or store item n
     doc = _run(lambda: show_model(name), debug)
     if json_out:
         return _print_json(doc)
-    c = Console()
-    for k, v in doc.items():
-        if k == "files" and v:
-            c.print("files:")
-            for f in v:
-                c.print(f"  {f['path']}  {_fmt_size(f['size'])}  sha256 {f['sha256']}")
-        elif k != "files":
-            c.print(f"{k}: {v}", highlight=False)
+    console = Console()
+    for part in show_renderables(doc):
+        console.print(part, soft_wrap=not isinstance(part, Table), highlight=False)
 
 
 @models_app.command("pull")

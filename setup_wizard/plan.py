@@ -39,6 +39,7 @@ class Plan:
     why: dict[str, str] = field(default_factory=dict)  # answer → why it was recommended
     budget: B.Budget | None = None  # known when the target (and drafter geometry) is already here
     context_given: bool = True  # False: recommend it again once the model's geometry is known
+    config_path_given: bool = True  # False: the default name, which follows the target quantization chosen later
     record_routing: bool = True  # offloaded experts: record the routing profile that places them (--no-calibrate: no)
     target_quant: str = "bf16"  # how the target is stored: bf16 (the folder as is), q8_0/q4_0 (converted to GGUF)
     target_quant_given: bool = True  # False: recommend it again once the model's geometry is known
@@ -268,7 +269,8 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
         plan.budget = compute(plan, geo, dgeo)
         plan.context_given = True  # the recommendation above already saw the geometry
     plan.config_path = Path(choices.config_out).expanduser() if choices.config_out else default_config_path(
-        target.name, drafter, quant)
+        target.name, drafter, quant, plan.target_quant)
+    plan.config_path_given = choices.config_out is not None
     for k, note in choices.notes.items():
         if why.get(k) == "you chose it":
             why[k] = note
@@ -360,9 +362,13 @@ def choose_target_quant(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geo
     plan.target_quant_given = exact
 
 
-def default_config_path(target: str, drafter: str, quant: str | None = None) -> Path:
-    """`$STRATA_HOME/configs/<target>-<drafter>.toml` (the model manager reads `$STRATA_HOME/configs/*.toml`)."""
-    return strata_home() / "configs" / f"{target}-{drafter}.toml"
+def default_config_path(target: str, drafter: str, quant: str | None = None, target_quant: str = "bf16") -> Path:
+    """`$STRATA_HOME/configs/<target>[-<target quant>]-<drafter>[-<drafter quant>].toml` (the model manager reads
+    `$STRATA_HOME/configs/*.toml`): the quantizations are part of the name (the target's when it is converted), so a
+    second setup of the same pair with another one gets its own config instead of silently replacing the first."""
+    name = target + (f"-{target_quant}" if target_quant and target_quant != "bf16" else "") + f"-{drafter}"
+    name += f"-{quant}" if quant else ""
+    return strata_home() / "configs" / f"{name}.toml"
 
 
 def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry | None, *,

@@ -71,8 +71,9 @@ class RealServices:
     """Catalog, verified download, conversion and calibration, by the parts that own them; `on_progress` receives
     their progress (the command line turns it into bars on stderr)."""
 
-    def __init__(self, on_progress: ProgressFn | None = None) -> None:
+    def __init__(self, on_progress: ProgressFn | None = None, threads: int | None = None) -> None:
         self.on_progress = on_progress
+        self.threads = threads      # CPU threads for calibration (None: measured, runtime/hostinfo.py)
 
     def targets(self) -> list[TargetOption]:
         return [TargetOption(name=e.name, source=e.source, local_path=_local_copy(e), pinned=e.pinned,
@@ -124,7 +125,8 @@ class RealServices:
 
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
         budget = DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds
-        return calibrate_for_config(doc, force=force, max_seconds=budget, on_progress=self.on_progress)
+        return calibrate_for_config(doc, force=force, max_seconds=budget, on_progress=self.on_progress,
+                                    threads=self.threads)
 
 
 def _local_copy(entry: C.CatalogEntry) -> Path | None:

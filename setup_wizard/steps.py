@@ -23,7 +23,14 @@ from setup_wizard import budget as B
 from setup_wizard.config import sha256_file, write_config
 from setup_wizard.hardware import MIB, Hardware
 from setup_wizard.inspection import drafter_geometry, hash_target, is_gguf_target, target_geometry
-from setup_wizard.plan import Plan, budget_inputs, choose_target_quant, compute, stored_geometry
+from setup_wizard.plan import (
+    Plan,
+    budget_inputs,
+    choose_target_quant,
+    compute,
+    default_config_path,
+    stored_geometry,
+)
 from setup_wizard.registry import register_config
 from setup_wizard.services import Artifact, Services, TargetOption
 from setup_wizard.store_locks import hold_locks
@@ -117,6 +124,8 @@ def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_c
     if not plan.target_quant_given:
         plan.target = replace(plan.target, local_path=Path(target.path))    # here now: its folder can be checked
         choose_target_quant(plan, geo, dgeo, given=None, context=plan.context if plan.context_given else None)
+        if not plan.config_path_given:      # the default name carries the quantization chosen just now
+            plan.config_path = default_config_path(plan.target.name, plan.drafter, plan.quant, plan.target_quant)
     if plan.converts_target:
         step = f"convert {plan.target.name} to {plan.target_quant}"
         mark(step, "start")

@@ -11,10 +11,15 @@ Why one width also for the one-token decode: in BF16 a 1-row and a k-row matmul 
 near-tie, which would break "greedy speculative output == target-only greedy output". At one width every row goes
 through the same kernels with the same shapes, and the Triton kernels (attention, grouped MoE) are row-invariant by
 construction, so a token's logits have the same bits whether it is verified alone or in a window. The engine
-therefore uses W = the drafter's max_block for every window, target-only decoding included.
+therefore runs target-only decoding at the same width as its drafted windows (runtime/engine.py, `step_width`).
 
-Without Triton or CUDA (CPU tests) the same step runs eagerly through torch fallbacks (full-capacity masked attention,
-the MoE loop), which checks the padding and position logic against the plain forward.
+Without Triton the same step runs eagerly through torch. On a GPU that is the fallback (full-capacity masked
+attention, the MoE loop). On the CPU it is the engine's step, and it keeps the GPU's promise without kernels: every
+matmul has the window's fixed shape (BLAS gives a row the same bits at any row of a fixed-shape product, but a
+1-row and a k-row product differ: a 1-row decode and a verify row could round apart and flip a near-tie), each
+real row attends on its own to the keys up to its position (one query, the same keys, the same sum), and every
+expert a real row uses runs on all W rows (its own fixed shape; only the routed rows are added in). So greedy
+speculative output equals target-only output bit for bit on the CPU too.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class StaticStep:
             self.fused = all(layer.self_attn.has_qkv for layer in model.model.layers)
         self.use_graph = (bool(graph) and dev.type == "cuda" and self.use_kernels
                           and all(c.graphable for c in caches.values()))
+        self.cpu = dev.type == "cpu"      # without kernels: the row-invariant torch paths (module docstring)
+        self.window = (0, 0)              # (start, real rows) of the window being run, for those paths
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self.replays = 0
         self.errors: list[str] = []      # fallbacks taken (a kernel or a capture that failed), for the benchmarks
@@ -75,6 +82,8 @@ class StaticStep:
         if self.use_kernels:
             attention_kernels.kv_write(k, v, kc, vc, pos, ks, vs)
             return attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
+        if self.cpu:
+            return self._attend_rows(a, q, k, v, kc, vc, ks, vs)
         valid = pos >= 0
         idx = pos[valid].long()
         kn, vn = k[valid].transpose(0, 1), v[valid].transpose(0, 1)
@@ -91,6 +100,69 @@ class StaticStep:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[None].to(q.dtype), vc[None].to(q.dtype),
                                            attn_mask=mask[None, None], scale=a.scale, enable_gqa=a.nkv != a.nh)
         return o[0].transpose(0, 1)
+
+    def _attend_rows(self, a, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, ks: Tensor | None = None,
+                     vs: Tensor | None = None) -> Tensor:
+        """CPU: write the real rows' K/V (8-bit blocks for a q8_0 cache), then each real row attends alone to keys
+        0..its position, so its result does not depend on the window it came in (padded rows give zeros)."""
+        start, n = self.window
+        end = start + n
+        kn, vn = k[:n].transpose(0, 1), v[:n].transpose(0, 1)
+        if ks is None:
+            kc[:, start:end] = kn.to(kc.dtype)
+            vc[:, start:end] = vn.to(vc.dtype)
+            keys, vals = kc[:, :end].to(q.dtype), vc[:, :end].to(q.dtype)
+        else:
+            kc[:, start:end], ks[:, start:end] = quantize_q8_0(kn)
+            vc[:, start:end], vs[:, start:end] = quantize_q8_0(vn)
+            keys = dequantize_q8_0(kc[:, :end], ks[:, :end], q.dtype)
+            vals = dequantize_q8_0(vc[:, :end], vs[:, :end], q.dtype)
+        o = torch.zeros_like(q)
+        for j in range(n):
+            stop = start + j + 1
+            oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], keys[None, :, :stop],
+                                                vals[None, :, :stop], scale=a.scale, enable_gqa=a.nkv != a.nh)
+            o[j] = oj[0, :, 0]
+        return o
+
+    def _lm_head_rows(self, hidden: Tensor) -> Tensor:
+        """CPU: the vocabulary projection of each real row alone (one 1-row product per row: the same shape for a
+        row wherever it sits; padded rows, the widest product, are skipped and left at zero). hidden [W, H]."""
+        head = self.model.lm_head
+        out = torch.zeros(hidden.shape[0], head.out_features, dtype=torch.float32, device=hidden.device)
+        for j in range(self.window[1]):
+            out[j] = head(hidden[j:j + 1])[0].float()
+        return out
+
+    def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int) -> Tensor:
+        """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows
+        are added in, in expert order: a row's result does not depend on the other rows. h [W, H]."""
+        n = self.window[1]
+        w, idx = mlp.route(h)               # the router at the fixed shape too, then the real rows
+        if mlp.recorder is not None:
+            mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
+        if mlp.offload is not None:         # an expert pool emulated on the CPU (tests): its own paths
+            return mlp.offload(i, h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w)
+        if mlp.gate_up is not None and (mlp.quantized or mlp.slot is not None or mlp.miss_fn is not None):
+            # experts held as blocks (no per-expert modules): the torch reference of the grouped kernels
+            return moe_kernels.moe_torch(h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w, mlp.gate_up,
+                                         mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
+        w, idx = w[:n], idx[:n]
+        out = torch.zeros_like(h)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=mlp.n_exp).tolist()
+        tok_all, slot_all = order // mlp.top_k, order % mlp.top_k
+        off = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok, slot = tok_all[off:off + c], slot_all[off:off + c]
+            off += c
+            ex = mlp.experts[e]
+            y = ex(h.to(ex.gate_proj.weight.dtype))[tok]
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+        return out
 
     def _forward_fused(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         """The same step through the fused kernels (runtime/kernels.py): 11 launches a layer."""
@@ -163,13 +235,15 @@ class StaticStep:
                 else:
                     y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
                                                 miss_fn=mlp.miss_fn)[None]
+            elif isinstance(mlp, SparseMoe) and self.cpu:
+                y = self._moe_rows(mlp, h[0], i)[None]
             else:
                 y = mlp(h)
             x = x + y
             if i in wanted:
                 tap_out[wanted[i]] = x
         hidden = m.model.norm(x)
-        logits = m.lm_head(hidden).float()
+        logits = self._lm_head_rows(hidden[0])[None] if self.cpu else m.lm_head(hidden).float()
         tap_t = torch.cat(tap_out, dim=-1)[0] if taps else None  # type: ignore[arg-type]
         return logits[0], hidden[0], tap_t
 
@@ -212,6 +286,7 @@ class StaticStep:
             except Exception as e:  # a kernel that does not build or a capture that fails: run eagerly instead
                 self._degrade(e)
         self.host.set(start, T)
+        self.window = (start, T)          # the same two numbers on the host, for the CPU's row-invariant paths
         self.ids[:, :T].copy_(window)
         if T < self.width:
             self.ids[:, T:].zero_()
@@ -228,7 +303,7 @@ class StaticStep:
                 self._degrade(e)
                 out = self._step(key)
         logits, hidden, tap_t = out
-        if self.use_kernels:      # the kernels bypass SparseMoe.forward: count the T real rows from the host
+        if self.use_kernels or self.cpu:   # these paths bypass SparseMoe.forward: count the T real rows here
             for layer in self.model.model.layers:
                 if isinstance(layer.mlp, SparseMoe) and layer.mlp.counter is not None:
                     layer.mlp.counter(layer.mlp.layer_idx, T)

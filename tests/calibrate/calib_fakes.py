@@ -51,20 +51,34 @@ class FakeEngine:
     tokenizer: Any = field(default_factory=FakeTokenizer)
     default_block: int = 4
     default_spec_min_p: float = 0.5
+    slow_after: int | None = None                    # calls after which every run is `slowdown` times slower
+    slowdown: float = 1.0
+    cancelled: int = 0
 
     @property
     def drafter(self) -> SimpleNamespace:
         return SimpleNamespace(max_block=self.max_block, kind="dflash2")
 
     def generate(self, prompt, max_new_tokens=128, sampling=None, block=None, spec_min_p=None, draft=True,
-                 stop_ids=None, on_text=None):
+                 stop_ids=None, on_text=None, cancel=None):
         task = self._task(prompt)
         self.calls.append((task, block, spec_min_p, draft))
         tok_s = self.target_speed * TASK_SCALE[task] if not draft else self.speed(block, spec_min_p, task)
         if self.noise:
             tok_s *= 1.0 + self.noise * math.sin(len(self.calls) * 12.9898)
+        if self.slow_after is not None and len(self.calls) > self.slow_after:
+            tok_s /= self.slowdown       # the machine got busy: every estimate made so far is now wrong
         decode_s = max_new_tokens / tok_s
-        self.clock.advance(decode_s + self.prefill_s)
+        self.clock.advance(self.prefill_s)
+        if cancel is not None:           # asked before every window (2 tokens here), as the engine does
+            for _ in range(0, max_new_tokens, 2):
+                if cancel():
+                    self.cancelled += 1
+                    return SimpleNamespace(token_ids=[], text="", stats={"stop_reason": "cancelled",
+                                                                         "decode_s": 0.0, "decode_tok_s": 0.0})
+                self.clock.advance(2 / tok_s)
+        else:
+            self.clock.advance(decode_s)
         ids = [(len(prompt) * 7 + i * 13) % 50 for i in range(max_new_tokens)]
         if draft and self.broken == (block, spec_min_p, task):
             ids[3] += 1
@@ -93,10 +107,13 @@ class WidthFakeEngine(FakeEngine):
     widths_seen: list[tuple[bool, int]] = field(default_factory=list)
 
     def generate(self, prompt, max_new_tokens=128, sampling=None, block=None, spec_min_p=None, draft=True,
-                 stop_ids=None, on_text=None, width=None):
+                 stop_ids=None, on_text=None, width=None, cancel=None):
         w = int(width if width is not None else (block if draft else 1))
         self.widths_seen.append((draft, w))
-        res = super().generate(prompt, max_new_tokens, sampling, block, spec_min_p, draft, stop_ids, on_text)
+        res = super().generate(prompt, max_new_tokens, sampling, block, spec_min_p, draft, stop_ids, on_text,
+                               cancel=cancel)
+        if res.stats.get("stop_reason") == "cancelled":
+            return res
         if not draft and self.step_cost is not None:
             extra = res.stats["decode_s"] * (self.step_cost(w) - 1.0)
             self.clock.advance(extra)

@@ -89,3 +89,6 @@ def test_strata_run_refuses_a_tampered_target_in_one_sentence(setup):
     assert "changed since strata-setup verified it" in r.stderr and "Traceback" not in r.output
     assert f"rerun strata-setup --target {folder}" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    (folder / "model.safetensors").unlink()
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and "is missing" in r.stderr

@@ -137,3 +137,20 @@ def test_probs_filters():
     assert (p > 0).sum() == 1 and p[0, 0] == 1
     cold = probs(logits, SamplingParams(temperature=0.05))
     assert cold[0, 0] > 0.999
+
+
+def test_a_token_the_target_cannot_emit_is_rejected_even_when_u_is_zero(monkeypatch):
+    """Reproduction: with top-k 1 every token but the target's argmax has p = 0; a draft of such a token must be
+    rejected whatever u is. float32 `torch.rand` returns exactly 0 once in 2^24 draws, and `u * q <= p` then
+    accepted it; the strict test does not."""
+    import runtime.speculative as spec
+
+    sp = SamplingParams(temperature=1.0, top_k=1)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.5, 0.0, 0.0, 4.0]])
+    q = torch.tensor([[0.5, 0.0, 0.5, 0.0]])               # the drafter proposes token 0 (p[0, 0] = 0)
+    monkeypatch.setattr(spec, "_uniforms", lambda m, gen, device: torch.zeros(m, device=device))
+    acc, new = _accept_sampled(logits, [0], q, sp, torch.Generator().manual_seed(0))
+    assert acc == 0 and new == [1]                          # rejected; the residual is the target's only token
+    # a token with p > 0 is still accepted at u = 0
+    acc, new = _accept_sampled(logits, [1], torch.tensor([[0.0, 1.0, 0.0, 0.0]]), sp, torch.Generator())
+    assert acc == 1 and new == [1, 3]

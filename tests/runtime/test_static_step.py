@@ -81,3 +81,65 @@ def test_triton_kernels_in_interpreter():
     script = Path(__file__).with_name("kernels_check.py")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "kernels ok" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def model32(tmp_path_factory):
+    return load_target(make_tiny_target(tmp_path_factory.mktemp("static32"), seed=3, scale=2.0, head_dim=32))
+
+
+@pytest.mark.parametrize("quant", [None, "q8_0"])
+def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, model32, quant):
+    """On the CPU the engine's step is row-invariant: a token's logits, hidden row and taps are bitwise the same
+    whether it is decoded alone or verified at any row of a wider window (what greedy equality needs: a 1e-7
+    difference can flip a near-tie), with a float or a q8_0 KV cache. The plain forward gives no such promise
+    (1-row and k-row products differ)."""
+    if quant is not None:
+        model = model32              # q8_0 blocks need a head_dim that is a multiple of 32
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    seq = [12, 40, 3, 8, 41, 4, 5]
+    width = 8
+    outs = {}
+    for split in ((1,) * 7, (3, 4), (2, 5), (7,), (1, 6)):
+        c = model.cfg
+        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, quant=quant)
+        with torch.no_grad():
+            model(prompt, kv=kv)
+            step = StaticStep(model, kv, width=width, graph=False)
+            rows, i = [], 0
+            for n in split:
+                o = step(torch.tensor([seq[i:i + n]]), kv, (0, 2))
+                rows += [(o.logits[0, j], o.hidden[0, j], o.taps[0, j]) for j in range(n)]
+                i += n
+        outs[split] = rows
+        k, v = kv.committed()
+        outs[split, "kv"] = (k.clone(), v.clone())
+    ref = outs[(1,) * 7]
+    for split, rows in outs.items():
+        if "kv" in split:
+            assert torch.equal(rows[0], outs[(1,) * 7, "kv"][0]) and torch.equal(rows[1], outs[(1,) * 7, "kv"][1])
+            continue
+        for (la, ha, ta), (lb, hb, tb) in zip(rows, ref, strict=True):
+            assert torch.equal(la, lb) and torch.equal(ha, hb) and torch.equal(ta, tb), split
+
+
+def test_cpu_engine_runs_every_window_through_the_step(tmp_path, monkeypatch):
+    """The engine on the CPU builds the fixed-width step (its step width: the configured block) and every window
+    goes through it, target-only and speculative alike."""
+    from runtime.engine import Engine
+
+    eng = Engine.build(make_tiny_target(tmp_path, seed=3, scale=2.0), "mtp", device="cpu", context=64, block=4)
+    plain = eng.generate("hello world", max_new_tokens=16, draft=False, stop_ids=set())
+    step = eng.step
+    assert step is not None and step.width == eng.step_width == 4 and step.cpu and not step.use_graph
+    seen = []
+    real = StaticStep.__call__
+
+    def spy(self, window, kv, taps=()):
+        seen.append(window.shape[1])
+        return real(self, window, kv, taps)
+
+    monkeypatch.setattr(StaticStep, "__call__", spy)
+    spec = eng.generate("hello world", max_new_tokens=16, stop_ids=set(), spec_min_p=0.0)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats["windows"] == len(seen) and max(seen) > 1

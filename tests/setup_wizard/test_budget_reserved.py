@@ -101,19 +101,44 @@ def test_flash_scratch_grows_with_context_only_by_the_split_partials_on_cuda():
     assert c2 - c1 == 512 * t.heads * (4096 - 1024) * 4
 
 
-def test_nano_at_128k_reserves_what_the_h200_measured():
-    """strata-nano, no drafter, 128k context, prefill chunk 512 (bench/results/h200_budget/budget.json: 482 MiB
-    reserved): small pool 10 MiB + large 404 MiB + 2 x 32 MiB workspaces + 2 x 2 MiB graph pools; since then the
-    split attention's partials (1 x 4 heads x 512 chunks x 66 x 4 B = 0.5 MiB) take one more 2 MiB small segment."""
+def test_nano_at_128k_budget_terms_from_their_definitions():
+    """strata-nano, no drafter, 128k context on an sm90 GPU: every item from its own definition, by hand from the
+    geometry (6 layers, hidden 256, 4 heads / 2 KV heads of 64, vocab 4096, 8 experts of width 64), and the
+    allocator's packing from its rule. Whether these predict what a GPU reserves is measured, not asserted here:
+    `python bench/budget.py` on a GPU, `python bench/budget.py --rescore bench/results/h200_budget/budget.json`
+    scores the current formula against the saved H200 peaks."""
     import json
 
     from bench.budget import inventory
     from bench.common import NANO
+    from setup_wizard.budget import SMALL_SEGMENT, SMALL_SIZE, attention_scratch_tensors, transient_tensors
 
+    ctx = 131072
     geo = TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
-    b = compute_budget(geo, "none", _cuda(context=131072, block=1, prefill_chunk=512))
-    reserved = sum(v for k, v in b.table().items() if k not in ("headroom", "reserve"))
-    assert reserved == (12 + 404 + 64 + 4) * MIB
+    it = compute_budget(geo, "none", _cuda(context=ctx, block=1, prefill_chunk=512)).table()
+    H, L, V, hd = 256, 6, 4096, 64
+    per_layer = 2 * H * 4 * hd + 2 * H * 2 * hd + 2 * hd + 2 * H + H * 8      # q, o, k, v, q/k norms, 2 norms, router
+    assert it["target_dense_weights"] == 2 * (2 * V * H + H + L * per_layer)     # embeddings, lm_head, final norm
+    assert it["expert_cache"] == 2 * L * 8 * 3 * H * 64                          # every expert resident
+    assert it["target_kv"] == L * 2 * 2 * hd * 2 * ctx == 384 * MIB              # K and V, BF16
+    assert it["logits"] == 1 * V * 4 and it["drafter_weights"] == it["drafter_kv"] == 0
+    assert it["workspace"] == 2 * 32 * MIB                   # sm90 cuBLAS workspace, default + capture stream
+    assert it["graph_pool"] == 2 * 2 * MIB                   # the target step's graph + the capture warm-up
+    # the allocator term: what packing every persistent and prefill-transient tensor into segments adds
+    pers = persistent_tensors(geo, "none", 2, 2, ctx, 1)
+    attn = attention_scratch_tensors(geo, "none", context=ctx, block=1, wb=2, cuda=True)
+    assert attn == [1 * 4 * -(-ctx // KV_CHUNK) * (hd + 2) * 4]   # the split attention's fp32 partials, 1 row
+    trans = transient_tensors(geo, 512, 2) + attn
+    assert sum(pers) == sum(it[k] for k in ("target_dense_weights", "target_kv", "logits", "expert_cache"))
+    assert sorted(pers, reverse=True)[:4] == [192 * MIB, 192 * MIB, 2 * MIB, 2 * MIB]   # K, V, embed, lm_head
+    assert all(n <= SMALL_SIZE for n in sorted(pers, reverse=True)[4:] + trans)
+    small = sum(alloc_size(n) for n in sorted(pers, reverse=True)[4:] + trans)
+    large = 2 * 192 * MIB + 20 * MIB                          # K and V own segments; both 2 MiB tensors share one
+    packed = large + -(-small // SMALL_SEGMENT) * SMALL_SEGMENT
+    assert segment_bytes(pers + trans) == packed
+    assert it["allocator"] == packed - sum(pers) - it["scratch"]
+    reserved = sum(v for k, v in it.items() if k not in ("headroom", "reserve"))
+    assert reserved == packed + it["workspace"] + it["graph_pool"]
 
 
 def _partials(rows, heads, ctx, hd):

@@ -74,7 +74,10 @@ def test_rerun_reuses_calibration_and_keeps_user_keys(machine, home, services):
     assert "already done" in res.output
     doc = tomllib.loads(p.read_text())
     assert doc["mine"] == {"note": "keep me"} and doc["speculative"]["source"] == "calibrated"
-    assert (p.parent / "nano-mtp.toml.bak").is_file()
+    assert not (home / "backups").exists()             # the rerun changed nothing: nothing to back up
+    assert run("--yes", "--context", "2048").exit_code == 0                  # a rerun that changes the config
+    assert tomllib.loads((home / "backups" / "nano-mtp.toml").read_text())["mine"] == {"note": "keep me"}
+    assert sorted(x.name for x in p.parent.iterdir()) == ["nano-mtp.toml"]    # nothing left beside it
 
 
 @pytest.mark.parametrize("quant", ["bf16", "q8_0", "q5_0", "q4_0"])
@@ -82,7 +85,7 @@ def test_dflash2_each_quant(machine, home, services, pack, quant):
     res = run("--yes", "--drafter", "dflash2", "--dflash2-quant", quant, "--dflash2-head", "turbo",
               "--no-calibrate", "--context", "512")
     assert res.exit_code == 0, res.output
-    doc = tomllib.loads((home / "configs" / "nano-dflash2.toml").read_text())
+    doc = tomllib.loads((home / "configs" / f"nano-dflash2-{quant}.toml").read_text())
     d = doc["drafter"]
     assert d["kind"] == "dflash2" and d["head"] == "turbo" and d["quantization"] == quant
     assert d["path"].endswith(f"-{quant}.gguf")
@@ -96,7 +99,7 @@ def test_dflash2_each_quant(machine, home, services, pack, quant):
 def test_dflash2_flags_imply_dflash2_and_default_head(machine, home):
     res = run("--yes", "--dflash2-quant", "q4_0", "--no-calibrate")
     assert res.exit_code == 0, res.output
-    doc = tomllib.loads((home / "configs" / "nano-dflash2.toml").read_text())
+    doc = tomllib.loads((home / "configs" / "nano-dflash2-q4_0.toml").read_text())
     assert doc["drafter"]["head"] == "official"
 
 
@@ -167,7 +170,7 @@ def test_answers_file_and_flags_win(machine, home, tmp_path):
     ans.write_text('drafter = "dflash2"\ndflash2-quant = "q4_0"\ncontext = 1024\ncalibrate = false\n')
     res = run("--answers", str(ans), "--context", "2048")
     assert res.exit_code == 0, res.output
-    doc = tomllib.loads((home / "configs" / "nano-dflash2.toml").read_text())
+    doc = tomllib.loads((home / "configs" / "nano-dflash2-q4_0.toml").read_text())
     assert doc["drafter"]["quantization"] == "q4_0" and doc["memory"]["context"] == 2048
     ans.write_text('drafter = "dflash2"\ncolour = "blue"\n')
     one_sentence_error(run("--answers", str(ans)), "unknown key 'colour'")
@@ -192,7 +195,7 @@ def test_ctrl_c_during_a_step_leaves_nothing_half_written(machine, home, service
     assert "nothing half-written" in res.output
     leftovers = [f for f in files_under(home) if f.endswith((".tmp", ".part"))]
     assert leftovers == []
-    cfg = home / "configs" / "nano-dflash2.toml"
+    cfg = home / "configs" / "nano-dflash2-q8_0.toml"
     assert not cfg.exists()   # the config is written once, after calibration: a stopped run leaves none
     if step == "calibrate":   # a rerun calibrates and writes the calibrated config
         services.interrupt_on = None
@@ -210,7 +213,7 @@ def test_a_failed_calibration_leaves_no_config_and_keeps_the_old_one(machine, ho
     monkeypatch.setattr(services, "calibrate", broken)
     res = run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0")
     assert res.exit_code == 1 and "calibration failed" in res.output
-    cfg = home / "configs" / "nano-dflash2.toml"
+    cfg = home / "configs" / "nano-dflash2-q8_0.toml"
     assert not cfg.exists()
     assert run("--yes", "--drafter", "dflash2", "--dflash2-quant", "q8_0", "--no-calibrate").exit_code == 0
     before = cfg.read_bytes()
@@ -273,3 +276,32 @@ def test_budget_follows_the_configs_device_and_dtype(machine, home):
     machine["hw"] = fake_cpu()
     res = run("budget", "--config", str(cfg))
     assert res.exit_code == 2 and "no" in res.output and "CUDA" in res.output
+
+
+def test_threads_reach_the_services_that_calibrate(machine, home, services, monkeypatch):
+    """`--threads N` goes to the services (calibration runs with it); a bad value is one sentence, exit 2."""
+    from setup_wizard import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "get_services", lambda *a: (seen.append(a[1:]), services)[1])
+    res = run("--yes", "--threads", "2", "--context", "256")
+    assert res.exit_code == 0, res.output
+    assert seen == [(2,)]
+    one_sentence_error(run("--yes", "--threads", "0"), "--threads must be >= 1")
+    cfg = next((home / "configs").glob("*.toml"))
+    seen.clear()
+    res = run("calibrate", "--config", str(cfg), "--threads", "3", "--force")
+    assert res.exit_code == 0, res.output
+    assert seen == [(3,)]
+    one_sentence_error(run("calibrate", "--config", str(cfg), "--threads", "0"), "--threads must be >= 1")
+
+
+def test_a_second_setup_with_another_quantization_gets_its_own_config(machine, home):
+    """Config names carry the quantization: setting up Q4_0 after Q8_0 keeps both configs."""
+    for quant in ("q8_0", "q4_0"):
+        assert run("--yes", "--dflash2-quant", quant, "--no-calibrate", "--context", "512").exit_code == 0
+    names = sorted(p.name for p in (home / "configs").iterdir())
+    assert names == ["nano-dflash2-q4_0.toml", "nano-dflash2-q8_0.toml"]
+    for quant in ("q8_0", "q4_0"):
+        doc = tomllib.loads((home / "configs" / f"nano-dflash2-{quant}.toml").read_text())
+        assert doc["drafter"]["quantization"] == quant

@@ -1,4 +1,4 @@
-"""Config: atomic write with .bak, user keys survive a rerun, clear load errors, staleness."""
+"""Config: atomic write with one backup in the store, user keys survive a rerun, clear load errors, staleness."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def _doc(tmp: Path, **over):
     return doc
 
 
-def test_write_keeps_bak_and_user_keys(tmp_path):
+def test_write_keeps_one_backup_in_the_store_and_user_keys(tmp_path, monkeypatch):
+    from setup_wizard.config import backup_path
+
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path / "home"))
     p = tmp_path / "c" / "x.toml"
     write_config(p, _doc(tmp_path))
     # a user adds keys at top level and inside our tables, and edits one of ours
@@ -44,8 +47,18 @@ def test_write_keeps_bak_and_user_keys(tmp_path):
     new = tomllib.loads(p.read_text())
     assert new["note"] == "mine" and new["extra"] == {"a": 1} and new["memory"]["my_key"] == 7
     assert new["memory"]["context"] == 256 and new["memory"]["budget"] == {"target_kv": 9}
-    assert (p.parent / "x.toml.bak").read_text() == before
-    assert [x.name for x in p.parent.iterdir() if x.name.endswith(".tmp")] == []
+    bak = backup_path(p)
+    assert bak.read_text() == before and bak.parent == tmp_path / "home" / "backups"
+    assert [x.name for x in p.parent.iterdir()] == ["x.toml"]          # nothing beside the config
+    write_config(p, _doc(tmp_path, memory={"context": 512}))
+    assert [x.name for x in bak.parent.iterdir()] == [bak.name]         # still one backup, the last config
+    assert tomllib.loads(bak.read_text())["memory"]["context"] == 256
+    # a config in $STRATA_HOME/configs keeps its own name there
+    q = tmp_path / "home" / "configs" / "nano-mtp.toml"
+    write_config(q, _doc(tmp_path))
+    write_config(q, _doc(tmp_path, memory={"context": 512}))
+    assert backup_path(q) == tmp_path / "home" / "backups" / "nano-mtp.toml" and backup_path(q).is_file()
+    assert sorted(x.name for x in q.parent.iterdir()) == ["nano-mtp.toml"]
 
 
 def test_owned_key_that_disappears_is_dropped(tmp_path):

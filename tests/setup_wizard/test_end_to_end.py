@@ -26,7 +26,8 @@ def test_runtime_allocates_what_the_budget_says(machine, home, drafter, extra):
     machine["hw"] = fake_cpu(ram_gib=8)  # CPU: fp32 weights and KV, every expert in RAM
     res = CliRunner().invoke(app, ["--yes", "--no-calibrate", "--context", "256", "--drafter", drafter, *extra])
     assert res.exit_code == 0, res.output
-    doc = tomllib.loads((home / "configs" / f"nano-{drafter}.toml").read_text())
+    quant = extra[extra.index("--dflash2-quant") + 1] if "--dflash2-quant" in extra else None
+    doc = tomllib.loads((home / "configs" / f"nano-{drafter}{'-' + quant if quant else ''}.toml").read_text())
     predicted = doc["memory"]["budget"]
     engine = Engine.from_config(doc)
     real = engine.memory_report()
@@ -43,7 +44,7 @@ def test_scripted_setup_then_strata_run_generates(machine, home):
     res = CliRunner().invoke(app, ["--yes", "--no-calibrate", "--context", "256", "--drafter", "dflash2",
                                    "--dflash2-quant", "q8_0"])
     assert res.exit_code == 0, res.output
-    cfg = home / "configs" / "nano-dflash2.toml"
+    cfg = home / "configs" / "nano-dflash2-q8_0.toml"
     assert f"strata-run --config {cfg} --prompt Hello" in res.output
     out = CliRunner().invoke(run_app, ["--config", str(cfg), "--prompt", "Hello", "--max-new-tokens", "12",
                                        "--json"])

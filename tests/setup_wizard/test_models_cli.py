@@ -83,3 +83,30 @@ def test_convert_command(tiny_repo, tmp_path, home):
     assert r.exit_code == 2 and "does not exist" in r.output and not (tmp_path / "c.gguf").exists()
     r = _run("convert", str(tiny_repo["src"]), "--quant", "q3_k", "-o", str(tmp_path / "d.gguf"))
     assert r.exit_code == 2 and "unknown quantization" in r.output
+
+
+def test_list_never_breaks_a_name_and_show_prints_fields_not_reprs(tiny_repo, hub, home):
+    """`models list` at any terminal width keeps every name whole on one line (a table when it fits, one block
+    per model when it does not); `models show` prints a table of fields and the files, never Python reprs."""
+    _json("models", "pull", "tiny-head")
+    names = [r["name"] for r in _json("models", "list")["models"]]
+    assert "tiny-head" in names and "qwen3.8-flash-next-dflash2" in names
+    for width in (40, 60, 80, 120, 200):
+        r = runner.invoke(app, ["models", "list"], env={"COLUMNS": str(width)})
+        assert r.exit_code == 0, r.output
+        lines = r.output.splitlines()
+        for n in names:
+            assert any(n in line for line in lines), (width, n, r.output)
+        if width >= 200:
+            assert "┃" not in r.output and " name " in r.output          # the table form
+    shown = runner.invoke(app, ["models", "show", "tiny-head"], env={"COLUMNS": "100"})
+    assert shown.exit_code == 0, shown.output
+    out = shown.output
+    for repr_bit in ("{'", "[]", "': ", "None", "True", "False"):
+        assert repr_bit not in out, (repr_bit, out)
+    pins = tiny_repo["pins"]
+    for p in pins:      # every file whole: path, size, full sha256 on one line
+        assert any(p["path"] in line and p["sha256"] in line for line in out.splitlines()), out
+    assert "state" in out and "verified" in out and "pinned" in out and "yes" in out
+    doc = _json("models", "show", "tiny-head")
+    assert doc["name"] == "tiny-head" and doc["state"] == "verified" and len(doc["files"]) == len(pins)

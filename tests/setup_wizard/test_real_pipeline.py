@@ -55,7 +55,7 @@ def test_scripted_setup_downloads_converts_and_runs(real, home):
             "--context", "256"]
     res = CliRunner().invoke(cli.app, args)
     assert res.exit_code == 0, res.output
-    cfg = home / "configs" / "nano-dflash2.toml"
+    cfg = home / "configs" / "nano-dflash2-q4_0.toml"
     doc = tomllib.loads(cfg.read_text())
     assert Path(doc["target"]["path"]).is_relative_to(home) and Path(doc["drafter"]["path"]).is_relative_to(home)
     assert doc["drafter"]["path"].endswith(".gguf") and doc["drafter"]["quantization"] == "q4_0"
@@ -84,7 +84,7 @@ def test_local_target_and_local_head_use_the_real_converter(real, home, pack):
             "--no-calibrate", "--context", "128"]
     res = CliRunner().invoke(cli.app, args)
     assert res.exit_code == 0, res.output
-    doc = tomllib.loads((home / "configs" / "nano-dflash2.toml").read_text())
+    doc = tomllib.loads((home / "configs" / "nano-dflash2-q8_0.toml").read_text())
     assert doc["target"]["source"] == "local" and doc["drafter"]["head"] == "turbo"
     gguf_path = Path(doc["drafter"]["path"])
     assert gguf_path.is_file() and gguf_path.is_relative_to(home)  # converted into the store

@@ -95,7 +95,7 @@ def test_scripted_q8_0_setup_runs_the_converted_file(qmachine, home, qservices, 
     res = run("--yes", "--target", str(bpe), "--target-quant", "q8_0", "--drafter", "mtp", "--no-calibrate",
               "--context", "256")
     assert res.exit_code == 0, res.output
-    cfg_path = home / "configs" / "bpe-nano-mtp.toml"
+    cfg_path = home / "configs" / "bpe-nano-q8_0-mtp.toml"     # the target quantization is in the name
     doc = tomllib.loads(cfg_path.read_text())
     t = doc["target"]
     assert t["quantization"] == "q8_0" and t["path"].endswith("model.gguf")
@@ -146,7 +146,7 @@ def test_which_size_question(qmachine, home, qservices, bpe, capsys):
         code = cli.run_setup(Choices(target=str(bpe)), interactive=True, dry_run=False, json_out=False, input=inp,
                              output=DummyOutput())
     assert code == 0
-    doc = tomllib.loads((home / "configs" / "bpe-nano-mtp.toml").read_text())
+    doc = tomllib.loads((home / "configs" / "bpe-nano-q4_0-mtp.toml").read_text())    # the size chosen, named
     assert doc["target"]["quantization"] == "q4_0"
 
 

@@ -41,7 +41,7 @@ def test_enter_everywhere_takes_the_defaults(machine, home, services, capsys):
 def test_dflash2_each_head_and_quant(machine, home, services, head_keys, head, quant_keys, quant):
     keys = ENTER + DOWN + ENTER + head_keys + quant_keys + ENTER + ENTER + "n" + ENTER + ENTER
     assert drive(keys) == 0
-    doc = config(home, "nano-dflash2.toml")
+    doc = config(home, f"nano-dflash2-{quant}.toml")
     assert doc["drafter"]["head"] == head and doc["drafter"]["quantization"] == quant
     assert doc["speculative"]["source"] == "default"  # calibration declined
     assert ("convert", (head, quant)) in services.calls
@@ -50,7 +50,7 @@ def test_dflash2_each_head_and_quant(machine, home, services, head_keys, head, q
 def test_q5_0_by_flag_skips_the_quant_question(machine, home):
     keys = ENTER + ENTER + ENTER + ENTER + "n" + ENTER + ENTER  # target, head, context, reserve, calibrate, go
     assert drive(keys, Choices(dflash2_quant="q5_0")) == 0
-    assert config(home, "nano-dflash2.toml")["drafter"]["quantization"] == "q5_0"
+    assert config(home, "nano-dflash2-q5_0.toml")["drafter"]["quantization"] == "q5_0"
 
 
 def test_none_asks_no_calibration(machine, home, services):

@@ -12,15 +12,18 @@ runtime loader agree:
 
 Shapes are always given in Hugging Face / PyTorch order ([out, in] for matrices); GGUF stores them reversed.
 
-Choices the contract leaves open (reference: z-lab/dflash `dflash/model.py`):
-- `block_size` defaults to 16, `is_causal` to false (docs/formats.md; the reference would make sliding layers causal
-  when the key is absent), `output_multiplier` and `input_embedding_scale` to 1.0, no softcap; a softcap <= 0 is none.
+Choices the contract leaves open (reference: z-lab/dflash `dflash/model.py`, whose config is transformers'
+`Qwen3Config`; docs/models.md, "Masks"):
+- `block_size` defaults to 16, `output_multiplier` and `input_embedding_scale` to 1.0, no softcap; a softcap <= 0
+  is none.
 - `rope_theta` is read from `rope_theta`, else `rope_parameters.rope_theta` (transformers 5 style), else 10000.
   Rope types "default" and "linear" are supported; any other is refused.
-- Sliding windows: `layer_types[i] == "sliding_attention"` gives layer i the window `sliding_window`; without
-  `layer_types`, transformers' Qwen3Config rule (sliding from `max_window_layers`, default 28, on, when
-  `use_sliding_window`), so z-lab's v1 configs with `use_sliding_window: true` and 6 layers are full attention. In the block, a sliding window is two-sided unless causal, as in the
-  reference's `_attention_mask`. GGUF has one window for all layers, so mixed layer types cannot be converted.
+- Attention per layer, as the reference: `use_sliding_window` defaults to false, and false clears
+  `sliding_window`; without `layer_types`, layers from `max_window_layers` (default 28) on are "sliding_attention"
+  when a window is left; a sliding layer's window is `sliding_window` (None when cleared). `is_causal` absent
+  (`DFlash2Geometry.is_causal` None) makes exactly the sliding layers causal; present, it applies to every layer.
+  In the block, a window is two-sided unless the layer is causal, as in the reference's `_attention_mask`. GGUF has
+  one window and one causal flag for all layers, so heads whose layers attend differently cannot be converted.
 - The v1 layout (plain z-lab DFlash) is the same inventory without the convolution and selector tensors.
 """
 
@@ -103,7 +106,7 @@ class DFlash2Geometry:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
-    is_causal: bool = False
+    is_causal: bool | None = None                      # None: the sliding layers are causal (the reference's rule)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = field(default=())   # per layer: "full_attention" | "sliding_attention"
 
@@ -123,8 +126,12 @@ class DFlash2Geometry:
         return 2 * self.conv_kernel_size * self.hidden_size // self.conv_group_size
 
     def layer_window(self, i: int) -> int | None:
-        """The sliding window of draft layer i, or None for full attention."""
+        """The sliding window of draft layer i, or None (a full layer, or a sliding one whose window is off)."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether block rows of draft layer i see only keys at or before their own position."""
+        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else self.is_causal
 
     # -- validation ---------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -173,8 +180,8 @@ class DFlash2Geometry:
         for t in self.layer_types:
             if t not in ("full_attention", "sliding_attention"):
                 raise ContractError(f"drafter config layer type {t!r} is not supported (full or sliding only).")
-        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window <= 0):
-            raise ContractError("drafter config has sliding_attention layers but no positive sliding_window.")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ContractError(f"drafter config sliding_window must be a positive integer, got {self.sliding_window!r}.")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ContractError("drafter config rms_norm_eps and rope_theta must be positive.")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
@@ -212,17 +219,15 @@ class DFlash2Geometry:
             head_dim = _int(head_dim, "head_dim") if head_dim is not None else hidden // max(heads, 1)
             num_layers = _int(get("num_hidden_layers", required=True), "num_hidden_layers")
             rope_theta, rope_scaling = _rope(config_json, sub)
-            sliding = get("sliding_window")
-            use_sliding = get("use_sliding_window", True)
+            # transformers' Qwen3Config, which the reference reads: no window unless use_sliding_window (default
+            # false); without layer_types, the layers from max_window_layers (default 28) on slide when one is left
+            sliding = get("sliding_window") if get("use_sliding_window", False) else None
             layer_types = get("layer_types")
             if layer_types is None:
-                # transformers' Qwen3Config: sliding from layer max_window_layers (default 28) on, when enabled
                 mwl = _int(get("max_window_layers", 28), "max_window_layers")
-                layer_types = tuple("sliding_attention" if use_sliding and sliding and i >= mwl else "full_attention"
+                layer_types = tuple("sliding_attention" if sliding is not None and i >= mwl else "full_attention"
                                     for i in range(num_layers))
-            if not use_sliding:
-                # transformers' Qwen3Config: use_sliding_window=False switches the window off everywhere.
-                layer_types, sliding = ("full_attention",) * num_layers, None
+            causal = get("is_causal")
             softcap = get("final_logit_softcapping")
             softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
             ntl = get("num_target_layers")
@@ -248,8 +253,8 @@ class DFlash2Geometry:
                 output_multiplier=float(get("output_multiplier", 1.0)),
                 final_logit_softcapping=softcap,
                 input_embedding_scale=float(get("input_embedding_scale", 1.0)),
-                is_causal=bool(get("is_causal", False)),
-                sliding_window=_int(sliding, "sliding_window") if sliding else None,
+                is_causal=None if causal is None else bool(causal),
+                sliding_window=_int(sliding, "sliding_window") if sliding is not None else None,
                 layer_types=tuple(str(t) for t in layer_types),
             )
         except (TypeError, ValueError) as exc:
@@ -273,6 +278,7 @@ class DFlash2Geometry:
             return default
 
         n_layers = int(get("block_count"))
+        ntl = get("num_target_layers", None, required=False)
         window = int(get("attention.sliding_window", 0, required=False))
         softcap = float(get("final_logit_softcapping", 0.0, required=False))
         scaling = None
@@ -292,6 +298,7 @@ class DFlash2Geometry:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             rope_theta=float(get("rope.freq_base")),
             rope_scaling=scaling,
+            num_target_layers=int(ntl) if ntl is not None else None,
             conv_kernel_size=int(get("conv_kernel_size")),
             conv_group_size=int(get("conv_group_size")),
             selector_rank=int(get("selector_rank")),
@@ -299,7 +306,7 @@ class DFlash2Geometry:
             output_multiplier=float(get("output_multiplier", 1.0, required=False)),
             final_logit_softcapping=softcap if softcap > 0 else None,
             input_embedding_scale=float(get("input_embedding_scale", 1.0, required=False)),
-            is_causal=bool(get("attention.causal", False, required=False)),
+            is_causal=None if (causal := get("attention.causal", None, required=False)) is None else bool(causal),
             sliding_window=window if window > 0 else None,
             layer_types=(("sliding_attention" if window > 0 else "full_attention"),) * n_layers,
         )
@@ -500,12 +507,13 @@ def gguf_metadata(geom: DFlash2Geometry) -> dict[str, tuple[str, Any]]:
 
     `general.*` and `strata.*` keys are the converter's to add (names: KEY_* constants, ids: runtime/formats/registry.py).
     """
-    windows = {geom.layer_window(i) for i in range(geom.num_layers)}
-    if len(windows) > 1:
+    kinds = {(geom.layer_window(i), geom.layer_causal(i)) for i in range(geom.num_layers)}
+    if len(kinds) > 1:
         raise ContractError(
-            "this drafter mixes sliding and full attention layers, which the GGUF format cannot express; "
-            "use the Hugging Face folder instead.")
-    window = windows.pop() or 0
+            "this drafter's layers attend differently (sliding and full, or causal and not), which the GGUF format "
+            "cannot express; use the Hugging Face folder instead.")
+    window, causal = kinds.pop()
+    window = window or 0
     a = ARCH
     meta: dict[str, tuple[str, Any]] = {
         f"{a}.embedding_length": ("u32", geom.hidden_size),
@@ -527,9 +535,11 @@ def gguf_metadata(geom: DFlash2Geometry) -> dict[str, tuple[str, Any]]:
         f"{a}.output_multiplier": ("f32", geom.output_multiplier),
         f"{a}.final_logit_softcapping": ("f32", geom.final_logit_softcapping or 0.0),
         f"{a}.input_embedding_scale": ("f32", geom.input_embedding_scale),
-        f"{a}.attention.causal": ("bool", geom.is_causal),
+        f"{a}.attention.causal": ("bool", causal),
         f"{a}.attention.sliding_window": ("u32", window),
     }
+    if geom.num_target_layers is not None:      # optional: lets the loader refuse a head made for another depth
+        meta[f"{a}.num_target_layers"] = ("u32", geom.num_target_layers)
     if geom.rope_scaling is not None:
         meta[KEY_ROPE_SCALING_TYPE] = ("str", geom.rope_scaling[0])
         meta[KEY_ROPE_SCALING_FACTOR] = ("f32", geom.rope_scaling[1])

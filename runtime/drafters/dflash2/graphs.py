@@ -38,7 +38,8 @@ class DFlash2Graphs(GraphSet):
         self.obs_taps = torch.zeros(self.obs_rows, taps_w, dtype=m.dtype, device=self.dev)
         g = m.geom
         self.fast = (kernels.available(drafter.cache.k) and drafter.cache.k.dtype == m.dtype
-                     and all(layer.window is None for layer in m.layers) and g.head_dim % 2 == 0)
+                     and all(layer.window is None for layer in m.layers)
+                     and len({layer.causal for layer in m.layers}) == 1 and g.head_dim % 2 == 0)
         self.qkv: list[Tensor | None] = []
         self.gate_up: list[Tensor | None] = []
         if self.fast:
@@ -107,7 +108,8 @@ class DFlash2Graphs(GraphSet):
         if g.input_embedding_scale != 1.0:
             x = x * g.input_embedding_scale
         qpos = (pos + ar).to(torch.int32)                                    # the block's cache slots
-        last = qpos if g.is_causal else (pos + (width - 1)).to(torch.int32).expand(width).contiguous()
+        causal = m.layers[0].causal                                          # one for all layers (see `fast`)
+        last = qpos if causal else (pos + (width - 1)).to(torch.int32).expand(width).contiguous()
         delta = None
         for i, layer in enumerate(m.layers):
             a = layer.self_attn

@@ -11,7 +11,8 @@ Inference: `ContextCache` holds each layer's private context K/V; `DFlash2Model.
 against it; `select_walk` is the selector walk (greedy or sampled).
 
 Choices the contract leaves open: the top-k candidates are sorted (the reference asks for unsorted; only ties
-can differ); masks follow the reference's `_attention_mask` (a sliding window is two-sided unless causal).
+can differ); masks follow the reference's `_attention_mask` per layer (`DFlash2Geometry.layer_causal` and
+`layer_window`: a sliding window is two-sided unless the layer is causal).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         H = geom.hidden_size
         self.window = geom.layer_window(idx)
+        self.causal = geom.layer_causal(idx)
         self.input_layernorm = RMSNorm(H, geom.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, geom.rms_norm_eps)
         self.self_attn = DraftAttention(geom)
@@ -243,15 +245,16 @@ class DFlash2Model(nn.Module):
     def _run_layers(self, x: Tensor, q_pos: Tensor, ctx: list[tuple[Tensor, Tensor]], k_pos: Tensor,
                     k_valid: Tensor | None) -> Tensor:
         cos, sin = self.rotary(q_pos, x.dtype)
-        masks: dict[int | None, Tensor | None] = {}
+        masks: dict[tuple[int | None, bool], Tensor | None] = {}
         for layer, (ck, cv) in zip(self.layers, ctx, strict=True):
-            if layer.window not in masks:
-                m = _visible(q_pos, k_pos, self.geom.is_causal, layer.window)
+            key = (layer.window, layer.causal)
+            if key not in masks:
+                m = _visible(q_pos, k_pos, layer.causal, layer.window)
                 if k_valid is not None:
                     kv_m = k_valid[:, None, None, :]
                     m = kv_m if m is None else (m & kv_m)
-                masks[layer.window] = m
-            x = layer(x, cos, sin, ck, cv, masks[layer.window])
+                masks[key] = m
+            x = layer(x, cos, sin, ck, cv, masks[key])
         return self.norm(x)
 
     # -- training ----------------------------------------------------------------------------------------------

@@ -145,11 +145,20 @@ def tiny_target(*, hidden: int = 64, vocab: int = 80, layers: int = 3, seed: int
 
 
 def train_on_sequence(cfg: dict, target, seq: torch.Tensor, *, first_anchor: int, width: int | None = None,
-                      steps: int = 120, lr: float = 3e-3, seed: int = 4) -> dict[str, torch.Tensor]:
+                      steps: int = 120, lr: float = 3e-3, seed: int = 4, until_runs: float | None = None,
+                      walk_from: int | None = None, margin: float = 0.5, round_steps: int = 60, max_steps: int = 1200) -> dict[str, torch.Tensor]:
     """Fit a tiny drafter to one target sequence (teacher forcing, the training API end to end) and return its
     BF16 state dict. Every anchor from `first_anchor` on is one window; all windows share one context (the
     sequence's taps) and see positions before their anchor. Loss: draft logits CE + selector CE with the true
-    token placed first among the candidates."""
+    token placed first among the candidates.
+
+    `until_runs`: after the first `steps`, keep training (`round_steps` at a time, at most `max_steps` in all)
+    until the BF16-rounded drafter, walking greedily through the sequence as the speculative loop does (window at
+    the anchor `walk_from`, default `first_anchor`; the next window after the accepted proposals and the bonus
+    token; windows that fit in the sequence), accepts at least
+    `until_runs` proposals per window on average, every accepted pick ahead of the runner-up candidate by at least
+    `margin` (so rounding in another code path cannot flip it). A fixed step count alone is fragile: how far it
+    gets differs across CPUs. A fit that never gets there fails the test (pytest.fail), never returns half-made."""
     import torch.nn.functional as F
 
     from runtime.drafters.dflash2.model import DFlash2Model
@@ -170,14 +179,48 @@ def train_on_sequence(cfg: dict, target, seq: torch.Tensor, *, first_anchor: int
     embed, head = target.model.embed_tokens, target.lm_head
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     k = geom.selector_top_k
-    for _ in range(steps):
-        out = model(taps, torch.arange(S), ids, positions, embed=embed, lm_head=head, ctx_lengths=anchors)
-        loss = F.cross_entropy(out.logits.reshape(-1, geom.vocab_size), labels.reshape(-1))
-        cand = torch.cat([labels[..., None], torch.topk(out.logits.detach(), k - 1, dim=-1).indices], dim=-1)
-        scores, _ = model.selector_scores(out.hs, out.logits, prev, candidates=cand)
-        loss = loss + F.cross_entropy(scores.reshape(-1, k), torch.zeros(scores.shape[0] * scores.shape[1],
-                                                                          dtype=torch.long))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+
+    def fit(n: int) -> None:
+        for _ in range(n):
+            out = model(taps, torch.arange(S), ids, positions, embed=embed, lm_head=head, ctx_lengths=anchors)
+            loss = F.cross_entropy(out.logits.reshape(-1, geom.vocab_size), labels.reshape(-1))
+            cand = torch.cat([labels[..., None], torch.topk(out.logits.detach(), k - 1, dim=-1).indices], dim=-1)
+            scores, _ = model.selector_scores(out.hs, out.logits, prev, candidates=cand)
+            loss = loss + F.cross_entropy(scores.reshape(-1, k), torch.zeros(scores.shape[0] * scores.shape[1],
+                                                                              dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def bf16_state() -> dict[str, torch.Tensor]:
+        return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+
+    def mean_run() -> float:
+        """Proposals accepted per window by a greedy walk of the BF16-rounded drafter through the sequence.
+        Teacher-forced rows equal free-running ones as long as every earlier row was right, so a window's
+        accepted run is its count of leading rows whose pick is the true token (by `margin`)."""
+        check = DFlash2Model(geom)
+        check.load_state_dict({n: t.float() for n, t in bf16_state().items()})
+        with torch.no_grad():
+            out = check(taps, torch.arange(S), ids, positions, embed=embed, lm_head=head, ctx_lengths=anchors)
+            scores, cand = check.selector_scores(out.hs, out.logits, prev)
+        hit = cand == labels[..., None]
+        true = scores.masked_fill(~hit, float("-inf")).amax(-1)
+        other = scores.masked_fill(hit, float("-inf")).amax(-1)
+        good = (hit.any(-1) & (true - other >= margin)).int()          # [B, W-1]
+        run = good.cumprod(-1).sum(-1)                                  # leading right rows per window
+        a, runs = (walk_from if walk_from is not None else first_anchor) - first_anchor, []
+        while a < B:
+            runs.append(int(run[a]))
+            a += int(run[a]) + 1
+        return sum(runs) / len(runs)
+
+    fit(steps)
+    done = steps
+    while until_runs is not None and mean_run() < until_runs:
+        if done >= max_steps:
+            pytest.fail(f"the test drafter did not learn its sequence in {max_steps} steps (mean run "
+                        f"{mean_run():.2f} < {until_runs}); raise max_steps.")
+        fit(round_steps)
+        done += round_steps
+    return bf16_state()

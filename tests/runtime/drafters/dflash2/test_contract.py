@@ -151,16 +151,54 @@ def test_gguf_metadata_round_trip():
     g = official()
     meta = {k: v for k, (_t, v) in gguf_metadata(g).items()}
     assert meta["dflash2.final_logit_softcapping"] == 20.0 and meta["dflash2.attention.sliding_window"] == 2048
+    assert meta["dflash2.num_target_layers"] == 52              # optional key: the loader checks the target depth
     back = DFlash2Geometry.from_gguf_metadata({"general.architecture": "dflash2", **meta})
-    assert back.__dict__ | {"num_target_layers": None} == g.__dict__ | {"num_target_layers": None}
+    assert back.__dict__ == g.__dict__
     with pytest.raises(ContractError, match="general.architecture is 'llama'"):
         DFlash2Geometry.from_gguf_metadata({"general.architecture": "llama", **meta})
     del meta["dflash2.selector_rank"]
     with pytest.raises(ContractError, match="'dflash2.selector_rank'"):
         DFlash2Geometry.from_gguf_metadata({"general.architecture": "dflash2", **meta})
     mixed = {**OFFICIAL, "layer_types": ["sliding_attention"] * 4 + ["full_attention"]}
-    with pytest.raises(ContractError, match="mixes sliding and full"):
+    with pytest.raises(ContractError, match="attend differently"):
         gguf_metadata(DFlash2Geometry.from_config(mixed))
+    # a file without the optional key (older converters) still reads, with the depth unknown
+    meta = {k: v for k, (_t, v) in gguf_metadata(g).items() if k != "dflash2.num_target_layers"}
+    assert DFlash2Geometry.from_gguf_metadata({"general.architecture": "dflash2", **meta}).num_target_layers is None
+
+
+BASE = {k: v for k, v in OFFICIAL.items() if k not in ("is_causal", "sliding_window", "use_sliding_window",
+                                                        "layer_types")}
+
+
+@pytest.mark.parametrize(("keys", "windows", "causal"), [
+    # transformers' Qwen3Config (the reference's config): use_sliding_window defaults to false and clears the window
+    ({}, [None] * 5, [False] * 5),
+    ({"sliding_window": 64, "layer_types": ["sliding_attention"] * 5}, [None] * 5, [True] * 5),
+    ({"sliding_window": 64, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 5}, [64] * 5,
+     [True] * 5),
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3}, [None] * 3 + [64] * 2,
+     [False] * 3 + [True] * 2),
+    ({"sliding_window": 64, "use_sliding_window": True}, [None] * 5, [False] * 5),     # max_window_layers 28
+    ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 3, "is_causal": False},
+     [None] * 3 + [64] * 2, [False] * 5),
+    ({"is_causal": True}, [None] * 5, [True] * 5),
+])
+def test_attention_defaults_follow_the_reference(keys, windows, causal):
+    """Without `is_causal`, exactly the sliding layers are causal; with it, every layer follows it."""
+    g = DFlash2Geometry.from_config({**BASE, **keys})
+    assert [g.layer_window(i) for i in range(5)] == windows
+    assert [g.layer_causal(i) for i in range(5)] == causal
+    if len({(w, c) for w, c in zip(windows, causal, strict=True)}) == 1:    # GGUF carries the effective values
+        meta = {k: v for k, (_t, v) in gguf_metadata(g).items()}
+        back = DFlash2Geometry.from_gguf_metadata({"general.architecture": "dflash2", **meta})
+        assert [back.layer_window(i) for i in range(5)] == windows
+        assert [back.layer_causal(i) for i in range(5)] == causal
+    else:
+        with pytest.raises(ContractError, match="attend differently"):
+            gguf_metadata(g)
+    with pytest.raises(ContractError, match="sliding_window must be a positive integer"):
+        DFlash2Geometry.from_config({**BASE, "use_sliding_window": True, "sliding_window": -1})
 
 
 def test_v1_style_config_without_layer_types():

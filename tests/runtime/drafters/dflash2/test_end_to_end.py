@@ -66,11 +66,17 @@ def test_greedy_speculative_equals_target_only(setup, art):
 
 @pytest.fixture(scope="module")
 def trained(setup):
-    """A drafter fitted to the target's greedy continuation of one prompt, as HF BF16 and GGUF Q8_0."""
+    """A drafter fitted to the target's greedy continuation of one prompt, as HF BF16 and GGUF Q8_0: trained
+    until its BF16 weights, walking the continuation greedily in the training forward, accept 5 proposals a
+    window (with a score margin), so the long-run property below does not hang on how far a fixed number of steps
+    gets on this CPU. The test then asserts the runs through the real loop (inference path, BF16 and Q8_0)."""
     root, target, _arts, _ref, base = setup
     ids = base.tokenizer.encode(PROMPTS[1]).ids
-    out = base.generate(ids, max_new_tokens=40).token_ids
-    state = train_on_sequence(_drafter_cfg(), base.model, torch.tensor(ids + out), first_anchor=len(ids) - 1)
+    W = _drafter_cfg()["dflash_config"]["block_size"]
+    longer = base.generate(ids, max_new_tokens=40 + W).token_ids     # every window of a 40-token run is whole
+    out = longer[:40]
+    state = train_on_sequence(_drafter_cfg(), base.model, torch.tensor(ids + longer), first_anchor=len(ids) - 1,
+                              until_runs=5.0, walk_from=len(ids))
     hf = write_hf_drafter(root / "trained", _drafter_cfg(), state)
     return ids, out, {"hf": hf, "q8_0": write_gguf_drafter(root / "trained-q8_0.gguf", hf, quant="q8_0")}
 
@@ -95,3 +101,23 @@ def test_sampled_speculative_is_seeded(setup):
     a = eng.generate(PROMPTS[0], max_new_tokens=N_NEW, sampling=sp)
     b = eng.generate(PROMPTS[0], max_new_tokens=N_NEW, sampling=sp)
     assert a.token_ids == b.token_ids and a.stats["proposed"] > 0
+
+
+def test_an_unconfigured_floor_is_the_kinds_default_and_an_explicit_zero_wins(setup):
+    """No floor in the config: a DFlash2 run uses 0.5 (the kind table's uncalibrated default) and its head's own
+    block size; `spec_min_p = 0` stays 0."""
+    from runtime.drafters.registry import KINDS
+
+    _root, target, arts, _ref, _ = setup
+    eng = Engine.build(target, "dflash2", drafter_path=arts["hf"], device="cpu", context=64)
+    assert eng.spec_min_p == KINDS["dflash2"].default_spec_min_p == 0.5
+    assert eng.block == 8                                      # the head's block_size
+    res = eng.generate(PROMPTS[0], max_new_tokens=4)
+    assert res.stats["spec_min_p"] == 0.5
+    zero = Engine.build(target, "dflash2", drafter_path=arts["hf"], device="cpu", context=64, spec_min_p=0.0)
+    assert zero.spec_min_p == 0.0
+    doc = {"schema": 1, "target": {"path": str(target)}, "drafter": {"kind": "dflash2", "path": str(arts["hf"])},
+           "memory": {"context": 64}, "device": {"type": "cpu"}}
+    assert Engine.from_config(doc).spec_min_p == 0.5
+    doc["speculative"] = {"spec_min_p": 0.0}
+    assert Engine.from_config(doc).spec_min_p == 0.0

@@ -264,3 +264,17 @@ def test_files_from_the_real_converter_load_identically(target, hf_folder, tmp_p
     b = load_dflash2_drafter(ref, target, context=CTX)
     for (pa, la), (pb, lb) in zip(run_windows(a), run_windows(b), strict=True):
         assert torch.equal(la, lb) and torch.equal(pa.tokens, pb.tokens)
+
+
+def test_converted_head_keeps_its_target_depth(target, hf_folder, tmp_path):
+    """`num_target_layers` survives conversion (an optional GGUF key), so a converted head made for a deeper
+    target is refused on load, as its HF folder is."""
+    from setup_wizard.convert import convert_dflash2
+
+    folder = _variant(tmp_path, hf_folder, cfg_patch=lambda c: {**c, "num_target_layers": 48})
+    conv = convert_dflash2(folder, "q8_0", tmp_path / "deep.gguf").path
+    with pytest.raises(ContractError, match="made for a target with 48 layers, this target has 3"):
+        load_dflash2_drafter(conv, target, context=CTX)
+    right = _variant(tmp_path, hf_folder, cfg_patch=lambda c: {**c, "num_target_layers": 3}, name="right")
+    ok = convert_dflash2(right, "q8_0", tmp_path / "ok.gguf").path
+    assert load_dflash2_drafter(ok, target, context=CTX).geom.num_target_layers == 3

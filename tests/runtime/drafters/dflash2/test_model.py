@@ -1,12 +1,10 @@
-"""DFlash2 model pieces against hand-computed cases and a literal re-implementation of docs/models.md ("DFlash2 drafter")."""
+"""DFlash2 model pieces against hand-computed cases (the whole drafter against z-lab's reference: test_reference.py)."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-import torch.nn.functional as F
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.dflash2.model import ContextCache, DFlash2Model, GroupedDynamicCausalConv, select_walk
@@ -145,93 +143,6 @@ def test_sampled_walk_keeps_q_over_candidates():
 
 
 # ------------------------------------------------------------------------------------------------ whole forward
-
-def naive_window(model: DFlash2Model, ctx_taps, anchor: int, P: int, W: int, embed_w, head_w):
-    """docs/models.md ("DFlash2 drafter", steps 1-5) written out with plain tensor ops, one head at a time (fp32)."""
-    g = model.geom
-    sd = {k: v.float() for k, v in model.state_dict().items()}
-    eps, hd, nh, nkv = g.rms_norm_eps, g.head_dim, g.num_heads, g.num_kv_heads
-
-    def rms(x, w):
-        return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    def rope(x, pos):  # x [n, heads, hd]
-        inv = 1.0 / (g.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
-        ang = pos.float()[:, None] * inv[None]
-        cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-        rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
-        return x * cos + rot * sin
-
-    C = ctx_taps.shape[0]
-    c = rms(ctx_taps @ sd["fc.weight"].T, sd["hidden_norm.weight"])
-    ids = torch.tensor([anchor] + [g.mask_token_id] * (W - 1))
-    x = embed_w[ids] * g.input_embedding_scale
-    ctx_pos, blk_pos = torch.arange(C), torch.arange(P, P + W)
-    key_pos = torch.cat([ctx_pos, blk_pos])
-    G = g.conv_group_size
-
-    def conv_pair(prefix, y):
-        dyn = (y @ sd[prefix + ".kernel_projection.weight"].T).view(W, 2, g.conv_kernel_size, -1)
-        base = sd[prefix + ".base_kernel"]
-        return naive_conv(y[None], dyn[None, :, 0], base[0], G)[0], (dyn[:, 1], base[1])
-
-    for i in range(g.num_layers):
-        p = f"layers.{i}."
-        y = rms(x, sd[p + "input_layernorm.weight"])
-        y, (d1, b1) = conv_pair(p + "attention_conv", y)
-        q = rope(rms((y @ sd[p + "self_attn.q_proj.weight"].T).view(W, nh, hd), sd[p + "self_attn.q_norm.weight"]), blk_pos)
-        def kv(src, pos, p=p):  # noqa: E306
-            k = rms((src @ sd[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd), sd[p + "self_attn.k_norm.weight"])
-            return rope(k, pos), (src @ sd[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
-        kc, vc = kv(c, ctx_pos)          # the context does not go through input_layernorm
-        kb, vb = kv(y, blk_pos)
-        k, v = torch.cat([kc, kb]), torch.cat([vc, vb])
-        outs = []
-        for h in range(nh):
-            kvh = h // (nh // nkv)
-            s = (q[:, h] @ k[:, kvh].T) / math.sqrt(hd)
-            window = g.layer_window(i)
-            vis = torch.ones_like(s, dtype=torch.bool)
-            if g.is_causal:
-                vis &= key_pos[None] <= blk_pos[:, None]
-            if window is not None:
-                vis &= (blk_pos[:, None] - key_pos[None]).abs() < window
-            s = s.masked_fill(~vis, float("-inf"))
-            outs.append(torch.softmax(s, -1) @ v[:, kvh])
-        y = torch.cat(outs, -1) @ sd[p + "self_attn.o_proj.weight"].T
-        y = naive_conv(y[None], d1[None], b1, G)[0]
-        x = x + y
-        y = rms(x, sd[p + "post_attention_layernorm.weight"])
-        y, (d2, b2) = conv_pair(p + "mlp_conv", y)
-        y = (F.silu(y @ sd[p + "mlp.gate_proj.weight"].T) * (y @ sd[p + "mlp.up_proj.weight"].T)) @ sd[p + "mlp.down_proj.weight"].T
-        y = naive_conv(y[None], d2[None], b2, G)[0]
-        x = x + y
-    hs = rms(x, sd["norm.weight"])[1:]
-    logits = (hs @ head_w.T) * g.output_multiplier
-    if g.final_logit_softcapping:
-        logits = torch.tanh(logits / g.final_logit_softcapping) * g.final_logit_softcapping
-    return hs, logits
-
-
-@pytest.mark.parametrize("extra", [
-    {},
-    {"is_causal": True},
-    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
-    {"heads": 4, "kv_heads": 2, "head_dim": 16, "kernel": 3, "group": 32, "embed_scale": 2.0, "softcap": None},
-])
-def test_inference_path_matches_literal_spec(extra):
-    model = make_model(**extra)
-    embed, head = shared()
-    taps = torch.randn(9, 2 * 64)
-    cache = ContextCache(model, 32)
-    cache.append(model, taps[:4], 0)       # observed in two pieces, as the loop does
-    cache.append(model, taps[4:], 4)
-    hs = model.draft_hidden(anchor=7, pos=9, width=6, cache=cache, embed=embed)
-    logits = model.compute_logits(hs, head)
-    ref_hs, ref_logits = naive_window(model, taps, 7, 9, 6, embed.weight.detach(), head.weight.detach())
-    torch.testing.assert_close(hs, ref_hs, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-
 
 def test_training_forward_matches_inference_and_trains():
     model = make_model(layer_types=["sliding_attention", "sliding_attention"], sliding_window=6)
