@@ -13,7 +13,8 @@ MODULE = Path(__file__).resolve().parents[1] / "runtime" / "gpu" / "moe_gemv.py"
 
 
 def main() -> int:
-    best = json.loads(Path(sys.argv[1]).read_text()).get("best") or {}
+    doc = json.loads(Path(sys.argv[1]).read_text())
+    best = (doc.get("tune_decode") or doc).get("best") or {}
     text = MODULE.read_text()
     m = re.search(r"^DECODE_GEMV: dict\[str, str \| None\] = \{.*?\}\n", text, flags=re.M | re.S)
     if m is None:

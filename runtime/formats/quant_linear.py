@@ -53,7 +53,9 @@ class QuantLinear(nn.Module):
             from runtime.gpu import dense_kernels, kernels
 
             # dequantized in registers: no float copy of the matrix, one launch (K-quants: the fallback below)
-            if kernels.available(x) and self.qtype in dense_kernels.QCODE:
+            if kernels.available(x) and (self.qtype in dense_kernels.QCODE or (
+                    x.reshape(-1, self.in_features).shape[0] <= dense_kernels.GEMV_ROWS
+                    and dense_kernels.moe_gemv.variant(self.qtype) is not None)):
                 y = dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

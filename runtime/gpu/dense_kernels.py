@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from runtime.formats.registry import FORMATS
-from runtime.gpu.kernels import HAVE_TRITON
+from runtime.gpu import moe_gemv
+from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
     import triton
@@ -84,13 +85,28 @@ if HAVE_TRITON:
         tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+GEMV_ROWS = 64   # up to this many rows (decode and verify windows) a quantized matrix goes through the GEMV kernels
+
+
 def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Tensor:
-    """x [..., K] @ dequant(blocks [N, K/32 * block_bytes])^T -> [..., N] in x's dtype."""
-    code, bsz = QCODE[qtype], FORMATS[qtype].block_bytes
+    """x [..., K] @ dequant(blocks [N, K/32 * block_bytes])^T -> [..., N] in x's dtype.
+
+    Decode and verify windows (few rows) use the matrix-vector kernels of runtime/gpu/moe_gemv.py, the matrix taken
+    as the single expert every row is routed to (weight 1): the weights are read once, by many programs, and a row's
+    bits do not depend on the other rows. Longer inputs (prefill) use the tiled kernel below."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     M = x2.shape[0]
     N = blocks.shape[0]
+    cfg = moe_gemv.variant(qtype) if M <= GEMV_ROWS else None
+    if cfg is not None:
+        one = torch.zeros(M, dtype=torch.int32, device=x.device)          # every row -> expert 0
+        rows = torch.arange(M, dtype=torch.int32, device=x.device)        # output row of each pair
+        y = torch.empty(M, N, dtype=torch.float32, device=x.device)
+        moe_gemv.down(x2, one, one, rows, torch.ones(M, dtype=torch.float32, device=x.device), blocks[None], y,
+                      qtype, 1, False, False, pow2(M), cfg)
+        return y.to(x.dtype).reshape(*lead, N)
+    code, bsz = QCODE[qtype], FORMATS[qtype].block_bytes
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     BM = 16 if M <= 16 else 32
     BN = 64

@@ -53,8 +53,7 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
 }
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels); one choice serves
 # every window width, which keeps a row's bits independent of the width
-DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2", "q5_0": "n8j2", "q4_0": "n8j2",
-                                      "q6_k": "n8j2", "q4_k": "n8j2"}
+DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
