@@ -39,6 +39,7 @@ class Plan:
     why: dict[str, str] = field(default_factory=dict)  # answer → why it was recommended
     budget: B.Budget | None = None  # known when the target (and drafter geometry) is already here
     context_given: bool = True  # False: recommend it again once the model's geometry is known
+    prefill_chunk: int | None = None  # chosen with the budget on a GPU (None: the runtime's default)
     config_path_given: bool = True  # False: the default name, which follows the target quantization chosen later
     record_routing: bool = True  # offloaded experts: record the routing profile that places them (--no-calibrate: no)
     target_quant: str = "bf16"  # how the target is stored: bf16 (the folder as is), q8_0/q4_0 (converted to GGUF)
@@ -386,8 +387,21 @@ def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry 
                           kv_quant=kv_quant, prefill_chunk=prefill_chunk)
 
 
+# prompt tokens per prefill forward on a GPU, longest first: 8192 ran prefill 1.7x faster than 2048 on the H200
+# (bench/results/h200_session3/prefill_chunks.json) and costs about 0.25 GiB more scratch on the A3B shape
+GPU_PREFILL_CHUNKS = (8192, 2048)
+
+
 def compute(plan: Plan, geo: TargetGeometry, dgeo: DFlash2Geometry | None) -> B.Budget:
-    """The budget of the plan, the target at its planned size."""
-    return B.compute_budget(stored_geometry(plan, geo), plan.drafter,
-                            budget_inputs(plan, plan.hardware, plan.context, dgeo), dflash2=dgeo,
-                            quant=plan.quant or "bf16")
+    """The budget of the plan, the target at its planned size. On a GPU it also picks the prefill chunk
+    (`plan.prefill_chunk`): the longest that still keeps every expert resident, else the shortest (an offloaded
+    model keeps its slots for decode)."""
+    chunks = GPU_PREFILL_CHUNKS if plan.hardware.device_type == "cuda" else (None,)
+    for chunk in chunks:
+        budget = B.compute_budget(stored_geometry(plan, geo), plan.drafter,
+                                  budget_inputs(plan, plan.hardware, plan.context, dgeo, prefill_chunk=chunk),
+                                  dflash2=dgeo, quant=plan.quant or "bf16")
+        plan.prefill_chunk = chunk
+        if budget.fits and budget.expert_cache_slots >= budget.total_experts:
+            break
+    return budget

@@ -258,6 +258,7 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
             "dtype": dtype,
             "kv_dtype": dtype,
             "reserve_mib": plan.reserve_mib,
+            "prefill_chunk": plan.prefill_chunk,
             "expert_cache_slots": budget.expert_cache_slots,
             "total_experts": budget.total_experts,
             "expert_bytes": budget.expert_bytes,
