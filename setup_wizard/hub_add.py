@@ -91,6 +91,7 @@ class Found:
     drafters: list[str] = field(default_factory=list)   # targets: the drafters it can run with
     heads: list[str] = field(default_factory=list)      # targets: catalog heads that fit it
     fits: list[str] = field(default_factory=list)       # heads: catalog targets it fits
+    ready: list[str] = field(default_factory=list)      # heads: those of `fits` that are pinned (can be set up)
     replaces: str | None = None                # the catalog entry of this name it replaces, in words
     notes: list[str] = field(default_factory=list)
     free_bytes: int = 0
@@ -119,7 +120,7 @@ class Found:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "repo": self.repo, "ref": self.ref, "revision": self.revision,
                 "summary": self.summary, "geometry": self.geometry, "mtp": self.mtp, "drafters": self.drafters,
-                "heads": self.heads, "fits": self.fits, "size": self.size, "free_bytes": self.free_bytes,
+                "heads": self.heads, "fits": self.fits, "ready": self.ready, "size": self.size, "free_bytes": self.free_bytes,
                 "replaces": self.replaces, "notes": self.notes, "catalog": str(self.catalog),
                 "files": [{"path": f.path, "sha256": f.sha256, "size": f.size, "lfs": f.lfs} for f in self.files]}
 
@@ -133,7 +134,7 @@ class Found:
         else:
             out.append(f"  MTP head:  {'yes' if self.mtp else 'no'}")
             how = " or ".join(self.drafters)
-            heads = (f"; DFlash2 heads that fit it: {', '.join(self.heads)}" if self.heads
+            heads = (f"; catalog heads that fit it: {', '.join(self.heads)}" if self.heads
                      else "; no head in the catalog fits it yet (add one with `strata-setup models add ORG/HEAD`)")
             out.append(f"  drafters:  {how}{heads if 'dflash2' in self.drafters else ''}")
         n = len(self.files)
@@ -491,11 +492,17 @@ def _inspect_target(r: _Repo, cfg: dict[str, Any], cat: Catalog, store: Store, f
     found.summary = (f"qwen3_moe, {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts "
                      f"(top-{c.num_experts_per_tok}), vocab {c.vocab_size}, up to {c.max_position_embeddings} tokens, "
                      f"{_count(params)} parameters ({'/'.join(dtypes)}), {'with' if mtp else 'no'} MTP head")
+    user = user_catalog_path()
     for h in cat.heads():
         hcfg = _config_of(h, store)
         g = _head_geometry(hcfg) if hcfg else None
-        if g is not None and pairing_problem(g, c.hidden_size, c.vocab_size, c.num_hidden_layers) is None:
+        if g is None or pairing_problem(g, c.hidden_size, c.vocab_size, c.num_hidden_layers) is not None:
+            continue
+        if found.name in h.fits or Path(h.origin) == user:     # a head of your catalog lists it when this is saved
             found.heads.append(h.name)
+        elif h.source == "hf" and h.repo:
+            found.notes.append(f"{h.name} fits it by shape, but its entry lists only {', '.join(h.fits)}; "
+                               f"`strata-setup models add {h.repo}` pins it for every target it fits.")
 
 
 def _inspect_head(r: _Repo, cfg: dict[str, Any], kind: str | None, cat: Catalog, store: Store,
@@ -530,6 +537,8 @@ def _inspect_head(r: _Repo, cfg: dict[str, Any], kind: str | None, cat: Catalog,
         shape = _target_shape(tcfg) if tcfg else None
         if shape is not None and pairing_problem(geom, *shape) is None:
             found.fits.append(t.name)
+            if t.pinned:
+                found.ready.append(t.name)
     if not found.fits:
         layers = f"{ntl} layers" if ntl else f"at least {max(geom.target_layer_ids) + 1} layers"
         raise UsageError(f"{r.where()} drafts for a target with hidden size {geom.hidden_size}, vocabulary "

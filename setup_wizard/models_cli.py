@@ -387,8 +387,11 @@ def add_cmd(repo: str = typer.Argument(..., help="Hub repository id, such as Qwe
         return
     out.print(f"Added {found.name} to {found.catalog} (pinned at {found.revision}).", highlight=False,
               soft_wrap=True)
-    if found.is_head:
-        out.print(f"Use it: strata-setup --target {found.fits[0]} --drafter dflash2 --dflash2-head {found.name}",
+    if found.is_head and found.ready:
+        out.print(f"Use it: strata-setup --target {found.ready[0]} --dflash2-head {found.name}", highlight=False,
+                  soft_wrap=True)
+    elif found.is_head:
+        out.print(f"Pin a target it fits first ({', '.join(found.fits)}): strata-setup models add ORG/TARGET",
                   highlight=False, soft_wrap=True)
     else:
         out.print(f"Download it now: strata-setup models pull {found.name} ({_fmt_size(found.size)}), or set it "

@@ -233,6 +233,11 @@ def test_names_kinds_and_fits(env, home, models):
     assert res.exit_code == 2 and "pass --kind dflash" in " ".join(res.output.split())
     doc = add("t/head-v1", "--kind", "dflash")
     assert doc["kind"] == "dflash" and set(doc["fits"]) == {"my-nano", "qwen3-30b-a3b"}
+    # a target added later is listed in the fits of your catalog's heads that fit it
+    hub.publish("t/later", models["sharded"])
+    assert add("t/later")["heads"] == ["head-v1"]
+    entries = {e["name"]: e for e in tomllib.loads((home / "catalog.toml").read_text())["entry"]}
+    assert entries["head-v1"]["fits"] == ["later", "my-nano", "qwen3-30b-a3b"]
     # a head for a shape no catalog target has
     hub.publish("t/head-wide", _files(write_hf_drafter(Path(home.parent / "wide"),
                                                        drafter_config(hidden=96, vocab=80, taps=(0, 2)), seed=3)))
