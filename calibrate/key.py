@@ -102,10 +102,10 @@ def key_for_config(config: dict[str, Any], *, device: tuple[str, int] | None = N
     if kind == "mtp":          # the MTP head lives inside the target checkpoint and is stored as the target is
         dsha = dsha or tsha
         quant = quant or "native"
-    elif kind == "dflash2" and not dsha:
+    elif KINDS[kind].needs_file and not dsha:
         raise CalibrationConfigError("the config has no [drafter] sha256 for the DFlash2 artifact; "
                                      "re-run strata-setup to record it.")
-    elif kind == "dflash2" and not quant:
+    elif KINDS[kind].needs_file and not quant:
         raise CalibrationConfigError("the config has no [drafter] quantization for the DFlash2 artifact; "
                                      "re-run strata-setup to record it.")
     try:

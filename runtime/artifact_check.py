@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import StrataConfig
+from runtime.drafters.registry import KINDS
 from runtime.errors import CorruptArtifactError, StaleArtifactError
 from runtime.fileio import sha256_file
 
@@ -101,7 +102,7 @@ def check_config_artifacts(cfg: StrataConfig) -> None:
         _check_file(root / rel, rec.size, rec.sha256, rec.mtime_ns, "target file", hint,
                     _manifest_time(m, rel, rec.sha256))
     d = cfg.drafter
-    if d.kind == "dflash2" and d.path:
+    if KINDS[d.kind].needs_file and d.path:
         dpath = cfg.resolve(d.path)
         if dpath.is_dir():      # an HF-folder drafter: the loader validates its files; no single-file pin to check
             _check_mark(dpath, cfg, "DFlash2 drafter")

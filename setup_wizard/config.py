@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from runtime.config import SCHEMA, parse, read_toml, tomlable  # noqa: F401  (SCHEMA: the one schema version)
+from runtime.drafters.registry import KINDS
 from runtime.errors import ConfigError, WorkError
 from setup_wizard.store import manifest_sha256, sha256_file  # noqa: F401  (re-exported: one formula)
 
@@ -185,7 +186,7 @@ def stale_reasons(doc: Mapping[str, Any], *, deep: bool = False) -> list[str]:
             elif deep and sha256_file(f) != meta.get("sha256"):
                 reasons.append(f"the target file {f} changed (sha256 differs)")
     drafter = doc.get("drafter", {})
-    if drafter.get("kind") == "dflash2":
+    if KINDS[drafter.get("kind", "none")].needs_file:
         dpath = Path(drafter.get("path", ""))
         if not dpath.is_file():
             reasons.append(f"the DFlash2 drafter {dpath} is missing")

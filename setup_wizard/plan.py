@@ -297,7 +297,7 @@ def size_options(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geometry |
     quants = TS.TARGET_QUANTS if conversion_problem(plan) is None else ("bf16",)
     for q in quants:
         p = replace(plan, target_quant=q, sizes=[])
-        if geo is None or (plan.drafter == "dflash2" and dgeo is None):
+        if geo is None or (KINDS[plan.drafter].needs_file and dgeo is None):
             opts.append(TS.option(q, None, None, context=context or 4096, wb=wb,
                                   checkpoint_bytes=plan.target.size_bytes, here=here,
                                   with_mtp=plan.drafter == "mtp"))

@@ -310,7 +310,7 @@ def _record_mtimes(doc: dict[str, Any]) -> None:
             meta["mtime_ns"] = f.stat().st_mtime_ns
     doc["target"]["files"] = files
     d = doc.get("drafter") or {}
-    if d.get("kind") == "dflash2" and d.get("path") and Path(d["path"]).is_file():
+    if KINDS[d.get("kind", "none")].needs_file and d.get("path") and Path(d["path"]).is_file():
         d["mtime_ns"] = Path(d["path"]).stat().st_mtime_ns
 
 
@@ -329,7 +329,7 @@ def budget_for_doc(doc: Mapping[str, Any], hw: Hardware, *, vram_limit_mib: int 
     geo = target_geometry(Path(target["path"]))
     kind = drafter["kind"]
     dgeo = None
-    if kind == "dflash2":
+    if KINDS[kind].needs_file:
         src = drafter.get("source_path")
         dgeo = drafter_geometry(Path(src)) if src and Path(src).exists() else None
         dgeo = dgeo or drafter_geometry(Path(drafter["path"]))
