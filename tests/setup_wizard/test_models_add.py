@@ -245,6 +245,33 @@ def test_names_kinds_and_fits(env, home, models):
     assert res.exit_code == 2 and "no target in your catalog has that shape" in " ".join(res.output.split())
 
 
+def test_sharded_head_is_header_checked_and_pulled(env, home, models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hub = env
+    src = tmp_path / "src.safetensors"
+    src.write_bytes(models["head"]["model.safetensors"])
+    state = load_file(str(src))
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    files = {"config.json": models["head"]["config.json"]}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / shard))
+        files[shard] = (tmp_path / shard).read_bytes()
+    files["model.safetensors.index.json"] = json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}).encode()
+    hub.publish("t/moe", models["single"])
+    hub.publish("t/sharded-head", files)
+    add("t/moe")
+    doc = add("t/sharded-head")
+    assert [f["path"] for f in doc["files"]] == ["config.json", "model.safetensors.index.json", *shards]
+    res = run("models", "pull", "sharded-head")
+    assert res.exit_code == 0, res.output
+    for shard in shards:       # the pull read both headers with ranged requests before fetching the weights
+        gets = hub.gets(shard)
+        assert gets.index(None) > 0 and all(g is not None for g in gets[:gets.index(None)])
+
+
 def test_v1_head_pulls_converts_and_drafts(env, home, models):
     hub = env
     hub.publish("t/moe", models["single"])
