@@ -54,8 +54,12 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
     if ans.target is None:
         ans.target = _ask_target(ans, services, io)
 
-    # what the plan would recommend from here on (also validates the target)
-    draft = resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
+    # what the plan would recommend from here on (also validates the target); a DFlash2 setup whose head is still to
+    # be chosen (perhaps added from the Hub below) is probed without it
+    probe = ans
+    if not ans.dflash2_head and (ans.dflash2_quant or (ans.drafter and KINDS[ans.drafter].needs_file)):
+        probe = replace(ans, drafter="none", dflash2_quant=None)
+    draft = resolve(replace(probe), hw, services)
     target = draft.target
     heads = services.heads(target.name) if target.source != "local" else []
 

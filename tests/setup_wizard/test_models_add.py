@@ -297,12 +297,13 @@ def test_wizard_adds_a_typed_repository_and_a_suggestion(env, home, models):
     hub.publish("Qwen/Qwen3-Coder-30B-A3B-Instruct", models["single"])
     up, down, enter = "\x1b[A", "\x1b[B", "\r"
 
-    def drive(keys: str) -> int:
+    def drive(keys: str, **choices) -> int:
+        ch = {"drafter": "none", "context": 128, "vram_reserve_mib": 0, "calibrate": False, "target_quant": "bf16",
+              **choices}
         with create_pipe_input() as inp:
             inp.send_text(keys)
-            return cli.run_setup(Choices(drafter="none", context=128, vram_reserve_mib=0, calibrate=False,
-                                         target_quant="bf16"),
-                                 interactive=True, dry_run=False, json_out=False, input=inp, output=DummyOutput())
+            return cli.run_setup(Choices(**ch), interactive=True, dry_run=False, json_out=False, input=inp,
+                                 output=DummyOutput())
 
     # the last item of the target list: a repository typed in; then "add it?" and "go ahead?"
     assert drive(up + enter + "t/typed-moe" + enter + enter + enter) == 0
@@ -311,3 +312,9 @@ def test_wizard_adds_a_typed_repository_and_a_suggestion(env, home, models):
     assert drive(down * 4 + enter + enter + enter) == 0
     conf = tomllib.loads((home / "configs" / "qwen3-coder-30b-a3b-instruct-none.toml").read_text())
     assert conf["target"]["revision"] == hub.commit_of("Qwen/Qwen3-Coder-30B-A3B-Instruct", "main")
+    # no head fits typed-moe yet: the head question offers one from the Hub (a head that fits, then "add it?")
+    hub.publish("t/wiz-head", models["head"])
+    assert drive(enter + "t/wiz-head" + enter + enter + enter, target="typed-moe", drafter="dflash2",
+                 dflash2_quant="bf16") == 0
+    conf = tomllib.loads((home / "configs" / "typed-moe-dflash2-bf16.toml").read_text())
+    assert conf["drafter"]["head"] == "wiz-head"
