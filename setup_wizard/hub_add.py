@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory, pairing_problem
-from runtime.errors import ConfigError, ContractError, StrataError, UsageError, WorkError
+from runtime.errors import ConfigError, ContractError, StrataError, UsageError, WorkError, one_of
 from runtime.fileio import atomic_write_text
 from runtime.formats.safetensors_files import INDEX, SINGLE
 from setup_wizard.catalog import (
@@ -120,8 +120,8 @@ class Found:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "repo": self.repo, "ref": self.ref, "revision": self.revision,
                 "summary": self.summary, "geometry": self.geometry, "mtp": self.mtp, "drafters": self.drafters,
-                "heads": self.heads, "fits": self.fits, "ready": self.ready, "size": self.size, "free_bytes": self.free_bytes,
-                "replaces": self.replaces, "notes": self.notes, "catalog": str(self.catalog),
+                "heads": self.heads, "fits": self.fits, "ready": self.ready, "size": self.size,
+                "free_bytes": self.free_bytes, "replaces": self.replaces, "notes": self.notes, "catalog": str(self.catalog),
                 "files": [{"path": f.path, "sha256": f.sha256, "size": f.size, "lfs": f.lfs} for f in self.files]}
 
     def lines(self) -> list[str]:
@@ -133,7 +133,7 @@ class Found:
                        f"vocabulary and layer count)")
         else:
             out.append(f"  MTP head:  {'yes' if self.mtp else 'no'}")
-            how = " or ".join(self.drafters)
+            how = one_of(self.drafters)
             heads = (f"; catalog heads that fit it: {', '.join(self.heads)}" if self.heads
                      else "; no head in the catalog fits it yet (add one with `strata-setup models add ORG/HEAD`)")
             out.append(f"  drafters:  {how}{heads if 'dflash2' in self.drafters else ''}")
