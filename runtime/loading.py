@@ -7,6 +7,7 @@ other than known-harmless ones are refused, so a wrong checkpoint fails with a m
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -56,37 +57,52 @@ def check_target_tensors(folder: str | Path, with_mtp: bool = True):
     """The checkpoint's tensors checked against what config.json says, from the safetensors headers alone (no
     weight is read): every expected tensor present with its shape and a floating-point dtype, nothing unexpected.
     Returns (config, {name: TensorRef}, the model built on the meta device). LoadError (one sentence) otherwise."""
-    from runtime.formats.safetensors_files import DTYPE_BYTES
-
     folder = Path(folder)
     if not folder.is_dir():
         raise LoadError(f"target folder {folder} does not exist.")
-    read_config(folder)               # a missing config.json is the first thing to report
+    config = read_config(folder)      # a missing config.json is the first thing to report
     refs = inventory(folder, error=LoadError)
-    cfg = load_config(folder, set(refs))
-    if not with_mtp:
-        cfg.mtp_layers = 0
+    cfg, model = check_target_inventory(config, {k: (r.shape, r.dtype) for k, r in refs.items()},
+                                        f"checkpoint in {folder}", with_mtp)
+    return cfg, refs, model
+
+
+def check_target_inventory(config: dict, found: Mapping[str, tuple[tuple[int, ...], str]], where: str,
+                           with_mtp: bool = True):
+    """`check_target_tensors` on a tensor table {name: (shape, safetensors dtype)}, wherever it was read (a folder's
+    headers, or a Hub repository's headers read with ranged requests before anything is downloaded). `where`
+    starts the message ("checkpoint in FOLDER"). Returns (config, the model built on the meta device)."""
+    from runtime.formats.safetensors_files import DTYPE_BYTES
+
+    try:
+        cfg = Qwen3MoeConfig.from_dict(config)
+    except ConfigError as e:
+        raise LoadError(str(e)) from e
+    has_mtp = any(n.startswith("mtp.") for n in found)
+    cfg.mtp_layers = 1 if has_mtp and with_mtp else 0
+    if has_mtp:
+        cfg.mtp_sparse = "mtp.layers.0.mlp.gate.weight" in found
     with torch.device("meta"):
         model = Qwen3MoeModel(cfg)
     expected = {k: v for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in refs]
+    missing = [k for k in expected if k not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise LoadError(f"checkpoint in {folder} lacks tensor {missing[0]}{more}; it does not match config.json.")
-    extra = [k for k in refs if k not in expected and not (k.startswith("mtp.") and not with_mtp)
+        raise LoadError(f"{where} lacks tensor {missing[0]}{more}; it does not match config.json.")
+    extra = [k for k in found if k not in expected and not (k.startswith("mtp.") and not with_mtp)
              and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if extra:
-        raise LoadError(f"checkpoint in {folder} has unexpected tensor {extra[0]}; it does not match config.json.")
+        raise LoadError(f"{where} has unexpected tensor {extra[0]}; it does not match config.json.")
     for k, want in expected.items():
-        ref = refs[k]
-        if tuple(ref.shape) != tuple(want.shape):
-            raise LoadError(f"tensor {k} has shape {tuple(ref.shape)}, expected {tuple(want.shape)} from "
+        shape, dtype = found[k]
+        if tuple(shape) != tuple(want.shape):
+            raise LoadError(f"tensor {k} has shape {tuple(shape)}, expected {tuple(want.shape)} from "
                             f"config.json.")
-        if ref.dtype not in DTYPE_BYTES or not ref.dtype.startswith(("F", "BF")):
-            raise LoadError(f"tensor {k} has dtype {ref.dtype}; expected floating-point weights.")
-    return cfg, refs, model
+        if dtype not in DTYPE_BYTES or not dtype.startswith(("F", "BF")):
+            raise LoadError(f"tensor {k} has dtype {dtype}; expected floating-point weights.")
+    return cfg, model
 
 
 def load_target(folder: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,

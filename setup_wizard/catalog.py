@@ -1,4 +1,6 @@
-"""The model catalog: `configs/catalog.toml` (shipped) merged with `STRATA_CATALOG` (a user's or test's own file).
+"""The model catalog: `configs/catalog.toml` (shipped), then the user catalog `$STRATA_HOME/catalog.toml` (what
+`strata-setup models add` pinned), then `STRATA_CATALOG` (a file named for one process: a test, a team's shared
+pins); a later file's entry replaces an earlier one of the same name (docs/store.md, "Catalog").
 
 Every entry is validated on load; a problem raises `CatalogError` naming the catalog file, the entry and the key.
 An entry is *pinned* when it carries a full 40-hex `revision` and at least one `[[entry.file]]` with a 64-hex
@@ -22,7 +24,9 @@ from typing import Any
 
 from runtime.errors import UsageError
 
-KINDS = ("target", "dflash2")
+HEAD_KINDS = ("dflash2", "dflash")   # drafter heads: DFlash2, and DFlash v1 (no convolutions, no selector)
+KINDS = ("target", *HEAD_KINDS)
+USER_CATALOG = "catalog.toml"
 SOURCES = ("hf", "bundled")
 ENV_CATALOG = "STRATA_CATALOG"
 
@@ -60,13 +64,13 @@ class CatalogFile:
 @dataclass(frozen=True)
 class CatalogEntry:
     name: str
-    kind: str                      # target | dflash2
+    kind: str                      # target | dflash2 | dflash (a v1 head, run by the dflash2 drafter)
     source: str                    # hf | bundled
     repo: str | None               # hf: "org/name"; bundled: folder name under setup_wizard/bundled
     revision: str | None           # full 40-hex commit (hf); None when unpinned
     files: tuple[CatalogFile, ...] = ()
-    fits: tuple[str, ...] = ()     # dflash2: the target entries it drafts for
-    default: bool = False          # dflash2: the head chosen when --dflash2-head is not given
+    fits: tuple[str, ...] = ()     # heads: the target entries it drafts for
+    default: bool = False          # heads: the head chosen when --dflash2-head is not given
     description: str = ""
     mtp: bool | None = None        # target: has an MTP head
     origin: str = ""               # which catalog file defined it
@@ -89,9 +93,15 @@ class CatalogEntry:
     def weights_files(self) -> list[CatalogFile]:
         return [f for f in self.files if f.path.endswith(".safetensors")]
 
+    @property
+    def is_head(self) -> bool:
+        return self.kind in HEAD_KINDS
+
     def unpinned_message(self) -> str:
+        how = (f"pin it with `strata-setup models add {self.repo}`" if self.source == "hf" and self.repo
+               else "add a pinned entry with `strata-setup models add REPO`")
         return (f"Catalog entry {self.name!r} is not pinned (no full revision and file hashes are known for it), so "
-                f"it cannot be downloaded; add a pinned entry in a STRATA_CATALOG file, or pass a local folder.")
+                f"it cannot be downloaded; {how}, or pass a local folder.")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "source": self.source, "repo": self.repo,
@@ -122,8 +132,8 @@ class Catalog:
         return [e for e in self if e.kind == "target"]
 
     def heads(self, target: str | None = None) -> list[CatalogEntry]:
-        """DFlash2 heads, those that fit `target` when given (the default first)."""
-        hs = [e for e in self if e.kind == "dflash2" and (target is None or target in e.fits)]
+        """Drafter heads (DFlash2 and DFlash v1), those that fit `target` when given (the default first)."""
+        hs = [e for e in self if e.is_head and (target is None or target in e.fits)]
         return sorted(hs, key=lambda e: (not e.default, e.name))
 
     def default_head(self, target: str) -> CatalogEntry | None:
@@ -228,7 +238,7 @@ def _entry(raw: Any, origin: str, idx: int) -> CatalogEntry:
         raise CatalogError(f"{label}: key 'repo' is missing.")
     fits = raw.get("fits", [])
     default = raw.get("default", False)
-    if kind == "dflash2":
+    if kind in HEAD_KINDS:
         if not isinstance(fits, list) or not fits or not all(isinstance(f, str) for f in fits):
             raise CatalogError(f"{label}: key 'fits' must list the target entries this head drafts for.")
         if not isinstance(default, bool):
@@ -236,7 +246,7 @@ def _entry(raw: Any, origin: str, idx: int) -> CatalogEntry:
     else:
         if "fits" in raw or "default" in raw:
             bad = "fits" if "fits" in raw else "default"
-            raise CatalogError(f"{label}: key {bad!r} is only for dflash2 entries.")
+            raise CatalogError(f"{label}: key {bad!r} is only for head entries ({', '.join(HEAD_KINDS)}).")
     mtp = raw.get("mtp")
     if mtp is not None and (kind != "target" or not isinstance(mtp, bool)):
         raise CatalogError(f"{label}: key 'mtp' is true/false and only for target entries.")
@@ -248,7 +258,7 @@ def _entry(raw: Any, origin: str, idx: int) -> CatalogEntry:
     desc = raw.get("description", "")
     if not isinstance(desc, str):
         raise CatalogError(f"{label}: key 'description' must be a string.")
-    is_head = kind == "dflash2"
+    is_head = kind in HEAD_KINDS
     return CatalogEntry(name=name, kind=kind, source=source, repo=repo, revision=revision, files=tuple(files),
                         fits=tuple(fits) if is_head else (), default=bool(default) and is_head, description=desc,
                         mtp=mtp, origin=origin)
@@ -283,7 +293,7 @@ def _read(path: Path) -> list[CatalogEntry]:
 def _cross_check(cat: Catalog) -> None:
     targets = {e.name for e in cat.targets()}
     for e in cat:
-        if e.kind != "dflash2":
+        if not e.is_head:
             continue
         for t in e.fits:
             if t not in targets:
@@ -296,11 +306,25 @@ def _cross_check(cat: Catalog) -> None:
                                f"({', '.join(defaults)}); mark one with default = true.")
 
 
+def user_catalog_path(env: Mapping[str, str] | None = None) -> Path:
+    """`$STRATA_HOME/catalog.toml`: the entries `strata-setup models add` pinned."""
+    env = os.environ if env is None else env
+    if env.get("STRATA_HOME"):
+        return Path(env["STRATA_HOME"]).expanduser() / USER_CATALOG
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("strata")) / USER_CATALOG
+
+
 def load_catalog(extra: Path | str | None = None, *, shipped: Path | None = None,
-                 env: Mapping[str, str] | None = None) -> Catalog:
-    """Shipped catalog merged with `extra` (default: $STRATA_CATALOG); entries of `extra` replace same names."""
+                 env: Mapping[str, str] | None = None, user: Path | None = None) -> Catalog:
+    """The shipped catalog, then the user catalog (`user`, default `$STRATA_HOME/catalog.toml`, when it exists), then
+    `extra` (default: $STRATA_CATALOG); each file's entries replace same-named ones of the files before it."""
     env = os.environ if env is None else env
     paths: list[Path] = [shipped or shipped_catalog_path()]
+    user = user or user_catalog_path(env)
+    if user.is_file() or user.is_symlink():
+        paths.append(user)
     if extra is None and env.get(ENV_CATALOG):
         extra = env[ENV_CATALOG]
     if extra:

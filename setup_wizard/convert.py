@@ -1,4 +1,5 @@
 """DFlash2 checkpoint (config.json + BF16 safetensors) -> GGUF v3 (docs/formats.md, "Converted DFlash2 GGUF"), and the converted-artifact cache.
+A v1 (plain DFlash) checkpoint converts the same way, to a GGUF without the convolution and selector tensors.
 
 The source is validated before anything is written: config.json through `DFlash2Geometry`, the tensor table (names,
 shapes, BF16) through `check_inventory`, and, for a quantized output, every backbone row length against the 32-value
@@ -37,7 +38,9 @@ from runtime.drafters.dflash2.contract import (
     DFlash2Geometry,
     check_inventory,
     expected_tensors,
+    gguf_to_hf,
     hf_to_gguf,
+    is_v2_only,
     write_gguf_metadata,
 )
 from runtime.errors import ContractError, WorkError
@@ -112,6 +115,7 @@ class Source:
     geom: DFlash2Geometry
     tensors: dict[str, TensorRef]
     kinds: dict[str, str]
+    layout: str = "v2"          # "v1": a plain DFlash head (no convolutions, no selector; docs/formats.md)
 
 
 def validate_source(src: Path, quant: str) -> Source:
@@ -124,14 +128,14 @@ def validate_source(src: Path, quant: str) -> Source:
         raise ContractError(f"{cfg} is not readable JSON ({exc}).") from None
     geom = DFlash2Geometry.from_config(config)
     refs = tensor_refs(files, wmap, error=ContractError)
-    check_inventory({n: (r.shape, r.dtype) for n, r in refs.items()}, geom)
-    kinds = {n: k for n, (_, k) in expected_tensors(geom).items()}
+    layout = check_inventory({n: (r.shape, r.dtype) for n, r in refs.items()}, geom, allow_v1=True)
+    kinds = {n: k for n, (_, k) in expected_tensors(geom, v1=layout == "v1").items()}
     if quant != "bf16":
         for name, ref in refs.items():
             if kinds[name] == "backbone" and ref.shape[-1] % Q.BLOCK:
                 raise ContractError(f"tensor {name!r} has rows of {ref.shape[-1]} values, not a multiple of 32, so it "
                                     f"cannot be stored as {quant}; convert with --quant bf16.")
-    return Source(cfg, files, geom, refs, kinds)
+    return Source(cfg, files, geom, refs, kinds, layout)
 
 
 def _check_quant(quant: str) -> str:
@@ -300,7 +304,8 @@ def convert_dflash2(src: Path | str, quant: str, out: Path | str, *, source_repo
             close_quietly(w)
             raise
 
-    digest, size = write_verified(out, total, write, lambda p: check_gguf(p, source.geom, quant, sha),
+    v1 = source.layout == "v1"
+    digest, size = write_verified(out, total, write, lambda p: check_gguf(p, source.geom, quant, sha, v1=v1),
                                   f"the converted {quant} file")
     return Converted(out, digest, size, quant, sha)
 
@@ -318,9 +323,11 @@ def add_provenance(w, repo: str, revision: str, sha: str, quant: str, version: s
 # ---------------------------------------------------------------------------------------------------------------
 # reading back
 
-def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha: str | None) -> list[str]:
+def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha: str | None, *,
+               v1: bool | None = None) -> list[str]:
     """Problems with a converted file (empty = good): header keys, tensor table (names, types, shapes), sizes.
-    With `geom` None the geometry is taken from the file's own metadata."""
+    With `geom` None the geometry is taken from the file's own metadata; with `v1` None the layout is the file's
+    (v1 when it holds no convolution or selector tensor)."""
     import gguf
 
     path = Path(path)
@@ -343,7 +350,10 @@ def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha:
     if geom is not None and (file_geom.hidden_size, file_geom.num_layers, file_geom.vocab_size) != (
             geom.hidden_size, geom.num_layers, geom.vocab_size):
         return ["dflash2 geometry in the file differs from the source config"]
-    expected = {hf_to_gguf(n): (shape, kind) for n, (shape, kind) in expected_tensors(geom or file_geom).items()}
+    if v1 is None:
+        v1 = not any(_v2_only_gguf(t.name) for t in reader.tensors)
+    expected = {hf_to_gguf(n): (shape, kind)
+                for n, (shape, kind) in expected_tensors(geom or file_geom, v1=v1).items()}
     size = path.stat().st_size
     seen = set()
     for t in reader.tensors:
@@ -365,6 +375,13 @@ def check_gguf(path: Path, geom: DFlash2Geometry | None, quant: str, source_sha:
     if missing:
         problems.append(f"missing tensor {sorted(missing)[0]}")
     return problems
+
+
+def _v2_only_gguf(name: str) -> bool:
+    try:
+        return is_v2_only(gguf_to_hf(name))
+    except ContractError:      # not a contract name: check_gguf reports it as unexpected
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -406,7 +423,8 @@ def convert_to_store(src: Path | str, quant: str, store: Store | None = None, *,
     with writing(store.root, f"the converted drafter {label}", then="run the command again"), \
             item_lock(store.root, d, what=f"the converted drafter {label}"):
         unlink_tmp_files(store.root, d)       # a temporary GGUF or manifest an interrupted run left
-        m = reuse_verified(store, d, {"model.gguf": lambda p: check_gguf(p, source.geom, quant, sha)})
+        v1 = source.layout == "v1"
+        m = reuse_verified(store, d, {"model.gguf": lambda p: check_gguf(p, source.geom, quant, sha, v1=v1)})
         if m is not None:
             if source_name and not m.get("source_name"):
                 store.write_manifest(d, {**m, "source_name": source_name, "name": label})

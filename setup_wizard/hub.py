@@ -235,19 +235,47 @@ def _finish_file(dfd: int, part: str, final: str, rel: str, got_sha: str, want: 
 # ---------------------------------------------------------------------------------------------------------------
 # hf
 
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a huggingface_hub error, when it carries a response."""
+    resp = getattr(exc, "response", None)
+    code = getattr(resp, "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def access_sentence(exc: BaseException, repo: str) -> str | None:
+    """The one sentence for a refused access (401: private, gated or missing without a token; 403: gated or not
+    allowed), saying to set HF_TOKEN; None for any other error."""
+    from huggingface_hub import errors as E
+
+    ep = hf_endpoint()
+    status = http_status(exc)
+    token = bool(os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN"))
+    if isinstance(exc, E.GatedRepoError) or (status == 403):
+        return (f"{repo} on {ep} is gated and your token may not read it (403); accept its terms on the model page "
+                f"with your account, then set HF_TOKEN to a token of that account and retry.")
+    if status == 401:
+        if token:
+            return (f"The Hub at {ep} refused HF_TOKEN for {repo} (401: the token is invalid, or it may not read "
+                    f"this private or gated repository); set HF_TOKEN to a token that can read it and retry.")
+        return (f"The Hub at {ep} refused access to {repo} (401: it is private or gated, or does not exist); set "
+                f"HF_TOKEN to a token that can read it (https://huggingface.co/settings/tokens) and retry.")
+    return None
+
+
 def _hub_error(exc: Exception, entry: CatalogEntry, rel: str | None) -> DownloadError:
     from huggingface_hub import errors as E
 
     ep = hf_endpoint()
     where = f"{entry.repo}@{entry.revision}"
+    refused = access_sentence(exc, entry.repo or entry.name)
+    if refused is not None:
+        return DownloadError(refused)
     if isinstance(exc, E.RevisionNotFoundError):
         return DownloadError(f"The Hub at {ep} has no revision {entry.revision} of {entry.repo} (entry "
                              f"{entry.name}); check the catalog pin or HF_ENDPOINT.")
     if isinstance(exc, E.EntryNotFoundError | E.RemoteEntryNotFoundError):
         return DownloadError(f"The Hub at {ep} has no file {rel} in {where} (entry {entry.name}); check the "
                              f"catalog entry's file list.")
-    if isinstance(exc, E.GatedRepoError):
-        return DownloadError(f"{entry.repo} is gated on {ep}; accept its terms on the Hub and set HF_TOKEN.")
     if isinstance(exc, E.RepositoryNotFoundError):
         return DownloadError(f"The Hub at {ep} has no repository {entry.repo} (or it is private: set HF_TOKEN).")
     if isinstance(exc, E.HfHubHTTPError):
@@ -257,7 +285,7 @@ def _hub_error(exc: Exception, entry: CatalogEntry, rel: str | None) -> Download
                          f"{exc}); check the network and retry, or use --offline with models already in the store.")
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
+def network_errors() -> tuple[type[BaseException], ...]:
     from huggingface_hub import errors as E
 
     errs: list[type[BaseException]] = [E.HfHubHTTPError, ConnectionError, TimeoutError]
@@ -304,7 +332,7 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
     headers = build_hf_headers()
     try:
         meta = get_hf_file_metadata(url, headers=headers)
-    except _network_errors() as exc:
+    except network_errors() as exc:
         raise _hub_error(exc, entry, rel) from None
     if meta.size is not None and meta.size != size:
         raise ChecksumError(f"The Hub reports {meta.size} bytes for {rel} of {entry.name}, but the catalog pins "
@@ -313,7 +341,7 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
         raise DownloadError(f"The Hub served {rel} of {entry.name} from commit {meta.commit_hash}, not the pinned "
                             f"{entry.revision}; refusing it.")
     location = meta.location or url
-    if _origin(location) != _origin(url):
+    if url_origin(location) != url_origin(url):
         # an LFS blob on a CDN: the token stays on the Hub (as hf_hub_download does)
         headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
     _small_steps()
@@ -331,7 +359,7 @@ def _fetch_hf_file(entry: CatalogEntry, rel: str, want: Mapping[str, Any], dest:
             try:
                 http_get(location, w, resume_size=resume, headers=headers, expected_size=size,
                          displayed_filename=rel)
-            except _network_errors() + (OSError,) as exc:
+            except network_errors() + (OSError,) as exc:
                 raise _fetch_failure(exc, entry, rel, w.size, size, dfd, part, store) from None
             hasher = w.hasher
         finally:
@@ -351,7 +379,7 @@ def _fetch_failure(exc: BaseException, entry: CatalogEntry, rel: str, kept: int,
     if isinstance(exc, StrataError):
         return exc
     resume = f"{kept} of {size} bytes are kept in {part}; `strata-setup models pull {entry.name}` resumes from there"
-    network = isinstance(exc, _network_errors())
+    network = isinstance(exc, network_errors())
     if isinstance(exc, OSError) and not network:
         better = os_error_sentence(exc, store.root, f"{rel} of {entry.name}",
                                    then=f"run `strata-setup models pull {entry.name}` to resume ({kept} of {size} "
@@ -369,7 +397,7 @@ def _fetch_failure(exc: BaseException, entry: CatalogEntry, rel: str, kept: int,
     return DownloadError(f"{err} ({resume}.)")
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
+def url_origin(url: str) -> tuple[str, str, int | None]:
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
@@ -377,7 +405,8 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 
 
 def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
-    """Ranged read of each safetensors header; ContractError -> HeaderCheckError, before any weight is fetched."""
+    """Ranged read of each safetensors header; ContractError -> HeaderCheckError, before any weight is fetched. A
+    `dflash` entry may hold the v1 layout (docs/formats.md)."""
     from huggingface_hub import HfApi
 
     from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory
@@ -395,14 +424,14 @@ def check_remote_header(entry: CatalogEntry, config_path: Path) -> None:
     for rel in weights:
         try:
             meta = api.parse_safetensors_file_metadata(entry.repo, rel, revision=entry.revision)
-        except _network_errors() as exc:
+        except network_errors() as exc:
             raise _hub_error(exc, entry, rel) from None
         except Exception as exc:  # SafetensorsParsingError and friends
             raise HeaderCheckError(f"Refusing {entry.name}: the header of {rel} cannot be read ({exc}).") from None
         for name, info in meta.tensors.items():
             found[name] = (tuple(int(s) for s in info.shape), str(info.dtype))
     try:
-        check_inventory(found, geom)
+        check_inventory(found, geom, allow_v1=entry.kind == "dflash")
     except ContractError as exc:
         raise HeaderCheckError(f"Refusing {entry.name} without downloading its weights: {exc}") from None
 
@@ -499,7 +528,7 @@ def _download(entry: CatalogEntry, store: Store, dest: Path, on_progress: Progre
             if entry.source == "bundled":
                 _copy_bundled_file(entry, rel, files[rel], dest, store, on_progress, bundled_dir or bundled_root())
                 continue
-            if entry.kind == "dflash2" and rel.endswith(".safetensors") and not header_checked:
+            if entry.is_head and rel.endswith(".safetensors") and not header_checked:
                 cfg = dest / "config.json"
                 if not cfg.is_file():
                     raise HeaderCheckError(f"Entry {entry.name} does not list config.json; a DFlash2 head "

@@ -1,7 +1,9 @@
-"""`strata-setup models list|show|pull|verify|rm|gc` and `strata-setup convert`: typer commands over plain functions.
+"""`strata-setup models list|show|add|pull|verify|rm|gc` and `strata-setup convert`: typer commands over plain
+functions.
 
 The functions (`list_models`, `show_model`, `verify_models`, `remove_models`, `collect_garbage`, plus
-`hub.pull` / `hub.download_entry` / `convert.convert_to_store` / `convert.convert_dflash2`) return plain data; the
+`hub.pull` / `hub.download_entry` / `hub_add.add_model` / `convert.convert_to_store` / `convert.convert_dflash2`)
+return plain data; the
 commands print it as a rich table or, with `--json`, one JSON object. Exit codes: 0 ok, 1 the work failed
 (network, checksum, disk), 2 bad input (unknown name, unpinned entry, a checkpoint that breaks the contract, removing
 what a config uses without --force).
@@ -77,7 +79,7 @@ def list_models(store: Store | None = None, catalog: Catalog | None = None) -> l
         state, item = _entry_state(e, store)
         if item is not None:
             seen.add(item.path.resolve())
-        rows.append({"name": e.name, "kind": e.kind, "quant": "bf16" if e.kind == "dflash2" else "-",
+        rows.append({"name": e.name, "kind": e.kind, "quant": "bf16" if e.is_head else "-",
                      "source": e.source, "repo": e.repo, "revision": e.revision, "pinned": e.pinned,
                      "size": e.size, "state": state, "path": str(item.path) if item else None,
                      "used_by": [str(c) for c in store.used_by(item, refs)] if item else [],
@@ -349,6 +351,51 @@ def show_cmd(name: str = typer.Argument(..., help="Catalog entry or store item n
     console = Console()
     for part in show_renderables(doc):
         console.print(part, soft_wrap=not isinstance(part, Table), highlight=False)
+
+
+@models_app.command("add")
+def add_cmd(repo: str = typer.Argument(..., help="Hub repository id, such as Qwen/Qwen3-30B-A3B."),
+            revision: str | None = typer.Option(None, "--revision", help="Branch, tag or commit (default: main); "
+                                                "pinned as the full commit it is now."),
+            name: str | None = typer.Option(None, "--name", help="Catalog name (default: the repository's name, "
+                                            "lower case)."),
+            kind: str | None = typer.Option(None, "--kind", help="target | dflash2 | dflash (default: from "
+                                            "config.json and the weights)."),
+            yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask on a terminal."),
+            json_out: bool = JSON, debug: bool = DEBUG) -> None:
+    """Pin a Hub repository into your catalog: its commit, and every file's size and sha256 as the Hub publishes
+    them; config.json and the safetensors headers are checked first (no weights are downloaded)."""
+    from setup_wizard.hub_add import add_model
+
+    out = Console(stderr=json_out)
+
+    def show(found) -> None:
+        if not json_out:
+            for line in found.lines():
+                out.print(line, highlight=False, soft_wrap=True)
+
+    def ask(found) -> bool:
+        return typer.confirm(f"Add {found.name} to {found.catalog}?", default=True)
+
+    confirm = ask if _interactive() and not yes and not json_out else None
+    found, written = _run(lambda: add_model(repo, revision=revision, name=name, kind=kind, show=show,
+                                            confirm=confirm), debug)
+    if json_out:
+        return _print_json({"added": written, **found.to_dict()})
+    if not written:
+        out.print("Nothing was added.")
+        return
+    out.print(f"Added {found.name} to {found.catalog} (pinned at {found.revision}).", highlight=False,
+              soft_wrap=True)
+    if found.is_head and found.ready:
+        out.print(f"Use it: strata-setup --target {found.ready[0]} --dflash2-head {found.name}", highlight=False,
+                  soft_wrap=True)
+    elif found.is_head:
+        out.print(f"Pin a target it fits first ({', '.join(found.fits)}): strata-setup models add ORG/TARGET",
+                  highlight=False, soft_wrap=True)
+    else:
+        out.print(f"Download it now: strata-setup models pull {found.name} ({_fmt_size(found.size)}), or set it "
+                  f"up (downloads first): strata-setup --target {found.name}", highlight=False, soft_wrap=True)
 
 
 @models_app.command("pull")

@@ -167,6 +167,10 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     choices.validate()
     target, why_t = resolve_target(choices.target, services.targets())
     why = {"target": why_t}
+    if not target.pinned and target.local_path is None:
+        how = f"pin it first with `strata-setup models add {target.repo}`, or choose" if target.repo else "choose"
+        raise UsageError(f"The target {target.name} is listed but not pinned (no full revision and hashes), so it "
+                         f"cannot be downloaded; {how} another target or a local folder.")
     geo: TargetGeometry | None = None
     if target.local_path is not None:
         geo = target_geometry(target.local_path)
@@ -219,13 +223,11 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
             head = (defaults or heads)[0]
             why["dflash2_head"] = "the official head (catalog default)" if defaults else "the only head that fits"
         if not head.pinned and head.local_path is None:
+            how = f"pin it first with `strata-setup models add {head.repo}`, or choose" if head.repo else "choose"
             raise UsageError(f"The DFlash2 head {head.name} is listed but not pinned (no full revision and "
-                             "hashes), so it cannot be downloaded; choose another head.")
+                             f"hashes), so it cannot be downloaded; {how} another head.")
         quant = choices.dflash2_quant or "bf16"
         why["dflash2_quant"] = "you chose it" if choices.dflash2_quant else "original weights; Q8_0/Q4_0 save memory"
-    if not target.pinned and target.local_path is None:
-        raise UsageError(f"The target {target.name} is listed but not pinned (no full revision and hashes), so it "
-                         "cannot be downloaded; choose another target or a local folder.")
     if choices.offline and not target.available:
         raise UsageError(f"--offline was given but {target.name} is not downloaded yet; run without --offline "
                          f"once, or `strata-setup models pull {target.name}`.")

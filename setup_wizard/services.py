@@ -6,6 +6,7 @@ a progress callback (runtime/progress.py); the command line draws it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ class TargetOption:
     size_bytes: int = 0
     has_mtp: bool | None = None
     description: str = ""
+    repo: str | None = None  # hf: the Hub repository (an unpinned suggestion can be pinned from it)
 
     @property
     def available(self) -> bool:
@@ -41,6 +43,7 @@ class HeadOption:
     size_bytes: int = 0
     local_path: Path | None = None
     description: str = ""
+    repo: str | None = None  # hf: the Hub repository (an unpinned suggestion can be pinned from it)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class Services(Protocol):
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult: ...
+    def add_from_hub(self, repo: str, *, name: str | None, kind: str | None, show: Callable[[Any], None],
+                     confirm: Callable[[Any], bool]) -> Any | None: ...
 
 
 class RealServices:
@@ -77,13 +82,24 @@ class RealServices:
 
     def targets(self) -> list[TargetOption]:
         return [TargetOption(name=e.name, source=e.source, local_path=_local_copy(e), pinned=e.pinned,
-                             size_bytes=e.size, has_mtp=e.mtp, description=e.description)
+                             size_bytes=e.size, has_mtp=e.mtp, description=e.description,
+                             repo=e.repo if e.source == "hf" else None)
                 for e in C.load_catalog().targets()]
 
     def heads(self, target: str) -> list[HeadOption]:
         return [HeadOption(name=e.name, default=e.default, pinned=e.pinned, size_bytes=e.size,
-                           local_path=_local_copy(e), description=e.description)
+                           local_path=_local_copy(e), description=e.description,
+                           repo=e.repo if e.source == "hf" else None)
                 for e in C.load_catalog().heads(target)]
+
+    def add_from_hub(self, repo: str, *, name: str | None, kind: str | None, show: Callable[[Any], None],
+                     confirm: Callable[[Any], bool]) -> Any | None:
+        """Pin a Hub repository into the user catalog, as `strata-setup models add` does (setup_wizard/hub_add.py);
+        the `Found` written, or None when `confirm` declined."""
+        from setup_wizard.hub_add import add_model
+
+        found, written = add_model(repo, name=name, kind=kind, show=show, confirm=confirm)
+        return found if written else None
 
     def fetch(self, name: str, *, offline: bool) -> Artifact:
         pulled = H.pull(name, offline=True if offline else None, on_progress=self.on_progress)

@@ -26,6 +26,9 @@ from setup_wizard.plan import Plan, recommended_target, resolve
 from setup_wizard.services import Services
 
 LOCAL = "__local__"
+HUB = "__hub__"                    # "A model from the Hugging Face Hub…": a repository id typed in
+SUGGESTED = "__hub__:"             # + a catalog name: an unpinned suggestion, pinned from its repository now
+_REPO_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
 RECOMMENDED_QUANT = "bf16"
 QUANT_LABELS = {q: f.label + (" (recommended)" if q == RECOMMENDED_QUANT else "") for q, f in FORMATS.items()}
 
@@ -49,36 +52,14 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
     ans = replace(choices)
 
     if ans.target is None:
-        options = services.targets()
-        rec, why = recommended_target(options) if options else (None, "")
-        items = []
-        # what is here first, then the bundled pack, then what can be downloaded; unpinned entries last
-        options = sorted(options, key=lambda o: (not (o.available and o.source != "bundled"),
-                                                 o.source != "bundled", not o.pinned))
-        for o in options:
-            state = "here" if o.available else (f"download {_size(o.size_bytes)}" if o.size_bytes else "download")
-            if not o.pinned:
-                state = "not pinned: cannot download"
-            label = f"{o.name}  ({o.source}, {state})" + (f" — {o.description}" if o.description else "")
-            items.append(questionary.Choice(label, value=o.name, disabled=None if o.pinned or o.available
-                                            else "not pinned"))
-        items.append(questionary.Choice("A local model folder…", value=LOCAL))
-        default = rec.name if rec and (rec.pinned or rec.available) else LOCAL
-        picked = _ask(questionary.select(
-            "Which model do you want to run?", choices=items, default=default,
-            instruction=f"(recommended: {default} — {why})" if default != LOCAL else None, **io))
-        if picked == default and rec is not None and picked != LOCAL:
-            ans.notes["target"] = why
-        if picked == LOCAL:
-            picked = _ask(questionary.path(
-                "Folder with config.json, safetensors and tokenizer.json:", only_directories=True,
-                validate=lambda s: (Path(s).expanduser() / "config.json").is_file() or "No config.json there.",
-                **io))
-            picked = str(Path(picked).expanduser().resolve())
-        ans.target = picked
+        ans.target = _ask_target(ans, services, io)
 
-    # what the plan would recommend from here on (also validates the target)
-    draft = resolve(replace(ans, calibrate=ans.calibrate, drafter=ans.drafter), hw, services)
+    # what the plan would recommend from here on (also validates the target); a DFlash2 setup whose head is still to
+    # be chosen (perhaps added from the Hub below) is probed without it
+    probe = ans
+    if not ans.dflash2_head and (ans.dflash2_quant or (ans.drafter and KINDS[ans.drafter].needs_file)):
+        probe = replace(ans, drafter="none", dflash2_quant=None)
+    draft = resolve(replace(probe), hw, services)
     target = draft.target
     heads = services.heads(target.name) if target.source != "local" else []
 
@@ -86,9 +67,9 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
         def why_not(kind) -> str | None:
             if kind.name == "mtp" and target.has_mtp is False:
                 return "this target has no MTP head"
-            if kind.needs_file and not heads:
+            if kind.needs_file and not heads and target.source == "local":
                 return f"no {kind.name} head fits this target"
-            return None
+            return None     # without a head in the catalog, one can be added from the Hub
 
         items = [questionary.Choice(k.label, value=k.name, disabled=why_not(k)) for k in KINDS.values()]
         ans.drafter = _ask(questionary.select(
@@ -100,19 +81,10 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
 
     if KINDS[ans.drafter].needs_file:
         if ans.dflash2_head is None:
-            if not heads:
+            if not heads and target.source == "local":
                 raise UsageError(f"No DFlash2 head in the catalog fits {target.name}; pass --dflash2-head with a "
-                                   "local folder.")
-            default = next((h.name for h in heads if h.default), heads[0].name)
-            items = [questionary.Choice(
-                f"{h.name}" + (" (official, default)" if h.default else "") + (f" — {h.description}"
-                                                                                if h.description else ""),
-                value=h.name, disabled=None if h.pinned or h.local_path else "not pinned") for h in heads]
-            ans.dflash2_head = _ask(questionary.select(
-                "Which DFlash2 head?", choices=items, default=default,
-                instruction="(recommended: the official head)", **io))
-            if ans.dflash2_head == default:
-                ans.notes["dflash2_head"] = "the official head (catalog default)"
+                                 "local folder.")
+            ans.dflash2_head = _ask_head(ans, target.name, heads, services, io)
         if ans.dflash2_quant is None:
             items = [questionary.Choice(QUANT_LABELS[q], value=q) for q, f in FORMATS.items() if f.offered]
             more = [q for q, f in FORMATS.items() if not f.offered and f.writable]
@@ -162,6 +134,117 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
             if ans.calibrate:
                 ans.notes["calibrate"] = "measures the best block and floor here"
     return ans
+
+
+def _ask_target(ans: Choices, services: Services, io: dict[str, Any]) -> str:
+    """The target question: what is here, the bundled pack, what can be downloaded, suggestions that can be pinned
+    from the Hub now, a local folder, or any Hub repository typed in. Asked again when an addition is declined."""
+    while True:
+        options = services.targets()
+        rec, why = recommended_target(options) if options else (None, "")
+        items = []
+        # what is here first, then the bundled pack, then what can be downloaded; unpinned entries last
+        options = sorted(options, key=lambda o: (not (o.available and o.source != "bundled"),
+                                                 o.source != "bundled", not o.pinned))
+        for o in options:
+            state = "here" if o.available else (f"download {_size(o.size_bytes)}" if o.size_bytes else "download")
+            value = o.name
+            if not o.pinned and not o.available:
+                state = "suggestion: pin it from the Hub now" if o.repo else "not pinned: cannot download"
+                value = SUGGESTED + o.name if o.repo else o.name
+            label = f"{o.name}  ({o.source}, {state})" + (f" — {o.description}" if o.description else "")
+            items.append(questionary.Choice(label, value=value, disabled=None if (o.pinned or o.available or o.repo)
+                                            else "not pinned"))
+        items.append(questionary.Choice("A local model folder…", value=LOCAL))
+        items.append(questionary.Choice("A model from the Hugging Face Hub (org/name)…", value=HUB))
+        default = rec.name if rec and (rec.pinned or rec.available) else LOCAL
+        picked = _ask(questionary.select(
+            "Which model do you want to run?", choices=items, default=default,
+            instruction=f"(recommended: {default} — {why})" if default != LOCAL else None, **io))
+        if picked == default and rec is not None and picked != LOCAL:
+            ans.notes["target"] = why
+        if picked == LOCAL:
+            picked = _ask(questionary.path(
+                "Folder with config.json, safetensors and tokenizer.json:", only_directories=True,
+                validate=lambda s: (Path(s).expanduser() / "config.json").is_file() or "No config.json there.",
+                **io))
+            return str(Path(picked).expanduser().resolve())
+        if picked == HUB or picked.startswith(SUGGESTED):
+            added = _add_from_hub(services, picked, options, "target", io)
+            if added is None:
+                continue
+            ans.notes["target"] = "pinned from the Hub just now"
+            return added
+        return picked
+
+
+def _ask_head(ans: Choices, target: str, heads: list, services: Services, io: dict[str, Any]) -> str:
+    """The DFlash2 head question: the heads that fit, suggestions to pin from the Hub, or a Hub repository."""
+    while True:
+        default_head = next((h.name for h in heads if h.default), heads[0].name if heads else None)
+        default = HUB
+        items = []
+        for h in heads:
+            label = f"{h.name}" + (" (official, default)" if h.default else "") + (
+                f" — {h.description}" if h.description else "")
+            value = h.name
+            disabled = None
+            if not h.pinned and not h.local_path:
+                if h.repo:
+                    label, value = f"{label}  (suggestion: pin it from the Hub now)", SUGGESTED + h.name
+                else:
+                    disabled = "not pinned"
+            if h.name == default_head and disabled is None:
+                default = value
+            items.append(questionary.Choice(label, value=value, disabled=disabled))
+        items.append(questionary.Choice("A DFlash head from the Hugging Face Hub (org/name)…", value=HUB))
+        picked = _ask(questionary.select(
+            "Which DFlash2 head?", choices=items, default=default,
+            instruction="(recommended: the official head)" if heads else None, **io))
+        if picked == HUB or picked.startswith(SUGGESTED):
+            added = _add_from_hub(services, picked, heads, "head", io, target=target)
+            if added is None:
+                heads = services.heads(target)
+                continue
+            ans.notes["dflash2_head"] = "pinned from the Hub just now"
+            return added
+        if picked == default_head:
+            ans.notes["dflash2_head"] = "the official head (catalog default)"
+        return picked
+
+
+def _add_from_hub(services: Services, picked: str, options: list, kind: str, io: dict[str, Any], *,
+                  target: str | None = None) -> str | None:
+    """Pin a suggestion or a typed-in repository into the user catalog (the same function as `strata-setup models
+    add`); the catalog name, or None when the user declined (or a head does not fit `target`)."""
+    import re
+
+    console = Console()
+    if picked == HUB:
+        repo = _ask(questionary.text(
+            "Hugging Face repository id (org/name):",
+            validate=lambda s: bool(re.match(_REPO_ID, s.strip())) or "Type it as org/name, e.g. Qwen/Qwen3-30B-A3B.",
+            **io)).strip()
+        name = None
+    else:
+        name = picked[len(SUGGESTED):]
+        repo = next(o.repo for o in options if o.name == name)
+
+    def show(found: Any) -> None:
+        console.print("The Hub says:")
+        for line in found.lines():
+            console.print(line, highlight=False, soft_wrap=True)
+
+    def confirm(found: Any) -> bool:
+        if target is not None and target not in found.fits:
+            console.print(f"{found.name} does not fit {target} (it fits {', '.join(found.fits)}); nothing was "
+                          f"added.", highlight=False)
+            return False
+        return bool(_ask(questionary.confirm(f"Add {found.name} to your catalog ({found.catalog})?", default=True,
+                                             **io)))
+
+    found = services.add_from_hub(repo, name=name, kind=kind, show=show, confirm=confirm)
+    return None if found is None else found.name
 
 
 def _note(ans: Choices, key: str, took_default: bool, why: dict[str, str]) -> None:

@@ -17,6 +17,14 @@ answers a GET with only the first n bytes of the body and a Content-Length that 
 early); `flaky[(repo, path)] = (n, k)` cuts each of the next k GETs after n bytes, Range or not (a link that drops
 every n bytes); `delay = s` sleeps s seconds per 64 KiB sent (a slow link, so that runs overlap);
 `ignore_range = True` answers every GET with the whole file (200), as some CDNs do.
+
+Branches, tags and the model API, as `strata-setup models add` meets them: `publish(repo, files, ref="main")` makes
+a new commit (a 40-hex id) and points the ref at it; every URL then accepts the ref name or the commit, and answers
+with the commit in `X-Repo-Commit`. `GET /api/models/{repo}[/revision/{rev}]` returns the repository's metadata as
+the Hub does (`sha` = the resolved commit; with `?blobs=true` each sibling's `size`, git `blobId` and, for LFS
+files, `lfs: {sha256, size, pointerSize}`). Access: `private[repo] = token` answers 401 (`RepoNotFound`, as the Hub
+does for a private repo) to any request without `Authorization: Bearer <token>`; `gated[repo] = token` answers the
+file URLs with 403 (`GatedRepo`) but serves the metadata, as the Hub does for a gated repo.
 """
 
 from __future__ import annotations
@@ -30,6 +38,12 @@ from urllib.parse import unquote
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
 _CDN = re.compile(r"^/cdn/(?P<org>[^/]+)/(?P<name>[^/]+)/(?P<rev>[^/]+)/(?P<path>.+)$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_API = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>.+))?$")
+
+
+def git_blob_id(data: bytes) -> str:
+    """The git object id of a file's bytes (what the Hub reports as `blobId`)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 class FakeHub:
@@ -46,6 +60,11 @@ class FakeHub:
         self.redirects: list[str] = []                             # resolve paths answered with a 302
         self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
         self.auth: list[tuple[str, str | None]] = []               # (path, Authorization header) of every request
+        self.refs: dict[str, dict[str, str]] = {}                  # repo -> branch or tag -> commit
+        self.private: dict[str, str] = {}                          # repo -> the token that may read it
+        self.gated: dict[str, str] = {}                            # repo -> the token that accepted its terms
+        self.api_calls: list[str] = []                             # paths of /api/models requests
+        self._commits = 0
         self._lock = threading.Lock()
         hub = self
 
@@ -77,6 +96,22 @@ class FakeHub:
     def add(self, repo: str, revision: str, files: dict[str, bytes]) -> None:
         self.repos.setdefault(repo, {})[revision] = dict(files)
 
+    def publish(self, repo: str, files: dict[str, bytes], ref: str = "main") -> str:
+        """A new commit holding `files`, with `ref` (a branch or tag) pointing at it; returns the commit id."""
+        self._commits += 1
+        h = hashlib.sha1(f"{repo} {ref} {self._commits}".encode())
+        for path in sorted(files):
+            h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+        commit = h.hexdigest()
+        self.add(repo, commit, files)
+        self.refs.setdefault(repo, {})[ref] = commit
+        return commit
+
+    def commit_of(self, repo: str, rev: str) -> str | None:
+        if rev in self.repos.get(repo, {}):
+            return rev
+        return self.refs.get(repo, {}).get(rev)
+
     def start(self) -> FakeHub:
         self.thread.start()
         return self
@@ -101,23 +136,67 @@ class FakeHub:
         if h.command != "HEAD":
             h.wfile.write(body)
 
+    def _allowed(self, h: BaseHTTPRequestHandler, repo: str, table: dict[str, str]) -> bool:
+        return repo not in table or h.headers.get("Authorization") == f"Bearer {table[repo]}"
+
+    def _api(self, h: BaseHTTPRequestHandler, repo: str, rev: str | None, query: str) -> None:
+        import json
+
+        with self._lock:
+            self.api_calls.append(h.path)
+        if not self._allowed(h, repo, self.private):
+            return self._error(h, 401, "RepoNotFound", "Invalid username or password.")
+        if repo not in self.repos:
+            return self._error(h, 404, "RepoNotFound", "Repository not found")
+        commit = self.commit_of(repo, rev or "main")
+        if commit is None:
+            return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        siblings = []
+        for rel, data in sorted(self.repos[repo][commit].items()):
+            sib = {"rfilename": rel}
+            if "blobs=true" in query:
+                sib.update(size=len(data), blobId=git_blob_id(data))
+                if rel.endswith(self.lfs_suffixes):
+                    sib["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                  "pointerSize": 134}
+            siblings.append(sib)
+        body = json.dumps({"_id": "0" * 24, "id": repo, "modelId": repo, "sha": commit,
+                           "private": repo in self.private, "gated": "manual" if repo in self.gated else False,
+                           "disabled": False, "tags": [], "siblings": siblings,
+                           "lastModified": "2025-01-01T00:00:00.000Z"}).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(body)
+
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
-        path = unquote(h.path.split("?", 1)[0])
+        path, _, query = h.path.partition("?")
+        path = unquote(path)
         rng = h.headers.get("Range")
         cdn = _CDN.match(path)
         m = _RESOLVE.match(path)
         with self._lock:
             self.auth.append((path, h.headers.get("Authorization")))
+        if (api := _API.match(path)) is not None:
+            return self._api(h, api["repo"], api["rev"], query)
         if cdn:
             repo, rev, rel = f"{cdn['org']}/{cdn['name']}", cdn["rev"], cdn["path"]
         elif m:
             repo, rev, rel = m["repo"], m["rev"], m["path"]
         else:
             return self._error(h, 404, "RepoNotFound", "not found")
+        if m and not self._allowed(h, repo, self.private):
+            return self._error(h, 401, "RepoNotFound", "Invalid username or password.")
         if repo not in self.repos:
             return self._error(h, 404, "RepoNotFound", "Repository not found")
-        if rev not in self.repos[repo]:
+        if m and not self._allowed(h, repo, self.gated):
+            return self._error(h, 403, "GatedRepo", f"Access to model {repo} is restricted.")
+        commit = self.commit_of(repo, rev)
+        if commit is None:
             return self._error(h, 404, "RevisionNotFound", "Invalid rev id: " + rev)
+        rev = commit
         files = self.repos[repo][rev]
         if rel not in files:
             return self._error(h, 404, "EntryNotFound", f"{rel} does not exist at {rev}")

@@ -64,7 +64,7 @@ def test_extra_catalog_merges_over_shipped(tmp_path):
     (_head(repo="not a repo"), "key 'repo' 'not a repo' is not a Hub repository id"),
     (_head(source="bundled", repo="../up"), "escapes"),
     (_head(colour="red"), "unknown key(s) colour"),
-    ({**T, "default": True}, "entry 't1': key 'default' is only for dflash2"),
+    ({**T, "default": True}, "entry 't1': key 'default' is only for head entries"),
 ])
 def test_validation_errors_name_entry_and_key(tmp_path, entry, msg):
     entries = [T, entry] if entry.get("name") != "t1" else [entry]

@@ -56,6 +56,8 @@ __all__ = [
     "gguf_metadata",
     "gguf_to_hf",
     "hf_to_gguf",
+    "is_v2_only",
+    "pairing_problem",
     "tensor_count",
     "weight_bytes",
 ]
@@ -404,7 +406,7 @@ def check_inventory(
     raised as a ContractError naming the tensor (and how many more problems there are).
     """
     v1 = False
-    if allow_v1 and not any(_is_v2_only(n) for n in found):
+    if allow_v1 and not any(is_v2_only(n) for n in found):
         v1 = True
     expected = expected_tensors(geom, v1=v1)
     problems: list[str] = []
@@ -432,7 +434,24 @@ def check_inventory(
     return "v1" if v1 else "v2"
 
 
-def _is_v2_only(name: str) -> bool:
+def pairing_problem(geom: DFlash2Geometry, hidden_size: int, vocab_size: int, num_layers: int) -> str | None:
+    """Why a drafter cannot draft for a target of this hidden size, vocabulary and layer count (None: it fits).
+    The loader refuses such a pair; the catalog lists a head only for the targets it fits."""
+    if geom.hidden_size != hidden_size:
+        return f"drafter hidden_size {geom.hidden_size} does not match the target's {hidden_size}"
+    if geom.vocab_size != vocab_size:
+        return f"drafter vocab_size {geom.vocab_size} does not match the target's {vocab_size}"
+    bad = [i for i in geom.target_layer_ids if i >= num_layers]
+    if bad:
+        return f"drafter taps target layers {bad} but the target has only {num_layers} layers"
+    if geom.num_target_layers is not None and geom.num_target_layers != num_layers:
+        return (f"drafter was made for a target with {geom.num_target_layers} layers, this target has "
+                f"{num_layers}")
+    return None
+
+
+def is_v2_only(name: str) -> bool:
+    """A tensor the v1 (plain DFlash) layout does not have: a convolution or the candidate selector."""
     return name.startswith("candidate_selector.") or any(f".{c}." in name for c in _LAYER_CONV)
 
 

@@ -21,7 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from runtime.drafters.base import Proposal
-from runtime.drafters.dflash2.contract import DFlash2Geometry, check_inventory, expected_tensors, gguf_to_hf
+from runtime.drafters.dflash2.contract import (
+    DFlash2Geometry,
+    check_inventory,
+    expected_tensors,
+    gguf_to_hf,
+    pairing_problem,
+)
 from runtime.drafters.dflash2.model import (
     ContextCache,
     DFlash2Model,
@@ -131,24 +137,9 @@ def _check_finite(name: str, kind: str, t: Tensor) -> None:
 
 def _check_pairing(geom: DFlash2Geometry, target: nn.Module) -> None:
     cfg = target.cfg
-    if geom.hidden_size != cfg.hidden_size:
-        raise ContractError(
-            f"drafter hidden_size {geom.hidden_size} does not match the target's {cfg.hidden_size}; "
-            "choose a drafter made for this target.")
-    if geom.vocab_size != cfg.vocab_size:
-        raise ContractError(
-            f"drafter vocab_size {geom.vocab_size} does not match the target's {cfg.vocab_size}; "
-            "choose a drafter made for this target.")
-    n = cfg.num_hidden_layers
-    bad = [i for i in geom.target_layer_ids if i >= n]
-    if bad:
-        raise ContractError(
-            f"drafter taps target layers {bad} but the target has only {n} layers; "
-            "choose a drafter made for this target.")
-    if geom.num_target_layers is not None and geom.num_target_layers != n:
-        raise ContractError(
-            f"drafter was made for a target with {geom.num_target_layers} layers, this target has {n}; "
-            "choose a drafter made for this target.")
+    problem = pairing_problem(geom, cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers)
+    if problem is not None:
+        raise ContractError(f"{problem}; choose a drafter made for this target.")
 
 
 def build_model(geom: DFlash2Geometry, layout: str, tensors: dict[str, tuple[str, Callable[[], Tensor]]], *,
