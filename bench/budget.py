@@ -288,8 +288,8 @@ def a3b_rows(args: argparse.Namespace, deadline: Deadline) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default=None,
-                    help="in this order (a timeout loses the last ones); default 4096,131072,32768,8192 "
-                         "(--a3b: 4096,131072,32768,8192,65536)")
+                    help="in this order (a timeout loses the last ones); default 4096,1024,2048 (the pack's "
+                         "maximum is 4096: strata refuses longer contexts) (--a3b: 4096,131072,32768,8192,65536)")
     ap.add_argument("--a3b", action="store_true", help="the A3B shape under --caps GiB caps (see above)")
     ap.add_argument("--caps", default="12,16,24", help="--a3b: card sizes in GiB")
     ap.add_argument("--vram-limit-mib", type=int, default=None,
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.a3b:
         args.contexts = args.contexts or "4096,131072,32768,8192,65536"
         return a3b_rows(args, deadline)
-    args.contexts = args.contexts or "4096,131072,32768,8192"
+    args.contexts = args.contexts or "4096,1024,2048"
     res: dict[str, Any] = {"machine": machine(), "args": vars(args), "rows": []}
     cap = tuple(torch.cuda.get_device_capability())
     try:
