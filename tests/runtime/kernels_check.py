@@ -230,7 +230,7 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
 
 
 def check_moe_gemv() -> None:
-    """The decode-window GEMV kernels (runtime/gpu/moe_gemv.py): every variant on Q4_0 and Q8_0, and a test-only
+    """The decode-window GEMV kernels (runtime/gpu/moe_gemv.py): every variant on Q4_0 or Q8_0, and a test-only
     variant with odd tiles (rows past N, a step shorter than a row, two window rows per pass) on every format,
     against float32 math on gguf-py's values; a row alone has the bits it has in the window (rows sharing an expert
     too); a slot table leaves missed pairs zero, and a miss path through the same kernels gives the all-resident
@@ -242,7 +242,10 @@ def check_moe_gemv() -> None:
                                       "num_stages": 1}
     try:
         E, k, T = 5, 2, 4
-        cases = [(v, f) for v in moe_gemv.GEMV_VARIANTS if v != "_odd" for f in ("q4_0", "q8_0")]
+        # the pairs decode uses, every other variant once (the format alternates), the odd one on every format
+        cases = [(v, f) for f, v in saved.items() if v is not None and f in ("q4_0", "q8_0", "q5_0")]
+        rest = [v for v in moe_gemv.GEMV_VARIANTS if v != "_odd" and v not in {c[0] for c in cases}]
+        cases += [(v, ("q4_0", "q8_0")[i % 2]) for i, v in enumerate(rest)]
         cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k")]
         for n, (var, fmt) in enumerate(cases):
             H, NI = (256, 256) if fmt in ("q4_k", "q6_k") else (40, 24) if fmt == "bf16" else (64, 96)
