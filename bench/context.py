@@ -42,7 +42,7 @@ from bench.common import (  # noqa: E402
     task_prompts,
     write_json,
 )
-from runtime.kv import KV_CHUNK, KVCache, quantize_q8_0  # noqa: E402
+from runtime.kv import KV_TIERS, KVCache, quantize_q8_0, split_chunks  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
 
 KV_KINDS = ("bf16", "q8_0")
@@ -325,7 +325,7 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
     c = model.cfg
     rows = []
     tiles = tiles or [dict(ak.SPLIT_TILE)]
-    saved, saved_pps = dict(ak.SPLIT_TILE), ak.PROGRAMS_PER_SM
+    saved, saved_pps, saved_rt = dict(ak.SPLIT_TILE), ak.PROGRAMS_PER_SM, ak.ROW_TILE
     try:
         for ctx in contexts:
             for kv_kind in KV_KINDS:
@@ -346,13 +346,15 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
                     for tile in tiles:
                         if deadline is not None and deadline.over():
                             return rows
-                        chunk = tile.get("CHUNK", KV_CHUNK)
+                        chunk = tile.get("CHUNK")            # one chunk size everywhere, or None: KV_TIERS
                         ak.PROGRAMS_PER_SM = tile.get("PPS", saved_pps)
+                        ak.ROW_TILE = tile.get("RT", saved_rt)
                         ak.SPLIT_TILE.clear()
-                        ak.SPLIT_TILE.update({k: v for k, v in tile.items() if k not in ("CHUNK", "PPS")})
+                        ak.SPLIT_TILE.update({k: v for k, v in tile.items() if k not in ("CHUNK", "PPS", "RT")})
                         q = torch.randn(w, c.num_attention_heads, c.head_dim, device=DEV, dtype=DT)
                         pos = torch.arange(ctx - w, ctx, device=DEV, dtype=torch.int32)
-                        part = torch.empty((w * c.num_attention_heads * -(-(ctx + 16) // chunk) * (c.head_dim + 2)),
+                        nch = -(-(ctx + 16) // chunk) if chunk else split_chunks(ctx + 16)
+                        part = torch.empty((w * c.num_attention_heads * nch * (c.head_dim + 2)),
                                            device=DEV, dtype=torch.float32)
                         kw = dict(part=part, chunk=chunk)
                         try:
@@ -378,6 +380,7 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
         ak.SPLIT_TILE.clear()
         ak.SPLIT_TILE.update(saved)
         ak.PROGRAMS_PER_SM = saved_pps
+        ak.ROW_TILE = saved_rt
     return rows
 
 
@@ -435,7 +438,7 @@ def checks(args) -> dict[str, Any]:
     from runtime.gpu.static_step import StaticStep
     from runtime.models.layers import cached_attention
 
-    out: dict[str, Any] = {"ok": True, "kv_chunk": KV_CHUNK}
+    out: dict[str, Any] = {"ok": True, "kv_tiers": KV_TIERS}
 
     def record(name: str, ok: bool, **info: Any) -> None:
         out[name] = {"ok": bool(ok), **info}
@@ -460,7 +463,7 @@ def checks(args) -> dict[str, Any]:
             q = torch.randn(16, nh, hd, device=DEV, dtype=DT, generator=g)
             pos = torch.arange(ctx - 16, ctx, device=DEV, dtype=torch.int32)
 
-            def att(qq, pp, chunk=KV_CHUNK, c=(kc, vc, ks, vs)):
+            def att(qq, pp, chunk=None, c=(kc, vc, ks, vs)):
                 return ak.attention(qq, c[0], c[1], pp, hd ** -0.5, ks=c[2], vs=c[3], chunk=chunk)
 
             o16 = att(q, pos)
@@ -646,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     args.hf_prefill = [] if args.no_hf else list(preset["hf_prefill"])
     deadline = Deadline(args.max_seconds)
     t0 = time.perf_counter()
-    res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "kv_chunk": KV_CHUNK}
+    res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "kv_tiers": KV_TIERS}
     bw = copy_bandwidth() if DEV == "cuda" else 1e11
     peak = matmul_peak() if DEV == "cuda" else 1e12
     res.update(copy_bandwidth_GBs=bw / 1e9, matmul_peak_TFLOPs=peak / 1e12)
@@ -660,11 +663,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tiles = None
     if args.tune:
-        tiles = [dict(BS=b, num_warps=w, num_stages=s, CHUNK=ch, PPS=pps) for b, w, s, ch, pps in
-                 ((64, 4, 2, 256, 4), (64, 4, 3, 256, 4), (32, 4, 2, 256, 4), (128, 4, 2, 256, 4),
-                  (64, 8, 2, 256, 4), (128, 8, 2, 256, 4), (64, 4, 2, 512, 4), (64, 4, 2, 128, 4),
-                  (64, 4, 2, 256, 2), (64, 4, 2, 256, 8))]
-    attn = attention_rows(model, bw, tiles=tiles, widths=(1, 8) if DEV == "cuda" else (1,), deadline=deadline,
+        # RT: query-head lines per program (rows x GQA group); RT 8 on the A3B shape (group 8) is one row per
+        # program: every row of a window reads the whole cache (the kernel before row blocks). CHUNK: one chunk
+        # size everywhere; None: the shipped KV_TIERS
+        tiles = [dict(BS=b, num_warps=w, num_stages=s, CHUNK=ch, PPS=pps, RT=rt) for b, w, s, ch, pps, rt in
+                 ((64, 4, 2, 256, 4, 8), (64, 4, 3, None, 4, 64), (64, 4, 3, 512, 4, 64), (64, 4, 3, 1024, 4, 64),
+                  (64, 4, 2, None, 4, 64), (64, 4, 3, None, 4, 32), (64, 4, 3, None, 2, 64))]
+    attn = attention_rows(model, bw, tiles=tiles, widths=(1, 8, 16) if DEV == "cuda" else (1,), deadline=deadline,
                           contexts=(32768, 131072) if DEV == "cuda" else (600,))
     rows = decode_rows(model, args, bw, dist, Deadline(min(deadline.left(), args.max_seconds * 0.45)))
     rows += prefill_rows(model, args, peak, Deadline(min(deadline.left(), args.max_seconds * 0.35)))
@@ -677,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     free_cuda()
     res["rows"] = rows
     res["attention_kernel"] = attn
-    res["split_tile"] = dict(ak.SPLIT_TILE)
+    res["split_tile"] = dict(ak.SPLIT_TILE) | {"ROW_TILE": ak.ROW_TILE}
     if not deadline.over() and (NANO / "model.safetensors").is_file():
         res["agreement"] = agreement(DEV, n_new=args.agree_tokens, prompt_tokens=args.agree_prompt)
     res["seconds"] = time.perf_counter() - t0

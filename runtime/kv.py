@@ -18,15 +18,29 @@ from torch import Tensor
 Q8_BLOCK = 32
 KV_QUANTS = ("q8_0",)
 
-# The decode attention splits each row's context into chunks of KV_CHUNK positions, fixed by absolute position
-# (docs/models.md, "Numerics"): a constant, never chosen from the context, so a row's bits do not depend on the
-# configured context either. Each (row, head, chunk) leaves fp32 partials: hd accumulators, a max and a sum.
-KV_CHUNK = 256
+# The decode attention splits each row's context into chunks fixed by absolute position (docs/models.md,
+# "Numerics"): chunks of 128 positions up to position 2048 (short contexts still spread over many programs), of 512
+# up to 16384, of 1024 beyond (long contexts write and re-read fewer partials). A constant layout, never chosen
+# from the context, so a row's bits do not depend on the configured context either. Each (row, head, chunk) leaves
+# fp32 partials: hd accumulators, a max and a sum. KV_TIERS = (C0, E0, C1, E1, C2): chunks of C0 positions on
+# [0, E0), of C1 on [E0, E1), of C2 from E1 on (each E a multiple of the chunk before it).
+KV_TIERS = (128, 2048, 512, 16384, 1024)
 
 
-def split_chunks(capacity: int) -> int:
-    """Context chunks of the split decode attention for a cache of `capacity` positions."""
-    return -(-int(capacity) // KV_CHUNK)
+def uniform_tiers(chunk: int) -> tuple[int, int, int, int, int]:
+    """One chunk size everywhere, in the KV_TIERS form (checks compare layouts; a chunk >= S is no split)."""
+    return (chunk, 0, chunk, 0, chunk)
+
+
+def split_chunks(capacity: int, tiers: tuple[int, int, int, int, int] = KV_TIERS) -> int:
+    """Chunks of the split decode attention covering positions 0..capacity-1 (the kernels' `_n_chunks`)."""
+    c0, e0, c1, e1, c2 = tiers
+    n = int(capacity)
+    if n <= e0:
+        return -(-n // c0)
+    if n <= e1:
+        return e0 // c0 + -(-(n - e0) // c1)
+    return e0 // c0 + (e1 - e0) // c1 + -(-(n - e1) // c2)
 
 
 def split_partials_bytes(rows: int, heads: int, capacity: int, head_dim: int) -> int:

@@ -179,7 +179,7 @@ def attention_scratch_tensors(t: TargetGeometry, drafter: str, *, context: int, 
                               graphs: bool = True) -> list[int]:
     """The attention's buffers, one allocation each (docs/budget.md `scratch`):
     - CUDA: the split decode attention's fp32 partials of the target's fixed-width step, `block * heads * chunks *
-      (head_dim + 2) * 4` with `chunks = ceil(context / KV_CHUNK)` (runtime/kv.py), and the same for the drafter's
+      (head_dim + 2) * 4` with `chunks` the chunks covering the context (runtime/kv.py `split_chunks`), and the same for the drafter's
       graphs (their heads and head_dim; `block` rows) when graphs are on;
     - a q8_0 cache: the prefill dequantizes one layer's prefix into two `kv_heads * context * head_dim * wb`
       buffers, plus (CPU, torch) two fp32 temporaries `kv_heads * context * head_dim * 4` while doing it."""

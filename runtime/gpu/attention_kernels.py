@@ -4,10 +4,12 @@
 written or read. Every kernel takes the cache in the compute dtype or as q8_0 (runtime/kv.py: int8 values and a
 float16 scale per 32; `ks`/`vs` are the scales).
 
-`attention` splits the context (flash-decoding): a program per (row, KV head, chunk of KV_CHUNK positions) leaves
-the chunk's unnormalised output, max and sum; a second kernel combines a row's chunks in a fixed order. Chunk
-boundaries are absolute positions and every tile size is a constant, so a row's bits depend only on that row's
-query, its position and the cache, never on the window width, the other rows or the cache capacity (docs/models.md,
+`attention` splits the context (flash-decoding): a program per (block of window rows, KV head, chunk of positions;
+runtime/kv.py `KV_TIERS`: short chunks early in the context, longer ones later) leaves each row's chunk output (unnormalised), max and sum; a second kernel combines a row's chunks in a
+fixed order. The rows of a block share each K/V tile they read, so a verify window of W rows reads the cache once,
+not W times. Chunk boundaries are absolute positions and every tile size is a constant of the model (the row block
+too: `row_block`), and a row never mixes with another row's lines, so a row's bits depend only on that row's query,
+its position and the cache, never on the window width, the other rows or the cache capacity (docs/models.md,
 "Numerics"). The grid is fixed by the capacity (programs walk every n-th chunk; those past a row's last chunk do
 nothing), so one CUDA graph serves every position.
 """
@@ -20,11 +22,12 @@ import torch
 from torch import Tensor
 
 from runtime.gpu.kernels import HAVE_TRITON, pow2
-from runtime.kv import KV_CHUNK, Q8_BLOCK, split_chunks
+from runtime.kv import KV_TIERS, Q8_BLOCK, split_chunks, uniform_tiers
 
 REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant: it fixes the summation order)
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
-SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 2}
+SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
+ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 
 
@@ -33,8 +36,15 @@ def _sm_count(device: str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
 
 
+def row_block(group: int) -> int:
+    """Window rows per program of the split kernel: ROW_TILE query-head lines in all (rows x the padded GQA
+    group), at least one row. A function of the model only, never of the window, so a row's tile (and its
+    bits) is the same at every width."""
+    return max(1, ROW_TILE // group)
+
+
 def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:
-    """Programs per (row, KV head) of the split kernel, each walking chunks j, j + n, j + 2n, ...: enough for about
+    """Programs per (row block, KV head) of the split kernel, each walking chunks j, j + n, j + 2n, ...: enough for about
     PROGRAMS_PER_SM per SM when every chunk is busy (a full wave, no tail), few enough that programs with nothing to
     do (positions short of the capacity) cost little. Which program computes a chunk never changes its bits."""
     return max(1, min(chunks, -(-_sm_count(str(device)) * PROGRAMS_PER_SM // (rows * kv_heads))))
@@ -111,55 +121,86 @@ if HAVE_TRITON:
         _store_row(v, vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
 
     @triton.jit
+    def _n_chunks(n, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr):
+        """Chunks covering positions 0..n-1 (0 for n <= 0): runtime/kv.py `split_chunks`."""
+        n = tl.maximum(n, 0)
+        a = (n + C0 - 1) // C0
+        b = E0 // C0 + (tl.maximum(n - E0, 0) + C1 - 1) // C1
+        c = E0 // C0 + (E1 - E0) // C1 + (tl.maximum(n - E1, 0) + C2 - 1) // C2
+        return tl.where(n <= E0, a, tl.where(n <= E1, b, c))
+
+    @triton.jit
+    def _chunk_lo(c, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr):
+        """(first position, length) of chunk c."""
+        n0 = E0 // C0
+        n1 = (E1 - E0) // C1
+        lo = tl.where(c < n0, c * C0, tl.where(c < n0 + n1, E0 + (c - n0) * C1, E1 + (c - n0 - n1) * C2))
+        size = tl.where(c < n0, C0, tl.where(c < n0 + n1, C1, C2))
+        return lo, size
+
+    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, acc_ptr, ml_ptr, scale,
-                           stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC,
-                           G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
-                           CHUNK: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
-        """Program (row, kv head, first): chunks first, first + step, ... of the row's positions 0..pos; for
-        each, the GQA group's unnormalised output, running max and sum, over blocks of BS positions in order."""
-        row = tl.program_id(0)
+                           stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
+                           G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                           C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
+                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
+        """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
+        of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
+        blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
+        cache once, not once per row). A row past its own end in a block sees only masked scores: its update is
+        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone."""
+        rb = tl.program_id(0)
         kvh = tl.program_id(1)
         first = tl.program_id(2)
         step = tl.num_programs(2)
         nh = tl.num_programs(1) * G
-        pos = tl.load(pos_ptr + row)
-        n_valid = (pos + CHUNK) // CHUNK               # chunks holding positions 0..pos; 0 for a padding row
-        g = tl.arange(0, GP)
+        i = tl.arange(0, RB * GP)
+        r = rb * RB + i // GP                          # the tile's lines: RB rows x GP heads
+        g = i % GP
+        lm = (r < W) & (g < G)
+        pos_r = tl.load(pos_ptr + r, mask=r < W, other=-1)
+        nv_r = _n_chunks(pos_r + 1, C0, E0, C1, E1, C2)   # chunks holding positions 0..pos; 0 for a padding row
+        n_valid = tl.max(nv_r, 0)
         d = tl.arange(0, HD)
-        gm = g < G
         heads = kvh * G + g
         dt = q_ptr.dtype.element_ty
-        q = tl.load(q_ptr + row * stride_qw + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+        q = tl.load(q_ptr + r[:, None] * stride_qw + heads[:, None] * stride_qh + d[None, :], mask=lm[:, None],
+                    other=0.0)
         base = kvh.to(tl.int64) * stride_ch
         sbase = kvh.to(tl.int64) * stride_sh
-        slot0 = (row * nh + heads).to(tl.int64) * NC
+        slot0 = (r * nh + heads).to(tl.int64) * NC
         for c in range(first, n_valid, step):
-            lo = c * CHUNK
-            hi = tl.minimum(lo + CHUNK, pos + 1)
-            m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros((GP,), dtype=tl.float32)
-            acc = tl.zeros((GP, HD), dtype=tl.float32)
+            lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
+            hi_r = tl.minimum(lo + size, pos_r + 1)    # each line's end in this chunk
+            hi = tl.max(hi_r, 0)
+            m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros((RB * GP,), dtype=tl.float32)
+            acc = tl.zeros((RB * GP, HD), dtype=tl.float32)
             for s0 in range(lo, hi, BS):
                 s = s0 + tl.arange(0, BS)
                 sm = s < hi
                 k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                 v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                 sc = tl.dot(q, tl.trans(k)) * scale
-                sc = tl.where(sm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))       # finite: every block holds a valid position
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
+                sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_use)
+                p = tl.exp(sc - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
                 m_i = m_new
             slot = slot0 + c
-            tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=gm[:, None])
-            tl.store(ml_ptr + slot * 2, m_i, mask=gm)
-            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=gm)
+            keep = lm & (c < nv_r)
+            tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
+            tl.store(ml_ptr + slot * 2, m_i, mask=keep)
+            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
 
     @triton.jit
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
-                            HD: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr, NCB: tl.constexpr):
+                            HD: tl.constexpr, DB: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
+                            E1: tl.constexpr, C2: tl.constexpr, NCB: tl.constexpr):
         """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
         an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
         given position (each column's arithmetic is the same whichever program does it)."""
@@ -167,7 +208,7 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         nh = tl.num_programs(1)
         pos = tl.load(pos_ptr + row)
-        n_valid = (pos + CHUNK) // CHUNK
+        n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2)
         slot0 = (row * nh + h).to(tl.int64) * NC
         j = tl.arange(0, NCB)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
@@ -273,15 +314,18 @@ def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: t
 
 
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
-              vs: Tensor | None = None, part: Tensor | None = None, chunk: int = KV_CHUNK) -> Tensor:
+              vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
+              tiers: tuple[int, int, int, int, int] = KV_TIERS) -> Tensor:
     """q [W, nh, hd] against cache kc, vc [nkv, S, hd] (q8_0 with scales ks, vs); row r sees cache rows
-    0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk`
-    other than KV_CHUNK is for checks only (chunk >= S is the unsplit attention)."""
+    0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk` (one
+    chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split)."""
     W, nh, hd = q.shape
     nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
     q = q.contiguous()
-    nc = -(-S // chunk)
+    tiers = uniform_tiers(chunk) if chunk is not None else tiers
+    c0, e0, c1, e1, c2 = tiers
+    nc = split_chunks(S, tiers)
     n_acc = W * nh * nc * hd
     need = n_acc + W * nh * nc * 2
     if part is None:
@@ -292,14 +336,17 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
     t = SPLIT_TILE
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
-    _attn_split_kernel[(W, nkv, split_programs(W, nkv, nc, q.device))](
+    gp = pow2(G)
+    rb = row_block(gp)
+    blocks = -(-W // rb)
+    _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
-        kc.stride(1), ssh, sss, nc, G=G, GP=pow2(G), HD=hd, BS=BS, CHUNK=chunk, Q8=q8, NB=nb, QB=qb,
-        num_warps=t["num_warps"], num_stages=t["num_stages"])
+        kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
+        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"])
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
-    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, CHUNK=chunk,
-                                           NCB=REDUCE_TILE, num_warps=2)
+    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
+                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2)
     return o
 
 

@@ -32,7 +32,7 @@ _interp._patch_lang_tensor = _patch_tensor
 
 from runtime.formats.quant_linear import QuantLinear  # noqa: E402
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
-from runtime.kv import KV_CHUNK, dequantize_q8_0, quantize_q8_0  # noqa: E402
+from runtime.kv import dequantize_q8_0, quantize_q8_0  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -409,19 +409,31 @@ def check_attention(dt: torch.dtype) -> None:
 def check_split_attention(dt: torch.dtype) -> None:
     """The split attention over several context chunks: equal to the reference and to the unsplit attention (one
     chunk) up to rounding; and a row's bits do not depend on the window width, the row's place in the window, the
-    other rows, or the cache capacity (docs/models.md, "Numerics")."""
-    C = KV_CHUNK
+    other rows, or the cache capacity (docs/models.md, "Numerics"). Two layouts fixed by position (the real
+    KV_TIERS would only make the interpreter slower): chunks of 128 with the default row block (a window in one
+    program), and tiers of 32, 64 and 128 positions with row blocks of 4 rows (a window over 2 and 4 programs)."""
+    _check_split_attention(dt, 128, None)
+    saved = attention_kernels.ROW_TILE
+    attention_kernels.ROW_TILE = 8
+    try:
+        _check_split_attention(dt, 128, (32, 64, 64, 192, 128))     # 32 on [0, 64), 64 on [64, 192), 128 beyond
+    finally:
+        attention_kernels.ROW_TILE = saved
+
+
+def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, int, int] | None) -> None:
     g = torch.Generator().manual_seed(4)
     nh, nkv, hd = 4, 2, 64
     S = 3 * C + 40
+    lay = {"chunk": C} if tiers is None else {"tiers": tiers}
     for q8 in (False, True):
         kc, vc, ks, vs, keys, vals = cache(nkv, S, hd, dt, q8, g)
         pos = torch.tensor([S - 1, 2 * C - 1, C, C - 1, 5, 2 * C + 17, 0, -1], dtype=torch.int32)
         W = pos.shape[0]
         q = torch.randn(W, nh, hd, generator=g).to(dt)
 
-        def att(qq, pp, k=kc, v=vc, a=ks, b=vs, chunk=C):
-            return attention_kernels.attention(qq, k, v, pp, hd ** -0.5, ks=a, vs=b, chunk=chunk)
+        def att(qq, pp, k=kc, v=vc, a=ks, b=vs, **kw):
+            return attention_kernels.attention(qq, k, v, pp, hd ** -0.5, ks=a, vs=b, **(kw or lay))
 
         o = att(q, pos)
         ref = ref_attention(q, keys, vals, pos)
@@ -431,7 +443,8 @@ def check_split_attention(dt: torch.dtype) -> None:
         assert float(o[-1].abs().max()) == 0.0
         unsplit = att(q, pos, chunk=4 * C)
         assert rel(o[:-1], unsplit[:-1]) < tol, rel(o[:-1], unsplit[:-1])
-        assert torch.equal(o[3], unsplit[3]) and torch.equal(o[4], unsplit[4])    # one chunk: the same walk
+        if tiers is None:
+            assert torch.equal(o[3], unsplit[3]) and torch.equal(o[4], unsplit[4])    # one chunk: the same walk
         for r in range(W):                                                      # alone (W = 1)
             assert torch.equal(att(q[r:r + 1], pos[r:r + 1])[0], o[r]), (q8, r)
         perm = torch.tensor([5, 2, 7, 0, 6, 1, 4, 3])                            # other places, other neighbours

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
-from runtime.kv import KV_CHUNK
+from runtime.kv import split_chunks
 from runtime.models.target_config import TargetGeometry
 from setup_wizard.budget import (
     MIB,
@@ -89,12 +89,14 @@ def test_no_graphs_one_workspace_no_pool_and_cpu_has_none_of_these():
 
 def test_flash_scratch_grows_with_context_only_by_the_split_partials_on_cuda():
     """The CUDA prefill attention keeps no [chunk x context] scores, so the transient grows with the context only by
-    the split decode attention's partials (one chunk of KV_CHUNK positions more, (hd + 2) floats per head); the
+    the split decode attention's partials (one chunk more per runtime/kv.py KV_TIERS chunk, (hd + 2) floats per head); the
     CPU path (math kernel) still counts the scores."""
     t = TargetGeometry.from_config(TINY, has_mtp=False)
     a = compute_budget(t, "none", _cuda(context=1024, block=1, prefill_chunk=512)).items
     b = compute_budget(t, "none", _cuda(context=4096, block=1, prefill_chunk=512)).items
-    assert b["scratch"] - a["scratch"] == 1 * t.heads * (4096 - 1024) // KV_CHUNK * (t.head_dim + 2) * 4
+    more = split_chunks(4096) - split_chunks(1024)
+    assert more == 2048 // 128 + 2048 // 512 - 1024 // 128      # 128-position chunks to 2048, then 512
+    assert b["scratch"] - a["scratch"] == 1 * t.heads * more * (t.head_dim + 2) * 4
     cpu = dict(block=1, device_type="cpu", available_bytes=1 << 30, total_bytes=1 << 30)
     c1 = compute_budget(t, "none", BudgetInputs(context=1024, **cpu)).items["scratch"]
     c2 = compute_budget(t, "none", BudgetInputs(context=4096, **cpu)).items["scratch"]
@@ -127,7 +129,8 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
     # the allocator term: what packing every persistent and prefill-transient tensor into segments adds
     pers = persistent_tensors(geo, "none", 2, 2, ctx, 1)
     attn = attention_scratch_tensors(geo, "none", context=ctx, block=1, wb=2, cuda=True)
-    assert attn == [1 * 4 * -(-ctx // KV_CHUNK) * (hd + 2) * 4]   # the split attention's fp32 partials, 1 row
+    chunks = 2048 // 128 + (16384 - 2048) // 512 + (ctx - 16384) // 1024
+    assert attn == [1 * 4 * chunks * (hd + 2) * 4]   # the split attention's fp32 partials, 1 row
     trans = transient_tensors(geo, 512, 2) + attn
     assert sum(pers) == sum(it[k] for k in ("target_dense_weights", "target_kv", "logits", "expert_cache"))
     assert sorted(pers, reverse=True)[:4] == [192 * MIB, 192 * MIB, 2 * MIB, 2 * MIB]   # K, V, embed, lm_head
@@ -142,7 +145,7 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
 
 
 def _partials(rows, heads, ctx, hd):
-    return rows * heads * -(-ctx // KV_CHUNK) * (hd + 2) * 4
+    return rows * heads * split_chunks(ctx) * (hd + 2) * 4
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -1,0 +1,95 @@
+"""Where a decode step's time goes: the engine's fixed-width step on the A3B shape, kernel by kernel.
+
+    python bench/step_profile.py [--context 1024] [--widths 1,8] [--steps 20]
+
+Runs the graph-captured step (bench/context.py's `time_decode`) for the step time, then the same step eagerly
+under torch.profiler (CUDA activity) and groups GPU kernel time by kernel name: per step, the kernel's share, its
+launches per step and its mean time per launch. The sum of kernel times next to the graph step time shows what is
+left for launch gaps. Each kernel is put next to the bytes it must read when that is known (weights of the dense
+projections, active experts, the KV cache), so a reader sees which part is far from the copy bandwidth.
+Writes `step_profile.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import copy_bandwidth, machine, print_table, write_json  # noqa: E402
+
+
+def profile_step(model, kv, width: int, steps: int) -> list[dict[str, Any]]:
+    """Kernel time per step, grouped by kernel name (eager step: the graph hides kernels from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.context import DEV, gen
+    from runtime.gpu.static_step import StaticStep
+
+    ctx = kv.length
+    step = StaticStep(model, kv, width, graph=False)
+    win = torch.randint(0, model.cfg.vocab_size, (1, width), device=DEV, generator=gen(ctx + width))
+    for _ in range(2):
+        step(win, kv)
+        kv.rollback(ctx)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(win, kv)
+            kv.rollback(ctx)
+        torch.cuda.synchronize()
+    groups: dict[str, dict[str, float]] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = ev.name if len(ev.name) < 70 else ev.name[:67] + "..."
+        g = groups.setdefault(name, {"us": 0.0, "n": 0})
+        g["us"] += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        g["n"] += 1
+    rows = [dict(kernel=k, us_per_step=v["us"] / steps, launches_per_step=v["n"] / steps,
+                 us_per_launch=v["us"] / max(1, v["n"])) for k, v in groups.items()]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--widths", default="1,8")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/step_profile.py needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    from bench.context import build_a3b, make_kv, time_decode, weight_bytes
+
+    bw = copy_bandwidth()
+    model, _ = build_a3b()
+    dense, expert, n_moe = weight_bytes(model)
+    res: dict[str, Any] = {"machine": machine(), "context": args.context, "copy_GBs": bw / 1e9, "widths": {}}
+    for w in (int(x) for x in args.widths.split(",")):
+        kv = make_kv(model, args.context, "bf16", capacity=args.context + 64)
+        graph_ms = time_decode(model, kv, w, 50)["step_ms"]
+        rows = profile_step(model, kv, w, args.steps)
+        total = sum(r["us_per_step"] for r in rows)
+        launches = sum(r["launches_per_step"] for r in rows)
+        res["widths"][w] = dict(graph_step_us=graph_ms * 1e3, kernel_sum_us=total, launches_per_step=launches,
+                                dense_bytes=dense, expert_bytes=expert, moe_layers=n_moe, kernels=rows)
+        print_table(f"A3B step W={w} at context {args.context}: graph step {graph_ms * 1e3:,.0f} us, kernels "
+                    f"{total:,.0f} us in {launches:.0f} launches (copy {bw / 1e9:,.0f} GB/s; the dense weights alone "
+                    f"take {dense / bw * 1e6:,.0f} us)", ["kernel", "us/step", "share %", "launches", "us/launch"],
+                    [[r["kernel"], r["us_per_step"], 100 * r["us_per_step"] / total, r["launches_per_step"],
+                      r["us_per_launch"]] for r in rows[:18]])
+        del kv
+        torch.cuda.empty_cache()
+    write_json("step_profile.json", res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
