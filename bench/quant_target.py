@@ -219,12 +219,24 @@ def speed(args, bw: float, deadline: Deadline) -> dict[str, Any]:
         res[q] = rec
         print(f"  {q}: {rec['tok_s']:.1f} tok/s, bound {rec['bound_tok_s']:.0f} ({100 * rec['frac_of_bound']:.0f}%)"
               f" kernels={rec['kernels']} graph={rec['graph']} fused={rec['fused']}", flush=True)
+        # llama-bench's `-d D tg128`: D tokens already in the cache, then 128 generated
+        for depth in args.depths:
+            if deadline.over():
+                break
+            long_prompt = torch.randint(0, A3B["vocab_size"], (depth,), generator=g).tolist()
+            d = run_decode(model, long_prompt, 128, depth + 128 + 16)
+            ab = active_bytes(A3B, q, depth + 64)
+            d.pop("tokens")
+            d.update(depth=depth, bound_tok_s=bw / ab, frac_of_bound=d["tok_s"] * ab / bw)
+            res.setdefault("depths", []).append({"quant": q, **d})
+            print(f"  {q} at depth {depth}: {d['tok_s']:.1f} tok/s, bound {d['bound_tok_s']:.0f} "
+                  f"({100 * d['frac_of_bound']:.0f}%)", flush=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()
     base = res.get("bf16", {}).get("tok_s")
     for r in res.values():
-        if base and "tok_s" in r:
+        if base and isinstance(r, dict) and "tok_s" in r:
             r["vs_bf16"] = r["tok_s"] / base
     return res
 
@@ -287,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--check", action="store_true", help="check the GPU paths against the reference first")
     ap.add_argument("--quants", default=",".join(QUANTS))
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--depths", default="", help="also decode 128 tokens after prompts of these lengths "
+                    "(llama-bench -d), e.g. 4096,32768")
     ap.add_argument("--agree-tokens", type=int, default=512)
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--gen", type=int, default=64)
@@ -294,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-seconds", type=float, default=170)
     args = ap.parse_args(argv)
     args.quants = [q for q in args.quants.split(",") if q]
+    args.depths = [int(d) for d in args.depths.split(",") if d]
     deadline = Deadline(args.max_seconds)
     res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "rows": []}
     if args.device == "cuda" and args.part in ("all", "speed"):
