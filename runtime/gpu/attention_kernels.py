@@ -6,11 +6,12 @@ float16 scale per 32; `ks`/`vs` are the scales).
 
 `attention` splits the context (flash-decoding): a program per (block of window rows, KV head, chunk of positions;
 runtime/kv.py `KV_TIERS`: short chunks early in the context, longer ones later) leaves each row's chunk output
-(unnormalised), max and sum; a second kernel combines a row's chunks in a fixed order. The rows of a block share each K/V tile they read, so a verify window of W rows reads the cache once,
-not W times. Chunk boundaries are absolute positions and every tile size is a constant of the model (the row block
-too: `row_block`), and a row never mixes with another row's lines, so a row's bits depend only on that row's query,
-its position and the cache, never on the window width, the other rows or the cache capacity (docs/models.md,
-"Numerics"). The grid is fixed by the capacity (programs walk every n-th chunk; those past a row's last chunk do
+(unnormalised), max and sum; a second kernel combines a row's chunks in a fixed order. The rows of a block share
+each K/V tile they read, so a verify window of W rows reads the cache once, not W times. Chunk boundaries are
+absolute positions and every tile size is a constant of the model (the row block too: `row_block`), and a row never
+mixes with another row's lines, so a row's bits depend only on that row's query, its position and the cache, never
+on the window width, the other rows or the cache capacity (docs/models.md, "Numerics"). The grid is fixed by the
+capacity (programs walk every n-th chunk; those past a row's last chunk do
 nothing), so one CUDA graph serves every position.
 """
 
@@ -45,8 +46,8 @@ def row_block(group: int) -> int:
 
 def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:
     """Programs per (row block, KV head) of the split kernel, each walking chunks j, j + n, j + 2n, ...: enough for
-    about PROGRAMS_PER_SM per SM when every chunk is busy (a full wave, no tail), few enough that programs with nothing to
-    do (positions short of the capacity) cost little. Which program computes a chunk never changes its bits."""
+    about PROGRAMS_PER_SM per SM when every chunk is busy (a full wave, no tail), few enough that programs with
+    nothing to do (positions short of the capacity) cost little. Which program computes a chunk never changes its bits."""
     return max(1, min(chunks, -(-_sm_count(str(device)) * PROGRAMS_PER_SM // (rows * kv_heads))))
 
 
