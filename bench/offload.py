@@ -99,9 +99,9 @@ def routing_spread(model, ids: list[int], window: int = 16) -> dict[str, Any]:
     for b in blocks:
         b.recorder = grab
     cfg = model.cfg
-    dev = model.lm_head.weight.device
+    dev = model.model.norm.weight.device
     kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(ids) + 1,
-                 dtype=model.lm_head.weight.dtype, device=dev)
+                 dtype=model.model.norm.weight.dtype, device=dev)
     with torch.no_grad():
         model(torch.tensor([ids], device=dev), kv=kv, logits_to_keep=1)
     for b in blocks:
@@ -125,7 +125,7 @@ def decode(model, cache: ExpertCache, prompt: list[int], n_new: int, context: in
            graph: bool) -> dict[str, Any]:
     """Prefill, two warm-up steps (kernels, graph capture; rolled back), then `n_new` greedy steps timed."""
     cfg = model.cfg
-    dt = model.lm_head.weight.dtype
+    dt = model.model.norm.weight.dtype
     kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, context, dtype=dt, device=device)
     step = StaticStep(model, kv, 1, graph=graph)
     cuda = device.type == "cuda"
@@ -218,6 +218,8 @@ def budget_slots(cap: int, context: int, quant: str = "bf16") -> tuple[int, dict
     from setup_wizard.budget import BudgetInputs, compute_budget
 
     geo = TargetGeometry.from_config(A3B_SHAPE)
+    if quant != "bf16":
+        geo = geo.with_quant(quant)
     inp = BudgetInputs(context=context, block=1, device_type="cuda", available_bytes=cap, total_bytes=cap,
                        weight_bytes=2, kv_bytes=2, capability=tuple(torch.cuda.get_device_capability())
                        if torch.cuda.is_available() else None)
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--check", action="store_true", help="exit 1 unless streamed rows keep the all-resident ids")
     ap.add_argument("--vram-limit-mib", type=int, default=None, help="cap this process's GPU memory")
     ap.add_argument("--max-seconds", type=float, default=230)
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "q8_0", "q4_0"),
+                    help="every matrix and the experts as ggml blocks (bench/quant_target.py); misses streamed")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -263,8 +267,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         env["hbm_Bps"] = copy_bandwidth()
         res["copy_bandwidth_GBs"] = env["hbm_Bps"] / 1e9
     t0 = time.perf_counter()
-    model, arena = build_random_a3b(shape, device=args.device, honest=not args.collapsed, experts="arena",
-                                    dtype=torch.bfloat16 if cuda else torch.float32)
+    if args.quant != "bf16":
+        if not cuda:
+            raise SystemExit("bench/offload.py --quant builds its blocks on a CUDA GPU.")
+        from bench.quant_target import build_on_gpu
+        from runtime.expert_arena import ExpertArena
+
+        model = build_on_gpu(shape, args.quant)
+        moe = {i: layer.mlp for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoe)}
+        for blk in moe.values():       # the experts' blocks to host memory: the arena holds them there
+            blk.gate_up, blk.down = blk.gate_up.cpu(), blk.down.cpu()
+        torch.cuda.empty_cache()
+        arena = ExpertArena.from_stacks(moe, pin=True)
+        args.miss, args.other_path, args.legacy = "stream", False, ""
+    else:
+        model, arena = build_random_a3b(shape, device=args.device, honest=not args.collapsed, experts="arena",
+                                        dtype=torch.bfloat16 if cuda else torch.float32)
     res["build_s"] = time.perf_counter() - t0
     res["arena"] = {"bytes": arena.nbytes, "pinned": arena.pinned, "expert_bytes": arena.expert_nbytes}
     cfg = model.cfg
@@ -273,8 +291,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
     profile_prompt = torch.randint(0, cfg.vocab_size, (1024 if cuda else 64,), generator=g).tolist()
-    env["dense_bytes"] = dense_active_bytes(model, args.prompt_tokens + args.new_tokens / 2)
-    if cuda:
+    mean_len = args.prompt_tokens + args.new_tokens / 2
+    if args.quant != "bf16":
+        from bench.quant_target import active_bytes
+
+        env["dense_bytes"] = (active_bytes(shape, args.quant, mean_len)
+                              - len(arena.layers) * cfg.num_experts_per_tok * arena.expert_nbytes)
+    else:
+        env["dense_bytes"] = dense_active_bytes(model, mean_len)
+    if cuda and args.quant != "bf16":
+        env["h2d_Bps"] = h2d_bandwidth(arena, dev)
+        res["links"] = {"h2d_copy_GBs": env["h2d_Bps"] / 1e9}
+    elif cuda:
         env["h2d_Bps"] = h2d_bandwidth(arena, dev)
         probe = measure_miss_paths(arena, dev, n=8)
         env["cpu_Bps"] = probe["expert_bytes"] / probe["cpu_s_per_expert"]
@@ -290,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ref_cache.record_routing(True)
     with torch.no_grad():
         kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(profile_prompt) + 1,
-                     dtype=model.lm_head.weight.dtype, device=dev)
+                     dtype=model.model.norm.weight.dtype, device=dev)
         prefill(model, kv, profile_prompt, (), 512)
         del kv
     profile = ref_cache.routing_profile({"prompt_tokens": len(profile_prompt), "seed": 1})
@@ -329,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if deadline.over():
                 res["truncated"] = True
                 break
-            slots, bud = budget_slots(gib * GIB, args.context)
+            slots, bud = budget_slots(gib * GIB, args.context, args.quant)
             if not bud["fits"]:
                 res["rows"].append({"label": f"{gib} GiB budget", "fits": False, "reason": bud["reason"]})
                 continue

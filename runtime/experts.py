@@ -79,14 +79,19 @@ class ExpertCache:
         self.profile = profile or uniform_profile(layers, self.n_exp)
         self.profiled = profile is not None
         self.lru_slots = int(lru_slots)
-        # experts held as ggml blocks (a quantized target, `SparseMoe.bind_blocks`): resident only for now (the
-        # arena, the slot pool and the host miss paths move and compute float experts)
+        # experts held as ggml blocks (a quantized target, `SparseMoe.bind_blocks`): the arena and the slot pool
+        # move their bytes, the block kernels read them from the slots, and misses are streamed (the host paths
+        # compute float experts)
         self.blocked = any(blk.fmt is not None for blk in self.blocks.values())
-        if self.blocked and slots < self.total:
-            raise UsageError(f"a quantized target needs all {self.total} experts on the GPU, but the memory leaves "
-                             f"room for {slots}; choose a smaller size (strata-setup --target-quant) or context.")
+        self.fmt = next((blk.fmt for blk in self.blocks.values()), None) if self.blocked else None
+        if self.blocked and slots < self.total and miss in ("cpu", "legacy"):
+            raise UsageError(f"a quantized target serves the experts that are not on the GPU by streaming them; "
+                             f"expert miss policy {miss!r} computes float experts. Set [memory] expert_miss = "
+                             f"\"stream\" (or \"auto\").")
         self.mode = "resident" if slots >= self.total else ("legacy" if miss == "legacy" else "pool")
         self.miss = miss if self.mode == "pool" else "none"
+        if self.blocked and self.mode == "pool":
+            self.miss = "stream"
         self.probe: dict[str, Any] = {}
         self.arena: ExpertArena | None = arena
         self.pool: SlotPool | None = None
@@ -131,8 +136,9 @@ class ExpertCache:
         for mod in model.modules():
             for name, b in list(mod.named_buffers(recurse=False)):
                 setattr(mod, name, b.to(self.device))
+        pooled = {id(b) for b in self.blocks.values()} if self.mode == "pool" else set()
         for m in model.modules():     # experts held as ggml blocks (target and MTP layer): their two stacks move
-            if isinstance(m, SparseMoe) and m.fmt is not None:
+            if isinstance(m, SparseMoe) and m.fmt is not None and id(m) not in pooled:
                 m.gate_up, m.down = m.gate_up.to(self.device), m.down.to(self.device)
         if cuda:
             if stacked is not None:
@@ -151,7 +157,8 @@ class ExpertCache:
 
     def _arena(self) -> ExpertArena:
         if self.arena is None:
-            self.arena = ExpertArena.from_blocks(self.blocks, pin=self.device.type == "cuda")
+            build = ExpertArena.from_stacks if self.blocked else ExpertArena.from_blocks
+            self.arena = build(self.blocks, pin=self.device.type == "cuda")
         return self.arena
 
     def ensure_window(self, width: int) -> None:
@@ -164,6 +171,9 @@ class ExpertCache:
             self._arena()
             self.miss = self._choose_miss_path()
         if self.miss == "stream" and self.slots == 0:
+            if self.blocked:
+                raise UsageError("a quantized target needs at least one expert slot on the GPU to stream its "
+                                 "experts into; give it more memory or a smaller size (strata-setup --target-quant).")
             self.miss = "cpu"                  # no slot to stream into: every expert is computed on the host
         need = self._dynamic_slots()
         if self.pool is not None and self.pool.D == need:
@@ -213,6 +223,8 @@ class ExpertCache:
         a padded row: it gets 0) and weights w [T, k], whatever is resident: the same bits as the all-resident
         run on every streamed path (same kernels or same torch ops, same order)."""
         pool = self._ready()
+        if self.blocked:
+            return self._blocked(pool, layer, x, idx, w)
         T, k = idx.shape
         flat = idx.reshape(-1)
         if T <= KERNEL_ROWS and not torch.is_grad_enabled() and kernels.available(x):
@@ -225,6 +237,46 @@ class ExpertCache:
                 return moe_kernels.moe_grouped(x, sidx, w, pool.planes["gate_up"], pool.planes["down"])
             return self._rounds_kernel(pool, layer, x, idx, w)
         return self._loop(pool, layer, x, idx, w)
+
+    def _blocked(self, pool: SlotPool, layer: int, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """Experts held as ggml blocks: the block kernels (or their torch reference off CUDA) read the pool's slots.
+        A decode window whose misses fit the dynamic slots is planned on the device (graphable); any other window
+        takes its resident experts first, then stages the missing ones D at a time into dynamic slots through the
+        same kernels, so every pair gets the bits it has in the all-resident run."""
+        from runtime.gpu import moe_kernels
+
+        T, k = idx.shape
+        gu, dn = pool.planes["gate_up"], pool.planes["down"]
+        fast = not torch.is_grad_enabled() and kernels.available(x)
+        if fast and T <= KERNEL_ROWS and pool.need(T * k) <= pool.D:
+            sidx = pool.plan(layer, idx.reshape(-1)).view(T, k)
+            return moe_kernels.moe_grouped(x, sidx, w, gu, dn, fmt=self.fmt)
+        grouped = moe_kernels.moe_grouped if fast else moe_kernels.moe_torch
+        run = moe_kernels.experts if fast else moe_kernels.experts_torch
+        E = self.n_exp
+        parts = []
+        n = moe_kernels.PREFILL_ROWS
+        for s in range(0, T, n):          # the kernels' own split, each part with a fresh slot table
+            xi, ii, wi = x[s:s + n], idx[s:s + n], w[s:s + n]
+            slot = pool.lookup(layer, pool.arange_e).to(torch.int32)
+            on = slot.tolist()
+            pairs = [e for e in ii.reshape(-1).tolist() if e < E]
+            missing = sorted({e for e in pairs if on[e] < 0})
+            n_miss = sum(1 for e in pairs if on[e] < 0)
+            self.hits += len(pairs) - n_miss
+            self.misses += n_miss
+
+            def miss_fn(xx: Tensor, r, y: Tensor, left: list[int] = missing) -> None:
+                while left:
+                    staged = self._stage(pool, layer, left)
+                    self.fetched += len(staged)
+                    st = torch.full((E,), -1, dtype=torch.int32, device=xx.device)
+                    st[list(staged)] = torch.tensor(list(staged.values()), dtype=torch.int32, device=xx.device)
+                    run(xx, r, gu, dn, fmt=self.fmt, slot=st, y=y, zero_missing=False)
+                    left = left[len(staged):]
+
+            parts.append(grouped(xi, ii, wi, gu, dn, fmt=self.fmt, slot=slot, miss_fn=miss_fn if missing else None))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _loop(self, pool: SlotPool, layer: int, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
         """Many rows (prefill) or no kernels: SparseMoe.forward's per-expert loop with each expert's weights from
@@ -378,6 +430,10 @@ class ExpertCache:
         self.pool = None
         for li, blk in self.blocks.items():
             blk.offload = blk.runner = blk.counter = blk.recorder = None
+            if self.blocked:              # block stacks: the arena's planes are the stacks (host)
+                if self.arena is not None:
+                    blk.gate_up, blk.down = self.arena.plane(li, "gate_up"), self.arena.plane(li, "down")
+                continue
             blk.gate_up = blk.down = None
             if self.arena is not None:
                 bind_experts(blk, self.arena.plane(li, "gate_up"), self.arena.plane(li, "down"))

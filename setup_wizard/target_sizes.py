@@ -50,19 +50,19 @@ class SizeOption:
 
     @property
     def fits(self) -> bool | None:
-        """None before the download. A quantized size fits only with every expert resident (runtime/experts.py
-        keeps ggml-block experts on the GPU whole)."""
+        """None before the download; else whether the budget fits (experts that do not fit on the GPU stream from
+        host memory, quantized ones too: runtime/experts.py)."""
         b = self.budget
         if b is None:
             return None
-        return b.fits and (self.quant == "bf16" or b.expert_cache_slots >= b.total_experts)
+        return b.fits
 
     def fit(self) -> str:
         b = self.budget
         if b is None:
             return "fit known after download"
         if not self.fits:
-            return "does not fit" + ("" if not b.fits else " (a quantized target keeps every expert on the GPU)")
+            return "does not fit"
         where = "GPU" if b.device_type == "cuda" else "RAM"
         if b.expert_cache_slots >= b.total_experts:
             return f"fits ({where}, all experts resident, {self.context} tokens)"

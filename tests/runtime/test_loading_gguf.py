@@ -105,21 +105,36 @@ def test_q8_0_agreement_measured(files):
 
 
 def test_block_experts_in_the_expert_cache(files):
-    """Block experts count as blocks in the expert cache, and a partial cache of them is refused in one sentence
-    (runtime/experts.py keeps ggml-block experts resident)."""
+    """Block experts count as blocks in the expert cache; a partial cache of them (3 of 8 experts a layer's worth of
+    slots, the rest streamed through dynamic slots) gives the all-resident greedy tokens, through the decode path
+    and the prefill path, and counts its misses; policies that compute float experts are refused in one sentence."""
     from runtime.errors import UsageError
 
     _, out, _ = files
-    m = load_target_gguf(out["q8_0"].path, with_mtp=False)
-    p = _prompts(load_tokenizer_gguf(out["q8_0"].path))[0]
-    want = _greedy(m, p, 12)
-    cache = ExpertCache(m, torch.device("cpu"))
-    cache.place(m)
-    assert _greedy(m, p, 12) == want
-    assert cache.expert_nbytes == 3 * 32 * (64 // 32 * 34)      # gate, up, down of one expert as Q8_0 rows
-    assert cache.resident_nbytes == cache.expert_nbytes * cache.total
-    with pytest.raises(UsageError, match="needs all 8 experts on the GPU"):
-        ExpertCache(m, torch.device("cpu"), slots=3, enforce_on_cpu=True)
+    for quant in ("q8_0", "q4_0"):
+        m = load_target_gguf(out[quant].path, with_mtp=False)
+        p = _prompts(load_tokenizer_gguf(out[quant].path))[0]
+        want = _greedy(m, p, 12)
+        cache = ExpertCache(m, torch.device("cpu"))
+        cache.place(m)
+        assert _greedy(m, p, 12) == want
+        if quant == "q8_0":
+            assert cache.expert_nbytes == 3 * 32 * (64 // 32 * 34)      # gate, up, down of one expert as Q8_0 rows
+            assert cache.resident_nbytes == cache.expert_nbytes * cache.total
+        for miss in ("cpu", "legacy"):
+            with pytest.raises(UsageError, match="quantized target serves the experts .* by streaming"):
+                ExpertCache(m, torch.device("cpu"), slots=3, enforce_on_cpu=True, miss=miss)
+        n_layers = len(m.model.layers)
+        part = ExpertCache(m, torch.device("cpu"), slots=3 * n_layers, enforce_on_cpu=True, miss="auto")
+        part.place(m)
+        part.ensure_window(1)
+        assert part.mode == "pool" and part.miss == "stream" and part.fmt == quant
+        assert part.resident_nbytes == part.expert_nbytes * 3 * n_layers
+        assert _greedy(m, p, 12) == want, quant
+        st = part.stats()
+        assert st["misses"] > 0 and st["fetched"] > 0 and st["hit_rate"] < 1.0
+        with pytest.raises(UsageError, match="at least one expert slot"):
+            ExpertCache(m, torch.device("cpu"), slots=0, enforce_on_cpu=True).ensure_window(1)
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
