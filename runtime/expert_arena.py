@@ -93,18 +93,18 @@ class ExpertArena:
                 dn[e].copy_(ex.down_proj.weight.data)
             bind_experts(blk, gu, dn)
             planes[li] = {"gate_up": gu, "down": dn}
-        return cls._pinned(planes, pin)
+        return cls._build(planes, pin)
 
     @classmethod
     def from_stacks(cls, blocks: dict, pin: bool = False) -> ExpertArena:
         """The routed experts of `blocks` ({layer: SparseMoe} on the CPU) held as ggml block stacks
         (`SparseMoe.bind_blocks`): their two stacks become the planes as they are (no copy), so an expert is one row
         of bytes in each, whatever the format."""
-        return cls._pinned({li: {"gate_up": blk.gate_up.contiguous(), "down": blk.down.contiguous()}
+        return cls._build({li: {"gate_up": blk.gate_up.contiguous(), "down": blk.down.contiguous()}
                             for li, blk in blocks.items()}, pin)
 
     @classmethod
-    def _pinned(cls, planes: dict[int, dict[str, Tensor]], pin: bool) -> ExpertArena:
+    def _build(cls, planes: dict[int, dict[str, Tensor]], pin: bool) -> ExpertArena:
         arena = cls(planes)
         if pin:
             arena.pin()
