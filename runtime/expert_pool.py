@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from runtime.expert_arena import ExpertArena
-from runtime.gpu import kernels
+from runtime.gpu import kernels, offload_kernels
 
 _NEVER = 1 << 62      # the stamp of a position nobody may evict (the spare entry)
 
@@ -111,6 +111,12 @@ class SlotPool:
             raise RuntimeError(f"a window of {NP} pairs may need {M} staging slots; this pool has {D}.")
         lp = self.lpos[layer]
         flat = flat.reshape(-1).long()
+        if self.fetch_kernel and D <= offload_kernels.PLAN_MAX_DYNAMIC and kernels.available(self.dyn_slots):
+            out, cand, vslot, ok = offload_kernels.plan(
+                flat.contiguous(), self.table_flat, lp * (E + 1), self.dyn_pos, self.dyn_stamp, self.dyn_owner,
+                self.dyn_slots, self.clock, self.counts, E, D, self.P, M, count)
+            self.fetch(layer, cand, vslot, ok)
+            return out
         s = self.table[lp][flat].long()
         real = flat < E
         hit = real & (s >= 0)

@@ -66,6 +66,62 @@ def check_fetch() -> None:
         assert not dst[0].any(), "an entry with ok = 0 moved bytes"
 
 
+def check_plan() -> None:
+    """The one-launch plan (runtime/gpu/offload_kernels.py `plan`) against a plain-Python LRU with the documented
+    order (missing experts lowest id first, victims by (stamp, position)): the table, owners, stamps, clock and
+    counters after every window, each pair's slot, and the slots' bytes (the fetch of what the plan chose)."""
+    from runtime.expert_arena import ExpertArena
+    from runtime.expert_pool import SlotPool
+
+    g = torch.Generator().manual_seed(7)
+    layers, E, D = [0, 2], 9, 5
+    arena = ExpertArena.empty(layers, E, {"gate_up": ((3, 4), torch.float32), "down": ((2,), torch.float32)})
+    for li in layers:
+        for t in arena.planes[li].values():
+            t.copy_(torch.randn(t.shape, generator=g))
+    pool = SlotPool(arena, {0: [1, 4], 2: [0]}, [(0, 2), (2, 3)], D, torch.device("cpu"))
+    assert pool.fetch_kernel
+    P = pool.P
+    n_static = P - D
+    table = pool.table_flat.clone().tolist()
+    owner = pool.dyn_owner.clone().tolist()
+    stamp = pool.dyn_stamp.clone().tolist()
+    clock, counts = 0, [0, 0, 0]
+    for step in range(40):
+        li = layers[step % 2]
+        lp = pool.lpos[li]
+        NP = [2, 4, 5][step % 3]
+        M = min(NP, E)
+        flat = torch.randint(0, E + 1, (NP,), generator=g)          # E: a padded pair
+        # the model
+        clock += 1
+        hit_pos = {pool.dyn_pos[s].item() for e in flat.tolist() if e < E and (s := table[lp * (E + 1) + e]) >= 0}
+        for q in hit_pos:
+            if q < D:
+                stamp[q] = clock
+        missing = sorted({e for e in flat.tolist() if e < E and table[lp * (E + 1) + e] < 0})[:M]
+        victims = sorted(range(D), key=lambda q: (stamp[q], q))[:len(missing)]
+        n_hit = sum(1 for e in flat.tolist() if e < E and table[lp * (E + 1) + e] >= 0)
+        counts = [counts[0] + n_hit, counts[1] + sum(1 for e in flat.tolist() if e < E) - n_hit,
+                  counts[2] + len(missing)]
+        for e, q in zip(missing, victims, strict=True):
+            if owner[q] >= 0:
+                table[owner[q]] = -1
+            table[lp * (E + 1) + e] = n_static + q
+            owner[q] = lp * (E + 1) + e
+            stamp[q] = clock
+        want = [table[lp * (E + 1) + e] if e < E else P for e in flat.tolist()]
+        got = pool.plan(li, flat).tolist()
+        assert got == want, (step, got, want)
+        assert pool.table_flat.tolist() == table, step
+        assert pool.dyn_owner.tolist()[:D] == owner[:D] and pool.dyn_stamp.tolist()[:D] == stamp[:D], step
+        assert int(pool.clock) == clock and pool.counts.tolist() == counts, step
+        for e, sl in zip(flat.tolist(), got, strict=True):
+            if e < E:
+                for n, t in pool.planes.items():
+                    assert torch.equal(t[sl], arena.plane(li, n)[e]), (step, e, sl)
+
+
 def _model(slots, miss, lru=0):
     m = load_target(FOLDER)
     c = ExpertCache(m, torch.device("cpu"), slots, enforce_on_cpu=slots is not None, miss=miss, lru_slots=lru)
@@ -119,6 +175,7 @@ def check_greedy_through_step() -> None:
 if __name__ == "__main__":
     torch.set_grad_enabled(False)       # inference: the kernel paths are for no-grad only
     check_fetch()
+    check_plan()
     check_layer_paths()
     check_greedy_through_step()
     print("offload kernels ok")
