@@ -6,7 +6,8 @@ Two kinds of slot:
 - *dynamic* slots are a least-recently-used cache of fetched experts: a miss evicts the dynamic slot used longest
   ago and copies the missing expert there from the host arena.
 
-`plan` does a window's bookkeeping on the device with shape-static torch ops (no host round trip), and
+`plan` does a window's bookkeeping on the device in one Triton launch (runtime/gpu/offload_kernels.py `plan`; the
+same steps as shape-static torch ops where Triton is not there, and for more than 256 dynamic slots), and
 `offload_kernels.fetch` copies the missing experts straight from pinned host memory, so a decode step with misses
 is still one CUDA graph. A window can need at most min(rows * top_k, E) distinct experts in one layer, so a graphed
 step needs at least that many dynamic slots; `rounds` serves any window with fewer (prefill) in host-driven rounds.
