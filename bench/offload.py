@@ -11,6 +11,9 @@ through the fixed-width step (CUDA graph when the cache allows it). Rows:
 - today's path (the legacy static lowest-id cache, CPU round trip per missed expert) at `--legacy` residencies;
 - the other miss path (stream or CPU, whichever `auto` did not pick) at 50%, measured rather than assumed.
 Placement uses a routing profile recorded on a different prompt (as calibration would), so hit rates are honest.
+`--quant q4_0|q8_0`: every matrix and the experts as ggml blocks (bench/quant_target.py's build), misses streamed
+(the only path for block experts); that build routes far fewer distinct experts than the BF16 one (see its
+`routing_spread` line), so its partly resident rows are a check of the paths more than a speed figure.
 
 Bound of a row: per decode token, the bytes read from device memory (dense weights without the embedding table, one
 embedding row, the KV cache at the mean length, the experts that hit) at the measured device copy bandwidth, plus
@@ -299,15 +302,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               - len(arena.layers) * cfg.num_experts_per_tok * arena.expert_nbytes)
     else:
         env["dense_bytes"] = dense_active_bytes(model, mean_len)
-    if cuda and args.quant != "bf16":
+    if cuda:
         env["h2d_Bps"] = h2d_bandwidth(arena, dev)
         res["links"] = {"h2d_copy_GBs": env["h2d_Bps"] / 1e9}
-    elif cuda:
-        env["h2d_Bps"] = h2d_bandwidth(arena, dev)
+    if cuda and args.quant == "bf16":      # the CPU miss path computes float experts only
         probe = measure_miss_paths(arena, dev, n=8)
         env["cpu_Bps"] = probe["expert_bytes"] / probe["cpu_s_per_expert"]
-        res["links"] = {"h2d_copy_GBs": env["h2d_Bps"] / 1e9, "fetch_kernel_GBs": probe["stream_GBps"],
-                        "cpu_expert_GBs": env["cpu_Bps"] / 1e9, "probe": probe}
+        res["links"].update(fetch_kernel_GBs=probe["stream_GBps"], cpu_expert_GBs=env["cpu_Bps"] / 1e9, probe=probe)
         print(f"copy {env['hbm_Bps'] / 1e9:.0f} GB/s, pinned H2D {env['h2d_Bps'] / 1e9:.1f} GB/s, fetch kernel "
               f"{probe['stream_GBps']:.1f} GB/s, CPU expert {env['cpu_Bps'] / 1e9:.1f} GB/s", flush=True)
     # all resident: how spread the routing is, and the routing profile (recorded on another prompt than the one
