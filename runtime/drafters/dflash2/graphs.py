@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.drafters.base import Proposal, floor_keep
-from runtime.drafters.dflash2.model import _floor_q, lattice_walk
+from runtime.drafters.dflash2.model import _floor_q, follow_lattice, lattice_scores, lattice_walk
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
 from runtime.gpu.capture import GraphSet, capture, stack_linears
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
@@ -159,23 +159,10 @@ class DFlash2Graphs(GraphSet):
             toks = gumbel_pick(torch.log(q), self.noise[:R])
             p1 = torch.softmax(logits.float(), dim=-1)
             return toks, p1.gather(-1, toks[:, None])[:, 0], _floor_q(q, p1 >= floor)
-        k = sel.top_k
-        unary, cand = torch.topk(logits.float(), k, dim=-1)                         # [R, k]
-        hp = sel.hidden_projection(hs).float()                                      # [R, r]
-        succ = sel.successor_codebook[cand].float()                                 # [R, k(i), r]
-        prev = torch.cat([anchor.reshape(1, 1).expand(1, k), cand[:-1]], dim=0)     # [R, k(j)]
-        a = sel.predecessor_codebook[prev].float() * hp[:, None, :]                 # [R, k(j), r]
-        score = unary[:, None, :] + torch.matmul(a, succ.transpose(1, 2))           # [R, j, i]
-        g = -torch.log(-torch.log(self.noise[:R, :k]))                              # Gumbel noise per row, candidate
+        cand, score = lattice_scores(sel, hs, logits, anchor)
+        g = -torch.log(-torch.log(self.noise[:R, :sel.top_k]))                     # Gumbel noise per row, candidate
         best = torch.argmax(score / sp.temperature + g[:, None, :], dim=-1)         # [R, j]: the draw after each j
-        cur = best[0, :1]
-        idxs = [cur]
-        for r in range(1, R):
-            cur = best[r].index_select(0, cur)
-            idxs.append(cur)
-        idx = torch.cat(idxs)                                                       # [R]
-        j = torch.cat([torch.zeros_like(idx[:1]), idx[:-1]])
-        row = score.gather(1, j[:, None, None].expand(R, 1, k))[:, 0]              # [R, k] the walked rows
+        idx, row = follow_lattice(best, score)                                      # [R], [R, k] the walked rows
         conf_all = torch.softmax(row, dim=-1)
         conf = conf_all.gather(-1, idx[:, None])[:, 0]
         qk = _floor_q(torch.softmax(row / sp.temperature, dim=-1), conf_all >= floor)

@@ -471,17 +471,31 @@ def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor
 
     Same picks as the sequential walk: each row's scores are the same sums (ties go to the first candidate in
     both, `argmax`); only the reduction order of the rank-r pair term can differ in the last bit."""
-    R = logits.shape[0]
+    cand, score = lattice_scores(selector, hs, logits, anchor)
+    best = torch.argmax(score, dim=-1)                                         # [R, j]
+    if logits.shape[0] and kernel is not None:
+        return kernel(score, best, cand)
+    idx, row = follow_lattice(best, score)
+    conf = torch.softmax(row, dim=-1).gather(-1, idx[:, None])[:, 0]
+    return cand.gather(-1, idx[:, None])[:, 0], conf
+
+
+def lattice_scores(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """(cand [R, k], score [R, j, i]): row r's score for its candidate i after predecessor j, where row 0's
+    predecessor is the anchor and row r's are the k candidates of row r-1 (the greedy and the sampled lattice)."""
     k = selector.top_k
     unary, cand = torch.topk(logits.float(), k, dim=-1)                        # [R, k]
     hp = selector.hidden_projection(hs).float()                                # [R, r]
     succ = selector.successor_codebook[cand].float()                           # [R, k(i), r]
     prev = torch.cat([anchor.reshape(1, 1).expand(1, k), cand[:-1]], dim=0)    # [R, k(j)]
     a = selector.predecessor_codebook[prev].float() * hp[:, None, :]           # [R, k(j), r]
-    score = unary[:, None, :] + torch.matmul(a, succ.transpose(1, 2))          # [R, j, i]
-    best = torch.argmax(score, dim=-1)                                         # [R, j]
-    if R and kernel is not None:
-        return kernel(score, best, cand)
+    return cand, unary[:, None, :] + torch.matmul(a, succ.transpose(1, 2))     # [R, j, i]
+
+
+def follow_lattice(best: Tensor, score: Tensor) -> tuple[Tensor, Tensor]:
+    """(idx [R], row [R, k]): the chain through `best` [R, j] (row 0 after the anchor, then each row after the
+    previous row's pick), as one-element device gathers, and the scores of each walked row."""
+    R, k = score.shape[0], score.shape[2]
     cur = best[0, :1]
     idxs = [cur]
     for r in range(1, R):
@@ -489,9 +503,7 @@ def lattice_walk(selector: CandidateSelector, hs: Tensor, logits: Tensor, anchor
         idxs.append(cur)
     idx = torch.cat(idxs)                                                      # [R]
     j = torch.cat([torch.zeros_like(idx[:1]), idx[:-1]])                       # each row's predecessor index
-    row = score.gather(1, j[:, None, None].expand(R, 1, k))[:, 0]             # [R, k]
-    conf = torch.softmax(row, dim=-1).gather(-1, idx[:, None])[:, 0]
-    return cand.gather(-1, idx[:, None])[:, 0], conf
+    return idx, score.gather(1, j[:, None, None].expand(R, 1, k))[:, 0]
 
 
 @torch.no_grad()
