@@ -317,8 +317,6 @@ def check_fused_step_quant() -> None:
     import tempfile
 
     from runtime.formats.blocks import quantize
-    from runtime.gpu.static_step import StaticStep
-    from runtime.kv import KVCache
     from runtime.loading import load_target
     from tests.runtime.tiny import make_tiny_target
 
@@ -331,6 +329,14 @@ def check_fused_step_quant() -> None:
         gu = quantize(mlp.gate_up.reshape(-1, H).numpy(), "q8_0")
         dn = quantize(mlp.down.reshape(E * H, -1).numpy(), "q8_0")
         mlp.bind_blocks(torch.from_numpy(gu).view(E, two_i, -1), torch.from_numpy(dn).view(E, H, -1), "q8_0")
+    _fused_step_matches_forward(model, "q8_0")
+
+
+def _fused_step_matches_forward(model, label: str) -> None:
+    """The fused width-4 step (no graph) against the plain forward, on a 6-token prompt then windows of 1 and 3."""
+    from runtime.gpu.static_step import StaticStep
+    from runtime.kv import KVCache
+
     c = model.cfg
     kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40) for _ in range(2))
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
@@ -343,7 +349,8 @@ def check_fused_step_quant() -> None:
             wt = torch.tensor(win)
             ref = model(wt, kv=kv_a, taps=(1,))
             got = step(wt, kv_b, (1,))
-            assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
+            err = (got.logits - ref.logits).abs().max()
+            assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (label, err)
 
 
 def check_fused_step_gguf() -> None:
@@ -353,8 +360,6 @@ def check_fused_step_gguf() -> None:
     import tempfile
 
     from runtime.formats.quant_linear import QuantEmbedding
-    from runtime.gpu.static_step import StaticStep
-    from runtime.kv import KVCache
     from runtime.loading_gguf import load_target_gguf
     from setup_wizard.convert_target import convert_target
     from tests.setup_wizard.target_gguf_helpers import make_bpe_target
@@ -364,20 +369,8 @@ def check_fused_step_gguf() -> None:
             src = make_bpe_target(d, seed=2, mtp=False)
             model = load_target_gguf(convert_target(src, q, Path(d) / "out" / "model.gguf").path)
         assert isinstance(model.model.embed_tokens, QuantEmbedding)
-        c = model.cfg
-        kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40) for _ in range(2))
-        prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
-        with torch.no_grad():
-            model(prompt, kv=kv_a)
-            model(prompt, kv=kv_b)
-            step = StaticStep(model, kv_b, width=4, graph=False)
-            assert step.fused and model.model.layers[0].self_attn.qkv_blocks is not None
-            for win in ([[12]], [[3, 4, 5]]):
-                wt = torch.tensor(win)
-                ref = model(wt, kv=kv_a, taps=(1,))
-                got = step(wt, kv_b, (1,))
-                err = (got.logits - ref.logits).abs().max()
-                assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (q, err)
+        _fused_step_matches_forward(model, q)
+        assert model.model.layers[0].self_attn.qkv_blocks is not None      # the step used the stacked blocks
 
 
 def check_attention(dt: torch.dtype) -> None:
