@@ -90,6 +90,9 @@ def summary_lines(result: Any) -> list[str]:
     if tgt and geo and geo < tgt:
         lines.append(f"note: the target alone decoded faster ({tgt:.1f} vs {geo:.1f} tok/s geomean); this drafter "
                      f"does not pay off here (try --no-draft or another drafter)")
+    elif tgt and geo:
+        lines.append(f"speculation pays here: {geo / tgt:.2f}x the target alone ({geo:.1f} vs {tgt:.1f} tok/s "
+                     f"geomean)")
     if result.reused:
         lines.append(f"reused the stored calibration from {result.record.get('date', '?')} ({result.path}); "
                      f"pass --force to measure again")

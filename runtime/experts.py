@@ -152,6 +152,14 @@ class ExpertCache:
             mtp = getattr(model, "mtp", None)
             if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
                 mtp.layers[0].mlp.stack_experts()     # drafter weights, always on the device
+        if self.device.type == "cpu" and self.mode == "resident":
+            for blk in self.blocks.values():
+                blk.pack_dense()       # a small model's experts run all at once on the CPU (SparseMoe.dense)
+            mtp = getattr(model, "mtp", None)
+            if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
+                mtp.layers[0].mlp.pack_dense(hot=True)      # the drafter's chain: steps back to back
+            for layer in model.model.layers:
+                layer.self_attn.stack_qkv()
         if self.mode == "pool" and self.miss == "auto":
             self.miss = self._choose_miss_path()
 

@@ -37,13 +37,26 @@ class MTPDrafter:
         self.logits_buf = torch.zeros(max_block, cfg.vocab_size, dtype=torch.float32, device=p.device)
         self.last_g: Tensor | None = None
         self.next_pos = 0
+        # committed rows not yet in the cache (tokens, g[p-1], first position): the eager path runs them with the
+        # next window's first step, one forward for both (a CPU pays a step per forward, whatever its rows)
+        self.pending: tuple[Tensor, Tensor, int] | None = None
         self.graphs = None   # MTPGraphs (below), set by the engine on CUDA (greedy windows)
         # the eager chain stops at the floor on the host (a free read on a CPU), else runs on and cuts on the device
         self.host_cut = p.device.type == "cpu"
 
     def reset(self) -> None:
         self.kv.reset()
-        self.last_g, self.next_pos = None, 0
+        self.last_g, self.next_pos, self.pending = None, 0, None
+
+    def flush(self) -> None:
+        """Write the pending committed rows into the cache (chunked like the target's prefill): for a reader that
+        wants the cache complete now, not at the next window."""
+        if self.pending is None:
+            return
+        toks, g_prev, first = self.pending
+        self.pending = None
+        for s in range(0, int(toks.shape[0]), self.chunk):
+            self._step(toks[s:s + self.chunk], g_prev[s:s + self.chunk], first + s)
 
     def _step(self, tok: Tensor, g: Tensor, first_pos: int) -> Tensor:
         """Run rows (tok [n], g [n, H]) at positions first_pos.. into the cache; returns MTP hidden [n, H]."""
@@ -65,6 +78,7 @@ class MTPDrafter:
             return
         if start != self.next_pos:
             raise RuntimeError(f"MTP drafter observed position {start}, expected {self.next_pos}.")
+        self.flush()
         # entries for positions p in [start, start+n): token x[p] with g[p-1]
         g_prev = hidden[:-1] if self.last_g is None else torch.cat((self.last_g[None], hidden[:-1]), 0)
         toks = tokens if self.last_g is not None else tokens[1:]
@@ -74,9 +88,8 @@ class MTPDrafter:
         if skip:
             g_prev, toks, first = g_prev[skip:], toks[skip:], first + skip
         toks = toks.to(self.kv.k.device)
-        if self.graphs is None or not self.graphs.observe_rows(toks, g_prev, first):
-            for s in range(0, int(toks.shape[0]), self.chunk):      # chunked like the target's prefill
-                self._step(toks[s:s + self.chunk], g_prev[s:s + self.chunk], first + s)
+        if toks.shape[0] and (self.graphs is None or not self.graphs.observe_rows(toks, g_prev, first)):
+            self.pending = (toks, g_prev, first)       # run with the next window's first step (`propose`)
         self.last_g = hidden[-1].detach()
         self.next_pos = start + n
 
@@ -87,6 +100,7 @@ class MTPDrafter:
             raise RuntimeError(f"MTP drafter asked to draft at position {pos}, it has observed up to {self.next_pos}.")
         n = min(n, self.max_block - 1)
         if self.graphs is not None:
+            self.flush()
             prop = self.graphs.propose(anchor, pos, n, min_p, sampling, generator)
             if prop is not None:
                 return prop
@@ -95,9 +109,17 @@ class MTPDrafter:
         cpu = self.host_cut
         tok = torch.full((1,), int(anchor), dtype=torch.long, device=dev)   # a fill, not a host-to-device copy
         g = self.last_g[None]
+        pend, self.pending = self.pending, None
+        if pend is not None and (pend[2] + pend[0].shape[0] != pos or pend[0].shape[0] >= self.chunk):
+            self.pending = pend
+            self.flush()
+            pend = None
         toks, qs, confs = [], [], []
         for i in range(n):
-            h = self._step(tok, g, pos + i)
+            if i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
+                h = self._step(torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2])[-1:]
+            else:
+                h = self._step(tok, g, pos + i)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
             lg = self.model.lm_head(h)[0].float()

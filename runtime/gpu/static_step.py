@@ -18,8 +18,9 @@ attention, the MoE loop). On the CPU it is the engine's step, and it keeps the G
 matmul has the window's fixed shape (BLAS gives a row the same bits at any row of a fixed-shape product, but a
 1-row and a k-row product differ: a 1-row decode and a verify row could round apart and flip a near-tie), each
 real row attends on its own to the keys up to its position (one query, the same keys, the same sum), and every
-expert a real row uses runs on all W rows (its own fixed shape; only the routed rows are added in). So greedy
-speculative output equals target-only output bit for bit on the CPU too.
+expert a real row uses runs on all W rows (its own fixed shape; only the routed rows are added in; a small model's
+experts all run at once, `SparseMoe.dense`, each row weighting its own). So greedy speculative output equals
+target-only output bit for bit on the CPU too.
 """
 
 from __future__ import annotations
@@ -125,15 +126,6 @@ class StaticStep:
             o[j] = oj[0, :, 0]
         return o
 
-    def _lm_head_rows(self, hidden: Tensor) -> Tensor:
-        """CPU: the vocabulary projection of each real row alone (one 1-row product per row: the same shape for a
-        row wherever it sits; padded rows, the widest product, are skipped and left at zero). hidden [W, H]."""
-        head = self.model.lm_head
-        out = torch.zeros(hidden.shape[0], head.out_features, dtype=torch.float32, device=hidden.device)
-        for j in range(self.window[1]):
-            out[j] = head(hidden[j:j + 1])[0].float()
-        return out
-
     def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int) -> Tensor:
         """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows
         are added in, in expert order: a row's result does not depend on the other rows. h [W, H]."""
@@ -147,6 +139,8 @@ class StaticStep:
             # experts held as blocks (no per-expert modules): the torch reference of the grouped kernels
             return moe_kernels.moe_torch(h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w, mlp.gate_up,
                                          mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
+        if mlp.dense_for(self.width):       # small experts: all at once (SparseMoe.dense), padded rows get 0
+            return mlp.dense(h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w)
         w, idx = w[:n], idx[:n]
         out = torch.zeros_like(h)
         flat = idx.flatten()
@@ -243,7 +237,9 @@ class StaticStep:
             if i in wanted:
                 tap_out[wanted[i]] = x
         hidden = m.model.norm(x)
-        logits = self._lm_head_rows(hidden[0])[None] if self.cpu else m.lm_head(hidden).float()
+        # on the CPU too one product of the fixed shape (a row gets the same bits at any row of it): it reads the
+        # head's weights once, W one-row products would read them W times
+        logits = m.lm_head(hidden).float()
         tap_t = torch.cat(tap_out, dim=-1)[0] if taps else None  # type: ignore[arg-type]
         return logits[0], hidden[0], tap_t
 

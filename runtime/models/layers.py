@@ -23,10 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dt = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dt)
+        # normalised in fp32, rounded to x's dtype, then scaled (transformers' order); one fused op for the first
+        # part (a CPU step is paid per op)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: Qwen3MoeConfig) -> tuple[Tensor, float]:
@@ -117,9 +116,14 @@ def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor,
     """One window's q, k (q/k-norm, RoPE; [1, heads, W, hd]) and v ([W, nkv, hd]) for attention module `a`, on the
     normed input h [1, W, H]: the eager projection the fused kernel path falls back to (target and MTP layers)."""
     W = h.shape[1]
-    q = a.q_norm(a.q_proj(h).view(1, W, a.nh, a.hd)).transpose(1, 2)
-    k = a.k_norm(a.k_proj(h).view(1, W, a.nkv, a.hd)).transpose(1, 2)
-    v = a.v_proj(h).view(W, a.nkv, a.hd)
+    if a.qkv_weight is not None:          # stacked (`stack_qkv`): one product, then the three parts
+        nq, nk = a.nh * a.hd, a.nkv * a.hd
+        qp, kp, vp = a.qkv(h).split((nq, nk, nk), -1)
+    else:
+        qp, kp, vp = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+    q = a.q_norm(qp.reshape(1, W, a.nh, a.hd)).transpose(1, 2)
+    k = a.k_norm(kp.reshape(1, W, a.nkv, a.hd)).transpose(1, 2)
+    v = vp.reshape(W, a.nkv, a.hd)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -217,6 +221,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# CPU (`SparseMoe.pack_dense`): a layer whose experts together take at most this many bytes runs all of them at
+# once on windows of at most DENSE_ROWS rows (`SparseMoe.dense_for`; a longer prefill chunk keeps the routed loop:
+# there E/k times the arithmetic would cost more than the ops it saves)
+DENSE_EXPERT_BYTES = 8 << 20
+DENSE_ROWS = 64
+
+
 class SparseMoe(nn.Module):
     """Router softmax (fp32) → top-k → optional renormalisation → weighted sum of SiLU experts.
 
@@ -245,6 +256,11 @@ class SparseMoe(nn.Module):
         self.fmt: str | tuple[str, str] | None = None   # ggml block format of gate_up/down (None: floats)
         self.slot: Tensor | None = None     # int32 [E]: expert id -> index into gate_up/down's first dim, -1: none
         self.miss_fn = None                 # callable(x, routing, y): fills the rows of the pairs without a slot
+        # CPU, small experts (`pack_dense`): every expert's gate/up rows as one [E * 2I, H] matrix and every down
+        # projection as one [H, E * I] matrix, for `dense`
+        self.dense_gu: Tensor | None = None
+        self.dense_down: Tensor | None = None
+        self.dense_rows = 1                 # the fewest rows `dense` serves (`dense_for`)
 
     def stack_experts(self) -> None:
         """Move the experts into stacked tensors (one layer's experts at a time: the peak grows by one layer) and
@@ -289,6 +305,45 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList()
         self.gate_up, self.down, self.fmt = gate_up, down, (fg, fd) if fg != fd else fg
 
+    def pack_dense(self, limit: int = DENSE_EXPERT_BYTES, hot: bool = False) -> bool:
+        """CPU: hold a small layer's float experts for `dense` (False, and nothing kept, when the layer's experts
+        are blocks or exceed `limit` bytes). Why: on a CPU a small MoE step is paid in op dispatch (a routed
+        expert is about eight small ops), not in arithmetic; two matmuls over every expert cost less there.
+        `hot`: the layer runs steps back to back (a drafter's chain), its weights stay in cache, so `dense` serves
+        single rows too; a target layer is read from memory once a step, and for few rows the loop reads fewer
+        bytes (`dense_for`)."""
+        if self.fmt is not None or not self.experts:
+            return False
+        w0 = self.experts[0].gate_proj.weight
+        if w0.device.type != "cpu" or 3 * self.n_exp * w0.numel() * w0.element_size() > limit:
+            return False
+        self.dense_rows = 1 if hot else -(-self.n_exp // self.top_k)
+        with torch.no_grad():
+            self.dense_gu = torch.cat([torch.cat((ex.gate_proj.weight, ex.up_proj.weight), 0) for ex in self.experts])
+            self.dense_down = torch.cat([ex.down_proj.weight for ex in self.experts], 1).contiguous()
+        # the per-expert modules become views of the packed gate/up rows (the down copy is the only extra bytes)
+        inter = self.inter
+        for e, ex in enumerate(self.experts):
+            ex.gate_proj.weight.data = self.dense_gu[2 * inter * e:2 * inter * e + inter]
+            ex.up_proj.weight.data = self.dense_gu[2 * inter * e + inter:2 * inter * (e + 1)]
+        return True
+
+    def dense_for(self, rows: int) -> bool:
+        """Whether `dense` serves a window of `rows` rows: packed, and (a target layer) enough routed pairs that
+        the loop would run most experts anyway (a 1-row decode of top-2 of 8 reads a quarter of the bytes there)."""
+        return self.dense_gu is not None and self.dense_rows <= rows <= DENSE_ROWS
+
+    def dense(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
+        """Every expert on every row of x [T, H] at once, each row's experts picked by its routing weights (zero for
+        an expert the row did not choose; an id >= E marks a padded row: it gets 0). A row's result depends only on
+        its own routing, and each product has one shape per T (what the CPU step's row invariance needs,
+        runtime/gpu/static_step.py)."""
+        T, E, inter = x.shape[0], self.n_exp, self.inter
+        gu = F.linear(x, self.dense_gu).view(T, E, 2, inter)
+        wd = torch.zeros(T, E + 1, dtype=gu.dtype, device=x.device).scatter_(1, idx.clamp(max=E), w.to(gu.dtype))
+        act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * wd[:, :E, None]
+        return F.linear(act.reshape(T, E * inter), self.dense_down).to(x.dtype)
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
@@ -308,6 +363,10 @@ class SparseMoe(nn.Module):
             self.recorder(self.layer_idx, idx)
         if self.offload is not None:
             return self.offload(self.layer_idx, x, idx, w).view(shape)
+        if self.dense_for(x.shape[0]) and not torch.is_grad_enabled():
+            if self.counter is not None:
+                self.counter(self.layer_idx, x.shape[0])
+            return self.dense(x, idx, w).view(shape)
         # block stacks (`bind_blocks`) are the experts' only copy: they take this path with autograd on too
         if self.gate_up is not None and (not torch.is_grad_enabled() or self.fmt is not None):
             from runtime.gpu import kernels, moe_kernels
