@@ -15,7 +15,9 @@ What is counted (bytes):
 - `drafter_kv`: DFlash2 `L * 2 * nkv * hd * kv_bytes * context`; MTP `1 * 2 * nkv * hd * kv_bytes * context`.
 - `logits = block * vocab * 4` for the verify window, the same again for a drafter that makes logits.
 - `scratch`: the largest transient forward (see `scratch_bytes`) plus the attention's own buffers (see
-  `attention_scratch_tensors`: the split decode attention's partials, a q8_0 cache's prefill dequantization).
+  `attention_scratch_tensors`: the split decode attention's partials, a q8_0 cache's prefill dequantization) and,
+  for block-format weights on a GPU, the one matrix they are dequantized into for wider windows
+  (`dequant_scratch_tensors`).
 - `headroom`: elastic growth and allocator slack on a GPU (see `headroom_bytes`); `reserve`: the user's reserve.
 On a GPU three more items make the prediction one of *reserved* memory (`torch.cuda.max_memory_reserved`):
 - `workspace`: cuBLAS workspaces, one per stream that runs matmuls (the default stream and, with CUDA graphs, the
@@ -194,6 +196,32 @@ def attention_scratch_tensors(t: TargetGeometry, drafter: str, *, context: int, 
         n = t.kv_heads * context * t.head_dim
         out += [n * wb, n * wb] + ([] if cuda else [n * 4, n * 4])
     return out
+
+
+def dequant_scratch_tensors(t: TargetGeometry, drafter: str, *, wb: int, cuda: bool, quant: str = "bf16",
+                            dflash2: DFlash2Geometry | None = None) -> list[int]:
+    """The scratch a quantized matrix is dequantized into for windows of 2+ rows (CUDA; one allocation, reused):
+    the largest block-format matrix of at most `DEQUANT_MAX_VALUES` values in the compute dtype (runtime/gpu/
+    dense_kernels.py `quant_linear`): the target's stacked q/k/v, o_proj, dense MLP, vocabulary head and MTP fc when
+    its weights are blocks, the DFlash2 backbone's when the drafter is quantized."""
+    from runtime.gpu.dense_kernels import DEQUANT_MAX_VALUES
+
+    if not cuda:
+        return []
+    sizes: list[int] = []
+    if t.quant != "bf16":
+        h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
+        sizes += [h * (q + 2 * kv), q * h, t.vocab * h]
+        if len(t.sparse_layers) < t.layers:
+            sizes.append(h * t.intermediate)
+        if t.has_mtp:
+            sizes.append(2 * h * h)
+    if drafter == "dflash2" and dflash2 is not None and quant != "bf16":
+        d = dflash2
+        q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        sizes += [d.hidden_size * (q + 2 * kv), q * d.hidden_size, d.hidden_size * d.intermediate_size]
+    fit = [n for n in sizes if n <= DEQUANT_MAX_VALUES]
+    return [max(fit) * wb] if fit else []
 
 
 def cublas_workspace_bytes(capability: tuple[int, int] | None = None, config: str | None = None) -> int:
@@ -381,6 +409,7 @@ def compute_budget(
     cuda = inputs.device_type == "cuda"
     attn = attention_scratch_tensors(target, drafter, context=ctx, block=block, wb=wb, cuda=cuda,
                                      kv_quant=inputs.kv_quant, dflash2=dflash2, graphs=inputs.graphs)
+    attn += dequant_scratch_tensors(target, drafter, wb=wb, cuda=cuda, quant=quant, dflash2=dflash2)
     items["scratch"] = scratch_bytes(
         target, context=ctx, block=block, prefill_chunk=chunk, act_bytes=wb, flash=cuda
     ) + sum(attn)

@@ -50,12 +50,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.qtype != "bf16":
-            from runtime.gpu import dense_kernels, kernels
+            from runtime.gpu import dense_kernels, kernels, moe_kernels
 
-            # dequantized in registers: no float copy of the matrix, one launch (K-quants: the fallback below)
-            if kernels.available(x) and (self.qtype in dense_kernels.QCODE or (
-                    x.reshape(-1, self.in_features).shape[0] <= dense_kernels.GEMV_ROWS
-                    and dense_kernels.moe_gemv.variant(self.qtype) is not None)):
+            # one row dequantized in registers (no float copy of the matrix); more rows through one shared scratch
+            if kernels.available(x) and self.qtype in moe_kernels.QCODE:
                 y = dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
                 return y if self.bias is None else y + self.bias.to(y.dtype)
         return F.linear(x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

@@ -1,5 +1,6 @@
-"""Triton kernels for dense rows: `rmsnorm` (+ residual add) and `quant_linear` (x @ dequant(W)^T with W as ggml
-Q8_0/Q5_0/Q4_0 blocks, dequantized in registers: no float copy of the matrix anywhere in memory).
+"""Dense rows on the GPU: `rmsnorm` (+ residual add, a Triton kernel), `quant_linear` (x @ dequant(W)^T with W as
+ggml blocks: one row through the matrix-vector kernels, dequantized in registers; more rows through one dequantized
+matrix in a shared scratch and cuBLAS) and `linear` (BF16 projections: cuBLAS, or the GEMV kernels when chosen).
 """
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.formats.registry import FORMATS
 from runtime.gpu import moe_gemv
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 
@@ -15,57 +15,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# the dequantizer branch of `_qlinear_kernel` per format; block bytes come from the format table
-QCODE = {"q8_0": 0, "q5_0": 1, "q4_0": 2}
-
-
 if HAVE_TRITON:
-
-    @triton.jit
-    def _qlinear_kernel(x_ptr, b_ptr, o_ptr, M, N, NBLK: tl.constexpr, stride_xm, stride_bn, stride_om,
-                        QT: tl.constexpr, BSZ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        pm = tl.program_id(0)
-        pn = tl.program_id(1)
-        rm = pm * BM + tl.arange(0, BM)
-        n = pn * BN + tl.arange(0, BN)
-        mm = rm < M
-        nm = n < N
-        j = tl.arange(0, 16)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        rowp = b_ptr + n.to(tl.int64) * stride_bn
-        for kb in range(0, NBLK):
-            blk = rowp + kb * BSZ
-            b0 = tl.load(blk, mask=nm, other=0).to(tl.uint16)
-            b1 = tl.load(blk + 1, mask=nm, other=0).to(tl.uint16)
-            dsc = (b0 | (b1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-            if QT == 0:
-                lo = tl.load(blk[:, None] + 2 + j[None, :], mask=nm[:, None], other=0).to(tl.int8, bitcast=True)
-                hi = tl.load(blk[:, None] + 18 + j[None, :], mask=nm[:, None], other=0).to(tl.int8, bitcast=True)
-                qlo = lo.to(tl.float32)
-                qhi = hi.to(tl.float32)
-            elif QT == 2:
-                qs = tl.load(blk[:, None] + 2 + j[None, :], mask=nm[:, None], other=0).to(tl.int32)
-                qlo = ((qs & 15) - 8).to(tl.float32)
-                qhi = ((qs >> 4) - 8).to(tl.float32)
-            else:
-                h0 = tl.load(blk + 2, mask=nm, other=0).to(tl.int32)
-                h1 = tl.load(blk + 3, mask=nm, other=0).to(tl.int32)
-                h2 = tl.load(blk + 4, mask=nm, other=0).to(tl.int32)
-                h3 = tl.load(blk + 5, mask=nm, other=0).to(tl.int32)
-                qh = h0 | (h1 << 8) | (h2 << 16) | (h3 << 24)
-                qs = tl.load(blk[:, None] + 6 + j[None, :], mask=nm[:, None], other=0).to(tl.int32)
-                blo = (qh[:, None] >> j[None, :]) & 1
-                bhi = (qh[:, None] >> (j[None, :] + 16)) & 1
-                qlo = (((qs & 15) | (blo << 4)) - 16).to(tl.float32)
-                qhi = (((qs >> 4) | (bhi << 4)) - 16).to(tl.float32)
-            xa = tl.load(x_ptr + rm[:, None] * stride_xm + kb * 32 + j[None, :], mask=mm[:, None], other=0.0)
-            xb = tl.load(x_ptr + rm[:, None] * stride_xm + kb * 32 + 16 + j[None, :], mask=mm[:, None], other=0.0)
-            wlo = (qlo * dsc[:, None]).to(xa.dtype)
-            whi = (qhi * dsc[:, None]).to(xa.dtype)
-            acc += tl.dot(xa, tl.trans(wlo))
-            acc += tl.dot(xb, tl.trans(whi))
-        tl.store(o_ptr + rm[:, None] * stride_om + n[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=mm[:, None] & nm[None, :])
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, H, eps, stride_x, stride_y,
@@ -85,35 +35,100 @@ if HAVE_TRITON:
         tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-GEMV_ROWS = 64   # up to this many rows (decode and verify windows) a quantized matrix goes through the GEMV kernels
+GEMV_ROWS = 64   # rows per launch of the GEMV kernels (decode and verify windows are narrower)
+# the GEMV variant (runtime/gpu/moe_gemv.py) for BF16 dense projections of decode windows (q/k/v, o_proj, router),
+# or None: cuBLAS. `python bench/dense_gemv.py` measures both on the H200
+DENSE_GEMV_BF16: str | None = None
+
+_ONE_EXPERT: dict[tuple[torch.device, int], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _one_expert(M: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(expert ids, output rows, weights) that route every row of an M-row input to one expert with weight 1: made
+    once per width (a graph replays them; making them per call costs three launches a matrix)."""
+    key = (device, M)
+    got = _ONE_EXPERT.get(key)
+    if got is None:
+        got = (torch.zeros(M, dtype=torch.int32, device=device), torch.arange(M, dtype=torch.int32, device=device),
+               torch.ones(M, dtype=torch.float32, device=device))
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():   # a capture owns its own
+            _ONE_EXPERT[key] = got
+    return got
+
+
+def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
+    """x2 [M, K] @ W^T through the matrix-vector kernels of runtime/gpu/moe_gemv.py, W (BF16 [N, K] or ggml blocks
+    [N, row bytes]) taken as the single expert every row is routed to (weight 1): the weights are read once, by
+    many programs, a row's bits do not depend on the other rows, and the result is written in x2's dtype (the
+    fp32 sum rounded once, as a float32 result converted afterwards would be) in one launch."""
+    M, N = x2.shape[0], w.shape[0]
+    one, rows, ones = _one_expert(M, x2.device)
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    moe_gemv.down(x2, one, one, rows, ones, w[None], y, fmt, 1, False, False, pow2(M), cfg)
+    return y
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w^T for a BF16 dense projection: the GEMV kernels for decode windows when `DENSE_GEMV_BF16` names a
+    variant (CUDA, Triton), else cuBLAS."""
+    if DENSE_GEMV_BF16 is None or not x.is_cuda or x.dtype != w.dtype:
+        return torch.nn.functional.linear(x, w)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > GEMV_ROWS:
+        return torch.nn.functional.linear(x, w)
+    return gemv(x2.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[DENSE_GEMV_BF16]).reshape(*lead, w.shape[0])
+
+
+# a quantized matrix of at most this many values is dequantized (into one shared scratch, `_dequant_scratch`) for a
+# window of 2+ rows and multiplied by cuBLAS: the GEMV kernel passes over the weights once per row (8 rows cost 8x),
+# and a tiled tl.dot kernel kept too few programs busy (45-130 us a matrix; bench/dense_gemv.py --quant measures the
+# others). Larger matrices (a quantized vocabulary head) stay on the GEMV kernel: their scratch would cost more
+# memory than the rows save. The budget counts the scratch (setup_wizard/budget.py `dequant_scratch_bytes`).
+DEQUANT_MAX_VALUES = 32 << 20
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _dequant_scratch(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """At least n values of `dtype`, reused by every dequantized matrix (one at a time on one stream)."""
+    key = (device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=dtype, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():   # a capture owns its own
+            _SCRATCH[key] = buf
+    return buf
+
+
+def dequant_linear(x2: Tensor, blocks: Tensor, qtype: str) -> Tensor:
+    """x2 [M, K] @ W^T with W dequantized into the shared scratch in x2's dtype, then one cuBLAS product."""
+    from runtime.gpu import moe_kernels
+
+    N, K = blocks.shape[0], x2.shape[1]
+    w = _dequant_scratch(N * K, x2.dtype, x2.device)[:N * K].view(N, K)
+    moe_kernels.dequantize(blocks, qtype, out=w)
+    return torch.nn.functional.linear(x2, w)
 
 
 def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Tensor:
     """x [..., K] @ dequant(blocks [N, K/32 * block_bytes])^T -> [..., N] in x's dtype.
 
-    Decode and verify windows (few rows) use the matrix-vector kernels of runtime/gpu/moe_gemv.py, the matrix taken
-    as the single expert every row is routed to (weight 1): the weights are read once, by many programs, and a row's
-    bits do not depend on the other rows. Longer inputs (prefill) use the tiled kernel below."""
+    One row (a decode step of width 1): the matrix-vector kernel (`gemv`), the weights read once in their blocks.
+    More rows (verify windows, drafter blocks, prefill): the matrix dequantized into a scratch in x's dtype (values
+    rounded once) and one cuBLAS product; a matrix above `DEQUANT_MAX_VALUES` stays on the GEMV kernel, `GEMV_ROWS`
+    rows a launch. The path depends only on the row count, so at a step's fixed width a row's bits do not depend on
+    the other rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features).contiguous()
     M = x2.shape[0]
     N = blocks.shape[0]
-    cfg = moe_gemv.variant(qtype) if M <= GEMV_ROWS else None
-    if cfg is not None:
-        one = torch.zeros(M, dtype=torch.int32, device=x.device)          # every row -> expert 0
-        rows = torch.arange(M, dtype=torch.int32, device=x.device)        # output row of each pair
-        y = torch.empty(M, N, dtype=torch.float32, device=x.device)
-        moe_gemv.down(x2, one, one, rows, torch.ones(M, dtype=torch.float32, device=x.device), blocks[None], y,
-                      qtype, 1, False, False, pow2(M), cfg)
-        return y.to(x.dtype).reshape(*lead, N)
-    code, bsz = QCODE[qtype], FORMATS[qtype].block_bytes
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    BM = 16 if M <= 16 else 32
-    BN = 64
-    _qlinear_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
-        x2, blocks, out, M, N, in_features // 32, x2.stride(0), blocks.stride(0), out.stride(0),
-        QT=code, BSZ=bsz, BM=BM, BN=BN, num_warps=4, num_stages=2)
-    return out.reshape(*lead, N)
+    cfg = moe_gemv.variant(qtype)
+    small = N * in_features <= DEQUANT_MAX_VALUES
+    if (M > 1 and small) or cfg is None:
+        return dequant_linear(x2, blocks, qtype).reshape(*lead, N)
+    parts = [gemv(x2[s:s + GEMV_ROWS], blocks, qtype, cfg) for s in range(0, M, GEMV_ROWS)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*lead, N)
 
 
 def rmsnorm(x: Tensor, w: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -589,13 +589,14 @@ def experts_grouped_mm(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor) -> 
 
 # ------------------------------------------------------------------------------------------ dequantization
 
-def dequantize(blocks: Tensor, fmt: str) -> Tensor:
+def dequantize(blocks: Tensor, fmt: str, out: Tensor | None = None) -> Tensor:
     """ggml blocks [R, row_bytes] (uint8) -> float32 [R, cols] with the in-register dequantizer of the expert kernels
-    (bit for bit gguf-py's values)."""
+    (bit for bit gguf-py's values); into `out` ([R, cols], its dtype: the values rounded once) when given."""
     name = block_format(fmt).name
     R, rb = blocks.shape
     cols = cols_from_row_bytes(rb, name)
-    out = torch.empty(R, cols, dtype=torch.float32, device=blocks.device)
+    if out is None:
+        out = torch.empty(R, cols, dtype=torch.float32, device=blocks.device)
     BN = 32
     _dequant_kernel[(triton.cdiv(R, BN), cols // 16)](blocks, out, R, blocks.stride(0), out.stride(0),
                                                       QT=QCODE[name], BN=BN)

@@ -543,6 +543,16 @@ def check_quant(dt: torch.dtype) -> None:
         ref = x.float() @ ql.dequantized_weight().t()
         out = dense_kernels.quant_linear(x, ql.blocks, qt, 96)
         assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
+    # float weights through the same GEMV kernel (dense projections, `dense_kernels.DENSE_GEMV_BF16`): the product,
+    # the output in x's dtype, and a row's bits alone or in a window
+    from runtime.gpu import moe_gemv
+
+    w = (torch.randn(40, 96, generator=g) * 0.1).to(dt)
+    x = torch.randn(5, 96, generator=g).to(dt)
+    for name in ("n8j2", "n16j2"):
+        out = dense_kernels.gemv(x, w, "bf16", moe_gemv.GEMV_VARIANTS[name])
+        assert out.dtype == dt and rel(out, x.float() @ w.float().t()) < 3e-3, (name, dt)
+        assert torch.equal(out[2], dense_kernels.gemv(x[2:3].contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])[0])
 
 
 def check_fused_step(quant: str | None = None) -> None:
