@@ -367,8 +367,10 @@ def run_arms(h: Harness, arms: list[dict], prompts: dict[str, list[int]], args, 
                 kind, block = arm["kind"], arm["block"]
                 width = block
                 warm(kind, block, width, ids, sp)
+                # one untimed full run first: the last windows of a run draft fewer tokens, and each new draft count
+                # is a new graph (and its kernels' first compile), which the short warm-up does not reach
                 runs = [h.generate(ids, kind, block, width, args.new_tokens, sampling=sp)
-                        for _ in range(args.repeats)]
+                        for _ in range(args.repeats + 1)][1:]
                 rec = record(runs)
                 rec["draft_bytes"] = drafter_bytes(h, kind, block)
                 rec["draft_bound_ms"] = 1e3 * rec["draft_bytes"] / res["copy_bandwidth_Bps"] if res.get(
