@@ -222,3 +222,20 @@ def test_recommend_context_prefers_long_when_everything_fits():
                        weight_bytes=4, kv_bytes=4)
     ctx, why = recommend_context(t, "mtp", inp)
     assert ctx == 4096 and why  # capped by max_position_embeddings
+
+
+def test_gpu_scratch_counts_the_dequantized_matrix_of_a_quantized_target():
+    """A block-format target on a GPU dequantizes one matrix at a time for windows of 2+ rows
+    (runtime/gpu/dense_kernels.py `quant_linear`): the scratch grows by the largest such matrix in the compute dtype
+    (here the stacked q/k/v, (128 + 2 * 64) x 64, larger than o_proj 64 x 128 and the vocabulary head 100 x 64); a
+    BF16 target, or a CPU, needs none."""
+    from dataclasses import replace
+
+    t = TargetGeometry.from_config({**TINY, "hidden_size": 64, "head_dim": 32, "moe_intermediate_size": 32},
+                                   has_mtp=False)
+    base = dict(context=128, block=4, weight_bytes=2, kv_bytes=2, headroom_bytes=0, available_bytes=1 << 30,
+                total_bytes=1 << 30)
+    for dev in ("cuda", "cpu"):
+        plain = compute_budget(t, "none", BudgetInputs(device_type=dev, **base)).items["scratch"]
+        quant = compute_budget(replace(t, quant="q4_0"), "none", BudgetInputs(device_type=dev, **base)).items["scratch"]
+        assert quant - plain == (256 * 64 * 2 if dev == "cuda" else 0), dev
