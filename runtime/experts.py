@@ -124,8 +124,9 @@ class ExpertCache:
         stacked = None
         if self.mode == "resident" and cuda and self.blocks and not self.blocked:   # stacked on the host, then moved
             stacked = self.arena if self.arena is not None else ExpertArena.from_blocks(self.blocks, pin=False)
+        mtp = getattr(model, "mtp", None)
         if cuda:
-            for layer in model.model.layers:
+            for layer in [*model.model.layers, *(mtp.layers if mtp is not None else [])]:
                 layer.self_attn.stack_qkv(self.device)
         off = {id(p) for li, blk in self.blocks.items() for e, ex in enumerate(blk.experts)
                if self.mode == "pool" or stacked is not None or (li, e) not in self.resident
@@ -149,16 +150,14 @@ class ExpertCache:
                 for li, blk in self.blocks.items():
                     if all((li, e) in self.resident for e in range(blk.n_exp)):
                         blk.stack_experts()
-            mtp = getattr(model, "mtp", None)
             if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
                 mtp.layers[0].mlp.stack_experts()     # drafter weights, always on the device
         if self.device.type == "cpu" and self.mode == "resident":
             for blk in self.blocks.values():
                 blk.pack_dense()       # a small model's experts run all at once on the CPU (SparseMoe.dense)
-            mtp = getattr(model, "mtp", None)
             if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
                 mtp.layers[0].mlp.pack_dense(hot=True)      # the drafter's chain: steps back to back
-            for layer in model.model.layers:
+            for layer in [*model.model.layers, *(mtp.layers if mtp is not None else [])]:
                 layer.self_attn.stack_qkv()
         if self.mode == "pool" and self.miss == "auto":
             self.miss = self._choose_miss_path()
