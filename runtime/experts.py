@@ -127,7 +127,7 @@ class ExpertCache:
         mtp = getattr(model, "mtp", None)
         if cuda:
             for layer in [*model.model.layers, *(mtp.layers if mtp is not None else [])]:
-                layer.self_attn.stack_qkv(self.device)
+                layer.self_attn.stack_qkv(self.device)    # the fused step's and the MTP graphs' one product
         off = {id(p) for li, blk in self.blocks.items() for e, ex in enumerate(blk.experts)
                if self.mode == "pool" or stacked is not None or (li, e) not in self.resident
                for p in ex.parameters()}
@@ -157,8 +157,8 @@ class ExpertCache:
                 blk.pack_dense()       # a small model's experts run all at once on the CPU (SparseMoe.dense)
             if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
                 mtp.layers[0].mlp.pack_dense(hot=True)      # the drafter's chain: steps back to back
-            for layer in [*model.model.layers, *(mtp.layers if mtp is not None else [])]:
-                layer.self_attn.stack_qkv()
+            for layer in model.model.layers:
+                layer.self_attn.stack_qkv()         # the CPU step's q/k/v in one product (project_qkv)
         if self.mode == "pool" and self.miss == "auto":
             self.miss = self._choose_miss_path()
 

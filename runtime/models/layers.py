@@ -194,13 +194,9 @@ class Attention(nn.Module):
         """cache = (one layer of a KV cache, start): write rows at start.., attend over 0..start+T-1 (read back from
         the cache, so a quantized cache's rounding is seen here as in decode)."""
         B, T, _ = x.shape
-        if self.qkv_weight is not None:       # stacked (`stack_qkv`): one product, then the three parts
-            qp, kp, vp = self.qkv(x).split((self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd), -1)
-        else:
-            qp, kp, vp = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(qp.reshape(B, T, self.nh, self.hd)).transpose(1, 2)
-        k = self.k_norm(kp.reshape(B, T, self.nkv, self.hd)).transpose(1, 2)
-        v = vp.reshape(B, T, self.nkv, self.hd).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=self.nkv != self.nh)
