@@ -32,32 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from bench.common import copy_bandwidth, machine, print_table, write_json  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048)}
 LAYERS = 48
 
 
-def graph_time(fn, repeats: int = 20) -> float:
-    """Seconds of one replay of a graph that runs `fn` once (median of repeats)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return median(times)
+def graph_time(fn) -> float:
+    """Seconds of one `fn()` replayed from a CUDA graph (bench/gpu_checks.py `graph_time_ms`, median of 20)."""
+    from bench.gpu_checks import graph_time_ms
+
+    return graph_time_ms(fn, inner=1, reps=20) / 1e3
 
 
 def run_matrices(widths: list[int], variants: list[str], bw: float) -> list[dict[str, Any]]:
