@@ -84,7 +84,7 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 # window of 2+ rows and multiplied by cuBLAS: the GEMV kernel passes over the weights once per row (8 rows cost 8x),
 # and a tiled tl.dot kernel kept too few programs busy (45-130 us a matrix; bench/dense_gemv.py --quant measures the
 # others). Larger matrices (a quantized vocabulary head) stay on the GEMV kernel: their scratch would cost more
-# memory than the rows save. The budget counts the scratch (setup_wizard/budget.py `dequant_scratch_bytes`).
+# memory than the rows save. The budget counts the scratch (setup_wizard/budget.py `dequant_scratch_tensors`).
 DEQUANT_MAX_VALUES = 32 << 20
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}

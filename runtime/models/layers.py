@@ -321,11 +321,12 @@ class SparseMoe(nn.Module):
         with torch.no_grad():
             self.dense_gu = torch.cat([torch.cat((ex.gate_proj.weight, ex.up_proj.weight), 0) for ex in self.experts])
             self.dense_down = torch.cat([ex.down_proj.weight for ex in self.experts], 1).contiguous()
-        # the per-expert modules become views of the packed gate/up rows (the down copy is the only extra bytes)
+        # the per-expert modules become views of the packed matrices (no extra bytes; a down view is strided)
         inter = self.inter
         for e, ex in enumerate(self.experts):
             ex.gate_proj.weight.data = self.dense_gu[2 * inter * e:2 * inter * e + inter]
             ex.up_proj.weight.data = self.dense_gu[2 * inter * e + inter:2 * inter * (e + 1)]
+            ex.down_proj.weight.data = self.dense_down[:, inter * e:inter * (e + 1)]
         return True
 
     def dense_for(self, rows: int) -> bool:
