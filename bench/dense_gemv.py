@@ -1,4 +1,5 @@
-"""BF16 dense projections of a decode step: cuBLAS against the GEMV kernels (runtime/gpu/moe_gemv.py variants).
+"""Dense projections of a decode step: BF16 on cuBLAS against the GEMV kernels (runtime/gpu/moe_gemv.py variants),
+and block-format ones on the GEMV kernel against dequantize + cuBLAS (`--quant`).
 
     python bench/dense_gemv.py [--widths 1,8,16] [--variants n8j2,n16j2,...] [--step] [--quant] [--quant-step]
                                [--no-bf16]
@@ -9,7 +10,8 @@ one CUDA graph of the 48 products and replayed: the median time per product is w
 graph-replayed step, launch gaps included. Next to it: GB/s of weights read and the share of the measured copy
 bandwidth (read + write, bench/common.py), so 100% means reading the weights as fast as a copy moves bytes.
 Checks (every variant): the largest difference from cuBLAS relative to the largest |value|, and row invariance
-(a row of an M-row product has the bits of the 1-row product).
+(a row of an M-row product has the bits of the same row computed alone by the same method: more than the fixed-width
+step needs, which is only that a row's bits do not depend on the other rows at one width).
 
 --quant: Q8_0/Q4_0 q/k/v and o_proj (a quantized target's dense projections), the GEMV kernel against dequantizing
 into a scratch + cuBLAS (runtime/gpu/dense_kernels.py), per width, with the same checks against the dequantized
