@@ -15,8 +15,8 @@ step needs, which is only that a row's bits do not depend on the other rows at o
 
 --quant: Q8_0/Q4_0 q/k/v and o_proj (a quantized target's dense projections), the GEMV kernel against dequantizing
 into a scratch + cuBLAS (runtime/gpu/dense_kernels.py), per width, with the same checks against the dequantized
-matrix. --quant-step: the A3B graph step (1k context) per target format (bench/quant_target.py's random Q8_0/Q4_0
-build) and width, dense projections on the GEMV kernel at every width vs the runtime's choice, same run.
+matrix. --quant-step: the A3B graph step (1k context) per target format
+(bench/quant_target.py's random Q8_0/Q4_0 build) and width on each multi-row path, same run.
 
 --step: then the engine's W = 1 and W = 8 graph step on the A3B shape at 1k context (bench/context.py), with the
 dense projections on cuBLAS and on the fastest variant (`runtime.gpu.dense_kernels.DENSE_GEMV_BF16`), same run.
@@ -151,9 +151,9 @@ def run_step(best: str | None, widths: list[int]) -> list[dict[str, Any]]:
 
 
 def run_quant_step(widths: list[int]) -> list[dict[str, Any]]:
-    """The A3B shape's graph step at 1k context per target format and width: quantized dense projections on the
-    GEMV kernel at every width (`DEQUANT_MAX_VALUES = 0`, the runtime before) against the dequantized scratch +
-    cuBLAS for 2+ rows (the runtime now), same run. BF16 for reference."""
+    """The A3B shape's graph step at 1k context per target format and width: quantized dense projections of 2+ rows
+    on each `dense_kernels.MULTI_ROW` path (the GEMV kernel a row at a time, the runtime before; the dequantized
+    scratch + cuBLAS, the runtime now), same run. BF16 for reference."""
     import gc
 
     from bench.common import A3B_SHAPE
@@ -161,21 +161,21 @@ def run_quant_step(widths: list[int]) -> list[dict[str, Any]]:
     from bench.quant_target import build_on_gpu
     from runtime.gpu import dense_kernels
 
-    default = dense_kernels.DEQUANT_MAX_VALUES
+    default = dense_kernels.MULTI_ROW
     out = []
     for fmt in ("bf16", "q8_0", "q4_0"):
         model = build_on_gpu(A3B_SHAPE, fmt)
         for w in widths:
-            for cap, label in ((0, "gemv"), (default, "dequant+cublas")):
-                if fmt == "bf16" and cap == 0:
+            for path in ("gemv", "dequant"):
+                if (fmt == "bf16" or w == 1) and path != default:
                     continue
-                dense_kernels.DEQUANT_MAX_VALUES = cap
+                dense_kernels.MULTI_ROW = path
                 kv = make_kv(model, 1024, "bf16", capacity=1024 + 64)
                 ms = time_decode(model, kv, w, 30)["step_ms"]
-                out.append(dict(fmt=fmt, width=w, dense=label if fmt != "bf16" else "cublas", step_ms=ms))
+                out.append(dict(fmt=fmt, width=w, dense=path if fmt != "bf16" else "cublas", step_ms=ms))
                 print(f"  {fmt} W={w} {out[-1]['dense']}: {ms:.3f} ms/step", flush=True)
                 del kv
-        dense_kernels.DEQUANT_MAX_VALUES = default
+        dense_kernels.MULTI_ROW = default
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -224,8 +224,8 @@ def main() -> int:
                       r["rel_err"], r["row_invariant"]] for r in res["quant"]])
     if args.quant_step:
         res["quant_step"] = run_quant_step(widths)
-        print_table("A3B graph step at 1k context, quantized dense projections: GEMV at every width vs dequant + "
-                    "cuBLAS for 2+ rows", ["fmt", "width", "dense", "step ms"],
+        print_table("A3B graph step at 1k context, quantized dense projections of 2+ rows per path",
+                    ["fmt", "width", "dense", "step ms"],
                     [[r["fmt"], r["width"], r["dense"], r["step_ms"]] for r in res["quant_step"]])
     write_json("dense_gemv.json", res)
     return 0

@@ -111,6 +111,13 @@ def dequant_linear(x2: Tensor, blocks: Tensor, qtype: str) -> Tensor:
     return torch.nn.functional.linear(x2, w)
 
 
+# how 2+ rows of a quantized matrix are multiplied: "dequant" (`dequant_linear` for matrices up to
+# DEQUANT_MAX_VALUES, the GEMV kernel above) or "gemv" (the GEMV kernel, one pass per row: the runtime before,
+# kept for bench/dense_gemv.py --quant-step). A 16-row tile kernel that dequantized each weight once for all rows
+# (tl.dot per 16 values) was slower than both at 2+ rows, 37-106 us a matrix (bench/results/h200_session5/)
+MULTI_ROW = "dequant"
+
+
 def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Tensor:
     """x [..., K] @ dequant(blocks [N, K/32 * block_bytes])^T -> [..., N] in x's dtype.
 
@@ -124,8 +131,9 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Ten
     M = x2.shape[0]
     N = blocks.shape[0]
     cfg = moe_gemv.variant(qtype)
-    small = N * in_features <= DEQUANT_MAX_VALUES
-    if (M > 1 and small) or cfg is None:
+    if M == 1 and cfg is not None:
+        return gemv(x2, blocks, qtype, cfg).reshape(*lead, N)
+    if (MULTI_ROW != "gemv" and N * in_features <= DEQUANT_MAX_VALUES) or cfg is None:
         return dequant_linear(x2, blocks, qtype).reshape(*lead, N)
     parts = [gemv(x2[s:s + GEMV_ROWS], blocks, qtype, cfg) for s in range(0, M, GEMV_ROWS)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*lead, N)
