@@ -1,7 +1,7 @@
 """Dense projections of a decode step: BF16 on cuBLAS against the GEMV kernels (runtime/gpu/moe_gemv.py variants),
 and block-format ones on the GEMV kernel against dequantize + cuBLAS (`--quant`).
 
-    python bench/dense_gemv.py [--widths 1,8,16] [--variants n8j2,n16j2,...] [--step] [--quant] [--quant-step]
+    python bench/dense_gemv.py [--widths 1,8,16] [--variants n8j2,n16j2,...] [--quant] [--quant-step]
                                [--no-bf16]
 
 Matrices of the Qwen3-30B-A3B shape (q/k/v stacked 5120 x 2048, o_proj 2048 x 4096, router 128 x 2048), 48 copies
@@ -18,9 +18,8 @@ into a scratch + cuBLAS (runtime/gpu/dense_kernels.py), per width, with the same
 matrix. --quant-step: the A3B graph step (1k context) per target format
 (bench/quant_target.py's random Q8_0/Q4_0 build) and width on each multi-row path, same run.
 
---step: then the engine's W = 1 and W = 8 graph step on the A3B shape at 1k context (bench/context.py), with the
-dense projections on cuBLAS and on the fastest variant (`runtime.gpu.dense_kernels.DENSE_GEMV_BF16`), same run.
-Writes `dense_gemv.json`.
+Writes `dense_gemv.json`. (On the H200, 2026-12-01: cuBLAS beat every BF16 variant at every width, so the runtime
+keeps the BF16 projections on cuBLAS.)
 """
 
 from __future__ import annotations
@@ -130,26 +129,6 @@ def _alone(meth: str, x1: torch.Tensor, b: torch.Tensor, fmt: str) -> torch.Tens
     return dense_kernels.dequant_linear(x1, b, fmt)
 
 
-def run_step(best: str | None, widths: list[int]) -> list[dict[str, Any]]:
-    from bench.context import build_a3b, make_kv, time_decode
-    from runtime.gpu import dense_kernels
-
-    model, _ = build_a3b()
-    out = []
-    for w in widths:
-        for setting in (None, best):
-            dense_kernels.DENSE_GEMV_BF16 = setting
-            kv = make_kv(model, 1024, "bf16", capacity=1024 + 64)
-            ms = time_decode(model, kv, w, 50)["step_ms"]
-            out.append(dict(width=w, dense=setting or "cublas", step_ms=ms, tok_s=1e3 / ms))
-            del kv
-            torch.cuda.empty_cache()
-        if best is None:
-            break
-    dense_kernels.DENSE_GEMV_BF16 = None
-    return out
-
-
 def run_quant_step(widths: list[int]) -> list[dict[str, Any]]:
     """The A3B shape's graph step at 1k context per target format and width: quantized dense projections of 2+ rows
     on each `dense_kernels.MULTI_ROW` path (the GEMV kernel a row at a time, the runtime before; the dequantized
@@ -186,7 +165,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--widths", default="1,8,16")
     ap.add_argument("--variants", default="n8j2,n16j2,n4j2,n8j2np,n8j2m2")
-    ap.add_argument("--step", action="store_true", help="also the A3B step with cuBLAS vs the fastest variant")
     ap.add_argument("--quant", action="store_true", help="also Q8_0/Q4_0 projections: GEMV vs dequant + cuBLAS")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="skip the BF16 comparison")
     ap.add_argument("--quant-step", action="store_true",
@@ -211,11 +189,6 @@ def main() -> int:
     res: dict[str, Any] = {"machine": machine(), "copy_GBs": bw / 1e9, "layers": LAYERS, "rows": rows,
                            "total_us": totals, "best_variant": best}
     print("total us over matrices and widths: " + ", ".join(f"{k} {v:,.0f}" for k, v in totals.items()))
-    if args.step:
-        res["step"] = run_step(best if best is not None and totals[best] < totals["cublas"] else None, [1, 8])
-        print_table("A3B graph step at 1k context: dense projections on cuBLAS vs the GEMV kernels",
-                    ["width", "dense", "step ms", "tok/s (steps)"],
-                    [[r["width"], r["dense"], r["step_ms"], r["tok_s"]] for r in res["step"]])
     if args.quant:
         res["quant"] = run_quant(widths, bw)
         print_table("Q8_0/Q4_0 dense projections: GEMV vs dequant + cuBLAS, 48 distinct copies per graph",

@@ -1,6 +1,7 @@
 """Dense rows on the GPU: `rmsnorm` (+ residual add, a Triton kernel), `quant_linear` (x @ dequant(W)^T with W as
 ggml blocks: one row through the matrix-vector kernels, dequantized in registers; more rows through one dequantized
-matrix in a shared scratch and cuBLAS) and `linear` (BF16 projections: cuBLAS, or the GEMV kernels when chosen).
+matrix in a shared scratch and cuBLAS). BF16 projections stay on cuBLAS, which beat the GEMV variants at every
+decode width (bench/dense_gemv.py).
 """
 
 from __future__ import annotations
@@ -36,23 +37,25 @@ if HAVE_TRITON:
 
 
 GEMV_ROWS = 64   # rows per launch of the GEMV kernels (decode and verify windows are narrower)
-# the GEMV variant (runtime/gpu/moe_gemv.py) for BF16 dense projections of decode windows (q/k/v, o_proj, router),
-# or None: cuBLAS. `python bench/dense_gemv.py` measures both on the H200
-DENSE_GEMV_BF16: str | None = None
 
 _ONE_EXPERT: dict[tuple[torch.device, int], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _keep(cache: dict, key: tuple, value, device: torch.device):
+    """Remember `value` under `key` unless a CUDA graph is being captured (a capture's allocations are its own)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        cache[key] = value
+    return value
 
 
 def _one_expert(M: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """(expert ids, output rows, weights) that route every row of an M-row input to one expert with weight 1: made
     once per width (a graph replays them; making them per call costs three launches a matrix)."""
-    key = (device, M)
-    got = _ONE_EXPERT.get(key)
+    got = _ONE_EXPERT.get((device, M))
     if got is None:
-        got = (torch.zeros(M, dtype=torch.int32, device=device), torch.arange(M, dtype=torch.int32, device=device),
-               torch.ones(M, dtype=torch.float32, device=device))
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():   # a capture owns its own
-            _ONE_EXPERT[key] = got
+        got = _keep(_ONE_EXPERT, (device, M), (torch.zeros(M, dtype=torch.int32, device=device),
+                                               torch.arange(M, dtype=torch.int32, device=device),
+                                               torch.ones(M, dtype=torch.float32, device=device)), device)
     return got
 
 
@@ -68,18 +71,6 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
     return y
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w^T for a BF16 dense projection: the GEMV kernels for decode windows when `DENSE_GEMV_BF16` names a
-    variant (CUDA, Triton), else cuBLAS."""
-    if DENSE_GEMV_BF16 is None or not x.is_cuda or x.dtype != w.dtype:
-        return torch.nn.functional.linear(x, w)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > GEMV_ROWS:
-        return torch.nn.functional.linear(x, w)
-    return gemv(x2.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[DENSE_GEMV_BF16]).reshape(*lead, w.shape[0])
-
-
 # a quantized matrix of at most this many values is dequantized (into one shared scratch, `_dequant_scratch`) for a
 # window of 2+ rows and multiplied by cuBLAS: the GEMV kernel passes over the weights once per row (8 rows cost 8x),
 # and a tiled tl.dot kernel kept too few programs busy (45-130 us a matrix; bench/dense_gemv.py --quant measures the
@@ -92,12 +83,9 @@ _SCRATCH: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 def _dequant_scratch(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """At least n values of `dtype`, reused by every dequantized matrix (one at a time on one stream)."""
-    key = (device, dtype)
-    buf = _SCRATCH.get(key)
+    buf = _SCRATCH.get((device, dtype))
     if buf is None or buf.numel() < n:
-        buf = torch.empty(n, dtype=dtype, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():   # a capture owns its own
-            _SCRATCH[key] = buf
+        buf = _keep(_SCRATCH, (device, dtype), torch.empty(n, dtype=dtype, device=device), device)
     return buf
 
 

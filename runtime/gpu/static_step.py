@@ -27,23 +27,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
 from runtime.models.layers import SparseMoe, project_qkv
 from runtime.models.qwen3_moe import TargetOutput
-
-
-def _project(lin: nn.Module | Tensor, x: Tensor) -> Tensor:
-    """A dense projection of the fused step: a BF16 weight (a tensor or a bias-free nn.Linear's) through
-    `dense_kernels.linear` (the GEMV kernels or cuBLAS), anything else (ggml blocks) through its own module."""
-    if isinstance(lin, Tensor):
-        return dense_kernels.linear(x, lin)
-    if isinstance(lin, nn.Linear) and lin.bias is None:
-        return dense_kernels.linear(x, lin.weight)
-    return lin(x)
 
 
 class StaticStep:
@@ -182,14 +172,14 @@ class StaticStep:
             a = layer.self_attn
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = _project(a.qkv_weight, h) if a.qkv_weight is not None else a.qkv(h)
+            qkv = a.qkv(h)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
                                            a.nkv, a.hd, eps, ks=ks, vs=vs)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
-            d = _project(a.o_proj, o.reshape(-1, a.nh * a.hd))
+            d = a.o_proj(o.reshape(-1, a.nh * a.hd))
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            r = moe_kernels.route(_project(mlp.gate, h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
+            r = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
                 mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual

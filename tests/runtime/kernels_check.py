@@ -543,7 +543,7 @@ def check_quant(dt: torch.dtype) -> None:
         ref = x.float() @ ql.dequantized_weight().t()
         out = dense_kernels.quant_linear(x, ql.blocks, qt, 96)
         assert rel(out, ref) < 3e-3, (qt, rel(out, ref))
-    # float weights through the same GEMV kernel (dense projections, `dense_kernels.DENSE_GEMV_BF16`): the product,
+    # float weights through the same GEMV kernel (the BF16 variants bench/dense_gemv.py times): the product,
     # the output in x's dtype, and a row's bits alone or in a window
     from runtime.gpu import moe_gemv
 
