@@ -22,6 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
+from runtime.gpu import pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 from runtime.kv import KV_TIERS, Q8_BLOCK, split_chunks, uniform_tiers
 
@@ -107,7 +108,9 @@ if HAVE_TRITON:
     @triton.jit
     def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pos_ptr, stride_kw, stride_kh,
                          stride_ch, stride_cs, stride_sh, stride_ss,
-                         HD: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
+                         HD: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr,
+                         GDC: tl.constexpr = False):
+        pdl.start(GDC)
         row = tl.program_id(0)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + row)
@@ -144,12 +147,13 @@ if HAVE_TRITON:
                            stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
-                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
+                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
         cache once, not once per row). A row past its own end in a block sees only masked scores: its update is
         the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone."""
+        pdl.start(GDC)
         rb = tl.program_id(0)
         kvh = tl.program_id(1)
         first = tl.program_id(2)
@@ -201,10 +205,11 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
                             HD: tl.constexpr, DB: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
-                            E1: tl.constexpr, C2: tl.constexpr, NCB: tl.constexpr):
+                            E1: tl.constexpr, C2: tl.constexpr, NCB: tl.constexpr, GDC: tl.constexpr = False):
         """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
         an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
         given position (each column's arithmetic is the same whichever program does it)."""
+        pdl.start(GDC)
         row = tl.program_id(0)
         h = tl.program_id(1)
         nh = tl.num_programs(1)
@@ -237,7 +242,8 @@ if HAVE_TRITON:
     def _qkv_post_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, eps,
                          rscale, stride_qkv, stride_q, stride_ch, stride_cs, stride_sh, stride_ss,
                          NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, Q8: tl.constexpr,
-                         NB: tl.constexpr, QB: tl.constexpr):
+                         NB: tl.constexpr, QB: tl.constexpr, GDC: tl.constexpr = False):
+        pdl.start(GDC)
         row = tl.program_id(0)
         h = tl.program_id(1)                     # 0..NH-1: q heads, NH..NH+NKV-1: k (and v) heads
         pos = tl.load(pos_ptr + row)
@@ -305,7 +311,7 @@ def kv_write(k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, ks: Tens
     k, v = k.contiguous(), v.contiguous()
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
     _kv_write_kernel[(W, nkv)](k, v, kc, vc, ksx, vs if q8 else vc, pos, k.stride(0), k.stride(1), kc.stride(0),
-                               kc.stride(1), ssh, sss, HD=hd, Q8=q8, NB=nb, QB=qb)
+                               kc.stride(1), ssh, sss, HD=hd, Q8=q8, NB=nb, QB=qb, **pdl.launch(k))
 
 
 def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: torch.device | str) -> Tensor:
@@ -343,11 +349,11 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"])
+        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl.launch(q))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
-                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2)
+                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2, **pdl.launch(q))
     return o
 
 
@@ -361,7 +367,7 @@ def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
     _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, ksx, vs if q8 else vc, float(eps),
                                     float(rope_scale), qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1),
-                                    ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb)
+                                    ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb, **pdl.launch(qkv))
     return q
 
 

@@ -33,6 +33,7 @@ import os
 import torch
 from torch import Tensor
 
+from runtime.gpu import pdl
 from runtime.gpu.kernels import HAVE_TRITON
 
 if HAVE_TRITON:
@@ -50,23 +51,30 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "n4j2": {"BN_UP": 4, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
     "n8j2np": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 0, "J": 2, "num_warps": 4, "num_stages": 1},
     "n8j2m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 256, "MB": 2, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
+    "n4": {"BN_UP": 4, "BN_DOWN": 4, "KV": 512, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
 }
-# the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels); one choice serves
-# every window width, which keeps a row's bits independent of the width
+# the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
+# for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
+# through the matrix-vector kernel (bench/moe.py --tune-decode: 32 us against the tl.dot tiles' 37 at W = 1, slower
+# at W = 8 and 16). The choice depends only on the window's row count, and a run keeps one step width, so a row's
+# bits never depend on the other rows (runtime/gpu/static_step.py; calibration checks each width's own reference)
+DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "n16j2"}
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
 BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256}
 
 
-def variant(fmt: str) -> dict[str, int] | None:
-    """The GEMV tiles for weight format `fmt` ("bf16" or a block format's name), or None for the tl.dot kernels."""
-    name = DECODE_GEMV.get(fmt)
+def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
+    """The GEMV tiles for weight format `fmt` ("bf16" or a block format's name) on windows of `rows` rows (None:
+    any width), or None for the tl.dot kernels."""
+    table = "DECODE_GEMV_ONE_ROW" if rows == 1 and fmt in DECODE_GEMV_ONE_ROW else "DECODE_GEMV"
+    name = (DECODE_GEMV_ONE_ROW if table == "DECODE_GEMV_ONE_ROW" else DECODE_GEMV).get(fmt)
     if name is None:
         return None
     if name not in GEMV_VARIANTS:
-        raise ValueError(f"DECODE_GEMV[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(GEMV_VARIANTS)} or None.")
     return GEMV_VARIANTS[name]
 
@@ -463,11 +471,12 @@ if HAVE_TRITON:
                      stride_xm, stride_we, stride_om, SWN: tl.constexpr, EVEN: tl.constexpr,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
-                     KMASK: tl.constexpr, J: tl.constexpr):
+                     KMASK: tl.constexpr, J: tl.constexpr, GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
         ZERO). mg: 0x4B000000, the bits of 2^23."""
+        pdl.start(GDC)
         i = tl.program_id(0)
         nb = tl.program_id(1)
         e = tl.load(se_ptr + i)
@@ -544,7 +553,7 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"])
+                       num_stages=cfg["num_stages"], **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -561,4 +570,4 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"])
+                       num_stages=cfg["num_stages"], **pdl.launch(w))

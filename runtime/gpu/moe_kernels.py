@@ -44,7 +44,7 @@ from torch import Tensor
 
 from runtime.errors import QuantFormatError
 from runtime.formats.registry import block_format, cols_from_row_bytes
-from runtime.gpu import moe_gemv
+from runtime.gpu import moe_gemv, pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
@@ -233,7 +233,9 @@ if HAVE_TRITON:
     def _moe_up_kernel(x_ptr, tok_ptr, se_ptr, bs_ptr, bc_ptr, slot_ptr, w_ptr, h_ptr, NP, E, NI, K, NG, NN,
                        stride_xm, stride_we, stride_wn, stride_hm,
                        TABLE: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr,
+                       GDC: tl.constexpr = False):
+        pdl.start(GDC)
         nb, e, r, rm = _tile(tl.program_id(0), se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN, TABLE, BM, GM)
         s = _slot_of(e, slot_ptr, E, HAS_SLOT)
         run = s >= 0
@@ -277,7 +279,9 @@ if HAVE_TRITON:
     def _moe_down_kernel(h_ptr, se_ptr, bs_ptr, bc_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, y_ptr, NP, E, N, K, NG, NN,
                          stride_hm, stride_we, stride_wn, stride_ym,
                          TABLE: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZBM: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr,
+                         GDC: tl.constexpr = False):
+        pdl.start(GDC)
         nb, e, r, rm = _tile(tl.program_id(0), se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN, TABLE, BM, GM)
         s = _slot_of(e, slot_ptr, E, HAS_SLOT)
         run = s >= 0
@@ -313,7 +317,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _moe_sum_kernel(y_ptr, idx_ptr, x_ptr, o_ptr, E, N, stride_ym, stride_x, stride_om, TOPK: tl.constexpr,
-                        RES: tl.constexpr, BN: tl.constexpr):
+                        RES: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr = False):
+        pdl.start(GDC)
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < N
@@ -332,7 +337,9 @@ if HAVE_TRITON:
     @triton.jit
     def _route_kernel(lg_ptr, pos_ptr, slot_ptr, idx_ptr, w_ptr, se_ptr, ord_ptr, tok_ptr, miss_ptr, nmiss_ptr,
                       W, stride_lg, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                      WP: tl.constexpr, NPP: tl.constexpr, NORM: tl.constexpr, HAS_SLOT: tl.constexpr):
+                      WP: tl.constexpr, NPP: tl.constexpr, NORM: tl.constexpr, HAS_SLOT: tl.constexpr,
+                      GDC: tl.constexpr = False):
+        pdl.start(GDC)
         rows = tl.arange(0, WP)
         rm = rows < W
         cols = tl.arange(0, EP)
@@ -446,7 +453,8 @@ def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool, slot: Tensor | No
     _route_kernel[(1,)](logits, pos, slot if slot is not None else pos, idx, w, se, order, tok, miss, n_miss, W,
                         logits.stride(0), E=E, EP=triton.next_power_of_2(E), TOPK=top_k,
                         KP=triton.next_power_of_2(top_k), WP=max(2, triton.next_power_of_2(W)),
-                        NPP=max(2, triton.next_power_of_2(NP)), NORM=norm, HAS_SLOT=slot is not None, num_warps=4)
+                        NPP=max(2, triton.next_power_of_2(NP)), NORM=norm, HAS_SLOT=slot is not None, num_warps=4,
+                        **pdl.launch(logits))
     return Routing(idx, w, se, order, tok, miss, n_miss)
 
 
@@ -494,7 +502,7 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     dec_down = MOE_DOWN if fd == "bf16" else MOE_QDOWN
     tables: dict[int, tuple[Tensor, Tensor, int]] = {}
     for part, cfg in (("up", MOE_PRE_UP if tiles else dec_up), ("down", MOE_PRE_DOWN if tiles else dec_down)):
-        gv = None if tiles else moe_gemv.variant(fg if part == "up" else fd)
+        gv = None if tiles else moe_gemv.variant(fg if part == "up" else fd, T)
         if gv is not None:        # decode window: the matrix-vector kernels (runtime/gpu/moe_gemv.py)
             if part == "up":
                 moe_gemv.up(x, r.tok, r.se, sl, gate_up, h, fg, n_exp, inter, slot is not None, pow2(T), gv)
@@ -518,11 +526,12 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
                 "GPI": _groups_per_step(K, cfg["BK"]), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         if part == "up":
             _moe_up_kernel[grid](x, r.tok, r.se, bs, bc, sl, gate_up, h, NP, n_exp, inter, H, G, nn, x.stride(0),
-                                 gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], **meta)
+                                 gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], **meta,
+                                 **pdl.launch(x))
         else:
             _moe_down_kernel[grid](h, r.se, bs, bc, sl, r.order, wf, down, y, NP, n_exp, H, inter, G, nn, h.stride(0),
                                    down.stride(0), down.stride(1), y.stride(0), QT=QCODE[fd],
-                                   ZBM=bm if zero_missing else 0, **meta)
+                                   ZBM=bm if zero_missing else 0, **meta, **pdl.launch(x))
     return y
 
 
@@ -536,7 +545,7 @@ def combine(y: Tensor, idx: Tensor, n_exp: int, residual: Tensor | None = None, 
     BS = 256
     res = residual if residual is not None else out
     _moe_sum_kernel[(T, triton.cdiv(H, BS))](y, idx, res, out, n_exp, H, y.stride(0), res.stride(0), out.stride(0),
-                                              TOPK=k, RES=residual is not None, BN=BS)
+                                              TOPK=k, RES=residual is not None, BN=BS, **pdl.launch(y))
     return out
 
 

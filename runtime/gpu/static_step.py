@@ -159,7 +159,8 @@ class StaticStep:
         return out
 
     def _forward_fused(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The same step through the fused kernels (runtime/kernels.py): 11 launches a layer."""
+        """The same step through the fused kernels (runtime/kernels.py): 11 launches a layer, the Triton ones
+        with programmatic dependent launch (runtime/gpu/pdl.py)."""
         m = self.model
         cfg = m.cfg
         eps = cfg.rms_norm_eps
@@ -172,14 +173,14 @@ class StaticStep:
             a = layer.self_attn
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = a.qkv(h)
+            qkv = dense_kernels.project(h, a.qkv_weight) if a.qkv_weight is not None else a.qkv(h)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
                                            a.nkv, a.hd, eps, ks=ks, vs=vs)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
-            d = a.o_proj(o.reshape(-1, a.nh * a.hd))
+            d = dense_kernels.linear(o.reshape(-1, a.nh * a.hd), a.o_proj)
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            r = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
+            r = moe_kernels.route(dense_kernels.linear(h, mlp.gate), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
                 mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual

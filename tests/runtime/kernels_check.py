@@ -60,9 +60,24 @@ def check_moe(dt: torch.dtype) -> None:
             ref[t] += float(w[t, j]) * ((F.silu(gt) * up) @ dn[e].float().t())
     assert rel(out, ref) < 3e-3, rel(out, ref)
     assert float(out[3].abs().max()) == 0.0
-    # row invariance: row 0 alone gives the same bits as inside the window
+    # row invariance at a fixed width: row 0's bits do not depend on the other rows of its window
+    x2, w2 = x.clone(), w.clone()
+    x2[1:] = torch.randn(T - 1, H, generator=g).to(dt)
+    w2[1:] = torch.rand(T - 1, k, generator=g).to(dt)
+    idx2 = torch.stack([idx[0]] + [torch.randperm(E, generator=g)[:k] for _ in range(T - 1)])
+    assert torch.equal(moe_kernels.moe_grouped(x2, idx2, w2, gu, dn)[0], out[0])
+    # a one-row window takes the one-row kernels (moe_gemv.DECODE_GEMV_ONE_ROW): the same product
     one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)
-    assert torch.equal(one[0], out[0])
+    assert rel(one, ref[:1]) < 3e-3, rel(one, ref[:1])
+    # and without them the tl.dot tiles give a row alone the bits it has inside the window
+    from runtime.gpu import moe_gemv
+
+    saved = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+    try:
+        assert torch.equal(moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gu, dn)[0], out[0])
+    finally:
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved)
 
 
 def ref_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -238,6 +253,8 @@ def check_moe_gemv() -> None:
     from runtime.gpu import moe_gemv
 
     saved = dict(moe_gemv.DECODE_GEMV)
+    saved_one = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    moe_gemv.DECODE_GEMV_ONE_ROW.clear()     # one variant at every width here: a row alone == the row in a window
     moe_gemv.GEMV_VARIANTS["_odd"] = {"BN_UP": 64, "BN_DOWN": 64, "KV": 64, "MB": 2, "PF": 1, "J": 2, "num_warps": 4,
                                       "num_stages": 1}
     try:
@@ -288,6 +305,7 @@ def check_moe_gemv() -> None:
         del moe_gemv.GEMV_VARIANTS["_odd"]
         moe_gemv.DECODE_GEMV.clear()
         moe_gemv.DECODE_GEMV.update(saved)
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)
 
 
 def check_dequant() -> None:
@@ -555,11 +573,13 @@ def check_quant(dt: torch.dtype) -> None:
         assert torch.equal(out[2], dense_kernels.gemv(x[2:3].contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])[0])
 
 
-def check_fused_step(quant: str | None = None) -> None:
+def check_fused_step(quant: str | None = None, width: int = 4) -> None:
     """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32 (with a q8_0
-    cache: both read the same 8-bit cache)."""
+    cache: both read the same 8-bit cache). Width 1 also takes the one-row paths: the experts' one-row GEMV variant
+    (moe_gemv.DECODE_GEMV_ONE_ROW) and the float projections through the GEMV kernel (dense_kernels.GEMV_ONE_ROW)."""
     import tempfile
 
+    from runtime.gpu import dense_kernels
     from runtime.gpu.static_step import StaticStep
     from runtime.kv import KVCache
     from runtime.loading import load_target
@@ -579,9 +599,11 @@ def check_fused_step(quant: str | None = None) -> None:
     with torch.no_grad():
         model(prompt, kv=kv_a)
         model(prompt, kv=kv_b)
-        step = StaticStep(model, kv_b, width=4, graph=False)
+        step = StaticStep(model, kv_b, width=width, graph=False)
         assert step.fused
-        for win in ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]):
+        dense_kernels.GEMV_ONE_ROW = width == 1
+        wins = ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]) if width == 4 else ([[12]], [[3]], [[40]])
+        for win in wins:
             w = torch.tensor(win)
             ref = model(w, kv=kv_a, taps=(1,))
             got = step(w, kv_b, (1,))
@@ -589,6 +611,7 @@ def check_fused_step(quant: str | None = None) -> None:
             assert torch.allclose(got.taps, ref.taps, atol=2e-4, rtol=0)
             kv_a.rollback(kv_a.length - 1)
             kv_b.rollback(kv_b.length - 1)
+        dense_kernels.GEMV_ONE_ROW = False
         ka, kb = kv_a.committed()[0], kv_b.committed()[0]
         assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
@@ -784,5 +807,6 @@ if __name__ == "__main__":
         check_dyn_conv(dt)
     check_fused_step()
     check_fused_step("q8_0")
+    check_fused_step(width=1)
     check_mtp_graphs()
     print("kernels ok")

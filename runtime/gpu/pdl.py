@@ -1,0 +1,82 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (docs/models.md, "Launches").
+
+Why: a decode step of the Qwen3-30B-A3B shape is about 640 launches of 1.5-20 us each, in a CUDA graph; between two
+of them the GPU drains the first grid, then launches and ramps up the next. On Hopper (compute capability 9.0) a
+kernel launched with the programmatic-serialization attribute may be scheduled while the kernel before it in the
+stream still runs: its programs start, then wait (`griddepcontrol.wait`) until that kernel has finished and its
+writes are visible. The wait comes before a program reads anything another kernel writes and before it writes
+anything, so the results are the same bits with and without PDL; only the launch latency and the ramp overlap the
+previous kernel's tail. Stream capture keeps the attribute as a programmatic edge of the graph.
+
+Every kernel that takes `GDC` calls `start(GDC)` first: wait for the previous kernel, then let the next one be
+scheduled (`griddepcontrol.launch_dependents`). Because every PDL kernel waits for its predecessor and kernels
+launched without PDL (cuBLAS, torch) wait for everything before them, each kernel still sees all earlier kernels
+done. `launch(t)` gives the launch options for a kernel on tensor t's device: the attribute and GDC=True on a CUDA
+device of capability 9.0 or more with a Triton that launches with PDL (probed once), else GDC=False and a plain
+launch (the CPU interpreter, older GPUs, `ENABLED = False`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from runtime.gpu.kernels import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+# off by default: on the H200 it made the one-row BF16 step 2.6% faster at 1k context but 2% slower at 32k, and a
+# Q4_0 step 5% slower at 32k (bench/step_ab.py, bench/results/h200_session6/); the benchmarks switch it on
+ENABLED = False
+
+_PROBED: dict[int, bool] = {}
+PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
+_OFF = {"GDC": False}
+_ON = {"GDC": True, "launch_pdl": True}
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def start(GDC: tl.constexpr):
+        """Wait until the previous kernel in the stream is done and its writes are visible, then allow the next
+        kernel to be scheduled. A no-op without PDL (GDC False: the interpreter never sees the PTX)."""
+        if GDC:
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+    @triton.jit
+    def _probe_kernel(x_ptr, GDC: tl.constexpr):
+        start(GDC)
+        tl.store(x_ptr + tl.arange(0, 32), tl.load(x_ptr + tl.arange(0, 32)) + 1.0)
+
+
+def _probe(device: torch.device) -> bool:
+    """True when this Triton launches a kernel with PDL on `device` and it computes (checked once per device)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PROBED:
+        ok = False
+        if torch.cuda.get_device_capability(idx)[0] >= 9 and not torch.cuda.is_current_stream_capturing():
+            try:
+                x = torch.zeros(32, dtype=torch.float32, device=device)
+                _probe_kernel[(1,)](x, **_ON)
+                _probe_kernel[(1,)](x, **_ON)
+                ok = bool((x == 2.0).all().item())
+            except Exception as e:  # a Triton without launch_pdl, or a driver that refuses the attribute
+                PROBE_ERRORS.append(f"{type(e).__name__}: {str(e)[:200]}")
+                ok = False
+        elif torch.cuda.is_current_stream_capturing():
+            return False            # never probe inside a capture; the warm-up before it probes
+        _PROBED[idx] = ok
+    return _PROBED[idx]
+
+
+def launch(t: Tensor) -> dict:
+    """The PDL launch options for a kernel whose tensors live on t's device (module docstring)."""
+    if not (ENABLED and HAVE_TRITON and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+        return _OFF
+    return _ON if _probe(t.device) else _OFF
