@@ -2,22 +2,23 @@
 
     python bench/step_ab.py [--contexts 1024,32768] [--widths 1,8] [--rounds 5] [--steps 30] [--quant q4_0]
 
-Arms (each a set of module switches, set before its CUDA graph is captured, so a graph bakes its arm in):
-- before: no PDL, BF16 experts of a one-row step on the tl.dot tiles, dense projections on cuBLAS (the runtime
-  before PDL and the one-row choices);
-- pdl: the step's Triton kernels launched with programmatic dependent launch (runtime/gpu/pdl.py);
-- moe1: BF16 experts of a one-row step through the matrix-vector kernel (moe_gemv.DECODE_GEMV_ONE_ROW), no PDL;
-- pdl+moe1: both;
-- pdl+moe1+dense1: and the one-row BF16 projections (q/k/v, o_proj, router) through the matrix-vector kernel
-  instead of cuBLAS (dense_kernels.GEMV_ONE_ROW).
+Arms (each a set of module switches, set before its CUDA graph is captured, so a graph bakes its arm in; `ARMS`):
+- before: the step as it was (BF16 experts of a one-row step on the tl.dot tiles, no PDL);
+- moe1: BF16 experts of a one-row step through the matrix-vector kernel (moe_gemv.DECODE_GEMV_ONE_ROW);
+- moe1+pdl: and programmatic dependent launch for the step's Triton kernels (runtime/gpu/pdl.py); moe1+pdl-attn:
+  PDL except the split attention and its reduction (pdl.SKIP), the runtime's default;
+- n16j2+pdl-attn: the one-row experts with the n16j2 tiles (16 down rows a program instead of 32).
+Measured before and dropped (bench/results/h200_session6/): the one-row projections through the matrix-vector
+kernel instead of cuBLAS, other one-row expert tiles, and a three-launch MoE half (norm + router + top-k in one
+launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt).
 Every (arm, context, width) step is captured once; then rounds of `steps` replays go over all of them interleaved
 (drift hits every arm alike) and the median round is quoted. On the A3B shape with honest routing (bench/common.py),
 BF16, all experts resident, BF16 KV with the context's first positions random. Bound for a one-row step: copy
 bandwidth (measured here) / (dense weights + top-k experts of every layer + the KV cache up to the context).
 Checks: a step's logits with PDL are bit-identical to the same step without (PDL changes launches, never
-arithmetic); the one-row kernel choices change rounding only: the max |difference| and the top-1 agreement with
-`before` are reported. `--quant q4_0` (or q8_0) also times a quantized build (bench/quant_target.py) with PDL off
-and on. Writes `step_ab.json`.
+arithmetic), and a wide step's are those of `before` (the one-row options leave it alone); the one-row kernels
+change rounding only: the max |difference| and the top-1 agreement with `before` are reported. `--quant q4_0` (or
+q8_0) also times a quantized build (bench/quant_target.py) in QUANT_ARMS. Writes `step_ab.json`.
 """
 
 from __future__ import annotations
@@ -34,24 +35,30 @@ import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
 
-ARMS: dict[str, dict[str, bool]] = {
-    "before": {"pdl": False, "moe1": False, "dense1": False},
-    "pdl": {"pdl": True, "moe1": False, "dense1": False},
-    "moe1": {"pdl": False, "moe1": True, "dense1": False},
-    "pdl+moe1": {"pdl": True, "moe1": True, "dense1": False},
-    "pdl+moe1+dense1": {"pdl": True, "moe1": True, "dense1": True},
+# each arm: the switches it sets ("moe1": the module's DECODE_GEMV_ONE_ROW, or a variant name for BF16; "pdl":
+# pdl.ENABLED; "skip": pdl.SKIP) and whether it also runs wider steps ("wide": one-row options change nothing there)
+ARMS: dict[str, dict[str, Any]] = {
+    "before": {"wide": True},
+    "moe1": {"moe1": True, "wide": True},
+    "moe1+pdl": {"moe1": True, "pdl": True, "wide": True},
+    "moe1+pdl-attn": {"moe1": True, "pdl": True, "skip": {"attention"}, "wide": True},
+    "n16j2+pdl-attn": {"moe1": "n16j2", "pdl": True, "skip": {"attention"}},
 }
+QUANT_ARMS = ("before", "moe1+pdl", "moe1+pdl-attn")
 
 
-def set_arm(arm: dict[str, bool], one_row: dict[str, str | None]) -> None:
-    """The module switches of one arm (the defaults restored for the parts it leaves off)."""
-    from runtime.gpu import dense_kernels, moe_gemv, pdl
+def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
+    """The module switches of one arm (every switch it does not name off)."""
+    from runtime.gpu import moe_gemv, pdl
 
-    pdl.ENABLED = arm["pdl"]
+    pdl.ENABLED = bool(arm.get("pdl"))
+    pdl.SKIP.clear()
+    pdl.SKIP.update(arm.get("skip", ()))
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
-    if arm["moe1"]:
+    if arm.get("moe1") is True:
         moe_gemv.DECODE_GEMV_ONE_ROW.update(one_row)
-    dense_kernels.GEMV_ONE_ROW = arm["dense1"]
+    elif arm.get("moe1"):
+        moe_gemv.DECODE_GEMV_ONE_ROW["bf16"] = arm["moe1"]
 
 
 def one_step(step, kv, win) -> torch.Tensor:
@@ -89,6 +96,8 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
         set_arm(ARMS[a], one_row)
         for c in contexts:
             for w in widths:
+                if w > 1 and not ARMS[a].get("wide"):
+                    continue
                 st = StaticStep(model, kvs[c], w, graph=True)
                 for _ in range(2):                        # capture, then one replay
                     logits[(a, c, w)] = one_step(st, kvs[c], wins[w])
@@ -113,16 +122,50 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
             row["top1_agree"] = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
         rows.append(row)
     checks = []
-    if "before" in arms and "pdl" in arms:
-        for c in contexts:
+    for a, base in (("moe1+pdl", "moe1"), ("moe1+pdl-attn", "moe1"), ("moe1", "before")):
+        for c in contexts:      # launch options never change bits; nor do one-row options a wide step
             for w in widths:
-                ok = bool(torch.equal(logits[("pdl", c, w)], logits[("before", c, w)]))
-                checks.append({"build": tag, "check": f"pdl == before (context {c}, width {w})", "ok": ok})
+                if (a, c, w) in logits and (base, c, w) in logits and (base != "before" or w > 1):
+                    ok = bool(torch.equal(logits[(a, c, w)], logits[(base, c, w)]))
+                    checks.append({"build": tag, "check": f"{a} == {base} (context {c}, width {w})", "ok": ok})
+        if tag != "bf16" and (a, contexts[0], 1) in logits and ("before", contexts[0], 1) in logits:
+            ok = bool(torch.equal(logits[(a, contexts[0], 1)], logits[("before", contexts[0], 1)]))
+            checks.append({"build": tag, "check": f"{a} == before (context {contexts[0]}, width 1)", "ok": ok})
     for st in steps_by.values():
         st.graphs.clear()
     del steps_by, kvs
     torch.cuda.empty_cache()
     return rows, checks
+
+
+PREFILL_ARMS: dict[str, dict[str, Any]] = {      # PDL on the prefill's MoE kernels or not
+    "no pdl": {"pdl": False},
+    "pdl": {"pdl": True, "skip": {"attention"}},
+    "pdl, not prefill": {"pdl": True, "skip": {"attention", "prefill"}},
+}
+
+
+def prefill_ab(model, prompts: list[int], chunks: list[int], rounds: int, peak: float) -> list[dict[str, Any]]:
+    """Prefill tok/s per PDL arm, interleaved rounds, median (bench/context.py's timing of one prompt)."""
+    from bench.context import prefill_flops_per_token, time_prefill
+    from runtime.gpu import pdl
+
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for _ in range(rounds):
+        for n in prompts:
+            for c in chunks:
+                for name, arm in PREFILL_ARMS.items():
+                    pdl.ENABLED = arm["pdl"]
+                    pdl.SKIP.clear()
+                    pdl.SKIP.update(arm.get("skip", ()))
+                    times.setdefault((name, n, c), []).append(time_prefill(model, n, "bf16", c))
+    rows = []
+    for (name, n, c), ts in times.items():
+        tok_s = median(ts)
+        bound = peak / prefill_flops_per_token(model, n)
+        rows.append({"arm": name, "prompt": n, "chunk": c, "tok_s": tok_s, "rounds_tok_s": ts, "bound_tok_s": bound,
+                     "frac_of_bound": tok_s / bound})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--quant", default="", help="also time a quantized build (q4_0, q8_0) with PDL off and on")
+    ap.add_argument("--quant", default="", help="also time a quantized build (q4_0, q8_0) in QUANT_ARMS")
+    ap.add_argument("--prefill", default="", help="prompt lengths for the prefill A/B (PREFILL_ARMS), e.g. 8192")
+    ap.add_argument("--chunks", default="2048,8192", help="prefill chunks for the prefill A/B")
+    ap.add_argument("--no-decode", action="store_true", help="only the prefill A/B")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU.", file=sys.stderr)
@@ -153,6 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = build_a3b()
     dense, expert, n_moe = weight_bytes(model)
     k = model.cfg.num_experts_per_tok
+    if args.prefill:
+        from bench.common import matmul_peak
+
+        peak = matmul_peak()
+        res["matmul_peak_TFLOPs"] = peak / 1e12
+        res["prefill"] = prefill_ab(model, [int(x) for x in args.prefill.split(",")],
+                                    [int(x) for x in args.chunks.split(",")], 3, peak)
+        print_table(f"Prefill A/B (bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; median of 3 interleaved rounds)",
+                    ["arm", "prompt", "chunk", "tok/s", "% of bound", "rounds"],
+                    [[r["arm"], r["prompt"], r["chunk"], r["tok_s"], r["frac_of_bound"] * 100,
+                      " ".join(f"{t:,.0f}" for t in r["rounds_tok_s"])] for r in res["prefill"]])
+        set_arm(ARMS["before"], one_row)
+    if args.no_decode:
+        write_json("step_ab.json", res)
+        return 0
     rows, checks = run(model, arms, contexts, widths, args.rounds, args.steps, "bf16", one_row)
     for r in rows:
         if r["width"] == 1:
@@ -169,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.quant_target import build_on_gpu
 
         qm = build_on_gpu(A3B_SHAPE, q)
-        qrows, qchecks = run(qm, ["before", "pdl"], contexts, [1], args.rounds, args.steps, q, one_row)
+        qrows, qchecks = run(qm, list(QUANT_ARMS), contexts, [1], args.rounds, args.steps, q, one_row)
         for r in qrows:
             r["tok_s"] = 1e3 / r["step_ms"]
         res["rows"] += qrows

@@ -349,11 +349,12 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl.launch(q))
+        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl.launch(q, "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
-                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2, **pdl.launch(q))
+                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
+                                           **pdl.launch(q, "attention"))
     return o
 
 

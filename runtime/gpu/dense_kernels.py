@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from runtime.gpu import moe_gemv, pdl
-from runtime.gpu.kernels import HAVE_TRITON, available, pow2
+from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
     import triton
@@ -126,39 +126,6 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Ten
         return dequant_linear(x2, blocks, qtype).reshape(*lead, N)
     parts = [gemv(x2[s:s + GEMV_ROWS], blocks, qtype, cfg) for s in range(0, M, GEMV_ROWS)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(*lead, N)
-
-
-# float (BF16) projections of a one-row step (a target decoding alone) through the matrix-vector kernel instead of
-# cuBLAS: the kernel launches with PDL (runtime/gpu/pdl.py), cuBLAS does not. False: cuBLAS (bench/step_ab.py
-# measures both). The choice depends only on the row count, like `quant_linear`'s.
-GEMV_ONE_ROW = False
-# the GEMV variant per matrix height: enough programs to fill the GPU (weight rows per program, BN_DOWN)
-_ONE_ROW_VARIANTS = (("n16j2", 16), ("n8j2", 8), ("n4", 4))
-
-
-def _one_row_cfg(n: int, sms: int) -> dict[str, int]:
-    """The widest GEMV tile that still gives every SM two programs for a matrix of n rows (the narrowest else)."""
-    for name, bn in _ONE_ROW_VARIANTS:
-        if n // bn >= 2 * sms:
-            return moe_gemv.GEMV_VARIANTS[name]
-    return moe_gemv.GEMV_VARIANTS[_ONE_ROW_VARIANTS[-1][0]]
-
-
-def project(x: Tensor, weight: Tensor) -> Tensor:
-    """x [M, K] @ weight^T for a float weight of the fused step: one row through `gemv` when GEMV_ONE_ROW, else
-    cuBLAS."""
-    if GEMV_ONE_ROW and x.shape[0] == 1 and available(x) and weight.dtype == x.dtype:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        return gemv(x.contiguous(), weight, "bf16", _one_row_cfg(weight.shape[0], sms))
-    return torch.nn.functional.linear(x, weight)
-
-
-def linear(x: Tensor, mod) -> Tensor:
-    """A projection module of the fused step applied to x [M, K]: plain bias-free float `nn.Linear`s through
-    `project`, anything else (block-format `QuantLinear`) as the module does it."""
-    if type(mod) is torch.nn.Linear and mod.bias is None:
-        return project(x, mod.weight)
-    return mod(x)
 
 
 def rmsnorm(x: Tensor, w: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -51,15 +51,16 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "n4j2": {"BN_UP": 4, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
     "n8j2np": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 0, "J": 2, "num_warps": 4, "num_stages": 1},
     "n8j2m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 256, "MB": 2, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
-    "n4": {"BN_UP": 4, "BN_DOWN": 4, "KV": 512, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
+    "n16d32": {"BN_UP": 16, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
 }
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
-# through the matrix-vector kernel (bench/moe.py --tune-decode: 32 us against the tl.dot tiles' 37 at W = 1, slower
-# at W = 8 and 16). The choice depends only on the window's row count, and a run keeps one step width, so a row's
-# bits never depend on the other rows (runtime/gpu/static_step.py; calibration checks each width's own reference)
-DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "n16j2"}
+# through the matrix-vector kernel, 32 down rows a program (bench/step_ab.py, H200 A3B one-row step at 1k context:
+# 3.18 ms against 3.79 on the tl.dot tiles and 3.25 with n16j2; the tl.dot tiles stay faster at W = 8 and 16). The
+# choice depends only on the window's row count, and a run keeps one step width, so a row's bits never depend on
+# the other rows (runtime/gpu/static_step.py; calibration checks each width's own reference)
+DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "n16d32"}
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}

@@ -498,6 +498,7 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     h = torch.empty(NP, inter, dtype=x.dtype, device=x.device)
     sl = slot if slot is not None else r.se
     wf = r.w.reshape(-1)
+    launch = pdl.launch(x, "prefill" if tiles else "")
     dec_up = MOE_UP if fg == "bf16" else MOE_QUP
     dec_down = MOE_DOWN if fd == "bf16" else MOE_QDOWN
     tables: dict[int, tuple[Tensor, Tensor, int]] = {}
@@ -526,12 +527,11 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
                 "GPI": _groups_per_step(K, cfg["BK"]), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         if part == "up":
             _moe_up_kernel[grid](x, r.tok, r.se, bs, bc, sl, gate_up, h, NP, n_exp, inter, H, G, nn, x.stride(0),
-                                 gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], **meta,
-                                 **pdl.launch(x))
+                                 gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], **meta, **launch)
         else:
             _moe_down_kernel[grid](h, r.se, bs, bc, sl, r.order, wf, down, y, NP, n_exp, H, inter, G, nn, h.stride(0),
                                    down.stride(0), down.stride(1), y.stride(0), QT=QCODE[fd],
-                                   ZBM=bm if zero_missing else 0, **meta, **pdl.launch(x))
+                                   ZBM=bm if zero_missing else 0, **meta, **launch)
     return y
 
 
@@ -545,7 +545,8 @@ def combine(y: Tensor, idx: Tensor, n_exp: int, residual: Tensor | None = None, 
     BS = 256
     res = residual if residual is not None else out
     _moe_sum_kernel[(T, triton.cdiv(H, BS))](y, idx, res, out, n_exp, H, y.stride(0), res.stride(0), out.stride(0),
-                                              TOPK=k, RES=residual is not None, BN=BS, **pdl.launch(y))
+                                              TOPK=k, RES=residual is not None, BN=BS,
+                                              **pdl.launch(y, "prefill" if T > DECODE_ROWS else ""))
     return out
 
 

@@ -29,10 +29,13 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# off by default: on the H200 it made the one-row BF16 step 2.6% faster at 1k context but 2% slower at 32k, and a
-# Q4_0 step 5% slower at 32k (bench/step_ab.py, bench/results/h200_session6/); the benchmarks switch it on
-ENABLED = False
-
+# on, except for the split attention and its reduction: on the H200 the one-row BF16 step at 1k context was 3-5%
+# faster with PDL, at 32k 2% slower with PDL on the attention kernels too and 1-3% faster without it there
+# (bench/step_ab.py, bench/results/h200_session6/); the benchmarks switch it off to measure the step without it
+ENABLED = True
+# parts launched without PDL even when ENABLED: "attention" (the split kernel and its reduction), "prefill" (the MoE
+# kernels on prefill chunks)
+SKIP: set[str] = {"attention"}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}
@@ -75,8 +78,9 @@ def _probe(device: torch.device) -> bool:
     return _PROBED[idx]
 
 
-def launch(t: Tensor) -> dict:
-    """The PDL launch options for a kernel whose tensors live on t's device (module docstring)."""
-    if not (ENABLED and HAVE_TRITON and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+def launch(t: Tensor, part: str = "") -> dict:
+    """The PDL launch options for a kernel whose tensors live on t's device (module docstring); `part` names the
+    kernel's group for SKIP."""
+    if not (ENABLED and HAVE_TRITON and t.is_cuda) or part in SKIP or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
     return _ON if _probe(t.device) else _OFF

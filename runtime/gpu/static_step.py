@@ -173,14 +173,14 @@ class StaticStep:
             a = layer.self_attn
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = dense_kernels.project(h, a.qkv_weight) if a.qkv_weight is not None else a.qkv(h)
+            qkv = a.qkv(h)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
                                            a.nkv, a.hd, eps, ks=ks, vs=vs)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
-            d = dense_kernels.linear(o.reshape(-1, a.nh * a.hd), a.o_proj)
+            d = a.o_proj(o.reshape(-1, a.nh * a.hd))
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            r = moe_kernels.route(dense_kernels.linear(h, mlp.gate), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
+            r = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
                 mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual

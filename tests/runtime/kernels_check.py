@@ -575,11 +575,10 @@ def check_quant(dt: torch.dtype) -> None:
 
 def check_fused_step(quant: str | None = None, width: int = 4) -> None:
     """The fused fixed-width step (every Triton kernel of a layer) against the plain forward, fp32 (with a q8_0
-    cache: both read the same 8-bit cache). Width 1 also takes the one-row paths: the experts' one-row GEMV variant
-    (moe_gemv.DECODE_GEMV_ONE_ROW) and the float projections through the GEMV kernel (dense_kernels.GEMV_ONE_ROW)."""
+    cache: both read the same 8-bit cache). Width 1 takes the experts' one-row GEMV variant
+    (moe_gemv.DECODE_GEMV_ONE_ROW)."""
     import tempfile
 
-    from runtime.gpu import dense_kernels
     from runtime.gpu.static_step import StaticStep
     from runtime.kv import KVCache
     from runtime.loading import load_target
@@ -601,7 +600,6 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
         model(prompt, kv=kv_b)
         step = StaticStep(model, kv_b, width=width, graph=False)
         assert step.fused
-        dense_kernels.GEMV_ONE_ROW = width == 1
         wins = ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]) if width == 4 else ([[12]], [[3]], [[40]])
         for win in wins:
             w = torch.tensor(win)
@@ -611,7 +609,6 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
             assert torch.allclose(got.taps, ref.taps, atol=2e-4, rtol=0)
             kv_a.rollback(kv_a.length - 1)
             kv_b.rollback(kv_b.length - 1)
-        dense_kernels.GEMV_ONE_ROW = False
         ka, kb = kv_a.committed()[0], kv_b.committed()[0]
         assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
