@@ -29,9 +29,10 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# on, except for the split attention and its reduction: on the H200 the one-row BF16 step at 1k context was 3-5%
-# faster with PDL, at 32k 2% slower with PDL on the attention kernels too and 1-3% faster without it there
-# (bench/step_ab.py, bench/results/h200_session6/); the benchmarks switch it off to measure the step without it
+# on, except for the split attention and its reduction. H200, A3B shape (bench/step_ab.py,
+# bench/results/h200_session6/final/): the one-row BF16 step 3.25 -> 3.19 ms at 1k context and 4.31 -> 4.24 at 32k
+# (with PDL on the attention kernels too: 3.13 and 4.39), an 8-row step 0.7% faster, a Q4_0 one-row step 1-1.5%
+# slower, prefill unchanged; the benchmarks switch it off to measure the step without it
 ENABLED = True
 # parts launched without PDL even when ENABLED: "attention" (the split kernel and its reduction), "prefill" (the MoE
 # kernels on prefill chunks)

@@ -30,6 +30,22 @@ def _patch_tensor(tensor, scope):
 
 _interp._patch_lang_tensor = _patch_tensor
 
+# The interpreter's tl.dot is NumPy's float32 matmul, i.e. the BLAS of the machine, and OpenBLAS on some CPUs (seen
+# on an AMD EPYC with AVX-512, NumPy 2.4) gives a row other bits at line 32 of a 64-line tile than at line 0: the
+# kernels' row invariance could not be checked there. Accumulate in float64 and round once: a row's product then
+# depends on that row alone (a float64 rounding difference moves the float32 result with odds of about 1e-9).
+_orig_dot = _interp.InterpreterBuilder.create_dot
+
+
+def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    if a.data.dtype in (np.float32, np.float16) and b.data.dtype == a.data.dtype and d.data.dtype == np.float32:
+        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return _interp.TensorHandle(prod + d.data, d.dtype.scalar)
+    return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+
+_interp.InterpreterBuilder.create_dot = _row_invariant_dot
+
 from runtime.formats.quant_linear import QuantLinear  # noqa: E402
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
 from runtime.kv import dequantize_q8_0, quantize_q8_0  # noqa: E402
