@@ -1,6 +1,7 @@
 """The fixed-width decode step with and without this runtime's launch-level options, side by side in one run.
 
     python bench/step_ab.py [--contexts 1024,32768] [--widths 1,8] [--rounds 5] [--steps 30] [--quant q4_0]
+                            [--prefill 8192 [--chunks 2048,8192] [--no-decode]]
 
 Arms (each a set of module switches, set before its CUDA graph is captured, so a graph bakes its arm in; `ARMS`):
 - before: the step as it was (BF16 experts of a one-row step on the tl.dot tiles, no PDL);
@@ -8,7 +9,7 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
 - moe1+pdl: and programmatic dependent launch for the step's Triton kernels (runtime/gpu/pdl.py); moe1+pdl-attn:
   PDL except the split attention and its reduction (pdl.SKIP), the runtime's default;
 - n16j2+pdl-attn: the one-row experts with the n16j2 tiles (16 down rows a program instead of 32).
-Measured before and dropped (bench/results/h200_session6/): the one-row projections through the matrix-vector
+Measured and dropped (bench/results/h200_session6/): the one-row projections through the matrix-vector
 kernel instead of cuBLAS, other one-row expert tiles, and a three-launch MoE half (norm + router + top-k in one
 launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt).
 Every (arm, context, width) step is captured once; then rounds of `steps` replays go over all of them interleaved
@@ -18,7 +19,8 @@ bandwidth (measured here) / (dense weights + top-k experts of every layer + the 
 Checks: a step's logits with PDL are bit-identical to the same step without (PDL changes launches, never
 arithmetic), and a wide step's are those of `before` (the one-row options leave it alone); the one-row kernels
 change rounding only: the max |difference| and the top-1 agreement with `before` are reported. `--quant q4_0` (or
-q8_0) also times a quantized build (bench/quant_target.py) in QUANT_ARMS. Writes `step_ab.json`.
+q8_0) also times a quantized build (bench/quant_target.py) in QUANT_ARMS; `--prefill` times prompts of those lengths
+with PDL off, on, and on except the prefill's MoE kernels (PREFILL_ARMS). Writes `step_ab.json`.
 """
 
 from __future__ import annotations
