@@ -60,23 +60,24 @@ if HAVE_TRITON:
 
 
 def _probe(device: torch.device) -> bool:
-    """True when this Triton launches a kernel with PDL on `device` and it computes (checked once per device)."""
+    """True when this Triton launches a kernel with PDL on `device` and it computes (checked once per device, never
+    inside a capture: the warm-up before a capture probes)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _PROBED:
-        ok = False
-        if torch.cuda.get_device_capability(idx)[0] >= 9 and not torch.cuda.is_current_stream_capturing():
-            try:
-                x = torch.zeros(32, dtype=torch.float32, device=device)
-                _probe_kernel[(1,)](x, **_ON)
-                _probe_kernel[(1,)](x, **_ON)
-                ok = bool((x == 2.0).all().item())
-            except Exception as e:  # a Triton without launch_pdl, or a driver that refuses the attribute
-                PROBE_ERRORS.append(f"{type(e).__name__}: {str(e)[:200]}")
-                ok = False
-        elif torch.cuda.is_current_stream_capturing():
-            return False            # never probe inside a capture; the warm-up before it probes
-        _PROBED[idx] = ok
-    return _PROBED[idx]
+    if idx in _PROBED:
+        return _PROBED[idx]
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    ok = False
+    if torch.cuda.get_device_capability(idx)[0] >= 9:
+        try:
+            x = torch.zeros(32, dtype=torch.float32, device=device)
+            _probe_kernel[(1,)](x, **_ON)
+            _probe_kernel[(1,)](x, **_ON)
+            ok = bool((x == 2.0).all().item())
+        except Exception as e:  # a Triton without launch_pdl, or a driver that refuses the attribute
+            PROBE_ERRORS.append(f"{type(e).__name__}: {str(e)[:200]}")
+    _PROBED[idx] = ok
+    return ok
 
 
 def launch(t: Tensor, part: str = "") -> dict:
