@@ -20,7 +20,8 @@ Checks: a step's logits with PDL are bit-identical to the same step without (PDL
 arithmetic), and a wide step's are those of `before` (the one-row options leave it alone); the one-row kernels
 change rounding only: the max |difference| and the top-1 agreement with `before` are reported. `--quant q4_0` (or
 q8_0) also times a quantized build (bench/quant_target.py) in QUANT_ARMS; `--prefill` times prompts of those lengths
-with PDL off, on, and on except the prefill's MoE kernels (PREFILL_ARMS). Writes `step_ab.json`.
+through the module forward and through the fused chunk (runtime/gpu/prefill_chunk.py), with and without PDL
+(PREFILL_ARMS), and checks that both give the prompt's last row the same top-1 token. Writes `step_ab.json`.
 """
 
 from __future__ import annotations
@@ -140,17 +141,17 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
     return rows, checks
 
 
-PREFILL_ARMS: dict[str, dict[str, Any]] = {      # PDL on the prefill's MoE kernels or not
-    "no pdl": {"pdl": False},
-    "pdl": {"pdl": True, "skip": {"attention"}},
-    "pdl, not prefill": {"pdl": True, "skip": {"attention", "prefill"}},
+PREFILL_ARMS: dict[str, dict[str, Any]] = {      # the module forward or the fused chunk; PDL on the MoE kernels or not
+    "module forward": {"pdl": True, "skip": {"attention"}, "fused": False},
+    "fused chunk": {"pdl": True, "skip": {"attention"}, "fused": True},
+    "fused chunk, no pdl": {"pdl": False, "fused": True},
 }
 
 
 def prefill_ab(model, prompts: list[int], chunks: list[int], rounds: int, peak: float) -> list[dict[str, Any]]:
-    """Prefill tok/s per PDL arm, interleaved rounds, median (bench/context.py's timing of one prompt)."""
+    """Prefill tok/s per arm, interleaved rounds, median (bench/context.py's timing of one prompt)."""
     from bench.context import prefill_flops_per_token, time_prefill
-    from runtime.gpu import pdl
+    from runtime.gpu import pdl, prefill_chunk
 
     times: dict[tuple[str, int, int], list[float]] = {}
     for _ in range(rounds):
@@ -158,9 +159,11 @@ def prefill_ab(model, prompts: list[int], chunks: list[int], rounds: int, peak: 
             for c in chunks:
                 for name, arm in PREFILL_ARMS.items():
                     pdl.ENABLED = arm["pdl"]
+                    prefill_chunk.ENABLED = arm["fused"]
                     pdl.SKIP.clear()
                     pdl.SKIP.update(arm.get("skip", ()))
                     times.setdefault((name, n, c), []).append(time_prefill(model, n, "bf16", c))
+    prefill_chunk.ENABLED = True
     rows = []
     for (name, n, c), ts in times.items():
         tok_s = median(ts)
@@ -168,6 +171,30 @@ def prefill_ab(model, prompts: list[int], chunks: list[int], rounds: int, peak: 
         rows.append({"arm": name, "prompt": n, "chunk": c, "tok_s": tok_s, "rounds_tok_s": ts, "bound_tok_s": bound,
                      "frac_of_bound": tok_s / bound})
     return rows
+
+
+def prefill_check(model, n: int, chunk: int) -> dict[str, Any]:
+    """The module forward and the fused chunk on one prompt: the last row's logits and the K/V they leave."""
+    from bench.context import DT
+    from runtime.gpu import prefill_chunk
+    from runtime.kv import KVCache
+    from runtime.speculative import prefill
+
+    c = model.cfg
+    ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(n + 1)).tolist()
+    got = []
+    for fused in (False, True):
+        prefill_chunk.ENABLED = fused
+        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, n + 8, dtype=DT, device="cuda")
+        with torch.no_grad():
+            logits = prefill(model, kv, ids, (), chunk).float()
+        got.append((logits, kv))
+    prefill_chunk.ENABLED = True
+    (la, ka), (lb, kb) = got
+    k_rel = float((ka.k[..., :n, :].float() - kb.k[..., :n, :].float()).norm() / ka.k[..., :n, :].float().norm())
+    return {"prompt": n, "chunk": chunk, "top1_equal": bool(la.argmax() == lb.argmax()),
+            "logits_max_abs_diff": float((la - lb).abs().max()), "logits_max_abs": float(la.abs().max()),
+            "keys_rel_diff": k_rel, "fused_errors": list(prefill_chunk.ERRORS)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
 
         peak = matmul_peak()
         res["matmul_peak_TFLOPs"] = peak / 1e12
+        res["prefill_check"] = [prefill_check(model, int(x), int(args.chunks.split(",")[0]))
+                                for x in args.prefill.split(",")]
+        for r in res["prefill_check"]:
+            print(f"prefill {r['prompt']} (chunk {r['chunk']}): module vs fused: top-1 equal {r['top1_equal']}, "
+                  f"max |logit diff| {r['logits_max_abs_diff']:.3g} of {r['logits_max_abs']:.3g}, keys "
+                  f"{r['keys_rel_diff']:.2e} relative; errors {r['fused_errors']}", flush=True)
         res["prefill"] = prefill_ab(model, [int(x) for x in args.prefill.split(",")],
                                     [int(x) for x in args.chunks.split(",")], 3, peak)
         print_table(f"Prefill A/B (bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; median of 3 interleaved rounds)",

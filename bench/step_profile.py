@@ -1,13 +1,15 @@
 """Where a decode step's time goes: the engine's fixed-width step on the A3B shape, kernel by kernel.
 
     python bench/step_profile.py [--context 1024] [--widths 1,8] [--steps 20]
+    python bench/step_profile.py --prefill 8192 [--chunk 8192]
 
 Runs the graph-captured step (bench/context.py's `time_decode`) for the step time, then the same step eagerly
 under torch.profiler (CUDA activity) and groups GPU kernel time by kernel name: per step, the kernel's share, its
 launches per step and its mean time per launch. The sum of kernel times next to the graph step time shows what is
 left for launch gaps. Each kernel is put next to the bytes it must read when that is known (weights of the dense
 projections, active experts, the KV cache), so a reader sees which part is far from the copy bandwidth.
-Writes `step_profile.json`.
+Writes `step_profile.json`. `--prefill N` profiles one prefill of N tokens instead (after three timed ones), kernel
+time per prefill next to the time the bf16 matmul peak needs for its FLOPs; writes `prefill_profile.json`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def profile_step(model, kv, width: int, steps: int) -> list[dict[str, Any]]:
             step(win, kv)
             kv.rollback(ctx)
         torch.cuda.synchronize()
+    return kernel_groups(prof, steps)
+
+
+def kernel_groups(prof, steps: int) -> list[dict[str, Any]]:
+    """GPU kernel time of a profile grouped by kernel name, per step (or per prefill)."""
     groups: dict[str, dict[str, float]] = {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -57,20 +64,63 @@ def profile_step(model, kv, width: int, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def profile_prefill(model, n: int, chunk: int, runs: int) -> tuple[float, list[dict[str, Any]]]:
+    """(median tok/s of `runs` timed prefills of n tokens in chunks of `chunk`, kernel time per prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import median
+    from bench.context import DEV, DT, time_prefill
+    from runtime.kv import KVCache
+    from runtime.speculative import prefill
+
+    tok_s = median([time_prefill(model, n, "bf16", chunk) for _ in range(runs)])
+    c = model.cfg
+    kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, n + 8, dtype=DT, device=DEV)
+    ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    with torch.no_grad():
+        prefill(model, kv, ids[:chunk], (), chunk)
+        kv.reset()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prefill(model, kv, ids, (), chunk)
+            torch.cuda.synchronize()
+    return tok_s, kernel_groups(prof, 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--widths", default="1,8")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
+    ap.add_argument("--chunk", type=int, default=8192, help="the prefill's chunk")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/step_profile.py needs a CUDA GPU.", file=sys.stderr)
         return 2
-    from bench.context import build_a3b, make_kv, time_decode, weight_bytes
+    from bench.context import build_a3b, make_kv, prefill_flops_per_token, time_decode, weight_bytes
 
     bw = copy_bandwidth()
     model, _ = build_a3b()
     dense, expert, n_moe = weight_bytes(model)
+    if args.prefill:
+        from bench.common import matmul_peak
+
+        peak = matmul_peak()
+        n = args.prefill
+        tok_s, rows = profile_prefill(model, n, args.chunk, 3)
+        total = sum(r["us_per_step"] for r in rows)
+        wall_us = n / tok_s * 1e6
+        bound_us = n * prefill_flops_per_token(model, n) / peak * 1e6
+        write_json("prefill_profile.json", {"machine": machine(), "prompt": n, "chunk": args.chunk, "tok_s": tok_s,
+                                            "matmul_peak_TFLOPs": peak / 1e12, "wall_us": wall_us,
+                                            "bound_us": bound_us, "kernel_sum_us": total, "kernels": rows})
+        print_table(f"A3B prefill of {n} tokens, chunk {args.chunk}: {tok_s:,.0f} tok/s, {wall_us:,.0f} us wall, "
+                    f"kernels {total:,.0f} us; the bf16 matmul peak ({peak / 1e12:.0f} TFLOP/s) needs {bound_us:,.0f} "
+                    f"us", ["kernel", "us", "share %", "launches", "us/launch"],
+                    [[r["kernel"], r["us_per_step"], 100 * r["us_per_step"] / total, r["launches_per_step"],
+                      r["us_per_launch"]] for r in rows[:30]])
+        return 0
     res: dict[str, Any] = {"machine": machine(), "context": args.context, "copy_GBs": bw / 1e9, "widths": {}}
     for w in (int(x) for x in args.widths.split(",")):
         kv = make_kv(model, args.context, "bf16", capacity=args.context + 64)

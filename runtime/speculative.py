@@ -22,6 +22,7 @@ from torch import Tensor
 
 from runtime.drafters.base import Drafter
 from runtime.errors import UsageError
+from runtime.gpu import prefill_chunk
 from runtime.kv import KVCache
 from runtime.sampling import SamplingParams, make_generator, pick, probs
 
@@ -78,7 +79,7 @@ def prefill(model, kv: KVCache, ids: list[int], taps: tuple[int, ...], chunk: in
     for s in range(0, len(ids), chunk):
         part = torch.tensor([ids[s:s + chunk]], dtype=torch.long, device=dev)
         is_last = s + chunk >= len(ids)
-        out = model(part, kv=kv, taps=taps, logits_to_keep=1 if is_last else -1)
+        out = prefill_chunk.run(model, kv, part, taps, 1 if is_last else -1)   # fused kernels on CUDA
         if on_chunk is not None:
             on_chunk(part[0], out.hidden[0], None if out.taps is None else out.taps[0], s)
         if is_last:

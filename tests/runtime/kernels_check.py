@@ -629,6 +629,40 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
         assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
 
+def check_prefill_chunk(quant: str | None = None) -> None:
+    """The fused prefill chunk (runtime/gpu/prefill_chunk.py) against the module forward, fp32: two chunks (the
+    second attends to the first through the cache), its taps, hidden rows, logits and the K/V it leaves."""
+    import tempfile
+
+    from runtime.gpu import prefill_chunk
+    from runtime.kv import KVCache
+    from runtime.loading import load_target
+    from tests.runtime.tiny import make_tiny_target
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_target(make_tiny_target(d, seed=7, scale=2.0, head_dim=32 if quant else 16))
+    for layer in model.model.layers:
+        layer.mlp.stack_experts()
+        layer.self_attn.stack_qkv()
+    c = model.cfg
+    kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40, quant=quant)
+                  for _ in range(2))
+    taps = (0, c.num_hidden_layers - 1)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n in (9, 5):
+            ids = torch.randint(0, c.vocab_size, (1, n), generator=g)
+            ref = model(ids, kv=kv_a, taps=taps)
+            got = prefill_chunk.forward(model, kv_b, ids, taps, 0)
+            for name in ("logits", "hidden", "taps"):
+                a, b = getattr(got, name), getattr(ref, name)
+                assert a.shape == b.shape, (name, a.shape, b.shape)
+                assert torch.allclose(a, b, atol=2e-4, rtol=0), (quant, name, (a - b).abs().max())
+        assert kv_a.length == kv_b.length == 14
+        ka, kb = kv_a.committed()[0], kv_b.committed()[0]
+        assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
+
+
 def check_mtp_graphs() -> None:
     """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path."""
     import tempfile
@@ -821,5 +855,7 @@ if __name__ == "__main__":
     check_fused_step()
     check_fused_step("q8_0")
     check_fused_step(width=1)
+    check_prefill_chunk()
+    check_prefill_chunk("q8_0")
     check_mtp_graphs()
     print("kernels ok")
