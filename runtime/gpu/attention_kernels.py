@@ -31,6 +31,10 @@ REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant:
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
+# `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
+# one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 357 us a layer in one-row programs
+POST_ROWS_FROM = 64
+POST_ROWS = 16
 
 
 @functools.cache
@@ -279,6 +283,44 @@ if HAVE_TRITON:
         _store_row(v.to(tl.float32), vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
 
     @triton.jit
+    def _qkv_post_rows_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, W, eps, rscale,
+                              stride_qkv, stride_q, stride_ch, stride_cs, NH: tl.constexpr, NKV: tl.constexpr,
+                              HD: tl.constexpr, R: tl.constexpr):
+        """`_qkv_post_kernel` for R rows a program (prefill chunks, a cache in the compute dtype): the same
+        roundings, each row's on its own; R rows' loads in flight at once instead of one row's."""
+        rows = tl.program_id(0) * R + tl.arange(0, R)
+        h = tl.program_id(1)
+        rm = rows < W
+        pos = tl.load(pos_ptr + rows, mask=rm, other=-1)
+        d = tl.arange(0, HD)
+        dp = (d + HD // 2) % HD
+        f = tl.maximum(pos, 0).to(tl.float32)[:, None] * tl.load(inv_ptr + d % (HD // 2))[None, :]
+        dt = q_ptr.dtype.element_ty
+        cos = (tl.cos(f) * rscale).to(dt).to(tl.float32)
+        sin = (tl.sin(f) * rscale).to(dt).to(tl.float32)
+        is_q = h < NH
+        hk = h - NH
+        col = tl.where(is_q, h * HD, (NH + hk) * HD)
+        r64 = rows.to(tl.int64)[:, None]
+        base = qkv_ptr + r64 * stride_qkv + col
+        x = tl.load(base + d[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        xp = tl.load(base + dp[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HD + eps)
+        w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+        wp = tl.where(is_q, tl.load(qw_ptr + dp), tl.load(kw_ptr + dp)).to(tl.float32)
+        xn = ((x * rstd[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
+        xpn = ((xp * rstd[:, None]).to(dt).to(tl.float32) * wp[None, :]).to(dt).to(tl.float32)
+        rot = tl.where(d[None, :] < HD // 2, -xpn, xpn)
+        out = ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+        qm = rm[:, None] & (d[None, :] < tl.where(is_q, HD, 0))
+        tl.store(q_ptr + r64 * stride_q + h * HD + d[None, :], out, mask=qm)
+        km = (rm & (pos >= 0))[:, None] & (d[None, :] < tl.where(is_q, 0, HD))
+        dst = hk.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64)[:, None] * stride_cs + d[None, :]
+        tl.store(kc_ptr + dst, out.to(kc_ptr.dtype.element_ty), mask=km)
+        v = tl.load(qkv_ptr + r64 * stride_qkv + (NH + NKV + hk) * HD + d[None, :], mask=km, other=0.0)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=km)
+
+    @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, o_ptr, end, stride_qh, stride_qs, stride_sh, stride_ss, stride_oh, stride_os,
                         NB: tl.constexpr, QB: tl.constexpr, BS: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
@@ -366,6 +408,12 @@ def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale
     W = qkv.shape[0]
     q = torch.empty(W, nh, hd, dtype=qkv.dtype, device=qkv.device)
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
+    if W > POST_ROWS_FROM and not q8:     # a prefill chunk: R rows a program
+        R = POST_ROWS
+        _qkv_post_rows_kernel[(triton.cdiv(W, R), nh + nkv)](
+            qkv, q_w, k_w, inv_freq, pos, q, kc, vc, W, float(eps), float(rope_scale), qkv.stride(0), q.stride(0),
+            kc.stride(0), kc.stride(1), NH=nh, NKV=nkv, HD=hd, R=R)
+        return q
     _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, ksx, vs if q8 else vc, float(eps),
                                     float(rope_scale), qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1),
                                     ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb, **pdl.launch(qkv))
