@@ -395,11 +395,20 @@ def tune_prefill(peak: float, dev: str, g: torch.Generator, T: int = 8192) -> di
     ups = [{"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3},
            {"BM": 128, "BN": 64, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3},
            {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3},
-           {"BM": 128, "BN": 128, "BK": 32, "GM": 8, "num_warps": 8, "num_stages": 4}]
+           {"BM": 128, "BN": 128, "BK": 32, "GM": 8, "num_warps": 8, "num_stages": 4},
+           {"BM": 128, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3},
+           {"BM": 128, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 4},
+           {"BM": 128, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 4},
+           {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 4},
+           {"BM": 128, "BN": 64, "BK": 128, "GM": 8, "num_warps": 8, "num_stages": 3}]
     downs = [{"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3},
              {"BM": 128, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3},
              {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 4},
-             {"BM": 128, "BN": 256, "BK": 32, "GM": 8, "num_warps": 8, "num_stages": 3}]
+             {"BM": 128, "BN": 256, "BK": 32, "GM": 8, "num_warps": 8, "num_stages": 3},
+             {"BM": 128, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 4},
+             {"BM": 128, "BN": 256, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3},
+             {"BM": 128, "BN": 128, "BK": 32, "GM": 8, "num_warps": 8, "num_stages": 4},
+             {"BM": 128, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 4}]
     gu, dn = experts_for("bf16", dev, g)
     x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
     idx = torch.randn(T, E, device=dev, generator=g).topk(K, -1).indices

@@ -20,8 +20,8 @@ Checks: a step's logits with PDL are bit-identical to the same step without (PDL
 arithmetic), and a wide step's are those of `before` (the one-row options leave it alone); the one-row kernels
 change rounding only: the max |difference| and the top-1 agreement with `before` are reported. `--quant q4_0` (or
 q8_0) also times a quantized build (bench/quant_target.py) in QUANT_ARMS; `--prefill` times prompts of those lengths
-through the module forward and through the fused chunk (runtime/gpu/prefill_chunk.py), with and without PDL
-(PREFILL_ARMS), and checks that both give the prompt's last row the same top-1 token. Writes `step_ab.json`.
+through the module forward and through the fused chunk (runtime/gpu/prefill_chunk.py), with and without PDL, and
+with the MoE prefill tiles before (PREFILL_ARMS), and checks that both give the prompt's last row the same top-1 token. Writes `step_ab.json`.
 """
 
 from __future__ import annotations
@@ -145,13 +145,18 @@ PREFILL_ARMS: dict[str, dict[str, Any]] = {      # the module forward or the fus
     "module forward": {"pdl": True, "skip": {"attention"}, "fused": False},
     "fused chunk": {"pdl": True, "skip": {"attention"}, "fused": True},
     "fused chunk, no pdl": {"pdl": False, "fused": True},
+    "fused chunk, 64-row MoE tiles": {"pdl": True, "skip": {"attention"}, "fused": True, "tiles": (   # before
+        {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3},
+        {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3})},
 }
 
 
 def prefill_ab(model, prompts: list[int], chunks: list[int], rounds: int, peak: float) -> list[dict[str, Any]]:
     """Prefill tok/s per arm, interleaved rounds, median (bench/context.py's timing of one prompt)."""
     from bench.context import prefill_flops_per_token, time_prefill
-    from runtime.gpu import pdl, prefill_chunk
+    from runtime.gpu import moe_kernels, pdl, prefill_chunk
+
+    tiles = (moe_kernels.MOE_PRE_UP, moe_kernels.MOE_PRE_DOWN)
 
     times: dict[tuple[str, int, int], list[float]] = {}
     for _ in range(rounds):
@@ -160,10 +165,12 @@ def prefill_ab(model, prompts: list[int], chunks: list[int], rounds: int, peak: 
                 for name, arm in PREFILL_ARMS.items():
                     pdl.ENABLED = arm["pdl"]
                     prefill_chunk.ENABLED = arm["fused"]
+                    moe_kernels.MOE_PRE_UP, moe_kernels.MOE_PRE_DOWN = arm.get("tiles", tiles)
                     pdl.SKIP.clear()
                     pdl.SKIP.update(arm.get("skip", ()))
                     times.setdefault((name, n, c), []).append(time_prefill(model, n, "bf16", c))
     prefill_chunk.ENABLED = True
+    moe_kernels.MOE_PRE_UP, moe_kernels.MOE_PRE_DOWN = tiles
     rows = []
     for (name, n, c), ts in times.items():
         tok_s = median(ts)

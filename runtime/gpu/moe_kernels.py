@@ -58,9 +58,13 @@ MOE_UP = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 MOE_DOWN = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 MOE_QUP = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}     # quantized weights (bench/moe.py tunes them)
 MOE_QDOWN = {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
-# prefill tiles (BM rows of one expert per program); bench/moe.py times alternatives
-MOE_PRE_UP = {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3}
-MOE_PRE_DOWN = {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3}
+# prefill tiles (BM rows of one expert per program); bench/moe.py times alternatives. Float experts: 128 x 128
+# tiles (H200, A3B, an 8k prompt through the fused chunk 46.2k -> 50.4k tok/s against 64-row tiles, bench/step_ab.py
+# --prefill, bench/results/h200_session7/prefill_tiles/); block-format experts keep the 64-row tiles (measured there)
+MOE_PRE_UP = {"BM": 128, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 4}
+MOE_PRE_DOWN = {"BM": 128, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3}
+MOE_PRE_QUP = {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3}
+MOE_PRE_QDOWN = {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3}
 DECODE_ROWS = 64          # windows up to this many rows take the row-invariant decode tiling
 PREFILL_ROWS = 8192       # larger inputs run in chunks of this many rows (bounds the [rows * k, H] scratch)
 PREFILL_IMPL = "triton"   # "triton" or "grouped_mm" (torch._grouped_mm, BF16 weights, every expert resident)
@@ -499,10 +503,10 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     sl = slot if slot is not None else r.se
     wf = r.w.reshape(-1)
     launch = pdl.launch(x, "prefill" if tiles else "")
-    dec_up = MOE_UP if fg == "bf16" else MOE_QUP
-    dec_down = MOE_DOWN if fd == "bf16" else MOE_QDOWN
+    up_cfg = (MOE_PRE_UP if fg == "bf16" else MOE_PRE_QUP) if tiles else MOE_UP if fg == "bf16" else MOE_QUP
+    down_cfg = (MOE_PRE_DOWN if fd == "bf16" else MOE_PRE_QDOWN) if tiles else MOE_DOWN if fd == "bf16" else MOE_QDOWN
     tables: dict[int, tuple[Tensor, Tensor, int]] = {}
-    for part, cfg in (("up", MOE_PRE_UP if tiles else dec_up), ("down", MOE_PRE_DOWN if tiles else dec_down)):
+    for part, cfg in (("up", up_cfg), ("down", down_cfg)):
         gv = None if tiles else moe_gemv.variant(fg if part == "up" else fd, T)
         if gv is not None:        # decode window: the matrix-vector kernels (runtime/gpu/moe_gemv.py)
             if part == "up":
