@@ -98,6 +98,9 @@ def run(model, kv: KVCache, input_ids: Tensor, taps: tuple[int, ...], logits_to_
         start = kv.length
         try:
             return forward(model, kv, input_ids, taps, logits_to_keep)
+        except (torch.cuda.OutOfMemoryError, ValueError):      # the request's own problem: the module forward's too
+            kv.length = start
+            raise
         except Exception as e:  # a kernel that does not build here: the module forward rewrites the same slots
             ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
             kv.length = start
