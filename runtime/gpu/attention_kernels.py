@@ -243,6 +243,15 @@ if HAVE_TRITON:
         tl.store(o_ptr + row * stride_ow + h * stride_oh + d, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
+    def _norm_rope(x, xp, rstd, w, wp, cos, sin, first_half, dt: tl.constexpr):
+        """q/k-norm then RoPE of a head vector x (xp: x rotated by HD/2), rounded to `dt` where the module forward
+        rounds (runtime/models/layers.py); rstd, w, wp, cos, sin broadcast against x."""
+        xn = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        xpn = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+        rot = tl.where(first_half, -xpn, xpn)
+        return ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
     def _qkv_post_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, eps,
                          rscale, stride_qkv, stride_q, stride_ch, stride_cs, stride_sh, stride_ss,
                          NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, Q8: tl.constexpr,
@@ -270,10 +279,7 @@ if HAVE_TRITON:
         wkp = tl.load(kw_ptr + dp).to(tl.float32)
         w = tl.where(is_q, wq, wk)
         wp = tl.where(is_q, wqp, wkp)
-        xn = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-        xpn = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
-        rot = tl.where(d < HD // 2, -xpn, xpn)
-        out = ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+        out = _norm_rope(x, xp, rstd, w, wp, cos, sin, d < HD // 2, dt)
         tl.store(q_ptr + row * stride_q + h * HD + d, out, mask=d < tl.where(is_q, HD, 0))
         ok = (h >= NH) & (pos >= 0)
         dst = hk.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs
@@ -308,10 +314,7 @@ if HAVE_TRITON:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HD + eps)
         w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
         wp = tl.where(is_q, tl.load(qw_ptr + dp), tl.load(kw_ptr + dp)).to(tl.float32)
-        xn = ((x * rstd[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
-        xpn = ((xp * rstd[:, None]).to(dt).to(tl.float32) * wp[None, :]).to(dt).to(tl.float32)
-        rot = tl.where(d[None, :] < HD // 2, -xpn, xpn)
-        out = ((xn * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+        out = _norm_rope(x, xp, rstd[:, None], w[None, :], wp[None, :], cos, sin, d[None, :] < HD // 2, dt)
         qm = rm[:, None] & (d[None, :] < tl.where(is_q, HD, 0))
         tl.store(q_ptr + r64 * stride_q + h * HD + d[None, :], out, mask=qm)
         km = (rm & (pos >= 0))[:, None] & (d[None, :] < tl.where(is_q, 0, HD))
