@@ -503,8 +503,12 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     sl = slot if slot is not None else r.se
     wf = r.w.reshape(-1)
     launch = pdl.launch(x, "prefill" if tiles else "")
-    up_cfg = (MOE_PRE_UP if fg == "bf16" else MOE_PRE_QUP) if tiles else MOE_UP if fg == "bf16" else MOE_QUP
-    down_cfg = (MOE_PRE_DOWN if fd == "bf16" else MOE_PRE_QDOWN) if tiles else MOE_DOWN if fd == "bf16" else MOE_QDOWN
+    if tiles:                     # prefill chunks
+        up_cfg = MOE_PRE_UP if fg == "bf16" else MOE_PRE_QUP
+        down_cfg = MOE_PRE_DOWN if fd == "bf16" else MOE_PRE_QDOWN
+    else:
+        up_cfg = MOE_UP if fg == "bf16" else MOE_QUP
+        down_cfg = MOE_DOWN if fd == "bf16" else MOE_QDOWN
     tables: dict[int, tuple[Tensor, Tensor, int]] = {}
     for part, cfg in (("up", up_cfg), ("down", down_cfg)):
         gv = None if tiles else moe_gemv.variant(fg if part == "up" else fd, T)
