@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
 
+ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 # each arm: the switches it sets ("moe1": the module's DECODE_GEMV_ONE_ROW, or a variant name for BF16; "pdl":
 # pdl.ENABLED; "skip": pdl.SKIP) and whether it also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
@@ -46,15 +47,25 @@ ARMS: dict[str, dict[str, Any]] = {
     "moe1+pdl": {"moe1": True, "pdl": True, "wide": True},
     "moe1+pdl-attn": {"moe1": True, "pdl": True, "skip": {"attention"}, "wide": True},
     "n16j2+pdl-attn": {"moe1": "n16j2", "pdl": True, "skip": {"attention"}},
+    # one-step tiles (moe_gemv "one*" variants): the experts, the dense projections (dense_kernels.ONE_ROW_DENSE),
+    # both; and both without EARLY (every load after the PDL wait)
+    "one-moe": {"moe1": "one4x16", "pdl": True, "skip": {"attention"}},
+    "one-moe2x8": {"moe1": "one2x8", "pdl": True, "skip": {"attention"}},
+    "one-dense": {"moe1": True, "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
+    "one-both": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
+    "one-both-late": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}, "late": True},
 }
 QUANT_ARMS = ("before", "moe1+pdl", "moe1+pdl-attn")
 
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
-    from runtime.gpu import moe_gemv, pdl
+    from runtime.gpu import dense_kernels, moe_gemv, pdl
 
     pdl.ENABLED = bool(arm.get("pdl"))
+    for role in dense_kernels.ONE_ROW_DENSE:
+        dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
+    moe_gemv.EARLY_LOADS = not arm.get("late")
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()

@@ -6,6 +6,8 @@ decode width (bench/dense_gemv.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -64,12 +66,41 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
     """x2 [M, K] @ W^T through the matrix-vector kernels of runtime/gpu/moe_gemv.py, W (BF16 [N, K] or ggml blocks
     [N, row bytes]) taken as the single expert every row is routed to (weight 1): the weights are read once, by
     many programs, a row's bits do not depend on the other rows, and the result is written in x2's dtype (the
-    fp32 sum rounded once, as a float32 result converted afterwards would be) in one launch."""
+    fp32 sum rounded once, as a float32 result converted afterwards would be) in one launch. A dense weight is
+    never written during a step, so a variant with EARLY loads it before its PDL wait (once the routing tables
+    exist: made in this call, they are written right before the kernel)."""
     M, N = x2.shape[0], w.shape[0]
+    early = (x2.device, M) in _ONE_EXPERT
     one, rows, ones = _one_expert(M, x2.device)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    moe_gemv.down(x2, one, one, rows, ones, w[None], y, fmt, 1, False, False, pow2(M), cfg)
+    moe_gemv.down(x2, one, one, rows, ones, w[None], y, fmt, 1, False, False, pow2(M), cfg, early=early)
     return y
+
+
+# one-row BF16 projections of the fused decode step: the GEMV variant (runtime/gpu/moe_gemv.py GEMV_VARIANTS) per
+# matrix, or None for cuBLAS (bench/gemv_one_row.py measures them; bench/step_ab.py the step)
+ONE_ROW_DENSE: dict[str, str | None] = {"qkv": None, "o_proj": None, "router": None}
+
+
+def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
+    """x [1, K] @ w^T through the GEMV kernel when ONE_ROW_DENSE names a variant for `role` and w is a float matrix
+    of x's dtype on the GPU; None otherwise (the caller takes its usual path). Chosen by the row count alone, so at
+    a step's fixed width a row's bits never depend on the other rows (docs/models.md, "Kernels chosen by width")."""
+    name = ONE_ROW_DENSE.get(role)
+    if name is None or w is None or x.shape[0] != 1 or not HAVE_TRITON or x.dtype != w.dtype or w.dim() != 2 \
+            or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):     # (the interpreter: the tests)
+        return None
+    if name not in moe_gemv.GEMV_VARIANTS:
+        raise ValueError(f"ONE_ROW_DENSE[{role!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
+                         f"{', '.join(moe_gemv.GEMV_VARIANTS)} or None.")
+    return gemv(x.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])
+
+
+def weight_of(mod: torch.nn.Module) -> Tensor | None:
+    """The weight of a bias-free torch Linear (what `one_row` can take), else None (a block-format projection)."""
+    if type(mod) is torch.nn.Linear and mod.bias is None:
+        return mod.weight
+    return None
 
 
 # a quantized matrix of at most this many values is dequantized (into one shared scratch, `_dequant_scratch`) for a

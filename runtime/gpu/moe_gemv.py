@@ -52,6 +52,18 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "n8j2np": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 0, "J": 2, "num_warps": 4, "num_stages": 1},
     "n8j2m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 256, "MB": 2, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
     "n16d32": {"BN_UP": 16, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
+    # float rows in one step (KV covers the row: a program loads its whole tile at once); EARLY: before the PDL wait
+    # where the caller allows it (`down`); block formats take these tiles with KV-value steps
+    "one4x16": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 16, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
+                "EARLY": 1},
+    "one2x8": {"ONE": 1, "BN_UP": 2, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
+               "EARLY": 1},
+    "one_d1": {"ONE": 1, "BN_UP": 1, "BN_DOWN": 1, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
+               "EARLY": 1},
+    "one_d4": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
+               "EARLY": 1},
+    "one_d8": {"ONE": 1, "BN_UP": 8, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
+               "EARLY": 1},
 }
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
@@ -61,6 +73,10 @@ DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n
 # choice depends only on the window's row count, and a run keeps one step width, so a row's bits never depend on
 # the other rows (runtime/gpu/static_step.py; calibration checks each width's own reference)
 DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "n16d32"}
+
+# variants with EARLY load their weights before the PDL wait where the caller allows it (False: never; the
+# benchmarks' switch)
+EARLY_LOADS = True
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
@@ -80,10 +96,13 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     return GEMV_VARIANTS[name]
 
 
-def chunk(k: int, fmt: str, kv: int) -> int:
+def chunk(k: int, fmt: str, kv: int, one: bool = False) -> int:
     """Blocks (bf16: values) per loop step for rows of k values: the largest power of two of them that divides the
-    row and holds at most kv values (bf16: at least 16 values, the tail masked)."""
+    row and holds at most kv values (bf16: at least 16 values, the tail masked). one (a variant's ONE): float rows
+    whose power-of-two cover fits kv go through in one step, the tail masked."""
     vals = BLOCK_VALUES[QT[fmt]]
+    if one and vals == 1 and max(16, 1 << (k - 1).bit_length()) <= kv:
+        return max(16, 1 << (k - 1).bit_length())
     nblk = k // vals
     c = 1
     while (c * 2) * vals <= kv and nblk % (c * 2) == 0:
@@ -187,6 +206,17 @@ if HAVE_TRITON:
                 if MB == 2:
                     accb1 += wv * x1[None, :]
         return tl.sum(acca0, 1), tl.sum(accb0, 1), tl.sum(acca1, 1), tl.sum(accb1, 1)
+
+    @triton.jit
+    def _tile_f(w, kk, nk):
+        """Float weight rows w ([BN] pointers), values kk ([KC]) below nk: [BN, KC] as stored (masked to 0)."""
+        return tl.load(w[:, None] + kk[None, :], mask=(kk < nk)[None, :], other=0.0)
+
+    @triton.jit
+    def _dot_f(wv, xr, kk, nk):
+        """[BN] fp32 sums of a weight tile (`_tile_f`) times the activations at xr."""
+        x = tl.load(xr + kk, mask=kk < nk, other=0.0).to(tl.float32)
+        return tl.sum(wv.to(tl.float32) * x[None, :], 1)
 
     # ------------------------------------------------------------------------------------ Q8_0, Q4_0, Q5_0 rows
     # 32-value blocks; tile [NBC, BN, J, L]: block, row, and the block's code words i = j * L + l (16 for q8_0, 8
@@ -472,12 +502,17 @@ if HAVE_TRITON:
                      stride_xm, stride_we, stride_om, SWN: tl.constexpr, EVEN: tl.constexpr,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
-                     KMASK: tl.constexpr, J: tl.constexpr, GDC: tl.constexpr = False):
+                     KMASK: tl.constexpr, J: tl.constexpr, ONE: tl.constexpr = False, EARLY: tl.constexpr = False,
+                     GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
-        ZERO). mg: 0x4B000000, the bits of 2^23."""
-        pdl.start(GDC)
+        ZERO). mg: 0x4B000000, the bits of 2^23. ONE (float rows that fit one step, NBC >= K): the program's weight
+        tile is loaded once, in one go, and serves every row of the window. EARLY: that load comes before the PDL
+        wait, so it overlaps the previous kernel's tail; only for weights no kernel of the step writes and an
+        expert list written before the previous kernel (`down`, docs/models.md "Launches")."""
+        if not EARLY:
+            pdl.start(GDC)
         i = tl.program_id(0)
         nb = tl.program_id(1)
         e = tl.load(se_ptr + i)
@@ -504,19 +539,43 @@ if HAVE_TRITON:
         rw = tl.arange(0, BN) if EVEN else tl.minimum(n, N - 1) - nb * BN
         wa = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64) + rw * SWN
         wb = wa + N * SWN
-        for m0 in range(0, rows, MB):
-            p0 = i + m0
-            p1 = tl.where(m0 + 1 < rows, p0 + 1, p0)      # MB = 2: a second row, or the first again (not stored)
+        if ONE:
+            kk = tl.arange(0, NBC)
+            nk = tl.where(rows > 0, nblk, 0)  # nothing to read for a pair that is not its expert's first
+            ta = _tile_f(wa, kk, nk)
             if UP:
-                xr0 = x_ptr + tl.load(tok_ptr + p0).to(tl.int64) * stride_xm
-                xr1 = x_ptr + tl.load(tok_ptr + p1).to(tl.int64) * stride_xm
-            else:
-                xr0 = x_ptr + p0.to(tl.int64) * stride_xm
-                xr1 = x_ptr + p1.to(tl.int64) * stride_xm
-            ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF, KMASK, J)
-            _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
-            if MB == 2:
-                _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
+                tb = _tile_f(wb, kk, nk)
+            if EARLY:
+                pdl.start(GDC)
+            for m in range(0, rows):
+                p = i + m
+                if UP:
+                    xr = x_ptr + tl.load(tok_ptr + p).to(tl.int64) * stride_xm
+                    _out(o_ptr, p, nm, _dot_f(ta, xr, kk, nk), _dot_f(tb, xr, kk, nk), ord_ptr, wt_ptr, n,
+                         stride_om, UP)
+                else:
+                    xr = x_ptr + p.to(tl.int64) * stride_xm
+                    ra = _dot_f(ta, xr, kk, nk)
+                    _out(o_ptr, p, nm, ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
+        else:
+            for m0 in range(0, rows, MB):
+                p0 = i + m0
+                p1 = tl.where(m0 + 1 < rows, p0 + 1, p0)      # MB = 2: a second row, or the first again (not stored)
+                if UP:
+                    xr0 = x_ptr + tl.load(tok_ptr + p0).to(tl.int64) * stride_xm
+                    xr1 = x_ptr + tl.load(tok_ptr + p1).to(tl.int64) * stride_xm
+                else:
+                    xr0 = x_ptr + p0.to(tl.int64) * stride_xm
+                    xr1 = x_ptr + p1.to(tl.int64) * stride_xm
+                ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF, KMASK, J)
+                _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
+                if MB == 2:
+                    _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
+
+
+def one_step(fmt: str, k: int, c: int) -> bool:
+    """Whether rows of k values of format fmt go through in one step of c values (float rows, a ONE variant)."""
+    return QT[fmt] == 0 and c >= k
 
 
 def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
@@ -547,28 +606,32 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     K = x.shape[1]
     NP = se.numel()
     w = _weights(gate_up, fmt)
-    c = chunk(K, fmt, cfg["KV"])
+    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE")))
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=one_step(fmt, K, c), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
-         n_exp: int, has_slot: bool, zero: bool, bm: int, cfg: dict[str, int]) -> None:
-    """y[order[p]] = w * down(h[p]) for the sorted pairs p of resident experts (zeros for missed ones when zero)."""
+         n_exp: int, has_slot: bool, zero: bool, bm: int, cfg: dict[str, int], early: bool = False) -> None:
+    """y[order[p]] = w * down(h[p]) for the sorted pairs p of resident experts (zeros for missed ones when zero).
+    early: the caller vouches that no kernel of the step writes `down_w`, and that se, sl, order and wf were written
+    before the kernel launched right before this one, so a variant with EARLY may read them (and the weights) before
+    its PDL wait."""
     K = h.shape[1]
     N = y.shape[1]
     NP = se.numel()
     w = _weights(down_w, fmt)
-    c = chunk(K, fmt, cfg["KV"])
+    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE")))
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=one_step(fmt, K, c),
+                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and one_step(fmt, K, c), **pdl.launch(w))

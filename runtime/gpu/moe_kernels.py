@@ -516,8 +516,10 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
             if part == "up":
                 moe_gemv.up(x, r.tok, r.se, sl, gate_up, h, fg, n_exp, inter, slot is not None, pow2(T), gv)
             else:
+                # resident experts (no slot table) are never written during a step, and the routing was written
+                # before the up kernel: an EARLY variant may read both before its PDL wait
                 moe_gemv.down(h, r.se, sl, r.order, wf, down, y, fd, n_exp, slot is not None, zero_missing,
-                              pow2(T), gv)
+                              pow2(T), gv, early=slot is None)
             continue
         N = inter if part == "up" else H
         nn = triton.cdiv(N, cfg["BN"])

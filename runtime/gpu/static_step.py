@@ -36,6 +36,13 @@ from runtime.models.layers import SparseMoe, project_qkv
 from runtime.models.qwen3_moe import TargetOutput
 
 
+def _proj(x: Tensor, w: Tensor | None, role: str, usual) -> Tensor:
+    """A projection of the fused step: one row through the GEMV kernel where dense_kernels.ONE_ROW_DENSE says so,
+    else the module's own path (`usual`: cuBLAS for BF16, the block kernels for a quantized matrix)."""
+    y = dense_kernels.one_row(x, w, role)
+    return usual(x) if y is None else y
+
+
 class StaticStep:
     def __init__(self, model, kv: KVCache, width: int, *, graph: bool = True) -> None:
         if width < 1:
@@ -173,14 +180,15 @@ class StaticStep:
             a = layer.self_attn
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = a.qkv(h)
+            qkv = _proj(h, a.qkv_weight, "qkv", a.qkv)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
                                            a.nkv, a.hd, eps, ks=ks, vs=vs)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
-            d = a.o_proj(o.reshape(-1, a.nh * a.hd))
+            d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj)
             x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            r = moe_kernels.route(mlp.gate(h), pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
+            r = moe_kernels.route(_proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate), pos, mlp.top_k,
+                                  mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
                 mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual

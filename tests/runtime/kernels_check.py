@@ -568,6 +568,52 @@ def check_dense_step_q8() -> None:
     assert outs[0] == outs[1], outs
 
 
+def check_gemv_one_step(dt: torch.dtype) -> None:
+    """The one-step float tiles of the GEMV kernel (moe_gemv "one*" variants: a program's whole weight tile in one
+    load, EARLY where allowed): experts with rows of 40 and 24 values (tails masked), two rows sharing an expert
+    (the tile serves both), a missed expert's rows zero under a slot table, a row alone == the row in the window;
+    dense rows through `gemv` and `one_row`."""
+    from runtime.gpu import moe_gemv
+
+    saved = dict(moe_gemv.DECODE_GEMV)
+    saved_one = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+    try:
+        E, k, T, H, NI = 5, 2, 4, 40, 24
+        g = torch.Generator().manual_seed(41)
+        gu, dn = (torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(dt), (torch.randn(E, H, NI, generator=g) * 0.1).to(dt)
+        x = torch.randn(T, H, generator=g).to(dt)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        idx[2, 1] = idx[0, 0] if idx[2, 0] != idx[0, 0] else idx[0, 1]
+        w = torch.rand(T, k, generator=g)
+        for var in ("one4x16", "one2x8", "one_d1"):
+            assert moe_gemv.chunk(H, "bf16", moe_gemv.GEMV_VARIANTS[var]["KV"], True) == 64
+            moe_gemv.DECODE_GEMV["bf16"] = var
+            out = moe_kernels.moe_grouped(x, idx, w, gu, dn)
+            assert rel(out, ref_moe(x, idx, w, gu.float(), dn.float())) < 3e-3, (var, dt)
+            for i in (0, 2):
+                one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gu, dn)
+                assert torch.equal(one[0], out[i]), (var, i)
+            slot = torch.full((E,), -1, dtype=torch.int32)
+            res = [2, 0, 4]
+            slot[res] = torch.arange(3, dtype=torch.int32)
+            part = moe_kernels.moe_grouped(x, idx, w, gu[res].contiguous(), dn[res].contiguous(), slot=slot)
+            ref = ref_moe(x, idx, w, gu.float(), dn.float(), keep=lambda e: e in (2, 0, 4))
+            assert rel(part, ref) < 3e-3, (var, dt)
+        wd = (torch.randn(40, 96, generator=g) * 0.1).to(dt)
+        xd = torch.randn(3, 96, generator=g).to(dt)
+        for var in ("one_d1", "one_d4", "one_d8"):
+            out = dense_kernels.gemv(xd, wd, "bf16", moe_gemv.GEMV_VARIANTS[var])
+            assert out.dtype == dt and rel(out, xd.float() @ wd.float().t()) < 3e-3, (var, dt)
+            again = dense_kernels.gemv(xd[1:2].contiguous(), wd, "bf16", moe_gemv.GEMV_VARIANTS[var])
+            assert torch.equal(out[1], again[0]), var
+    finally:
+        moe_gemv.DECODE_GEMV.clear()
+        moe_gemv.DECODE_GEMV.update(saved)
+        moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)
+
+
 def check_quant(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for qt in ("q8_0", "q5_0", "q4_0"):
@@ -864,6 +910,8 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["moe_gemv"]:    # its own run (tests/runtime/test_moe_kernels.py)
         check_moe_gemv()
+        for dt in (torch.float32, torch.float16):
+            check_gemv_one_step(dt)
         print("moe gemv kernels ok")
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)

@@ -1,0 +1,193 @@
+"""The one-row BF16 products of the A3B decode step, each through cuBLAS (dense) or the current tiles and through
+the GEMV kernel's one-step tiles (runtime/gpu/moe_gemv.py: a program's whole weight tile loaded in one go), with
+and without EARLY (that load issued before the PDL wait).
+
+    python bench/gemv_one_row.py [--max-seconds 240]
+
+Matrices of the Qwen3-30B-A3B shape: q/k/v stacked 5120 x 2048, o_proj 2048 x 4096, router 128 x 2048 (48 copies
+of each, one per layer, so the 50 MB L2 holds no previous call's weights, as in a step), and the experts' gate/up
+(8 of 128 experts of 1536 x 2048) and down (8 of 2048 x 768) for one token, a different top-8 for each of 48 calls.
+Each candidate is captured as one CUDA graph of its 48 calls and replayed; the median time per call is what it
+costs inside a graph-replayed step, launch gaps included. Between two calls of one graph nothing else runs, so
+EARLY here overlaps a call's weight load with the previous call of the same kind: an upper bound on what it buys
+in a step (bench/step_ab.py measures the step). Next to each: GB/s of weights read and the share of the measured
+copy bandwidth. Checks: the largest difference from float32 math relative to the largest |value|.
+
+Writes `gemv_one_row.json`, with the fastest candidate per matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import Deadline, copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+
+DENSE = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048)}
+H, NI, E, TOPK, LAYERS = 2048, 768, 128, 8, 48
+
+
+def cfg(bn_up: int, bn_down: int, warps: int, early: bool, kv: int = 4096) -> dict[str, int]:
+    return {"ONE": 1, "BN_UP": bn_up, "BN_DOWN": bn_down, "KV": kv, "MB": 1, "PF": 0, "J": 1, "num_warps": warps,
+            "num_stages": 1, "EARLY": int(early)}
+
+
+def graph_us(calls: list) -> float:
+    """Median microseconds per call of `calls` replayed as one CUDA graph (20 replays)."""
+    from runtime.gpu.capture import capture
+
+    g, _ = capture(lambda: [c() for c in calls])
+    for _ in range(3):
+        g.replay()
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return median(ts)
+
+
+def dense_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+    from runtime.gpu import dense_kernels
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (N, K) in DENSE.items():
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(LAYERS)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = x.float() @ ws[0].float().T
+        scale = ref.abs().max().item()
+        nbytes = N * K * 2
+        cands: dict[str, Any] = {"cublas": None}
+        for bn in ((1, 2, 4) if N < 1024 else (1, 2, 4, 8)):
+            for warps in ((4,) if N < 1024 else (4, 8)):
+                for early in (False, True):
+                    cands[f"bn{bn} w{warps}{' early' if early else ''}"] = cfg(1, bn, warps, early)
+        for label, c in cands.items():
+            if deadline.left() < 5:
+                break
+            if c is None:
+                def f(w, x=x):
+                    return torch.nn.functional.linear(x, w)
+            else:
+                def f(w, x=x, c=c):
+                    return dense_kernels.gemv(x, w, "bf16", c)
+            try:
+                y = f(ws[0]).float()
+                us = graph_us([lambda w=w, f=f: f(w) for w in ws])
+            except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
+                rows.append({"matrix": name, "method": label, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                continue
+            rows.append({"matrix": name, "N": N, "K": K, "method": label, "cfg": c, "us": us,
+                         "GBs": nbytes / us / 1e3, "frac_copy": nbytes / us / 1e-6 / bw,
+                         "rel_err": (y - ref).abs().max().item() / scale})
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def expert_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+    from runtime.gpu import moe_gemv, moe_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    gu = (torch.randn(E, 2 * NI, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    dn = (torch.randn(E, H, NI, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(1, H, device="cuda", generator=gen).to(torch.bfloat16)
+    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
+    routes = [moe_kernels.route(torch.randn(1, E, device="cuda", generator=gen), pos, TOPK, True)
+              for _ in range(LAYERS)]
+    hs = [torch.randn(TOPK, NI, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    r0 = routes[0]
+    idx = r0.se.long()
+    g_ref = x.float() @ gu[idx, :NI].float().transpose(1, 2)          # [8, 1, NI], sorted pair order
+    u_ref = x.float() @ gu[idx, NI:].float().transpose(1, 2)
+    h_ref = (torch.nn.functional.silu(g_ref) * u_ref)[:, 0]
+    y_ref = torch.einsum("pk,pnk->pn", hs[0].float(), dn[idx].float())   # sorted pair p's rows
+    y_ref = y_ref * r0.w.reshape(-1)[r0.order.long()][:, None]
+    y_ref = torch.zeros_like(y_ref).index_copy_(0, r0.order.long(), y_ref)
+    current = moe_gemv.variant("bf16", 1) or moe_gemv.GEMV_VARIANTS["n16d32"]
+    ups: dict[str, Any] = {"current": current}
+    downs: dict[str, Any] = {"current": current}
+    for bn in (1, 2, 4, 8):
+        for warps in (4, 8):
+            ups[f"bn{bn} w{warps}"] = cfg(bn, 16, warps, False)
+    for bn in (8, 16, 32):
+        for warps in (4, 8):
+            for early in (False, True):
+                downs[f"bn{bn} w{warps}{' early' if early else ''}"] = cfg(1, bn, warps, early)
+    rows = []
+    up_bytes = TOPK * 2 * NI * H * 2
+    down_bytes = TOPK * H * NI * 2
+    for part, cands, nbytes in (("up", ups, up_bytes), ("down", downs, down_bytes)):
+        for label, c in cands.items():
+            if deadline.left() < 5:
+                break
+            try:
+                if part == "up":
+                    outs = [torch.empty(TOPK, NI, dtype=torch.bfloat16, device="cuda") for _ in routes]
+
+                    def call(r, o, c=c):
+                        moe_gemv.up(x, r.tok, r.se, r.se, gu, o, "bf16", E, NI, False, 1, c)
+                    pairs = list(zip(routes, outs, strict=True))
+                    call(*pairs[0])
+                    err = (outs[0].float() - h_ref).abs().max().item() / h_ref.abs().max().item()
+                else:
+                    outs = [torch.empty(TOPK, H, dtype=torch.float32, device="cuda") for _ in routes]
+
+                    def call(r, o, h, c=c):
+                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), dn, o, "bf16", E, False, True, 1,
+                                      c, early=True)
+                    pairs = list(zip(routes, outs, hs, strict=True))
+                    call(*pairs[0])
+                    err = (outs[0] - y_ref).abs().max().item() / y_ref.abs().max().item()
+                us = graph_us([lambda p=p, call=call: call(*p) for p in pairs])
+            except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
+                rows.append({"matrix": f"experts {part}", "method": label, "error": f"{type(e).__name__}: {e!s:.160}"})
+                continue
+            rows.append({"matrix": f"experts {part}", "method": label, "cfg": c, "us": us, "GBs": nbytes / us / 1e3,
+                         "frac_copy": nbytes / us / 1e-6 / bw, "rel_err": err})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-seconds", type=float, default=240.0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gemv_one_row.py needs a CUDA GPU; run it on one.", file=sys.stderr)
+        return 2
+    deadline = Deadline(args.max_seconds)
+    bw = copy_bandwidth()
+    from runtime.gpu import pdl
+
+    res: dict[str, Any] = {"machine": machine(), "copy_bandwidth_Bps": bw, "pdl": pdl.launch(torch.zeros(1,
+                           device="cuda")).get("GDC", False)}
+    rows = expert_rows(bw, deadline) + dense_rows(bw, deadline)
+    res["rows"] = rows
+    best: dict[str, str] = {}
+    for m in dict.fromkeys(r["matrix"] for r in rows):
+        ok = [r for r in rows if r["matrix"] == m and "us" in r and r["rel_err"] < 1e-2]
+        if ok:
+            best[m] = min(ok, key=lambda r: r["us"])["method"]
+    res["best"] = best
+    print_table(f"One-row BF16 products, graph of 48 calls each (copy {bw / 1e9:,.0f} GB/s, PDL {res['pdl']})",
+                ["matrix", "method", "us", "GB/s", "% copy", "rel err"],
+                [[r["matrix"], r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}", f"{100 * r['frac_copy']:.1f}",
+                  f"{r['rel_err']:.2g}"] if "us" in r else [r["matrix"], r["method"], r["error"], "", "", ""]
+                 for r in rows])
+    print("fastest:", best)
+    print("wrote", write_json("gemv_one_row.json", res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
