@@ -258,7 +258,7 @@ def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str
     t0 = time.perf_counter()
     # one-step variants are for float rows (on blocks they would hold whole rows of blocks in registers)
     skip = {(f, v) for f in formats for v in variants
-            if f != "bf16" and moe_gemv.GEMV_VARIANTS.get(v, {}).get("ONE")}
+            if f != "bf16" and any(moe_gemv.GEMV_VARIANTS.get(v, {}).get(o) for o in ("ONE", "ONE_UP", "ONE_DOWN"))}
     built = warm_kernels([(f, v) for f in formats for v in variants if (f, v) not in skip])
     res: dict[str, Any] = {"variants": moe_gemv.GEMV_VARIANTS, "build_seconds": time.perf_counter() - t0,
                            "rows": [], "best": {}}

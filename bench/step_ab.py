@@ -54,6 +54,12 @@ ARMS: dict[str, dict[str, Any]] = {
     "one-dense": {"moe1": True, "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
     "one-both": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
     "one-both-late": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}, "late": True},
+    "dense-d1": {"moe1": True, "dense": {**ONE_DENSE, "o_proj": "one_d1"}, "pdl": True, "skip": {"attention"}},
+    "u1-dense": {"moe1": "u1d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
+    "u2-dense": {"moe1": "u2d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
+    "norm-dense": {"moe1": True, "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
+    "norm-u1": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
+    "norm-u2": {"moe1": "u2d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
 }
 QUANT_ARMS = ("before", "moe1+pdl", "moe1+pdl-attn")
 
@@ -66,6 +72,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")
+    dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()

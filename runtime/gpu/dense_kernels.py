@@ -96,6 +96,30 @@ def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
     return gemv(x.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])
 
 
+# one-row steps: fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program
+# normalizes the row; the router's program 0 stores the residual and the normalized row for the experts), so the
+# norm needs no launch of its own; only where ONE_ROW_DENSE names a one-step variant for the product
+FUSE_NORM = False
+
+
+def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor | None, role: str
+                 ) -> tuple[Tensor, Tensor | None, Tensor] | None:
+    """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for one row x [1, K] in one launch (`moe_gemv.norm_gemv`)
+    when FUSE_NORM is on and `one_row` would take (w, role) through a one-step variant; None otherwise (the caller
+    runs `rmsnorm`, then the product)."""
+    name = ONE_ROW_DENSE.get(role)
+    if not FUSE_NORM or name is None or w is None or x.shape[0] != 1 or not HAVE_TRITON or x.dtype != w.dtype \
+            or w.dim() != 2 or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    cfg = moe_gemv.GEMV_VARIANTS.get(name)
+    K = x.shape[1]
+    if cfg is None or not (cfg.get("ONE") and moe_gemv.one_step("bf16", K, moe_gemv.chunk(K, "bf16", cfg["KV"], True))):
+        return None
+    early = (x.device, 1) in _ONE_EXPERT
+    one, _, ones = _one_expert(1, x.device)
+    return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, ones, cfg, early)
+
+
 def weight_of(mod: torch.nn.Module) -> Tensor | None:
     """The weight of a bias-free torch Linear (what `one_row` can take), else None (a block-format projection)."""
     if type(mod) is torch.nn.Linear and mod.bias is None:

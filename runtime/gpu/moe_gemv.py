@@ -58,6 +58,10 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
                 "EARLY": 1},
     "one2x8": {"ONE": 1, "BN_UP": 2, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
                "EARLY": 1},
+    "u1d32": {"ONE_UP": 1, "BN_UP": 1, "BN_DOWN": 32, "KV": 4096, "MB": 1, "PF": 1, "J": 2, "num_warps": 4,
+              "num_stages": 1},      # gate/up in one step, down as n16d32
+    "u2d32": {"ONE_UP": 1, "BN_UP": 2, "BN_DOWN": 32, "KV": 4096, "MB": 1, "PF": 1, "J": 2, "num_warps": 4,
+              "num_stages": 1},
     "one_d1": {"ONE": 1, "BN_UP": 1, "BN_DOWN": 1, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
                "EARLY": 1},
     "one_d4": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
@@ -217,6 +221,25 @@ if HAVE_TRITON:
         """[BN] fp32 sums of a weight tile (`_tile_f`) times the activations at xr."""
         x = tl.load(xr + kk, mask=kk < nk, other=0.0).to(tl.float32)
         return tl.sum(wv.to(tl.float32) * x[None, :], 1)
+
+    @triton.jit
+    def _norm_row(x_ptr, d_ptr, nw_ptr, xo_ptr, ho_ptr, kk, K, eps, HAS_D: tl.constexpr, store):
+        """RMSNorm(x (+ d)) * nw of one row as fp32 [KC] (values past K: 0), rounded as
+        runtime/gpu/dense_kernels.py's `_rmsnorm_kernel` rounds it; when HAS_D and `store`, x + d goes to xo and the
+        normalized row to ho."""
+        m = kk < K
+        x = tl.load(x_ptr + kk, mask=m, other=0.0)
+        if HAS_D:
+            x = (x.to(tl.float32) + tl.load(d_ptr + kk, mask=m, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
+        w = tl.load(nw_ptr + kk, mask=m, other=0.0).to(tl.float32)
+        h = ((xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w).to(x_ptr.dtype.element_ty)
+        if HAS_D:
+            ms = kk < tl.where(store, K, 0)
+            tl.store(xo_ptr + kk, x, mask=ms)
+            tl.store(ho_ptr + kk, h, mask=ms)
+        return h.to(tl.float32)
 
     # ------------------------------------------------------------------------------------ Q8_0, Q4_0, Q5_0 rows
     # 32-value blocks; tile [NBC, BN, J, L]: block, row, and the block's code words i = j * L + l (16 for q8_0, 8
@@ -499,18 +522,21 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["NP", "E"])      # one build for every window width and expert count
     def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K, mg,
-                     stride_xm, stride_we, stride_om, SWN: tl.constexpr, EVEN: tl.constexpr,
+                     stride_xm, stride_we, stride_om, d_ptr, nw_ptr, xo_ptr, ho_ptr, eps,
+                     SWN: tl.constexpr, EVEN: tl.constexpr,
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
                      KMASK: tl.constexpr, J: tl.constexpr, ONE: tl.constexpr = False, EARLY: tl.constexpr = False,
-                     GDC: tl.constexpr = False):
+                     NORM: tl.constexpr = False, HAS_D: tl.constexpr = False, GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
         ZERO). mg: 0x4B000000, the bits of 2^23. ONE (float rows that fit one step, NBC >= K): the program's weight
         tile is loaded once, in one go, and serves every row of the window. EARLY: that load comes before the PDL
         wait, so it overlaps the previous kernel's tail; only for weights no kernel of the step writes and an
-        expert list written before the previous kernel (`down`, docs/models.md "Launches")."""
+        expert list written before the previous kernel (`down`, docs/models.md "Launches"). NORM (ONE, one dense
+        row, `norm_gemv`): the row is RMSNorm(x (+ d)) * nw, computed by every program, and program 0 stores x + d
+        at xo and the normalized row at ho (HAS_D), so the norm needs no launch of its own."""
         if not EARLY:
             pdl.start(GDC)
         i = tl.program_id(0)
@@ -547,16 +573,21 @@ if HAVE_TRITON:
                 tb = _tile_f(wb, kk, nk)
             if EARLY:
                 pdl.start(GDC)
-            for m in range(0, rows):
-                p = i + m
-                if UP:
-                    xr = x_ptr + tl.load(tok_ptr + p).to(tl.int64) * stride_xm
-                    _out(o_ptr, p, nm, _dot_f(ta, xr, kk, nk), _dot_f(tb, xr, kk, nk), ord_ptr, wt_ptr, n,
-                         stride_om, UP)
-                else:
-                    xr = x_ptr + p.to(tl.int64) * stride_xm
-                    ra = _dot_f(ta, xr, kk, nk)
-                    _out(o_ptr, p, nm, ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
+            if NORM:
+                hv = _norm_row(x_ptr, d_ptr, nw_ptr, xo_ptr, ho_ptr, kk, K, eps, HAS_D, (nb == 0) & (rows > 0))
+                ra = tl.sum(ta.to(tl.float32) * hv[None, :], 1)
+                _out(o_ptr, i, n < tl.where(rows > 0, N, 0), ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
+            else:
+                for m in range(0, rows):
+                    p = i + m
+                    if UP:
+                        xr = x_ptr + tl.load(tok_ptr + p).to(tl.int64) * stride_xm
+                        _out(o_ptr, p, nm, _dot_f(ta, xr, kk, nk), _dot_f(tb, xr, kk, nk), ord_ptr, wt_ptr, n,
+                             stride_om, UP)
+                    else:
+                        xr = x_ptr + p.to(tl.int64) * stride_xm
+                        ra = _dot_f(ta, xr, kk, nk)
+                        _out(o_ptr, p, nm, ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
         else:
             for m0 in range(0, rows, MB):
                 p0 = i + m0
@@ -606,12 +637,12 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     K = x.shape[1]
     NP = se.numel()
     w = _weights(gate_up, fmt)
-    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE")))
+    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE_UP", cfg.get("ONE"))))
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
-                       x.stride(0), w.stride(0), h.stride(0), SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
+                       x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
                        num_stages=cfg["num_stages"], ONE=one_step(fmt, K, c), **pdl.launch(w))
 
@@ -626,12 +657,36 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     N = y.shape[1]
     NP = se.numel()
     w = _weights(down_w, fmt)
-    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE")))
+    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE_DOWN", cfg.get("ONE"))))
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
-                       h.stride(0), w.stride(0), y.stride(0), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
+                       h.stride(0), w.stride(0), y.stride(0), h, h, h, h, 0.0, SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
                        num_stages=cfg["num_stages"], ONE=one_step(fmt, K, c),
                        EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and one_step(fmt, K, c), **pdl.launch(w))
+
+
+def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, ones: Tensor,
+              cfg: dict[str, int], early: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(x + delta, RMSNorm(x + delta) * norm_w, that row @ w^T) for one float row x [1, K] and a dense float matrix
+    w [N, K], in one launch of a one-step variant (delta None: x as it is, and the normalized row is not stored).
+    one / ones: the single-expert tables of runtime/gpu/dense_kernels.py `gemv` (constant: `early` allows EARLY)."""
+    K = x.shape[1]
+    N = w.shape[0]
+    c = chunk(K, "bf16", cfg["KV"], True)
+    if not one_step("bf16", K, c):
+        raise ValueError(f"norm_gemv needs a one-step variant whose KV covers rows of {K} values; got {cfg}.")
+    xo = torch.empty_like(x) if delta is not None else x
+    ho = torch.empty_like(x) if delta is not None else x
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    grid = (1, triton.cdiv(N, cfg["BN_DOWN"]))
+    d = delta if delta is not None else x
+    _gemv_kernel[grid](x, one, one, one, one, ones, w[None], y, 1, 1, N, K, K, MAGIC,
+                       x.stride(0), w.numel(), y.stride(0), d, norm_w, xo, ho, float(eps), SWN=w.stride(0),
+                       EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=False, QT=0, ZERO=False, BM=1, MB=1,
+                       BN=cfg["BN_DOWN"], NBC=c, PF=0, KMASK=K % c != 0, J=1, num_warps=cfg["num_warps"],
+                       num_stages=cfg["num_stages"], ONE=True, EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS,
+                       NORM=True, HAS_D=delta is not None, **pdl.launch(w))
+    return xo, (ho if delta is not None else None), y

@@ -179,16 +179,25 @@ class StaticStep:
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
-            _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-            qkv = _proj(h, a.qkv_weight, "qkv", a.qkv)
+            fused = dense_kernels.norm_one_row(x, None, layer.input_layernorm.weight, eps, a.qkv_weight, "qkv")
+            if fused is not None:
+                qkv = fused[2]
+            else:
+                _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
+                qkv = _proj(h, a.qkv_weight, "qkv", a.qkv)
             q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
                                            a.nkv, a.hd, eps, ks=ks, vs=vs)
             o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
             d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj)
-            x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
             mlp = layer.mlp
-            r = moe_kernels.route(_proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate), pos, mlp.top_k,
-                                  mlp.norm_topk, slot=mlp.slot)
+            fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
+                                               dense_kernels.weight_of(mlp.gate), "router")
+            if fused is not None:
+                x, h, lg = fused
+            else:
+                x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
+                lg = _proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate)
+            r = moe_kernels.route(lg, pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
             if mlp.recorder is not None:
                 mlp.recorder(i, r.idx)
             if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual

@@ -607,6 +607,21 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
             assert out.dtype == dt and rel(out, xd.float() @ wd.float().t()) < 3e-3, (var, dt)
             again = dense_kernels.gemv(xd[1:2].contiguous(), wd, "bf16", moe_gemv.GEMV_VARIANTS[var])
             assert torch.equal(out[1], again[0]), var
+        # the RMSNorm folded into a one-row product: the residual as rmsnorm writes it, the normalized row and the
+        # product within rounding of rmsnorm + gemv (the norm's sum may be reduced in another order)
+        nw = (1 + 0.1 * torch.randn(96, generator=g)).to(dt)
+        xr, dr = xd[:1].contiguous(), (0.5 * torch.randn(1, 96, generator=g)).to(dt)
+        one, _, ones = dense_kernels._one_expert(1, xr.device)
+        for var in ("one_d1", "one_d8"):
+            cfg = moe_gemv.GEMV_VARIANTS[var]
+            for delta in (None, dr):
+                xo, ho, y = moe_gemv.norm_gemv(xr, delta, nw, 1e-6, wd, one, ones, cfg, True)
+                xs, hs = dense_kernels.rmsnorm(xr, nw, 1e-6, delta)
+                ys = dense_kernels.gemv(hs, wd, "bf16", cfg)
+                assert torch.equal(xo, xs) and (ho is None) == (delta is None), var
+                if ho is not None:
+                    assert rel(ho, hs) < 2e-3, (var, rel(ho, hs))
+                assert rel(y, ys) < 3e-3 and rel(y, hs.float() @ wd.float().t()) < 3e-3, (var, rel(y, ys))
     finally:
         moe_gemv.DECODE_GEMV.clear()
         moe_gemv.DECODE_GEMV.update(saved)
