@@ -45,21 +45,34 @@ ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},
     "moe1": {"moe1": True, "wide": True},
     "moe1+pdl": {"moe1": True, "pdl": True, "wide": True},
-    "moe1+pdl-attn": {"moe1": True, "pdl": True, "skip": {"attention"}, "wide": True},
-    "n16j2+pdl-attn": {"moe1": "n16j2", "pdl": True, "skip": {"attention"}},
+    "moe1+pdl-attn": {"moe1": True, "pdl": True, "skip": {"attention", "attention_reduce"}, "wide": True},
+    "n16j2+pdl-attn": {"moe1": "n16j2", "pdl": True, "skip": {"attention", "attention_reduce"}},
     # one-step tiles (moe_gemv "one*" variants): the experts, the dense projections (dense_kernels.ONE_ROW_DENSE),
     # both; and both without EARLY (every load after the PDL wait)
-    "one-moe": {"moe1": "one4x16", "pdl": True, "skip": {"attention"}},
-    "one-moe2x8": {"moe1": "one2x8", "pdl": True, "skip": {"attention"}},
-    "one-dense": {"moe1": True, "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
-    "one-both": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
-    "one-both-late": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}, "late": True},
-    "dense-d1": {"moe1": True, "dense": {**ONE_DENSE, "o_proj": "one_d1"}, "pdl": True, "skip": {"attention"}},
-    "u1-dense": {"moe1": "u1d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
-    "u2-dense": {"moe1": "u2d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention"}},
-    "norm-dense": {"moe1": True, "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
-    "norm-u1": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
-    "norm-u2": {"moe1": "u2d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
+    "one-moe": {"moe1": "one4x16", "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "one-moe2x8": {"moe1": "one2x8", "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "one-dense": {"moe1": True, "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "one-both": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "one-both-late": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}, "late": True},
+    "dense-d1": {"moe1": True, "dense": {**ONE_DENSE, "o_proj": "one_d1"}, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "u1-dense": {"moe1": "u1d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "u2-dense": {"moe1": "u2d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "norm-dense": {"moe1": True, "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "norm-u1": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "norm-u2": {"moe1": "u2d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention", "attention_reduce"}},
+    "sum2w4": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
+               "skip": {"attention", "attention_reduce"}},
+    "sum2w8": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8}, "pdl": True,
+               "skip": {"attention", "attention_reduce"}},
+    "sum4w8": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 4, "num_warps": 8}, "pdl": True,
+               "skip": {"attention", "attention_reduce"}},
+    "sum1w4": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 1, "num_warps": 4}, "pdl": True,
+               "skip": {"attention", "attention_reduce"}},
+    "norm-u1-red": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
+    "sum2w8-red": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8}, "pdl": True,
+                   "skip": {"attention"}},
+    "sum2w8-attn": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8},
+                    "pdl": True},
 }
 QUANT_ARMS = ("before", "moe1+pdl", "moe1+pdl-attn")
 
@@ -73,6 +86,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
+    moe_gemv.DOWN_SUM = arm.get("sum")
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
@@ -160,10 +174,10 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
 
 
 PREFILL_ARMS: dict[str, dict[str, Any]] = {      # the module forward or the fused chunk; PDL on the MoE kernels or not
-    "module forward": {"pdl": True, "skip": {"attention"}, "fused": False},
-    "fused chunk": {"pdl": True, "skip": {"attention"}, "fused": True},
+    "module forward": {"pdl": True, "skip": {"attention", "attention_reduce"}, "fused": False},
+    "fused chunk": {"pdl": True, "skip": {"attention", "attention_reduce"}, "fused": True},
     "fused chunk, no pdl": {"pdl": False, "fused": True},
-    "fused chunk, 64-row MoE tiles": {"pdl": True, "skip": {"attention"}, "fused": True, "tiles": (   # before
+    "fused chunk, 64-row MoE tiles": {"pdl": True, "skip": {"attention", "attention_reduce"}, "fused": True, "tiles": (   # before
         {"BM": 64, "BN": 64, "BK": 64, "GM": 8, "num_warps": 4, "num_stages": 3},
         {"BM": 64, "BN": 128, "BK": 64, "GM": 8, "num_warps": 8, "num_stages": 3})},
 }

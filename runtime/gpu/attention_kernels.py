@@ -399,7 +399,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
                                            C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
-                                           **pdl.launch(q, "attention"))
+                                           **pdl.launch(q, "attention_reduce"))
     return o
 
 

@@ -520,6 +520,39 @@ if HAVE_TRITON:
 
     # -------------------------------------------------------------------------------------------- the kernel
 
+    @triton.jit
+    def _down_sum_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, w_ptr, res_ptr, o_ptr, E, N, K, stride_h, stride_we,
+                         SWN: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+                         KC: tl.constexpr, EARLY: tl.constexpr, GDC: tl.constexpr = False):
+        """One token: program nb takes rows nb*BN.. of the down matrix of each of its top-k pairs (sorted order, as
+        the up kernel wrote h), scales each pair's rows by its routing weight in fp32 and sums them in top-k order
+        as `_moe_sum_kernel` does, then adds the residual. EARLY: the weights (resident, routing written before the
+        up kernel) are loaded before the PDL wait."""
+        if not EARLY:
+            pdl.start(GDC)
+        nb = tl.program_id(0)
+        p = tl.arange(0, KP)
+        e = tl.load(se_ptr + p, mask=p < TOPK, other=E)
+        kn = tl.where(e < E, K, 0)                       # values to read of each pair's rows (0: none)
+        n = nb * BN + tl.arange(0, BN)
+        kk = tl.arange(0, KC)
+        wp = (w_ptr + tl.where(e < E, e, 0).to(tl.int64)[:, None, None] * stride_we
+              + (tl.minimum(n, N - 1) * SWN)[None, :, None] + kk[None, None, :])
+        tile = tl.load(wp, mask=kk[None, None, :] < kn[:, None, None], other=0.0)        # [KP, BN, KC]
+        dst = tl.load(ord_ptr + p, mask=p < TOPK, other=KP)
+        wt = tl.load(wt_ptr + dst, mask=p < TOPK, other=0.0).to(tl.float32)
+        if EARLY:
+            pdl.start(GDC)
+        hv = tl.load(h_ptr + p[:, None].to(tl.int64) * stride_h + kk[None, :], mask=kk[None, :] < kn[:, None],
+                     other=0.0).to(tl.float32)                                          # [KP, KC]
+        y = tl.sum(tile.to(tl.float32) * hv[:, None, :], 2) * wt[:, None]               # [KP, BN] per pair
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):                  # top-k order: the pair whose slot is j (exact: one term)
+            acc += tl.sum(tl.where((dst == j)[:, None], y, 0.0), 0)
+        dt = o_ptr.dtype.element_ty
+        x = tl.load(res_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+        tl.store(o_ptr + n, (x + acc.to(dt).to(tl.float32)).to(dt), mask=n < N)
+
     @triton.jit(do_not_specialize=["NP", "E"])      # one build for every window width and expert count
     def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K, mg,
                      stride_xm, stride_we, stride_om, d_ptr, nw_ptr, xo_ptr, ho_ptr, eps,
@@ -609,6 +642,12 @@ def one_step(fmt: str, k: int, c: int) -> bool:
     return QT[fmt] == 0 and c >= k
 
 
+# one-row windows of float experts: the down products of the token's top-k pairs and their sum (+ the residual) in
+# one launch (`down_sum`): tiles {"BN": down rows a program, "num_warps": ...}, or None (the down kernel, then
+# moe_kernels.combine)
+DOWN_SUM: dict[str, int] | None = None
+
+
 def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
     """J: code words of one block a thread holds (32-value formats; K-quants 1)."""
     q = QT[fmt]
@@ -690,3 +729,18 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Te
                        num_stages=cfg["num_stages"], ONE=True, EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS,
                        NORM=True, HAS_D=delta is not None, **pdl.launch(w))
     return xo, (ho if delta is not None else None), y
+
+
+def down_sum(h: Tensor, se: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, residual: Tensor, top_k: int,
+             cfg: dict[str, int], early: bool) -> Tensor:
+    """residual [1, H] + sum over the token's top-k pairs of w * down(h[p]) in one launch (float experts, all
+    resident, one row; `DOWN_SUM`). early: as for `down`."""
+    n_exp, N, K = down_w.shape
+    out = torch.empty_like(residual)
+    kc = max(16, 1 << (K - 1).bit_length())
+    _down_sum_kernel[(triton.cdiv(N, cfg["BN"]),)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
+                                                   down_w.stride(0), SWN=down_w.stride(1), TOPK=top_k,
+                                                   KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
+                                                   EARLY=early and EARLY_LOADS, num_warps=cfg["num_warps"],
+                                                   **pdl.launch(down_w))
+    return out

@@ -34,9 +34,9 @@ if HAVE_TRITON:
 # (with PDL on the attention kernels too: 3.13 and 4.39), an 8-row step 0.7% faster, a Q4_0 one-row step 1-1.5%
 # slower, prefill unchanged; the benchmarks switch it off to measure the step without it
 ENABLED = True
-# parts launched without PDL even when ENABLED: "attention" (the split kernel and its reduction), "prefill" (the MoE
-# kernels on prefill chunks)
-SKIP: set[str] = {"attention"}
+# parts launched without PDL even when ENABLED: "attention" (the split kernel), "attention_reduce" (its reduction),
+# "prefill" (the MoE kernels on prefill chunks)
+SKIP: set[str] = {"attention", "attention_reduce"}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}

@@ -600,6 +600,21 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
             part = moe_kernels.moe_grouped(x, idx, w, gu[res].contiguous(), dn[res].contiguous(), slot=slot)
             ref = ref_moe(x, idx, w, gu.float(), dn.float(), keep=lambda e: e in (2, 0, 4))
             assert rel(part, ref) < 3e-3, (var, dt)
+        # one row: down + the top-k sum + the residual in one launch (moe_gemv.DOWN_SUM) against the two kernels
+        moe_gemv.DECODE_GEMV_ONE_ROW["bf16"] = "u1d32"
+        res = torch.randn(1, H, generator=g).to(dt)
+        for i in (0, 2):
+            r = moe_kernels.group(idx[i:i + 1].to(torch.int32), w[i:i + 1].float(), E, None)
+            apart = moe_kernels.moe_routed(x[i:i + 1], res, r, gu, dn)
+            for ds in ({"BN": 2, "num_warps": 4}, {"BN": 8, "num_warps": 2}):
+                moe_gemv.DOWN_SUM = ds
+                try:
+                    both = moe_kernels.moe_routed(x[i:i + 1], res, r, gu, dn)
+                finally:
+                    moe_gemv.DOWN_SUM = None
+                assert both.dtype == dt and rel(both, apart) < 2e-3, (ds, rel(both, apart))
+                ref = res.float() + ref_moe(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gu.float(), dn.float())
+                assert rel(both, ref) < 3e-3, (ds, rel(both, ref))
         wd = (torch.randn(40, 96, generator=g) * 0.1).to(dt)
         xd = torch.randn(3, 96, generator=g).to(dt)
         for var in ("one_d1", "one_d4", "one_d8"):
