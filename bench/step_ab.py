@@ -71,6 +71,14 @@ ARMS: dict[str, dict[str, Any]] = {
     "norm-u1-red": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
     "sum2w8-red": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8}, "pdl": True,
                    "skip": {"attention"}},
+    "fin": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
+            "skip": {"attention"}},
+    "fin-r1": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
+               "skip": {"attention"}, "route_warps": 1},
+    "fin-r2": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
+               "skip": {"attention"}, "route_warps": 2},
+    "fin-d1": {"moe1": "u1d32", "dense": {**ONE_DENSE, "o_proj": "one_d1", "qkv": "one_d4"}, "norm": True,
+               "sum": {"BN": 2, "num_warps": 4}, "pdl": True, "skip": {"attention"}},
     "sum2w8-attn": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8},
                     "pdl": True},
 }
@@ -79,7 +87,7 @@ QUANT_ARMS = ("before", "moe1+pdl", "moe1+pdl-attn")
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
-    from runtime.gpu import dense_kernels, moe_gemv, pdl
+    from runtime.gpu import dense_kernels, moe_gemv, moe_kernels, pdl
 
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
@@ -87,6 +95,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_gemv.EARLY_LOADS = not arm.get("late")
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
+    moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()

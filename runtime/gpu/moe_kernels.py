@@ -441,6 +441,10 @@ def group(idx: Tensor, w: Tensor, n_exp: int, slot: Tensor | None = None) -> Rou
     return Routing(flat.view(T, k), w.contiguous(), se, order, tok, miss, n_miss)
 
 
+# warps of the routing kernel for a one-row window (4 for wider ones); chosen by the row count alone
+ROUTE_WARPS_ONE_ROW = 4
+
+
 def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool, slot: Tensor | None = None) -> Routing:
     """Router logits [W, E] -> Routing in one launch (fp32 softmax, top-k (lowest id first on ties), optional
     renormalisation; rows with pos < 0 get expert E), with the miss list when `slot` [E] is given."""
@@ -457,7 +461,8 @@ def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool, slot: Tensor | No
     _route_kernel[(1,)](logits, pos, slot if slot is not None else pos, idx, w, se, order, tok, miss, n_miss, W,
                         logits.stride(0), E=E, EP=triton.next_power_of_2(E), TOPK=top_k,
                         KP=triton.next_power_of_2(top_k), WP=max(2, triton.next_power_of_2(W)),
-                        NPP=max(2, triton.next_power_of_2(NP)), NORM=norm, HAS_SLOT=slot is not None, num_warps=4,
+                        NPP=max(2, triton.next_power_of_2(NP)), NORM=norm, HAS_SLOT=slot is not None,
+                        num_warps=ROUTE_WARPS_ONE_ROW if W == 1 else 4,
                         **pdl.launch(logits))
     return Routing(idx, w, se, order, tok, miss, n_miss)
 
