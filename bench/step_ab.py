@@ -7,11 +7,18 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
 - before: the step as it was (BF16 experts of a one-row step on the tl.dot tiles, no PDL);
 - moe1: BF16 experts of a one-row step through the matrix-vector kernel (moe_gemv.DECODE_GEMV_ONE_ROW);
 - moe1+pdl: and programmatic dependent launch for the step's Triton kernels (runtime/gpu/pdl.py); moe1+pdl-attn:
-  PDL except the split attention and its reduction (pdl.SKIP), the runtime's default;
-- n16j2+pdl-attn: the one-row experts with the n16j2 tiles (16 down rows a program instead of 32).
-Measured and dropped (bench/results/h200_session6/): the one-row projections through the matrix-vector
-kernel instead of cuBLAS, other one-row expert tiles, and a three-launch MoE half (norm + router + top-k in one
-launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt).
+  PDL except the split attention and its reduction (pdl.SKIP), the runtime before the one-step GEMV;
+- one-dense, +norm, +sum, +reduce-pdl, default: the one-row step as it is now, one change at a time: the one-row
+  q/k/v, o_proj and router products through the GEMV kernel's one-step tiles with their weights loaded before the
+  PDL wait (dense_kernels.ONE_ROW_DENSE, moe_gemv "one_d*", EARLY), gate/up in one step (u1d32); the RMSNorms
+  folded into the q/k/v and router products (dense_kernels.FUSE_NORM); the experts' down products, their top-k
+  sum and the residual in one launch (moe_gemv.DOWN_SUM); PDL on the attention reduction; the routing kernel on
+  2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW): the runtime's default. default-late: the default with every load
+  after the PDL wait.
+Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
+launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt); in
+h200_session8/: the one-step tiles for the one-row experts' down products (4 or 2 gate/up rows, 16 or 8 down
+rows) and other tiles of the dense products.
 Every (arm, context, width) step is captured once; then rounds of `steps` replays go over all of them interleaved
 (drift hits every arm alike) and the median round is quoted. On the A3B shape with honest routing (bench/common.py),
 BF16, all experts resident, BF16 KV with the context's first positions random. Bound for a one-row step: copy
@@ -39,50 +46,31 @@ import torch  # noqa: E402
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
-# each arm: the switches it sets ("moe1": the module's DECODE_GEMV_ONE_ROW, or a variant name for BF16; "pdl":
-# pdl.ENABLED; "skip": pdl.SKIP) and whether it also runs wider steps ("wide": one-row options change nothing there)
+SUM = {"BN": 2, "num_warps": 4}
+OLD_SKIP = {"attention", "attention_reduce"}
+# each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
+# "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
+# moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP) and whether it
+# also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
-    "before": {"wide": True},
-    "moe1": {"moe1": True, "wide": True},
-    "moe1+pdl": {"moe1": True, "pdl": True, "wide": True},
-    "moe1+pdl-attn": {"moe1": True, "pdl": True, "skip": {"attention", "attention_reduce"}, "wide": True},
-    "n16j2+pdl-attn": {"moe1": "n16j2", "pdl": True, "skip": {"attention", "attention_reduce"}},
-    # one-step tiles (moe_gemv "one*" variants): the experts, the dense projections (dense_kernels.ONE_ROW_DENSE),
-    # both; and both without EARLY (every load after the PDL wait)
-    "one-moe": {"moe1": "one4x16", "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "one-moe2x8": {"moe1": "one2x8", "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "one-dense": {"moe1": True, "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "one-both": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "one-both-late": {"moe1": "one4x16", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}, "late": True},
-    "dense-d1": {"moe1": True, "dense": {**ONE_DENSE, "o_proj": "one_d1"}, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "u1-dense": {"moe1": "u1d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "u2-dense": {"moe1": "u2d32", "dense": ONE_DENSE, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "norm-dense": {"moe1": True, "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "norm-u1": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "norm-u2": {"moe1": "u2d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention", "attention_reduce"}},
-    "sum2w4": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
-               "skip": {"attention", "attention_reduce"}},
-    "sum2w8": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8}, "pdl": True,
-               "skip": {"attention", "attention_reduce"}},
-    "sum4w8": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 4, "num_warps": 8}, "pdl": True,
-               "skip": {"attention", "attention_reduce"}},
-    "sum1w4": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 1, "num_warps": 4}, "pdl": True,
-               "skip": {"attention", "attention_reduce"}},
-    "norm-u1-red": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": {"attention"}},
-    "sum2w8-red": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8}, "pdl": True,
-                   "skip": {"attention"}},
-    "fin": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
-            "skip": {"attention"}},
-    "fin-r1": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
-               "skip": {"attention"}, "route_warps": 1},
-    "fin-r2": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 4}, "pdl": True,
-               "skip": {"attention"}, "route_warps": 2},
-    "fin-d1": {"moe1": "u1d32", "dense": {**ONE_DENSE, "o_proj": "one_d1", "qkv": "one_d4"}, "norm": True,
-               "sum": {"BN": 2, "num_warps": 4}, "pdl": True, "skip": {"attention"}},
-    "sum2w8-attn": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": {"BN": 2, "num_warps": 8},
-                    "pdl": True},
+    "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
+    "moe1": {"moe1": "n16d32", "wide": True},
+    "moe1+pdl": {"moe1": "n16d32", "pdl": True, "wide": True},
+    "moe1+pdl-attn": {"moe1": "n16d32", "pdl": True, "skip": OLD_SKIP, "wide": True},    # the runtime before
+    # the one-row step as it is now, built up: dense projections through the one-step GEMV, then the norms folded
+    # into them, then down + top-k sum in one launch, then PDL on the attention reduction, then the routing kernel
+    # on 2 warps (the runtime's default); and the default without EARLY loads
+    "one-dense": {"moe1": "u1d32", "dense": ONE_DENSE, "pdl": True, "skip": OLD_SKIP},
+    "+norm": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "pdl": True, "skip": OLD_SKIP},
+    "+sum": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": OLD_SKIP},
+    "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
+                    "skip": {"attention"}},
+    "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
+                "route_warps": 2},
+    "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
+                     "skip": {"attention"}, "route_warps": 2, "late": True},
 }
-QUANT_ARMS = ("before", "moe1+pdl", "moe1+pdl-attn")
+QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:

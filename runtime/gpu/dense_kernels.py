@@ -78,8 +78,10 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
 
 
 # one-row BF16 projections of the fused decode step: the GEMV variant (runtime/gpu/moe_gemv.py GEMV_VARIANTS) per
-# matrix, or None for cuBLAS (bench/gemv_one_row.py measures them; bench/step_ab.py the step)
-ONE_ROW_DENSE: dict[str, str | None] = {"qkv": None, "o_proj": None, "router": None}
+# matrix, or None for cuBLAS. One-step tiles with the weights loaded before the PDL wait: H200, A3B, 48 copies in a
+# graph (bench/gemv_one_row.py): q/k/v 6.9 us against cuBLAS's 8.0, o_proj 6.5 against 8.8, the router 1.5 against
+# 4.9; the one-row step at 1k context 3.19 -> 2.93 ms (bench/step_ab.py, bench/results/h200_session8/)
+ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 
 
 def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
@@ -98,8 +100,9 @@ def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
 
 # one-row steps: fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program
 # normalizes the row; the router's program 0 stores the residual and the normalized row for the experts), so the
-# norm needs no launch of its own; only where ONE_ROW_DENSE names a one-step variant for the product
-FUSE_NORM = False
+# norm needs no launch of its own; only where ONE_ROW_DENSE names a one-step variant for the product. H200, A3B
+# one-row step (bench/step_ab.py): 2.93 -> 2.79 ms at 1k context, 3.98 -> 3.86 at 32k
+FUSE_NORM = True
 
 
 def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor | None, role: str

@@ -72,11 +72,12 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
-# through the matrix-vector kernel, 32 down rows a program (bench/step_ab.py, H200 A3B one-row step at 1k context:
-# 3.18 ms against 3.79 on the tl.dot tiles and 3.25 with n16j2; the tl.dot tiles stay faster at W = 8 and 16). The
-# choice depends only on the window's row count, and a run keeps one step width, so a row's bits never depend on
-# the other rows (runtime/gpu/static_step.py; calibration checks each width's own reference)
-DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "n16d32"}
+# through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
+# one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
+# and 16; u1d32 with the down products in `down_sum`, bench/results/h200_session8/). The choice depends only on the
+# window's row count, and a run keeps one step width, so a row's bits never depend on the other rows
+# (runtime/gpu/static_step.py; calibration checks each width's own reference)
+DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32"}
 
 # variants with EARLY load their weights before the PDL wait where the caller allows it (False: never; the
 # benchmarks' switch)
@@ -644,8 +645,9 @@ def one_step(fmt: str, k: int, c: int) -> bool:
 
 # one-row windows of float experts: the down products of the token's top-k pairs and their sum (+ the residual) in
 # one launch (`down_sum`): tiles {"BN": down rows a program, "num_warps": ...}, or None (the down kernel, then
-# moe_kernels.combine)
-DOWN_SUM: dict[str, int] | None = None
+# moe_kernels.combine). H200, A3B one-row step (bench/step_ab.py): 2.79 -> 2.72 ms at 1k context with BN 2 on 4
+# warps (BN 1: 2.74; BN 2 or 4 on 8 warps: 2.85, 2.94)
+DOWN_SUM: dict[str, int] | None = {"BN": 2, "num_warps": 4}
 
 
 def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:

@@ -441,8 +441,9 @@ def group(idx: Tensor, w: Tensor, n_exp: int, slot: Tensor | None = None) -> Rou
     return Routing(flat.view(T, k), w.contiguous(), se, order, tok, miss, n_miss)
 
 
-# warps of the routing kernel for a one-row window (4 for wider ones); chosen by the row count alone
-ROUTE_WARPS_ONE_ROW = 4
+# warps of the routing kernel for a one-row window (4 for wider ones); chosen by the row count alone. H200, A3B
+# one-row step (bench/step_ab.py): 2.69 ms at 1k context on 4 warps, 2.64 on 2, 2.65 on 1
+ROUTE_WARPS_ONE_ROW = 2
 
 
 def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool, slot: Tensor | None = None) -> Routing:

@@ -29,14 +29,15 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-# on, except for the split attention and its reduction. H200, A3B shape (bench/step_ab.py,
-# bench/results/h200_session6/final/): the one-row BF16 step 3.25 -> 3.19 ms at 1k context and 4.31 -> 4.24 at 32k
-# (with PDL on the attention kernels too: 3.13 and 4.39), an 8-row step 0.7% faster, a Q4_0 one-row step 1-1.5%
-# slower, prefill unchanged; the benchmarks switch it off to measure the step without it
+# on, except for the split attention. H200, A3B shape (bench/step_ab.py, bench/results/h200_session6/final/): the
+# one-row BF16 step 3.25 -> 3.19 ms at 1k context and 4.31 -> 4.24 at 32k (with PDL on the attention kernels too:
+# 3.13 and 4.39), an 8-row step 0.7% faster, a Q4_0 one-row step 1-1.5% slower, prefill unchanged. On the reduction
+# (so the o_proj product after it starts loading its weights): 2.72 -> 2.69 ms at 1k, 3.79 -> 3.73 at 32k
+# (bench/results/h200_session8/); the benchmarks switch PDL off to measure the step without it
 ENABLED = True
 # parts launched without PDL even when ENABLED: "attention" (the split kernel), "attention_reduce" (its reduction),
 # "prefill" (the MoE kernels on prefill chunks)
-SKIP: set[str] = {"attention", "attention_reduce"}
+SKIP: set[str] = {"attention"}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}
