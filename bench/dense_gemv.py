@@ -18,8 +18,8 @@ into a scratch + cuBLAS (runtime/gpu/dense_kernels.py), per width, with the same
 matrix. --quant-step: the A3B graph step (1k context) per target format
 (bench/quant_target.py's random Q8_0/Q4_0 build) and width on each multi-row path, same run.
 
-Writes `dense_gemv.json`. (On the H200, 2026-12-01: cuBLAS beat every BF16 variant at every width, so the runtime
-keeps the BF16 projections on cuBLAS.)
+Writes `dense_gemv.json`. (On the H200, 2026-12-01: cuBLAS beat every looped BF16 variant at every width; the
+one-step variants that now take one-row products are timed by bench/gemv_one_row.py.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Dense rows on the GPU: `rmsnorm` (+ residual add, a Triton kernel), `quant_linear` (x @ dequant(W)^T with W as
 ggml blocks: one row through the matrix-vector kernels, dequantized in registers; more rows through one dequantized
-matrix in a shared scratch and cuBLAS). BF16 projections stay on cuBLAS, which beat the GEMV variants at every
-decode width (bench/dense_gemv.py).
+matrix in a shared scratch and cuBLAS). BF16 projections stay on cuBLAS, which beat the GEMV kernel's looped
+tiles at every decode width (bench/dense_gemv.py), except one-row products of the fused step, which take its
+one-step tiles (`one_row`, `norm_one_row`: bench/gemv_one_row.py, docs/models.md "The one-row step").
 """
 
 from __future__ import annotations
