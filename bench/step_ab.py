@@ -154,7 +154,8 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
             row["top1_agree"] = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
         rows.append(row)
     checks = []
-    for a, base in (("moe1+pdl", "moe1"), ("moe1+pdl-attn", "moe1"), ("moe1", "before")):
+    for a, base in (("moe1+pdl", "moe1"), ("moe1+pdl-attn", "moe1"), ("moe1", "before"),
+                    ("default-late", "default")):       # EARLY loads move loads, never arithmetic
         for c in contexts:      # launch options never change bits; nor do one-row options a wide step
             for w in widths:
                 if (a, c, w) in logits and (base, c, w) in logits and (base != "before" or w > 1):

@@ -40,6 +40,12 @@ def test_gemv_steps_divide_rows_and_warps_never_split_rows():
     assert moe_gemv.chunk(2048, "q4_0", 512) == 16 and moe_gemv.chunk(768, "q4_0", 512) == 8
     assert moe_gemv.chunk(768, "q4_k", 512) == 1 and moe_gemv.chunk(2048, "q6_k", 512) == 2
     assert moe_gemv.chunk(2048, "bf16", 256) == 256 and moe_gemv.chunk(40, "bf16", 256) == 16   # 40: masked tail
+    # one-step variants: a float row in one step of its power-of-two cover (tail masked) when KV holds it, else the
+    # usual steps; block formats ignore it
+    assert moe_gemv.chunk(768, "bf16", 4096, True) == 1024 and moe_gemv.chunk(2048, "bf16", 2048, True) == 2048
+    assert moe_gemv.chunk(768, "bf16", 512, True) == 256 and moe_gemv.chunk(768, "bf16", 4096) == 256
+    assert moe_gemv.chunk(2048, "q4_0", 512, True) == 16
+    assert moe_gemv.one_step("bf16", 768, 1024) and not moe_gemv.one_step("q4_0", 64, 64)
     for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
         for k in (768, 2048):
             c = moe_gemv.chunk(k, fmt, 512)
