@@ -167,7 +167,8 @@ class StaticStep:
 
     def _forward_fused(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         """The same step through the fused kernels (runtime/kernels.py): 11 launches a layer, the Triton ones
-        with programmatic dependent launch (runtime/gpu/pdl.py)."""
+        with programmatic dependent launch (runtime/gpu/pdl.py); a one-row BF16 step 10, all Triton, its norms
+        folded into the products (docs/models.md, "The one-row step")."""
         m = self.model
         cfg = m.cfg
         eps = cfg.rms_norm_eps
