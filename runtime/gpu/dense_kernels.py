@@ -85,13 +85,22 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
 ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 
 
+def _one_row_variant(x: Tensor, w: Tensor | None, role: str) -> str | None:
+    """The variant ONE_ROW_DENSE names for `role` when x is one row and w a float matrix of its dtype on the GPU
+    (or in the interpreter: the tests), else None."""
+    name = ONE_ROW_DENSE.get(role)
+    if name is None or w is None or x.shape[0] != 1 or not HAVE_TRITON or x.dtype != w.dtype or w.dim() != 2 \
+            or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    return name
+
+
 def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
     """x [1, K] @ w^T through the GEMV kernel when ONE_ROW_DENSE names a variant for `role` and w is a float matrix
     of x's dtype on the GPU; None otherwise (the caller takes its usual path). Chosen by the row count alone, so at
     a step's fixed width a row's bits never depend on the other rows (docs/models.md, "Kernels chosen by width")."""
-    name = ONE_ROW_DENSE.get(role)
-    if name is None or w is None or x.shape[0] != 1 or not HAVE_TRITON or x.dtype != w.dtype or w.dim() != 2 \
-            or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):     # (the interpreter: the tests)
+    name = _one_row_variant(x, w, role)
+    if name is None:
         return None
     if name not in moe_gemv.GEMV_VARIANTS:
         raise ValueError(f"ONE_ROW_DENSE[{role!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
@@ -111,9 +120,8 @@ def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w:
     """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for one row x [1, K] in one launch (`moe_gemv.norm_gemv`)
     when FUSE_NORM is on and `one_row` would take (w, role) through a one-step variant; None otherwise (the caller
     runs `rmsnorm`, then the product)."""
-    name = ONE_ROW_DENSE.get(role)
-    if not FUSE_NORM or name is None or w is None or x.shape[0] != 1 or not HAVE_TRITON or x.dtype != w.dtype \
-            or w.dim() != 2 or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    name = _one_row_variant(x, w, role) if FUSE_NORM else None
+    if name is None:
         return None
     cfg = moe_gemv.GEMV_VARIANTS.get(name)
     K = x.shape[1]

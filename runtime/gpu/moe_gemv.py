@@ -101,13 +101,18 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     return GEMV_VARIANTS[name]
 
 
+def cover(k: int) -> int:
+    """Values of a one-step tile for float rows of k values: the power of two at or above k (at least 16)."""
+    return max(16, 1 << (k - 1).bit_length())
+
+
 def chunk(k: int, fmt: str, kv: int, one: bool = False) -> int:
     """Blocks (bf16: values) per loop step for rows of k values: the largest power of two of them that divides the
     row and holds at most kv values (bf16: at least 16 values, the tail masked). one (a variant's ONE): float rows
     whose power-of-two cover fits kv go through in one step, the tail masked."""
     vals = BLOCK_VALUES[QT[fmt]]
-    if one and vals == 1 and max(16, 1 << (k - 1).bit_length()) <= kv:
-        return max(16, 1 << (k - 1).bit_length())
+    if one and vals == 1 and cover(k) <= kv:
+        return cover(k)
     nblk = k // vals
     c = 1
     while (c * 2) * vals <= kv and nblk % (c * 2) == 0:
@@ -739,7 +744,7 @@ def down_sum(h: Tensor, se: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, r
     resident, one row; `DOWN_SUM`). early: as for `down`."""
     n_exp, N, K = down_w.shape
     out = torch.empty_like(residual)
-    kc = max(16, 1 << (K - 1).bit_length())
+    kc = cover(K)
     _down_sum_kernel[(triton.cdiv(N, cfg["BN"]),)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
                                                    down_w.stride(0), SWN=down_w.stride(1), TOPK=top_k,
                                                    KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
