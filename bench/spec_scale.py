@@ -153,6 +153,14 @@ class Harness:
         self.filled_task: str | None = None
         if self.cuda:
             self.attach_graphs(eng.drafter)
+            # the MTP head's graphs through its modules (before its layer ran on the fused kernels), for an A/B
+            from runtime.drafters import mtp
+
+            mtp.FUSED = False
+            self.drafters["mtp-module"] = mtp.MTPDrafter(self.nano, eng.drafter.kv.capacity,
+                                                         max_block=eng.drafter.max_block)
+            self.attach_graphs(self.drafters["mtp-module"])
+            mtp.FUSED = True
 
     def sync(self) -> None:
         if self.cuda:
@@ -249,6 +257,10 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
     arms = [{"arm": "target-only", "kind": None, "block": 1, "family": "target"}]
     for chain in (2, 3, 4):
         arms.append({"arm": f"MTP chain {chain} (b{chain + 1})", "kind": "mtp", "block": chain + 1, "family": "mtp"})
+    if "mtp-module" in h.drafters:
+        for chain in (3, 4):
+            arms.append({"arm": f"MTP chain {chain} (b{chain + 1}), module graphs", "kind": "mtp-module",
+                         "block": chain + 1, "family": "mtp-module"})
     for b in (4, 6, 8):
         arms.append({"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "block": b, "family": "dflash2", "quant": "bf16"})
     if "extra" in h.drafters:
@@ -296,7 +308,7 @@ def drafter_bytes(h: Harness, kind: str | None, block: int) -> int:
         return 0
     nano = h.nano
     head = nano.lm_head.weight.numel() * nano.lm_head.weight.element_size()
-    if kind == "mtp":
+    if kind in ("mtp", "mtp-module"):
         mtp = nano.mtp
         total = 0
         for name, p in mtp.named_parameters():

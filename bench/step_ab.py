@@ -70,13 +70,32 @@ ARMS: dict[str, dict[str, Any]] = {
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "route_warps": 2, "late": True},
 }
+# verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
+# and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)
+_DEFAULT = ARMS["default"]
+ARMS.update({
+    "wide-default": {**_DEFAULT, "wide": True},
+    "wide-moe-u1d32": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32")},
+    "wide-moe-n16d32": {**_DEFAULT, "wide": True, "narrow": (8, "n16d32")},
+    "wide-moe-n8j2m2": {**_DEFAULT, "wide": True, "narrow": (8, "n8j2m2")},
+    "wide-dense": {**_DEFAULT, "wide": True, "dense_rows": 8},
+    "wide-both": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32"), "dense_rows": 8},
+})
+# the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider
+TIERS_NOW = (128, 2048, 512, 16384, 1024)
+for _name, _t in {"tiers-now": TIERS_NOW, "tiers-128to16k": (128, 16384, 128, 16384, 1024),
+                  "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
+                  "tiers-128to4k-256to32k": (128, 4096, 256, 32768, 1024)}.items():
+    ARMS[_name] = {**_DEFAULT, "wide": True, "tiers": _t}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
+    from runtime import kv
     from runtime.gpu import dense_kernels, moe_gemv, moe_kernels, pdl
 
+    kv.KV_TIERS = arm.get("tiers", TIERS_NOW)
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
@@ -86,6 +105,10 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
+    dense_kernels.DENSE_GEMV_ROWS = arm.get("dense_rows", 1)
+    moe_gemv.DECODE_GEMV_NARROW.clear()
+    if arm.get("narrow"):
+        moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
     if arm.get("moe1") is True:
         moe_gemv.DECODE_GEMV_ONE_ROW.update(one_row)

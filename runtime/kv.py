@@ -32,9 +32,10 @@ def uniform_tiers(chunk: int) -> tuple[int, int, int, int, int]:
     return (chunk, 0, chunk, 0, chunk)
 
 
-def split_chunks(capacity: int, tiers: tuple[int, int, int, int, int] = KV_TIERS) -> int:
-    """Chunks of the split decode attention covering positions 0..capacity-1 (the kernels' `_n_chunks`)."""
-    c0, e0, c1, e1, c2 = tiers
+def split_chunks(capacity: int, tiers: tuple[int, int, int, int, int] | None = None) -> int:
+    """Chunks of the split decode attention covering positions 0..capacity-1 (the kernels' `_n_chunks`; tiers
+    None: KV_TIERS as it is when called)."""
+    c0, e0, c1, e1, c2 = KV_TIERS if tiers is None else tiers
     n = int(capacity)
     if n <= e0:
         return -(-n // c0)

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 from runtime.drafters.base import Proposal, floor_keep
-from runtime.gpu import attention_kernels, kernels, moe_kernels
+from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
+from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
 from runtime.models.layers import SparseMoe, project_qkv
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
@@ -160,6 +161,10 @@ class MTPDrafter:
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
 
 
+# the head's graphs run its layer through the fused decode kernels (False: the module path; the benchmarks' switch)
+FUSED = True
+
+
 class MTPGraphs(GraphSet):
     """Chained drafting of n steps (greedy, or sampled: a Gumbel-max draw from `probs` with uniforms filled before
     the replay) and observing up to `max_block` committed rows for an `MTPDrafter`, one graph each (needs the
@@ -180,9 +185,17 @@ class MTPGraphs(GraphSet):
         # the split attention's partials, shared by every graph of this set (they run one at a time)
         self.part = (attention_kernels.split_scratch(self.R, cfg.num_attention_heads, drafter.kv.capacity,
                                                      cfg.head_dim, self.dev) if self.enabled else None)
+        layer = drafter.mtp.layers[0]
+        if self.enabled and FUSED:
+            layer.self_attn.stack_qkv()
+        # the head's layer through the target step's fused kernels (about 15 launches a step instead of ~90: the
+        # chain is launch-bound, docs/models.md "MTP head"), where the layer allows it
+        self.fused = self.enabled and FUSED and fusable(layer) and layer.mlp.offload is None
 
     def _rows(self, tok: Tensor, g: Tensor, p: Tensor, slot: Tensor) -> Tensor:
         """MTP rows at positions p (cache slots `slot` = p - 1, -1 = padding) -> MTP hidden [W, H]."""
+        if self.fused:
+            return self._rows_fused(tok, g, slot)
         model, mtp, kv = self.d.model, self.d.mtp, self.d.kv
         W = tok.shape[0]
         emb = model.model.embed_tokens(tok)[None]
@@ -207,6 +220,21 @@ class MTPGraphs(GraphSet):
         else:
             y = mlp(h)
         return mtp.norm(x + y)[0]
+
+    def _rows_fused(self, tok: Tensor, g: Tensor, slot: Tensor) -> Tensor:
+        """`_rows` through the fused kernels: the norms as one Triton launch each, the layer as the target step's
+        (`fused_layer`, RoPE at slot + 1)."""
+        model, mtp = self.d.model, self.d.mtp
+        eps = model.cfg.rms_norm_eps
+        emb = model.model.embed_tokens(tok)                                    # [W, H]
+        _, e = dense_kernels.rmsnorm(emb, mtp.pre_fc_norm_embedding.weight, eps)
+        _, gh = dense_kernels.rmsnorm(g.to(emb.dtype).contiguous(), mtp.pre_fc_norm_hidden.weight, eps)
+        x = mtp.fc(torch.cat((e, gh), -1))
+        kv = self.d.kv
+        x = fused_layer(mtp.layers[0], mtp.layers[0].mlp.layer_idx, x, slot,
+                        (kv.k[0, 0], kv.v[0, 0], None, None), self.part, model.rotary.inv_freq,
+                        model.rotary.scale, eps, rope_off=1)
+        return dense_kernels.rmsnorm(x, mtp.norm.weight, eps)[1]
 
     def _chain(self, n: int, sp: SamplingParams | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         lm_head = self.d.model.lm_head

@@ -22,9 +22,10 @@ import functools
 import torch
 from torch import Tensor
 
+from runtime import kv as _kv
 from runtime.gpu import pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
-from runtime.kv import KV_TIERS, Q8_BLOCK, split_chunks, uniform_tiers
+from runtime.kv import Q8_BLOCK, split_chunks, uniform_tiers
 
 REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant: it fixes the summation order)
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
@@ -255,14 +256,19 @@ if HAVE_TRITON:
     def _qkv_post_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, eps,
                          rscale, stride_qkv, stride_q, stride_ch, stride_cs, stride_sh, stride_ss,
                          NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, Q8: tl.constexpr,
-                         NB: tl.constexpr, QB: tl.constexpr, GDC: tl.constexpr = False):
+                         NB: tl.constexpr, QB: tl.constexpr, ROPE_OFF: tl.constexpr = 0,
+                         GDC: tl.constexpr = False):
+        """Row `row`, head h: q/k-norm and RoPE at position pos + ROPE_OFF; k and v written at cache slot pos."""
         pdl.start(GDC)
         row = tl.program_id(0)
         h = tl.program_id(1)                     # 0..NH-1: q heads, NH..NH+NKV-1: k (and v) heads
         pos = tl.load(pos_ptr + row)
         d = tl.arange(0, HD)
         dp = (d + HD // 2) % HD
-        f = tl.maximum(pos, 0).to(tl.float32) * tl.load(inv_ptr + d % (HD // 2))
+        if ROPE_OFF == 0:
+            f = tl.maximum(pos, 0).to(tl.float32) * tl.load(inv_ptr + d % (HD // 2))
+        else:
+            f = (tl.maximum(pos, 0) + ROPE_OFF).to(tl.float32) * tl.load(inv_ptr + d % (HD // 2))
         dt = q_ptr.dtype.element_ty
         cos = (tl.cos(f) * rscale).to(dt).to(tl.float32)
         sin = (tl.sin(f) * rscale).to(dt).to(tl.float32)
@@ -367,7 +373,7 @@ def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: t
 
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
               vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
-              tiers: tuple[int, int, int, int, int] = KV_TIERS) -> Tensor:
+              tiers: tuple[int, int, int, int, int] | None = None) -> Tensor:
     """q [W, nh, hd] against cache kc, vc [nkv, S, hd] (q8_0 with scales ks, vs); row r sees cache rows
     0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk` (one
     chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split)."""
@@ -375,7 +381,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
     q = q.contiguous()
-    tiers = uniform_tiers(chunk) if chunk is not None else tiers
+    tiers = uniform_tiers(chunk) if chunk is not None else _kv.KV_TIERS if tiers is None else tiers
     c0, e0, c1, e1, c2 = tiers
     nc = split_chunks(S, tiers)
     n_acc = W * nh * nc * hd
@@ -405,13 +411,14 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
 
 def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale: float, pos: Tensor,
              kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float, ks: Tensor | None = None,
-             vs: Tensor | None = None) -> Tensor:
+             vs: Tensor | None = None, rope_off: int = 0) -> Tensor:
     """qkv [W, (nh+2nkv)*hd] -> q [W, nh, hd] (q_norm + RoPE); k (k_norm + RoPE) and v written to the cache
-    (q8_0 with scales ks, vs)."""
+    (q8_0 with scales ks, vs) at slots pos. RoPE at position pos + rope_off (an MTP head's slot s holds position
+    s + 1)."""
     W = qkv.shape[0]
     q = torch.empty(W, nh, hd, dtype=qkv.dtype, device=qkv.device)
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
-    if W > POST_ROWS_FROM and not q8:     # a prefill chunk: R rows a program
+    if W > POST_ROWS_FROM and not q8 and not rope_off:     # a prefill chunk: R rows a program
         R = POST_ROWS
         _qkv_post_rows_kernel[(triton.cdiv(W, R), nh + nkv)](
             qkv, q_w, k_w, inv_freq, pos, q, kc, vc, W, float(eps), float(rope_scale), qkv.stride(0), q.stride(0),
@@ -419,7 +426,8 @@ def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale
         return q
     _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, ksx, vs if q8 else vc, float(eps),
                                     float(rope_scale), qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1),
-                                    ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb, **pdl.launch(qkv))
+                                    ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb, ROPE_OFF=int(rope_off),
+                                    **pdl.launch(qkv))
     return q
 
 

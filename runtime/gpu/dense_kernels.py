@@ -83,13 +83,16 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
 # graph (bench/gemv_one_row.py): q/k/v 6.9 us against cuBLAS's 8.0, o_proj 6.5 against 8.8, the router 1.5 against
 # 4.9; the one-row step at 1k context 3.19 -> 2.93 ms (bench/step_ab.py, bench/results/h200_session8/)
 ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
+# windows of up to this many rows take ONE_ROW_DENSE's variants too (a program loads its weight tile once and
+# serves every row of the window); wider ones take cuBLAS
+DENSE_GEMV_ROWS = 1
 
 
 def _one_row_variant(x: Tensor, w: Tensor | None, role: str) -> str | None:
-    """The variant ONE_ROW_DENSE names for `role` when x is one row and w a float matrix of its dtype on the GPU
-    (or in the interpreter: the tests), else None."""
+    """The variant ONE_ROW_DENSE names for `role` when x has at most DENSE_GEMV_ROWS rows (at least one) and w is a
+    float matrix of its dtype on the GPU (or in the interpreter: the tests), else None."""
     name = ONE_ROW_DENSE.get(role)
-    if name is None or w is None or x.shape[0] != 1 or not HAVE_TRITON or x.dtype != w.dtype or w.dim() != 2 \
+    if name is None or w is None or not 1 <= x.shape[0] <= max(1, DENSE_GEMV_ROWS) or not HAVE_TRITON or x.dtype != w.dtype or w.dim() != 2 \
             or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     return name
@@ -120,7 +123,7 @@ def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w:
     """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for one row x [1, K] in one launch (`moe_gemv.norm_gemv`)
     when FUSE_NORM is on and `one_row` would take (w, role) through a one-step variant; None otherwise (the caller
     runs `rmsnorm`, then the product)."""
-    name = _one_row_variant(x, w, role) if FUSE_NORM else None
+    name = _one_row_variant(x, w, role) if FUSE_NORM and x.shape[0] == 1 else None
     if name is None:
         return None
     cfg = moe_gemv.GEMV_VARIANTS.get(name)

@@ -78,6 +78,9 @@ DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n
 # window's row count, and a run keeps one step width, so a row's bits never depend on the other rows
 # (runtime/gpu/static_step.py; calibration checks each width's own reference)
 DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32"}
+# for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
+# one-row table: chosen by the step's row count alone
+DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
 
 # variants with EARLY load their weights before the PDL wait where the caller allows it (False: never; the
 # benchmarks' switch)
@@ -91,8 +94,12 @@ BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256}
 def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     """The GEMV tiles for weight format `fmt` ("bf16" or a block format's name) on windows of `rows` rows (None:
     any width), or None for the tl.dot kernels."""
-    table = "DECODE_GEMV_ONE_ROW" if rows == 1 and fmt in DECODE_GEMV_ONE_ROW else "DECODE_GEMV"
-    name = (DECODE_GEMV_ONE_ROW if table == "DECODE_GEMV_ONE_ROW" else DECODE_GEMV).get(fmt)
+    if rows == 1 and fmt in DECODE_GEMV_ONE_ROW:
+        table, name = "DECODE_GEMV_ONE_ROW", DECODE_GEMV_ONE_ROW[fmt]
+    elif rows is not None and rows > 1 and fmt in DECODE_GEMV_NARROW and rows <= DECODE_GEMV_NARROW[fmt][0]:
+        table, name = "DECODE_GEMV_NARROW", DECODE_GEMV_NARROW[fmt][1]
+    else:
+        table, name = "DECODE_GEMV", DECODE_GEMV.get(fmt)
     if name is None:
         return None
     if name not in GEMV_VARIANTS:

@@ -43,6 +43,47 @@ def _proj(x: Tensor, w: Tensor | None, role: str, usual) -> Tensor:
     return usual(x) if y is None else y
 
 
+def fusable(layer) -> bool:
+    """Whether `fused_layer` can run this decoder layer: MoE with its experts stacked (or in an offload pool),
+    q/k/v stacked, no attention bias."""
+    mlp, a = layer.mlp, layer.self_attn
+    return (isinstance(mlp, SparseMoe) and (mlp.gate_up is not None or mlp.offload is not None)
+            and a.q_proj.bias is None and a.has_qkv)
+
+
+def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Tensor | None, inv: Tensor,
+                rscale: float, eps: float, rope_off: int = 0) -> Tensor:
+    """One decoder layer of a decode/verify window through the fused kernels: x [W, H] -> [W, H]. Rows at pos < 0
+    are padding. `kv_args`: the layer's cache (`LayerKV.kernel_args`); `rope_off`: RoPE at pos + rope_off (an MTP
+    head's cache slot s holds position s + 1). The target's step and the MTP head's graphs run their layers here."""
+    a = layer.self_attn
+    kc, vc, ks, vs = kv_args
+    fused = dense_kernels.norm_one_row(x, None, layer.input_layernorm.weight, eps, a.qkv_weight, "qkv")
+    if fused is not None:
+        qkv = fused[2]
+    else:
+        _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
+        qkv = _proj(h, a.qkv_weight, "qkv", a.qkv)
+    q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
+                                   a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
+    o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part)
+    d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj)
+    mlp = layer.mlp
+    fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
+                                       dense_kernels.weight_of(mlp.gate), "router")
+    if fused is not None:
+        x, h, lg = fused
+    else:
+        x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
+        lg = _proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate)
+    r = moe_kernels.route(lg, pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
+    if mlp.recorder is not None:
+        mlp.recorder(i, r.idx)
+    if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
+        return x + mlp.offload(i, h, r.idx, r.w)
+    return moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
+
+
 class StaticStep:
     def __init__(self, model, kv: KVCache, width: int, *, graph: bool = True) -> None:
         if width < 1:
@@ -178,34 +219,7 @@ class StaticStep:
         wanted = {t: j for j, t in enumerate(taps)}
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
-            a = layer.self_attn
-            kc, vc, ks, vs = self.kv.layer(i).kernel_args()
-            fused = dense_kernels.norm_one_row(x, None, layer.input_layernorm.weight, eps, a.qkv_weight, "qkv")
-            if fused is not None:
-                qkv = fused[2]
-            else:
-                _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-                qkv = _proj(h, a.qkv_weight, "qkv", a.qkv)
-            q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
-                                           a.nkv, a.hd, eps, ks=ks, vs=vs)
-            o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=self.part)
-            d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj)
-            mlp = layer.mlp
-            fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
-                                               dense_kernels.weight_of(mlp.gate), "router")
-            if fused is not None:
-                x, h, lg = fused
-            else:
-                x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
-                lg = _proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate)
-            r = moe_kernels.route(lg, pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
-            if mlp.recorder is not None:
-                mlp.recorder(i, r.idx)
-            if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
-                x = x + mlp.offload(i, h, r.idx, r.w)
-            else:
-                x = moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
-                                           miss_fn=mlp.miss_fn)
+            x = fused_layer(layer, i, x, pos, self.kv.layer(i).kernel_args(), self.part, inv, rscale, eps)
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
