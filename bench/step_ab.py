@@ -85,17 +85,21 @@ ARMS.update({
 TIERS_NOW = (128, 2048, 512, 16384, 1024)
 for _name, _t in {"tiers-now": TIERS_NOW, "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
-                  "tiers-128to4k-256to32k": (128, 4096, 256, 32768, 1024)}.items():
+                  "tiers-128to4k-256to32k": (128, 4096, 256, 32768, 1024),
+                  "tiers-128to4k-256to16k": (128, 4096, 256, 16384, 1024)}.items():
     ARMS[_name] = {**_DEFAULT, "wide": True, "tiers": _t}
+    # and the reduction combining 64 chunks a step instead of 16 (attention_kernels.REDUCE_TILE)
+    ARMS[_name + "+r64"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 64}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
     from runtime import kv
-    from runtime.gpu import dense_kernels, moe_gemv, moe_kernels, pdl
+    from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, pdl
 
     kv.KV_TIERS = arm.get("tiers", TIERS_NOW)
+    attention_kernels.REDUCE_TILE = arm.get("reduce", 16)
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
@@ -167,7 +171,7 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
             times[k].append(time_steps(steps_by[k], kvs[k[1]], wins[k[2]], steps))
     rows = []
     for (a, c, w), ts in times.items():
-        ref = logits.get(("before", c, w))
+        ref = logits.get(("before", c, w), logits.get((arms[0], c, w)))     # else: against the first arm
         got = logits[(a, c, w)]
         row = {"build": tag, "arm": a, "context": c, "width": w, "step_ms": median(ts), "rounds_ms": ts,
                "graph": steps_by[(a, c, w)].use_graph, "errors": errors[f"{a}/{c}/{w}"]}

@@ -1,0 +1,104 @@
+"""Where a drafter's time per window goes on a GPU: its CUDA graphs alone against what the speculative loop pays.
+
+    python bench/draft_cost.py [--new-tokens 96] [--replays 50]
+
+For the bundled pack's MTP head (its layer through the fused decode kernels, and through its modules as before:
+runtime/drafters/mtp.py `FUSED`) and its DFlash2 head (blocks 4 and 8): one greedy run on the code prompt with the
+engine's fixed-width step, then
+- loop: draft ms per window as the loop measures it (CUDA events around `propose` and `observe`: GPU time, plus any
+  time the GPU sat idle waiting for the host to queue the next launch);
+- graphs: the GPU time of each of the drafter's graphs the run captured, replayed back to back (`replays` times
+  between two events): what drafting costs when the host keeps ahead. The chain of n steps and the observe graph
+  together are what one window needs;
+- launches: kernels a graph holds (torch.profiler, one replay), so a reader sees whether a graph is launch-bound.
+The difference between loop and graphs is host work the GPU waits for. Writes draft_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import NANO, NANO_DFLASH2, machine, median, print_table, task_prompts, write_json  # noqa: E402
+
+
+def graph_ms(g: torch.cuda.CUDAGraph, n: int) -> float:
+    """GPU milliseconds per replay of g, n replays back to back (median of 3 such runs)."""
+    out = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            g.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / n)
+    return median(out)
+
+
+def kernels_in(g: torch.cuda.CUDAGraph) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def measure(eng, label: str, block: int, ids: list[int], new_tokens: int, replays: int) -> list[dict[str, Any]]:
+    d = eng.drafter
+    d.graphs.graphs.clear()
+    r = eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
+    r = eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
+    st = r.stats
+    win = max(1, st["windows"])
+    rows = [{"drafter": label, "block": block, "what": "loop: draft ms per window", "ms": 1e3 * st["draft_s"] / win,
+             "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]}]
+    for key, (g, _) in d.graphs.graphs.items():
+        rows.append({"drafter": label, "block": block, "what": f"graph {key}", "ms": graph_ms(g, replays),
+                     "launches": kernels_in(g)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/draft_cost.py needs a CUDA GPU (it times CUDA graphs).", file=sys.stderr)
+        return 2
+    from runtime.drafters import mtp
+    from runtime.engine import Engine
+
+    rows: list[dict[str, Any]] = []
+    ids = None
+    for fused in (True, False):
+        mtp.FUSED = fused
+        eng = Engine.build(NANO, "mtp", device="cuda", context=4096, block=4)
+        ids = ids or eng.tokenizer.encode(task_prompts()["code"]).ids
+        for block in (4, 5):
+            rows += measure(eng, f"MTP ({'fused layer' if fused else 'modules'})", block, ids, args.new_tokens,
+                            args.replays)
+        del eng
+    mtp.FUSED = True
+    eng = Engine.build(NANO, "dflash2", drafter_path=NANO_DFLASH2, device="cuda", context=4096, block=8)
+    for block in (4, 8):
+        rows += measure(eng, "DFlash2 bf16", block, ids, args.new_tokens, args.replays)
+    write_json("draft_cost.json", {"machine": machine(), "args": vars(args), "rows": rows})
+    print_table(f"Drafter cost per window, bundled pack, code prompt ({machine().get('gpu')})",
+                ["drafter", "block", "what", "ms", "launches", "tok/window"],
+                [[r["drafter"], r["block"], r["what"], r["ms"], r.get("launches"), r.get("tokens_per_window")]
+                 for r in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
