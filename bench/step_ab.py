@@ -81,14 +81,18 @@ ARMS.update({
     "wide-dense": {**_DEFAULT, "wide": True, "dense_rows": 8},
     "wide-both": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32"), "dense_rows": 8},
 })
-# the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider
-TIERS_NOW = (128, 2048, 512, 16384, 1024)
-for _name, _t in {"tiers-now": TIERS_NOW, "tiers-128to16k": (128, 16384, 128, 16384, 1024),
+# the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider; arms
+# without "tiers" / "reduce" take the shipped layout and reduction tile. tiers-before: the layout until
+# bench/results/h200_session9/ (with "reduce": 16, the runtime before that)
+TIERS_SHIPPED = (128, 4096, 256, 32768, 1024)
+REDUCE_SHIPPED = 64
+for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
                   "tiers-128to4k-256to32k": (128, 4096, 256, 32768, 1024),
                   "tiers-128to4k-256to16k": (128, 4096, 256, 16384, 1024)}.items():
     ARMS[_name] = {**_DEFAULT, "wide": True, "tiers": _t}
-    # and the reduction combining 64 chunks a step instead of 16 (attention_kernels.REDUCE_TILE)
+    # with the reduction combining 16 or 64 chunks a step (attention_kernels.REDUCE_TILE)
+    ARMS[_name + "+r16"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 16}
     ARMS[_name + "+r64"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 64}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 
@@ -98,8 +102,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     from runtime import kv
     from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, pdl
 
-    kv.KV_TIERS = arm.get("tiers", TIERS_NOW)
-    attention_kernels.REDUCE_TILE = arm.get("reduce", 16)
+    kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
+    attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)

@@ -19,12 +19,16 @@ Q8_BLOCK = 32
 KV_QUANTS = ("q8_0",)
 
 # The decode attention splits each row's context into chunks fixed by absolute position (docs/models.md,
-# "Numerics"): chunks of 128 positions up to position 2048 (short contexts still spread over many programs), of 512
-# up to 16384, of 1024 beyond (long contexts write and re-read fewer partials). A constant layout, never chosen
+# "Numerics"): chunks of 128 positions up to position 4096 (short contexts still spread over many programs), of 256
+# up to 32768, of 1024 beyond (long contexts write and re-read fewer partials). A program's time is its longest chunk
+# (64 positions a step) and the reduction's a few steps of 64 chunks, so short chunks pay up to where their count
+# would outgrow the grid: H200, A3B one-row step (bench/step_ab.py, bench/results/h200_session9/), against the layout
+# before (128 to 2048, 512 to 16384, 1024 beyond; 16 chunks a reduction step): 2.96 -> 2.71 ms at 4k, 3.23 -> 3.16 at
+# 16k, 3.68 -> 3.62 at 32k, 1k unchanged. A constant layout, never chosen
 # from the context, so a row's bits do not depend on the configured context either. Each (row, head, chunk) leaves
 # fp32 partials: hd accumulators, a max and a sum. KV_TIERS = (C0, E0, C1, E1, C2): chunks of C0 positions on
 # [0, E0), of C1 on [E0, E1), of C2 from E1 on (each E a multiple of the chunk before it).
-KV_TIERS = (128, 2048, 512, 16384, 1024)
+KV_TIERS = (128, 4096, 256, 32768, 1024)
 
 
 def uniform_tiers(chunk: int) -> tuple[int, int, int, int, int]:

@@ -27,7 +27,7 @@ from runtime.gpu import pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 from runtime.kv import Q8_BLOCK, split_chunks, uniform_tiers
 
-REDUCE_TILE = 16        # chunks combined per step of the reduction (a constant: it fixes the summation order)
+REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant: it fixes the summation order)
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them

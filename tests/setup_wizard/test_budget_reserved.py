@@ -95,7 +95,7 @@ def test_flash_scratch_grows_with_context_only_by_the_split_partials_on_cuda():
     a = compute_budget(t, "none", _cuda(context=1024, block=1, prefill_chunk=512)).items
     b = compute_budget(t, "none", _cuda(context=4096, block=1, prefill_chunk=512)).items
     more = split_chunks(4096) - split_chunks(1024)
-    assert more == 2048 // 128 + 2048 // 512 - 1024 // 128      # 128-position chunks to 2048, then 512
+    assert more == 4096 // 128 - 1024 // 128                      # 128-position chunks up to 4096
     assert b["scratch"] - a["scratch"] == 1 * t.heads * more * (t.head_dim + 2) * 4
     cpu = dict(block=1, device_type="cpu", available_bytes=1 << 30, total_bytes=1 << 30)
     c1 = compute_budget(t, "none", BudgetInputs(context=1024, **cpu)).items["scratch"]
@@ -129,7 +129,7 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
     # the allocator term: what packing every persistent and prefill-transient tensor into segments adds
     pers = persistent_tensors(geo, "none", 2, 2, ctx, 1)
     attn = attention_scratch_tensors(geo, "none", context=ctx, block=1, wb=2, cuda=True)
-    chunks = 2048 // 128 + (16384 - 2048) // 512 + (ctx - 16384) // 1024
+    chunks = 4096 // 128 + (32768 - 4096) // 256 + (ctx - 32768) // 1024
     assert attn == [1 * 4 * chunks * (hd + 2) * 4]   # the split attention's fp32 partials, 1 row
     trans = transient_tensors(geo, 512, 2) + attn
     assert sum(pers) == sum(it[k] for k in ("target_dense_weights", "target_kv", "logits", "expert_cache"))
