@@ -623,6 +623,18 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
             assert out.dtype == dt and rel(out, xd.float() @ wd.float().t()) < 3e-3, (var, dt)
             again = dense_kernels.gemv(xd[1:2].contiguous(), wd, "bf16", moe_gemv.GEMV_VARIANTS[var])
             assert torch.equal(out[1], again[0]), var
+        # `one_row` takes windows of up to DENSE_GEMV_ROWS rows (the caller's cuBLAS path beyond)
+        rows = dense_kernels.DENSE_GEMV_ROWS
+        try:
+            dense_kernels.DENSE_GEMV_ROWS = 1
+            assert dense_kernels.one_row(xd, wd, "qkv") is None
+            dense_kernels.DENSE_GEMV_ROWS = 4
+            got = dense_kernels.one_row(xd, wd, "qkv")
+            assert torch.equal(got, dense_kernels.gemv(xd, wd, "bf16", moe_gemv.GEMV_VARIANTS[
+                dense_kernels.ONE_ROW_DENSE["qkv"]]))
+            assert dense_kernels.norm_one_row(xd, None, wd[0], 1e-6, wd, "qkv") is None     # one row only
+        finally:
+            dense_kernels.DENSE_GEMV_ROWS = rows
         # the RMSNorm folded into a one-row product: the residual as rmsnorm writes it, the normalized row and the
         # product within rounding of rmsnorm + gemv (the norm's sum may be reduced in another order)
         nw = (1 + 0.1 * torch.randn(96, generator=g)).to(dt)
@@ -767,8 +779,27 @@ def check_qkv_post_rows(dt: torch.dtype) -> None:
     assert float(kb[:, :30].abs().max()) == 0 and float(kb[:, 30 + W - 3:].abs().max()) == 0   # nothing stray
 
 
+def check_qkv_post_rope_off(dt: torch.dtype) -> None:
+    """qkv_post with rope_off = 1 (an MTP head's cache: slot s holds position s + 1): q and k are those of position
+    pos + 1, written at slot pos; padded rows write nothing."""
+    nh, nkv, hd, W, S = 4, 2, 32, 5, 64
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(W, (nh + 2 * nkv) * hd, generator=g).to(dt)
+    qw, kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt), (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    pos = torch.tensor([0, 7, 8, 30, -1], dtype=torch.int32)
+    ka, va, kb, vb = (torch.zeros(nkv, S, hd, dtype=dt) for _ in range(4))
+    qa = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, ka, va, nh, nkv, hd, 1e-6, rope_off=1)
+    qb = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, torch.where(pos >= 0, pos + 1, -1), kb, vb, nh, nkv, hd,
+                                    1e-6)
+    assert torch.equal(qa[:4], qb[:4])
+    assert torch.equal(ka[:, :S - 1], kb[:, 1:]) and torch.equal(va[:, :S - 1], vb[:, 1:])
+    assert float(ka.abs().sum(-1).gt(0).sum()) == nkv * 4         # four real rows written, the padded one not
+
+
 def check_mtp_graphs() -> None:
-    """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path."""
+    """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path;
+    the head's layer runs through the target step's fused kernels (`MTPGraphs.fused`)."""
     import tempfile
 
     from runtime.drafters.mtp import MTPGraphs
@@ -782,6 +813,7 @@ def check_mtp_graphs() -> None:
     for min_p in (0.3,):
         ref = eng.generate(ids, max_new_tokens=10, spec_min_p=min_p, stop_ids=set())
         eng.drafter.graphs = MTPGraphs(eng.drafter)
+        assert eng.drafter.graphs.fused
         got = eng.generate(ids, max_new_tokens=10, spec_min_p=min_p, stop_ids=set())
         assert eng.drafter.graphs.enabled and not eng.drafter.graphs.errors, eng.drafter.graphs.errors
         assert got.token_ids == ref.token_ids
@@ -921,6 +953,7 @@ def check_attention_all() -> None:
         check_split_attention(dt)
         check_kv_q8(dt)
         check_qkv_post_rows(dt)
+        check_qkv_post_rope_off(dt)
     check_dense_step_q8()
 
 

@@ -63,6 +63,22 @@ def test_decode_gemv_names_a_variant(monkeypatch):
         moe_gemv.variant("q4_0")
 
 
+def test_variant_by_window_width(monkeypatch):
+    """One row: DECODE_GEMV_ONE_ROW; 2..n rows: DECODE_GEMV_NARROW's (n, variant); wider: DECODE_GEMV (None: the
+    tl.dot tiles). The choice depends on the row count alone."""
+    monkeypatch.setattr(moe_gemv, "DECODE_GEMV_ONE_ROW", {"bf16": "u1d32"})
+    monkeypatch.setattr(moe_gemv, "DECODE_GEMV_NARROW", {"bf16": (3, "n16d32")})
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "bf16", None)
+    V = moe_gemv.GEMV_VARIANTS
+    assert moe_gemv.variant("bf16", 1) is V["u1d32"]
+    assert moe_gemv.variant("bf16", 2) is V["n16d32"] and moe_gemv.variant("bf16", 3) is V["n16d32"]
+    assert moe_gemv.variant("bf16", 4) is None and moe_gemv.variant("bf16") is None
+    assert moe_gemv.variant("q4_0", 2) is V[moe_gemv.DECODE_GEMV["q4_0"]]
+    monkeypatch.setattr(moe_gemv, "DECODE_GEMV_NARROW", {"bf16": (3, "nope")})
+    with pytest.raises(ValueError, match="DECODE_GEMV_NARROW.*not in GEMV_VARIANTS"):
+        moe_gemv.variant("bf16", 2)
+
+
 @pytest.mark.parametrize("bm", [1, 4, 16])
 def test_block_table_covers_every_pair_once_in_single_expert_tiles(bm):
     g = torch.Generator().manual_seed(bm)
