@@ -92,16 +92,17 @@ def _one_row_variant(x: Tensor, w: Tensor | None, role: str) -> str | None:
     """The variant ONE_ROW_DENSE names for `role` when x has at most DENSE_GEMV_ROWS rows (at least one) and w is a
     float matrix of its dtype on the GPU (or in the interpreter: the tests), else None."""
     name = ONE_ROW_DENSE.get(role)
-    if name is None or w is None or not 1 <= x.shape[0] <= max(1, DENSE_GEMV_ROWS) or not HAVE_TRITON or x.dtype != w.dtype or w.dim() != 2 \
-            or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if name is None or w is None or not 1 <= x.shape[0] <= max(1, DENSE_GEMV_ROWS) or not HAVE_TRITON \
+            or x.dtype != w.dtype or w.dim() != 2 or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     return name
 
 
 def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
-    """x [1, K] @ w^T through the GEMV kernel when ONE_ROW_DENSE names a variant for `role` and w is a float matrix
-    of x's dtype on the GPU; None otherwise (the caller takes its usual path). Chosen by the row count alone, so at
-    a step's fixed width a row's bits never depend on the other rows (docs/models.md, "Kernels chosen by width")."""
+    """x [M, K] @ w^T (M <= DENSE_GEMV_ROWS; one row by default) through the GEMV kernel when ONE_ROW_DENSE names a
+    variant for `role` and w is a float matrix of x's dtype on the GPU; None otherwise (the caller takes its usual
+    path). Chosen by the row count alone, so at a step's fixed width a row's bits never depend on the other rows
+    (docs/models.md, "Kernels chosen by width")."""
     name = _one_row_variant(x, w, role)
     if name is None:
         return None
