@@ -84,8 +84,9 @@ ARMS.update({
 # the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider; arms
 # without "tiers" / "reduce" take the shipped layout and reduction tile. tiers-before: the layout until
 # bench/results/h200_session9/ (with "reduce": 16, the runtime before that)
-TIERS_SHIPPED = (128, 4096, 256, 32768, 1024)
-REDUCE_SHIPPED = 64
+from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
+from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
+
 for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
                   "tiers-128to4k-256to32k": (128, 4096, 256, 32768, 1024),
