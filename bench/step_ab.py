@@ -95,6 +95,10 @@ for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k
     # with the reduction combining 16 or 64 chunks a step (attention_kernels.REDUCE_TILE)
     ARMS[_name + "+r16"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 16}
     ARMS[_name + "+r64"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 64}
+# the one-row down + top-k sum on the looping grid (moe_gemv `_down_sum_loop_kernel`: PER_SM programs a
+# multiprocessor walk the row groups, the next group's tile loaded before this group's arithmetic)
+for _bn, _w, _x in ((1, 4, 4), (2, 4, 2), (2, 4, 4), (4, 8, 2)):
+    ARMS[f"sum-loop-bn{_bn}w{_w}x{_x}"] = {**_DEFAULT, "sum": {"BN": _bn, "num_warps": _w, "PER_SM": _x}}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 
 
@@ -277,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="", help="prompt lengths for the prefill A/B (PREFILL_ARMS), e.g. 8192")
     ap.add_argument("--chunks", default="2048,8192", help="prefill chunks for the prefill A/B")
     ap.add_argument("--no-decode", action="store_true", help="only the prefill A/B")
+    ap.add_argument("--sum-from", default="", help="a down_sum.json (bench/down_sum.py): adds the arm 'sum-best', "
+                    "the default with its fastest down_sum tiles")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/step_ab.py needs a CUDA GPU.", file=sys.stderr)
@@ -285,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.gpu import moe_gemv, pdl
 
     one_row = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    if args.sum_from:
+        import json
+
+        got = json.loads(Path(args.sum_from).read_text())
+        best = next(r["cfg"] for r in got["rows"] if r["method"] == got["best"])
+        ARMS["sum-best"] = {**_DEFAULT, "sum": best}
+        print(f"sum-best: {got['best']} {best}")
     contexts = [int(x) for x in args.contexts.split(",") if x]
     widths = [int(x) for x in args.widths.split(",") if x]
     arms = [a for a in args.arms.split(",") if a]

@@ -2,6 +2,7 @@
 
     python bench/step_profile.py [--context 1024] [--widths 1,8] [--steps 20]
     python bench/step_profile.py --prefill 8192 [--chunk 8192]
+    python bench/step_profile.py --quant q4_0 [--context 1024] [--widths 1]
 
 Runs the graph-captured step (bench/context.py's `time_decode`) for the step time, then the same step eagerly
 under torch.profiler (CUDA activity) and groups GPU kernel time by kernel name: per step, the kernel's share, its
@@ -10,6 +11,8 @@ left for launch gaps. Each kernel is put next to the bytes it must read when tha
 projections, active experts, the KV cache), so a reader sees which part is far from the copy bandwidth.
 Writes `step_profile.json`. `--prefill N` profiles one prefill of N tokens instead (after three timed ones), kernel
 time per prefill next to the time the bf16 matmul peak needs for its FLOPs; writes `prefill_profile.json`.
+`--quant q4_0` (or q8_0) profiles the step of a target whose matrices and experts are ggml blocks
+(bench/quant_target.py's build), next to the bytes a token reads in that format; writes `step_profile_<quant>.json`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     ap.add_argument("--chunk", type=int, default=8192, help="the prefill's chunk")
+    ap.add_argument("--quant", default="", help="profile a target in this block format (q4_0, q8_0) instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/step_profile.py needs a CUDA GPU.", file=sys.stderr)
@@ -101,8 +105,14 @@ def main() -> int:
     from bench.context import build_a3b, make_kv, prefill_flops_per_token, time_decode, weight_bytes
 
     bw = copy_bandwidth()
-    model, _ = build_a3b()
-    dense, expert, n_moe = weight_bytes(model)
+    if args.quant:
+        from bench.quant_target import A3B, active_bytes, build_on_gpu
+
+        model = build_on_gpu(A3B, args.quant)
+        dense, expert, n_moe = 0, 0, model.cfg.num_hidden_layers
+    else:
+        model, _ = build_a3b()
+        dense, expert, n_moe = weight_bytes(model)
     if args.prefill:
         from bench.common import matmul_peak
 
@@ -121,7 +131,10 @@ def main() -> int:
                     [[r["kernel"], r["us_per_step"], 100 * r["us_per_step"] / total, r["launches_per_step"],
                       r["us_per_launch"]] for r in rows[:30]])
         return 0
-    res: dict[str, Any] = {"machine": machine(), "context": args.context, "copy_GBs": bw / 1e9, "widths": {}}
+    res: dict[str, Any] = {"machine": machine(), "context": args.context, "copy_GBs": bw / 1e9, "widths": {},
+                           "quant": args.quant or "bf16"}
+    if args.quant:      # the bytes one token reads in this format (without the KV cache: 0 positions)
+        res["token_bytes_without_kv"] = active_bytes(A3B, args.quant, 0)
     for w in (int(x) for x in args.widths.split(",")):
         kv = make_kv(model, args.context, "bf16", capacity=args.context + 64)
         graph_ms = time_decode(model, kv, w, 50)["step_ms"]
@@ -130,14 +143,15 @@ def main() -> int:
         launches = sum(r["launches_per_step"] for r in rows)
         res["widths"][w] = dict(graph_step_us=graph_ms * 1e3, kernel_sum_us=total, launches_per_step=launches,
                                 dense_bytes=dense, expert_bytes=expert, moe_layers=n_moe, kernels=rows)
-        print_table(f"A3B step W={w} at context {args.context}: graph step {graph_ms * 1e3:,.0f} us, kernels "
-                    f"{total:,.0f} us in {launches:.0f} launches (copy {bw / 1e9:,.0f} GB/s; the dense weights alone "
-                    f"take {dense / bw * 1e6:,.0f} us)", ["kernel", "us/step", "share %", "launches", "us/launch"],
+        need = (f"a token's {args.quant} bytes without the KV take {res['token_bytes_without_kv'] / bw * 1e6:,.0f} us"
+                if args.quant else f"the dense weights alone take {dense / bw * 1e6:,.0f} us")
+        print_table(f"A3B {res['quant']} step W={w} at context {args.context}: graph step {graph_ms * 1e3:,.0f} us, "
+                    f"kernels {total:,.0f} us in {launches:.0f} launches (copy {bw / 1e9:,.0f} GB/s; {need})", ["kernel", "us/step", "share %", "launches", "us/launch"],
                     [[r["kernel"], r["us_per_step"], 100 * r["us_per_step"] / total, r["launches_per_step"],
                       r["us_per_launch"]] for r in rows[:18]])
         del kv
         torch.cuda.empty_cache()
-    write_json("step_profile.json", res)
+    write_json(f"step_profile_{args.quant}.json" if args.quant else "step_profile.json", res)
     return 0
 
 
