@@ -2,7 +2,7 @@
 the GEMV kernel's one-step tiles (runtime/gpu/moe_gemv.py: a program's whole weight tile loaded in one go), with
 and without EARLY (that load issued before the PDL wait).
 
-    python bench/gemv_one_row.py [--max-seconds 240]
+    python bench/gemv_one_row.py [--max-seconds 240] [--quant q4_0,q8_0]
 
 Matrices of the Qwen3-30B-A3B shape: q/k/v stacked 5120 x 2048, o_proj 2048 x 4096, router 128 x 2048 (48 copies
 of each, one per layer, so the 50 MB L2 holds no previous call's weights, as in a step), and the experts' gate/up
@@ -13,7 +13,10 @@ EARLY here overlaps a call's weight load with the previous call of the same kind
 in a step (bench/step_ab.py measures the step). Next to each: GB/s of weights read and the share of the measured
 copy bandwidth. Checks: the largest difference from float32 math relative to the largest |value|.
 
-Writes `gemv_one_row.json`, with the fastest candidate per matrix.
+`--quant q4_0,q8_0`: the same products of a target in those block formats (bench/quant_target.py's random blocks),
+the shipped variant against the looped one with prefetch and the one-step block tiles (`QUANT_CANDIDATES`).
+
+Writes `gemv_one_row.json` (`gemv_one_row_quant.json` with --quant), with the fastest candidate per matrix.
 """
 
 from __future__ import annotations
@@ -158,9 +161,88 @@ def expert_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     return rows
 
 
+QUANT_CANDIDATES = ("n8j2", "qone4j1", "qone4j2", "qone8j1", "qone8j2", "qone16j1", "qone16j2", "qone2j2")
+
+
+def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+    """The one-row products of a target whose matrices and experts are `fmt` blocks (bench/quant_target.py's random
+    blocks): the shipped variant against the looped one with prefetch and the one-step tiles (`QUANT_CANDIDATES`),
+    against float32 math on the dequantized values."""
+    from bench.quant_target import random_blocks
+    from runtime.formats.blocks import dequantize_torch
+    from runtime.gpu import dense_kernels, moe_gemv, moe_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
+    rows: list[dict[str, Any]] = []
+    for name, (N, K) in (("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])):
+        ws = [random_blocks(N, K, fmt, gen) for _ in range(LAYERS)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = x.float() @ dequantize_torch(ws[0], fmt).float().T
+        for label, c in cands.items():
+            if deadline.left() < 5:
+                break
+            try:
+                y = dense_kernels.gemv(x, ws[0], fmt, c).float()
+                us = graph_us([lambda w=w, c=c, x=x: dense_kernels.gemv(x, w, fmt, c) for w in ws])
+            except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
+                rows.append({"fmt": fmt, "matrix": name, "method": label, "error": f"{type(e).__name__}: {e!s:.160}"})
+                continue
+            nbytes = ws[0].numel()
+            rows.append({"fmt": fmt, "matrix": name, "method": label, "cfg": c, "us": us, "GBs": nbytes / us / 1e3,
+                         "frac_copy": nbytes / us / 1e-6 / bw,
+                         "rel_err": (y - ref).abs().max().item() / ref.abs().max().item()})
+        del ws
+    gu = random_blocks(E * 2 * NI, H, fmt, gen).reshape(E, 2 * NI, -1)
+    dn = random_blocks(E * H, NI, fmt, gen).reshape(E, H, -1)
+    x = torch.randn(1, H, device="cuda", generator=gen).to(torch.bfloat16)
+    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
+    routes = [moe_kernels.route(torch.randn(1, E, device="cuda", generator=gen), pos, TOPK, True)
+              for _ in range(LAYERS)]
+    hs = [torch.randn(TOPK, NI, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    r0 = routes[0]
+    idx = r0.se.long()
+    guf = torch.stack([dequantize_torch(gu[e].contiguous(), fmt) for e in idx.tolist()]).float()
+    dnf = torch.stack([dequantize_torch(dn[e].contiguous(), fmt) for e in idx.tolist()]).float()
+    h_ref = (torch.nn.functional.silu(guf[:, :NI] @ x.float()[0]) * (guf[:, NI:] @ x.float()[0]))
+    y_ref = torch.einsum("pk,pnk->pn", hs[0].float(), dnf) * r0.w.reshape(-1)[r0.order.long()][:, None]
+    y_ref = torch.zeros_like(y_ref).index_copy_(0, r0.order.long(), y_ref)
+    for part, nbytes in (("up", TOPK * gu[0].numel()), ("down", TOPK * dn[0].numel())):
+        for label, c in cands.items():
+            if deadline.left() < 5:
+                break
+            try:
+                if part == "up":
+                    outs = [torch.empty(TOPK, NI, dtype=torch.bfloat16, device="cuda") for _ in routes]
+
+                    def call(r, o, c=c):
+                        moe_gemv.up(x, r.tok, r.se, r.se, gu, o, fmt, E, NI, False, 1, c)
+                    pairs = list(zip(routes, outs, strict=True))
+                    call(*pairs[0])
+                    err = (outs[0].float() - h_ref).abs().max().item() / h_ref.abs().max().item()
+                else:
+                    outs = [torch.empty(TOPK, H, dtype=torch.float32, device="cuda") for _ in routes]
+
+                    def call(r, o, h, c=c):
+                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), dn, o, fmt, E, False, True, 1, c,
+                                      early=True)
+                    pairs = list(zip(routes, outs, hs, strict=True))
+                    call(*pairs[0])
+                    err = (outs[0] - y_ref).abs().max().item() / y_ref.abs().max().item()
+                us = graph_us([lambda p=p, call=call: call(*p) for p in pairs])
+            except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
+                rows.append({"fmt": fmt, "matrix": f"experts {part}", "method": label,
+                             "error": f"{type(e).__name__}: {e!s:.160}"})
+                continue
+            rows.append({"fmt": fmt, "matrix": f"experts {part}", "method": label, "cfg": c, "us": us,
+                         "GBs": nbytes / us / 1e3, "frac_copy": nbytes / us / 1e-6 / bw, "rel_err": err})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-seconds", type=float, default=240.0)
+    ap.add_argument("--quant", default="", help="block formats (q4_0,q8_0): time their one-row products instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gemv_one_row.py needs a CUDA GPU; run it on one.", file=sys.stderr)
@@ -171,21 +253,27 @@ def main(argv: list[str] | None = None) -> int:
 
     res: dict[str, Any] = {"machine": machine(), "copy_bandwidth_Bps": bw, "pdl": pdl.launch(torch.zeros(1,
                            device="cuda")).get("GDC", False)}
-    rows = expert_rows(bw, deadline) + dense_rows(bw, deadline)
+    quants = [q for q in args.quant.split(",") if q]
+    if quants:
+        rows = [r for q in quants for r in quant_rows(q, bw, deadline)]
+    else:
+        rows = expert_rows(bw, deadline) + dense_rows(bw, deadline)
+    for r in rows:
+        r.setdefault("fmt", "bf16")
     res["rows"] = rows
     best: dict[str, str] = {}
-    for m in dict.fromkeys(r["matrix"] for r in rows):
-        ok = [r for r in rows if r["matrix"] == m and "us" in r and r["rel_err"] < 1e-2]
+    for key in dict.fromkeys((r["fmt"], r["matrix"]) for r in rows):
+        ok = [r for r in rows if (r["fmt"], r["matrix"]) == key and "us" in r and r["rel_err"] < 1e-2]
         if ok:
-            best[m] = min(ok, key=lambda r: r["us"])["method"]
+            best[" ".join(key)] = min(ok, key=lambda r: r["us"])["method"]
     res["best"] = best
-    print_table(f"One-row BF16 products, graph of 48 calls each (copy {bw / 1e9:,.0f} GB/s, PDL {res['pdl']})",
-                ["matrix", "method", "us", "GB/s", "% copy", "rel err"],
-                [[r["matrix"], r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}", f"{100 * r['frac_copy']:.1f}",
-                  f"{r['rel_err']:.2g}"] if "us" in r else [r["matrix"], r["method"], r["error"], "", "", ""]
-                 for r in rows])
+    print_table(f"One-row products, graph of 48 calls each (copy {bw / 1e9:,.0f} GB/s, PDL {res['pdl']})",
+                ["format", "matrix", "method", "us", "GB/s", "% copy", "rel err"],
+                [[r["fmt"], r["matrix"], r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}",
+                  f"{100 * r['frac_copy']:.1f}", f"{r['rel_err']:.2g}"] if "us" in r
+                 else [r["fmt"], r["matrix"], r["method"], r["error"], "", "", ""] for r in rows])
     print("fastest:", best)
-    print("wrote", write_json("gemv_one_row.json", res))
+    print("wrote", write_json("gemv_one_row_quant.json" if quants else "gemv_one_row.json", res))
     return 0
 
 

@@ -99,7 +99,13 @@ for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k
 # multiprocessor walk the row groups, the next group's tile loaded before this group's arithmetic)
 for _bn, _w, _x in ((1, 4, 4), (2, 4, 2), (2, 4, 4), (4, 8, 2)):
     ARMS[f"sum-loop-bn{_bn}w{_w}x{_x}"] = {**_DEFAULT, "sum": {"BN": _bn, "num_warps": _w, "PER_SM": _x}}
+# quantized builds (--quant): the one-row products of a block-format target through a one-step block tile
+# (moe_gemv "qone*"), experts ("qone": DECODE_GEMV_ONE_ROW of the build's format) and dense projections ("qdense":
+# dense_kernels.QUANT_ONE_ROW); "quant-best" (with --quant-from): the fastest tiles of bench/gemv_one_row.py --quant
+for _v in ("qone4j1", "qone8j1", "qone8j2", "qone16j2"):
+    ARMS[f"q-{_v}"] = {**_DEFAULT, "qone": _v, "qdense": _v}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
+QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
 
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
@@ -123,6 +129,12 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     if arm.get("narrow"):
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+    dense_kernels.QUANT_ONE_ROW.clear()
+    for q in QUANT_FORMATS:
+        if arm.get("qone"):
+            moe_gemv.DECODE_GEMV_ONE_ROW[q] = arm["qone"]
+        if arm.get("qdense"):
+            dense_kernels.QUANT_ONE_ROW[q] = arm["qdense"]
     if arm.get("moe1") is True:
         moe_gemv.DECODE_GEMV_ONE_ROW.update(one_row)
     elif arm.get("moe1"):
@@ -270,6 +282,37 @@ def prefill_check(model, n: int, chunk: int) -> dict[str, Any]:
             "keys_rel_diff": k_rel, "fused_errors": list(prefill_chunk.ERRORS)}
 
 
+def quant_best(path: str, fmt: str) -> str:
+    """Register the arm 'quant-best-<fmt>': the default with the fastest one-row tiles of a gemv_one_row_quant.json
+    for `fmt` (the experts' gate/up tile with the down tile of its own best, the dense tile fastest over q/k/v and
+    o_proj together); returns its name."""
+    import json
+
+    from runtime.gpu import moe_gemv
+
+    rows = [r for r in json.loads(Path(path).read_text())["rows"] if r.get("fmt") == fmt and "us" in r
+            and r["rel_err"] < 1e-2]
+
+    def fastest(matrix: str) -> dict[str, Any]:
+        return min((r for r in rows if r["matrix"] == matrix), key=lambda r: r["us"])
+
+    up, down = fastest("experts up"), fastest("experts down")
+    merged = {**up["cfg"], "BN_DOWN": down["cfg"]["BN_DOWN"]}
+    if up["cfg"].get("ONE") != down["cfg"].get("ONE") or up["cfg"]["J"] != down["cfg"]["J"]:
+        merged = up["cfg"] if up["us"] * 2 > down["us"] else {**down["cfg"], "BN_UP": down["cfg"]["BN_UP"]}
+    dense: dict[str, float] = {}
+    for r in rows:
+        if r["matrix"] in ("qkv", "o_proj"):
+            dense[r["method"]] = dense.get(r["method"], 0.0) + r["us"]
+    best_dense = min(dense, key=lambda m: dense[m], default=None)
+    best_dense = None if best_dense == "shipped" else best_dense
+    moe_gemv.GEMV_VARIANTS[f"_best_{fmt}"] = merged
+    name = f"quant-best-{fmt}"
+    ARMS[name] = {**_DEFAULT, "qone": f"_best_{fmt}", "qdense": best_dense}
+    print(f"{name}: experts {up['method']} / {down['method']} -> {merged}; dense {best_dense}")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,32768")
@@ -281,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="", help="prompt lengths for the prefill A/B (PREFILL_ARMS), e.g. 8192")
     ap.add_argument("--chunks", default="2048,8192", help="prefill chunks for the prefill A/B")
     ap.add_argument("--no-decode", action="store_true", help="only the prefill A/B")
+    ap.add_argument("--quant-arms", default="", help="arms for the quantized builds (default: QUANT_ARMS)")
+    ap.add_argument("--quant-from", default="", help="a gemv_one_row_quant.json (bench/gemv_one_row.py --quant): "
+                    "adds the arm 'quant-best' to the quantized builds")
     ap.add_argument("--sum-from", default="", help="a down_sum.json (bench/down_sum.py): adds the arm 'sum-best', "
                     "the default with its fastest down_sum tiles")
     args = ap.parse_args(argv)
@@ -346,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.common import A3B_SHAPE
         from bench.quant_target import build_on_gpu
 
+        qarms = [a for a in args.quant_arms.split(",") if a] or list(QUANT_ARMS)
+        if args.quant_from:
+            qarms.append(quant_best(args.quant_from, q))
         qm = build_on_gpu(A3B_SHAPE, q)
-        qrows, qchecks = run(qm, list(QUANT_ARMS), contexts, [1], args.rounds, args.steps, q, one_row)
+        qrows, qchecks = run(qm, qarms, contexts, [1], args.rounds, args.steps, q, one_row)
         for r in qrows:
             r["tok_s"] = 1e3 / r["step_ms"]
         res["rows"] += qrows

@@ -171,6 +171,10 @@ def dequant_linear(x2: Tensor, blocks: Tensor, qtype: str) -> Tensor:
     return torch.nn.functional.linear(x2, w)
 
 
+# one-row products of a block-format matrix: the GEMV variant per format where it differs from moe_gemv.DECODE_GEMV
+# (the row count alone picks it, as for the experts' DECODE_GEMV_ONE_ROW)
+QUANT_ONE_ROW: dict[str, str] = {}
+
 # how 2+ rows of a quantized matrix are multiplied: "dequant" (`dequant_linear` for matrices up to
 # DEQUANT_MAX_VALUES, the GEMV kernel above) or "gemv" (the GEMV kernel, one pass per row: the runtime before,
 # kept for bench/dense_gemv.py --quant-step). A 16-row tile kernel that dequantized each weight once for all rows
@@ -192,7 +196,8 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Ten
     N = blocks.shape[0]
     cfg = moe_gemv.variant(qtype)
     if M == 1 and cfg is not None:
-        return gemv(x2, blocks, qtype, cfg).reshape(*lead, N)
+        one = QUANT_ONE_ROW.get(qtype)
+        return gemv(x2, blocks, qtype, moe_gemv.GEMV_VARIANTS[one] if one else cfg).reshape(*lead, N)
     if (MULTI_ROW != "gemv" and N * in_features <= DEQUANT_MAX_VALUES) or cfg is None:
         return dequant_linear(x2, blocks, qtype).reshape(*lead, N)
     parts = [gemv(x2[s:s + GEMV_ROWS], blocks, qtype, cfg) for s in range(0, M, GEMV_ROWS)]

@@ -52,8 +52,9 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "n8j2np": {"BN_UP": 8, "BN_DOWN": 8, "KV": 512, "MB": 1, "PF": 0, "J": 2, "num_warps": 4, "num_stages": 1},
     "n8j2m2": {"BN_UP": 8, "BN_DOWN": 8, "KV": 256, "MB": 2, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
     "n16d32": {"BN_UP": 16, "BN_DOWN": 32, "KV": 256, "MB": 1, "PF": 1, "J": 2, "num_warps": 4, "num_stages": 1},
-    # float rows in one step (KV covers the row: a program loads its whole tile at once); EARLY: before the PDL wait
-    # where the caller allows it (`down`); block formats take these tiles with KV-value steps
+    # rows in one step (KV covers the row: a program loads its whole tile at once; 32-value block formats too, as a
+    # power of two of blocks at or above the row's, the tail's scales zero; K-quants take KV-value steps); EARLY:
+    # before the PDL wait where the caller allows it (`down`)
     "one4x16": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 16, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
                 "EARLY": 1},
     "one2x8": {"ONE": 1, "BN_UP": 2, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
@@ -69,6 +70,11 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "one_d8": {"ONE": 1, "BN_UP": 8, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
                "EARLY": 1},
 }
+# one-step tiles for block-format rows: BN rows of gate/up and of down a program, J words of a block a thread
+for _bn in (2, 4, 8, 16):
+    for _j in (1, 2):
+        GEMV_VARIANTS[f"qone{_bn}j{_j}"] = {"ONE": 1, "BN_UP": _bn, "BN_DOWN": _bn, "KV": 4096, "MB": 1, "PF": 0,
+                                           "J": _j, "num_warps": 4, "num_stages": 1, "EARLY": 1}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
@@ -116,11 +122,14 @@ def cover(k: int) -> int:
 def chunk(k: int, fmt: str, kv: int, one: bool = False) -> int:
     """Blocks (bf16: values) per loop step for rows of k values: the largest power of two of them that divides the
     row and holds at most kv values (bf16: at least 16 values, the tail masked). one (a variant's ONE): float rows
-    whose power-of-two cover fits kv go through in one step, the tail masked."""
+    whose power-of-two cover fits kv go through in one step, the tail masked; so do 32-value block rows whose
+    power-of-two cover of blocks fits kv (the tail's blocks get a zero scale)."""
     vals = BLOCK_VALUES[QT[fmt]]
     if one and vals == 1 and cover(k) <= kv:
         return cover(k)
     nblk = k // vals
+    if one and vals == 32 and (1 << (nblk - 1).bit_length()) * vals <= kv:
+        return 1 << (nblk - 1).bit_length()
     c = 1
     while (c * 2) * vals <= kv and nblk % (c * 2) == 0:
         c *= 2
@@ -383,6 +392,21 @@ if HAVE_TRITON:
                     hb, db, qab, qbb = hb_, db_, qab_, qbb_
         return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
                 tl.sum(tl.sum(accb1, 2), 0))
+
+    @triton.jit
+    def _tile32(w, b, bc, nk, mg, QT: tl.constexpr, J: tl.constexpr):
+        """A one-step tile of 32-value block rows: blocks bc (b clamped to the row's), the scale of each block
+        b >= nk zero, so the tail adds nothing."""
+        h, d, qa, qb = _ld32(w, bc, mg, QT, J)
+        return h, tl.where((b < nk)[:, None, None], d, 0.0), qa, qb
+
+    @triton.jit
+    def _dot_one32(h, d, qa, qb, xr, bc, nk, QT: tl.constexpr, J: tl.constexpr):
+        """[BN] fp32 sums of a one-step block tile (`_tile32`) times the activations at xr: `_rows32`'s arithmetic
+        for a single step. nk == 0 (a missed expert's rows, whose activations may be anything): zeros."""
+        f0, f1, f2, f3 = _x32(xr, bc, QT, J)
+        acc = _dot32(tl.zeros(d.shape, dtype=tl.float32), h, d, qa, qb, f0, f1, f2, f3, QT, J)
+        return tl.where(nk > 0, tl.sum(tl.sum(acc, 2), 0), 0.0)
 
     # ------------------------------------------------------------------------------------------- K-quant rows
     # Q4_K, tile [NBC * 4, BN, 16]: super-block, 32-byte group g of the nibbles (sub-blocks 2g, 2g + 1), word i.
@@ -651,7 +675,28 @@ if HAVE_TRITON:
         rw = tl.arange(0, BN) if EVEN else tl.minimum(n, N - 1) - nb * BN
         wa = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64) + rw * SWN
         wb = wa + N * SWN
-        if ONE:
+        if ONE and QT > 0:
+            # 32-value blocks in one step: NBC blocks (a power of two at or above the row's), the tail's blocks
+            # read as the row's last one with a zero scale
+            b = tl.arange(0, NBC)
+            nk = tl.where(rows > 0, nblk, 0)
+            bc = tl.minimum(b, tl.maximum(nk, 1) - 1)
+            ha, da, qaa, qba = _tile32(wa, b, bc, nk, mg, QT, J)
+            if UP:
+                hb, db, qab, qbb = _tile32(wb, b, bc, nk, mg, QT, J)
+            if EARLY:
+                pdl.start(GDC)
+            for m in range(0, rows):
+                p = i + m
+                if UP:
+                    xr = x_ptr + tl.load(tok_ptr + p).to(tl.int64) * stride_xm
+                    _out(o_ptr, p, nm, _dot_one32(ha, da, qaa, qba, xr, bc, nk, QT, J),
+                         _dot_one32(hb, db, qab, qbb, xr, bc, nk, QT, J), ord_ptr, wt_ptr, n, stride_om, UP)
+                else:
+                    xr = x_ptr + p.to(tl.int64) * stride_xm
+                    ra = _dot_one32(ha, da, qaa, qba, xr, bc, nk, QT, J)
+                    _out(o_ptr, p, nm, ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
+        elif ONE:
             kk = tl.arange(0, NBC)
             nk = tl.where(rows > 0, nblk, 0)  # nothing to read for a pair that is not its expert's first
             ta = _tile_f(wa, kk, nk)
@@ -691,8 +736,10 @@ if HAVE_TRITON:
 
 
 def one_step(fmt: str, k: int, c: int) -> bool:
-    """Whether rows of k values of format fmt go through in one step of c values (float rows, a ONE variant)."""
-    return QT[fmt] == 0 and c >= k
+    """Whether rows of k values of format fmt go through in one step of c values (float rows) or c blocks (32-value
+    block formats), as a ONE variant takes them (`chunk(..., one=True)`)."""
+    q = QT[fmt]
+    return (q == 0 and c >= k) or (q in (1, 2, 3) and c * 32 >= k)
 
 
 # one-row windows of float experts: the down products of the token's top-k pairs and their sum (+ the residual) in
@@ -730,14 +777,15 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     K = x.shape[1]
     NP = se.numel()
     w = _weights(gate_up, fmt)
-    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE_UP", cfg.get("ONE"))))
+    one = bool(cfg.get("ONE_UP", cfg.get("ONE")))
+    c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], ONE=one_step(fmt, K, c), **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=one and one_step(fmt, K, c), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -750,15 +798,17 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     N = y.shape[1]
     NP = se.numel()
     w = _weights(down_w, fmt)
-    c = chunk(K, fmt, cfg["KV"], bool(cfg.get("ONE_DOWN", cfg.get("ONE"))))
+    one = bool(cfg.get("ONE_DOWN", cfg.get("ONE")))
+    c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), h, h, h, h, 0.0, SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], ONE=one_step(fmt, K, c),
-                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and one_step(fmt, K, c), **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=one and one_step(fmt, K, c),
+                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and one and one_step(fmt, K, c),
+                       **pdl.launch(w))
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, ones: Tensor,

@@ -273,14 +273,20 @@ def check_moe_gemv() -> None:
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()     # one variant at every width here: a row alone == the row in a window
     moe_gemv.GEMV_VARIANTS["_odd"] = {"BN_UP": 64, "BN_DOWN": 64, "KV": 64, "MB": 2, "PF": 1, "J": 2, "num_warps": 4,
                                       "num_stages": 1}
+    # 32-value block rows in one step: down rows of 3 blocks (a 4-block tile, the tail's scale zero), gate/up rows
+    # past N (96 rows in tiles of 64)
+    one = {"ONE": 1, "KV": 4096, "MB": 1, "PF": 0, "num_stages": 1, "EARLY": 1}
+    moe_gemv.GEMV_VARIANTS["_one_blk"] = {**one, "BN_UP": 64, "BN_DOWN": 8, "J": 2, "num_warps": 4}
+    moe_gemv.GEMV_VARIANTS["_one_blk1"] = {**one, "BN_UP": 4, "BN_DOWN": 16, "J": 1, "num_warps": 2}
     try:
         E, k, T = 5, 2, 4
         # the pairs decode uses, every other variant once (the format alternates), the odd one on every format
         cases = [(v, f) for f, v in saved.items() if v is not None and f in ("q4_0", "q8_0", "q5_0")]
-        rest = [v for v in moe_gemv.GEMV_VARIANTS if v != "_odd" and v not in {c[0] for c in cases}
+        rest = [v for v in moe_gemv.GEMV_VARIANTS if not v.startswith("_") and v not in {c[0] for c in cases}
                 and not any(moe_gemv.GEMV_VARIANTS[v].get(o) for o in ("ONE", "ONE_UP", "ONE_DOWN"))]  # below
         cases += [(v, ("q4_0", "q8_0")[i % 2]) for i, v in enumerate(rest)]
         cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k")]
+        cases += [("_one_blk", f) for f in ("q4_0", "q8_0", "q5_0")] + [("_one_blk1", "q4_0")]
         for n, (var, fmt) in enumerate(cases):
             H, NI = (256, 256) if fmt in ("q4_k", "q6_k") else (40, 24) if fmt == "bf16" else (64, 96)
             g = torch.Generator().manual_seed(20 + n)
@@ -301,14 +307,15 @@ def check_moe_gemv() -> None:
             for i in ((2,) if fmt in ("q4_k", "q6_k") else (0, 2)):
                 one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gub, dnb, fmt=f)
                 assert torch.equal(one[0], out[i]), (var, fmt, i)
-            if fmt in ("q4_k", "q6_k") or (var != "_odd" and fmt == "q8_0"):
+            if fmt in ("q4_k", "q6_k") or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
                 continue
             res = [2, 0, 4]                              # slot -> expert; experts 1 and 3 missed
             slot = torch.full((E,), -1, dtype=torch.int32)
             slot[res] = torch.arange(3, dtype=torch.int32)
             gs, ds = gub[res].contiguous(), dnb[res].contiguous()
             part = moe_kernels.moe_grouped(x, idx, w, gs, ds, fmt=f, slot=slot)
-            assert rel(part, ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in (2, 0, 4))) < 3e-3, (var, fmt)
+            assert rel(part, ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in (2, 0, 4))) < 3e-3, (
+                var, fmt, rel(part, ref_moe(x, idx, w, guf, dnf, keep=lambda e: e in (2, 0, 4))), idx.tolist())
             stage = torch.full((E,), -1, dtype=torch.int32)
             stage[1], stage[3] = 0, 1
             gst, dst = gub[[1, 3]].contiguous(), dnb[[1, 3]].contiguous()
@@ -319,7 +326,8 @@ def check_moe_gemv() -> None:
             filled = moe_kernels.moe_grouped(x, idx, w, gs, ds, fmt=f, slot=slot, miss_fn=miss_fn)
             assert torch.equal(filled, out), (var, fmt)
     finally:
-        del moe_gemv.GEMV_VARIANTS["_odd"]
+        for v in ("_odd", "_one_blk", "_one_blk1"):
+            del moe_gemv.GEMV_VARIANTS[v]
         moe_gemv.DECODE_GEMV.clear()
         moe_gemv.DECODE_GEMV.update(saved)
         moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)
