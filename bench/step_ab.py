@@ -85,7 +85,10 @@ ARMS.update({
 # without "tiers" / "reduce" take the shipped layout and reduction tile. tiers-before: the layout until
 # bench/results/h200_session9/ (with "reduce": 16, the runtime before that)
 from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
+from runtime.gpu.dense_kernels import QUANT_ONE_ROW  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
+
+QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
 
 for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
@@ -103,7 +106,11 @@ for _bn, _w, _x in ((1, 4, 4), (2, 4, 2), (2, 4, 4), (4, 8, 2)):
 # (moe_gemv "qone*"), experts ("qone": DECODE_GEMV_ONE_ROW of the build's format) and dense projections ("qdense":
 # dense_kernels.QUANT_ONE_ROW); "quant-best" (with --quant-from): the fastest tiles of bench/gemv_one_row.py --quant
 for _v in ("qone4j1", "qone8j1", "qone8j2", "qone16j2"):
-    ARMS[f"q-{_v}"] = {**_DEFAULT, "qone": _v, "qdense": _v}
+    ARMS[f"q-{_v}"] = {**_DEFAULT, "qone": _v, "qdense": {"qkv": _v, "o_proj": _v}}
+# the quantized step before dense_kernels.QUANT_ONE_ROW (every one-row block product on DECODE_GEMV's tiles)
+ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
+# PDL on the split attention kernel too (pdl.SKIP empty)
+ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
 
@@ -130,11 +137,14 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
     dense_kernels.QUANT_ONE_ROW.clear()
+    dense_kernels.QUANT_ONE_ROW.update(QUANT_ONE_ROW_SHIPPED)
     for q in QUANT_FORMATS:
         if arm.get("qone"):
             moe_gemv.DECODE_GEMV_ONE_ROW[q] = arm["qone"]
-        if arm.get("qdense"):
-            dense_kernels.QUANT_ONE_ROW[q] = arm["qdense"]
+        if arm.get("qdense") is not None:
+            for role in ("qkv", "o_proj"):
+                dense_kernels.QUANT_ONE_ROW.pop((q, role), None)
+            dense_kernels.QUANT_ONE_ROW.update({(q, role): v for role, v in arm["qdense"].items()})
     if arm.get("moe1") is True:
         moe_gemv.DECODE_GEMV_ONE_ROW.update(one_row)
     elif arm.get("moe1"):
@@ -308,7 +318,8 @@ def quant_best(path: str, fmt: str) -> str:
     best_dense = None if best_dense == "shipped" else best_dense
     moe_gemv.GEMV_VARIANTS[f"_best_{fmt}"] = merged
     name = f"quant-best-{fmt}"
-    ARMS[name] = {**_DEFAULT, "qone": f"_best_{fmt}", "qdense": best_dense}
+    ARMS[name] = {**_DEFAULT, "qone": f"_best_{fmt}", "qdense": {"qkv": best_dense, "o_proj": best_dense}
+                  if best_dense else {}}
     print(f"{name}: experts {up['method']} / {down['method']} -> {merged}; dense {best_dense}")
     return name
 

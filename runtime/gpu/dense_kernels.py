@@ -171,9 +171,24 @@ def dequant_linear(x2: Tensor, blocks: Tensor, qtype: str) -> Tensor:
     return torch.nn.functional.linear(x2, w)
 
 
-# one-row products of a block-format matrix: the GEMV variant per format where it differs from moe_gemv.DECODE_GEMV
-# (the row count alone picks it, as for the experts' DECODE_GEMV_ONE_ROW)
-QUANT_ONE_ROW: dict[str, str] = {}
+# one-row products of a block-format matrix in the fused step: the GEMV variant per (format, role) where the role's
+# shape favours another than moe_gemv.DECODE_GEMV's (`quant_one_row`; the row count and the role pick it, never the
+# other rows). H200, A3B, 48 copies in a graph (bench/gemv_one_row.py --quant, bench/results/h200_session10/):
+# o_proj (2048 x 4096) through the one-step block tiles, 4 rows a program: Q4_0 5.9 us against 8.0 on the looped
+# tiles, Q8_0 7.0 against 8.4; q/k/v (5120 x 2048) keeps the looped tiles (5.9 against 7.1)
+QUANT_ONE_ROW: dict[tuple[str, str], str] = {("q4_0", "o_proj"): "qone4j2", ("q8_0", "o_proj"): "qone4j2"}
+
+
+def quant_one_row(x: Tensor, mod, role: str) -> Tensor | None:
+    """x [1, K] @ W^T for a block-format projection `mod` (a QuantLinear) through the variant QUANT_ONE_ROW names
+    for its format and `role`; None when it names none (the caller takes the module's own path)."""
+    name = QUANT_ONE_ROW.get((getattr(mod, "qtype", None), role)) if x.shape[0] == 1 else None
+    if name is None or not hasattr(mod, "blocks") or not HAVE_TRITON:
+        return None
+    if name not in moe_gemv.GEMV_VARIANTS:
+        raise ValueError(f"QUANT_ONE_ROW[{(mod.qtype, role)!r}] names {name!r}, which is not in GEMV_VARIANTS; use one "
+                         f"of {', '.join(moe_gemv.GEMV_VARIANTS)}.")
+    return gemv(x.contiguous(), mod.blocks, mod.qtype, moe_gemv.GEMV_VARIANTS[name])
 
 # how 2+ rows of a quantized matrix are multiplied: "dequant" (`dequant_linear` for matrices up to
 # DEQUANT_MAX_VALUES, the GEMV kernel above) or "gemv" (the GEMV kernel, one pass per row: the runtime before,
@@ -196,8 +211,7 @@ def quant_linear(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Ten
     N = blocks.shape[0]
     cfg = moe_gemv.variant(qtype)
     if M == 1 and cfg is not None:
-        one = QUANT_ONE_ROW.get(qtype)
-        return gemv(x2, blocks, qtype, moe_gemv.GEMV_VARIANTS[one] if one else cfg).reshape(*lead, N)
+        return gemv(x2, blocks, qtype, cfg).reshape(*lead, N)
     if (MULTI_ROW != "gemv" and N * in_features <= DEQUANT_MAX_VALUES) or cfg is None:
         return dequant_linear(x2, blocks, qtype).reshape(*lead, N)
     parts = [gemv(x2[s:s + GEMV_ROWS], blocks, qtype, cfg) for s in range(0, M, GEMV_ROWS)]

@@ -36,10 +36,13 @@ from runtime.models.layers import SparseMoe, project_qkv
 from runtime.models.qwen3_moe import TargetOutput
 
 
-def _proj(x: Tensor, w: Tensor | None, role: str, usual) -> Tensor:
-    """A projection of the fused step: one row through the GEMV kernel where dense_kernels.ONE_ROW_DENSE says so,
-    else the module's own path (`usual`: cuBLAS for BF16, the block kernels for a quantized matrix)."""
+def _proj(x: Tensor, w: Tensor | None, role: str, usual, blocks=None) -> Tensor:
+    """A projection of the fused step: one row through the GEMV kernel where dense_kernels.ONE_ROW_DENSE (a float
+    matrix w) or QUANT_ONE_ROW (a block-format module `blocks`) says so, else the module's own path (`usual`:
+    cuBLAS for BF16, the block kernels for a quantized matrix)."""
     y = dense_kernels.one_row(x, w, role)
+    if y is None and blocks is not None:
+        y = dense_kernels.quant_one_row(x, blocks, role)
     return usual(x) if y is None else y
 
 
@@ -63,11 +66,11 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
         qkv = fused[2]
     else:
         _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-        qkv = _proj(h, a.qkv_weight, "qkv", a.qkv)
+        qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
     q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
                                    a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
     o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part)
-    d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj)
+    d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj, a.o_proj)
     mlp = layer.mlp
     fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
                                        dense_kernels.weight_of(mlp.gate), "router")
@@ -75,7 +78,7 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
         x, h, lg = fused
     else:
         x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
-        lg = _proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate)
+        lg = _proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate, mlp.gate)
     r = moe_kernels.route(lg, pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
     if mlp.recorder is not None:
         mlp.recorder(i, r.idx)

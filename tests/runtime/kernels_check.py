@@ -376,24 +376,41 @@ def check_fused_step_quant() -> None:
 
 
 def _fused_step_matches_forward(model, label: str) -> None:
-    """The fused width-4 step (no graph) against the plain forward, on a 6-token prompt then windows of 1 and 3."""
+    """The fused width-4 step (no graph) against the plain forward, on a 6-token prompt then windows of 1 and 3;
+    then the one-row step (its own kernels: dense_kernels.QUANT_ONE_ROW for a block-format o_proj) on one more."""
+    from runtime.gpu import dense_kernels
     from runtime.gpu.static_step import StaticStep
     from runtime.kv import KVCache
 
     c = model.cfg
     kv_a, kv_b = (KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 40) for _ in range(2))
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    seen: list[str] = []
+    one_row = dense_kernels.quant_one_row
+
+    def spy(x, mod, role):
+        y = one_row(x, mod, role)
+        if y is not None:
+            seen.append(role)
+        return y
     with torch.no_grad():
         model(prompt, kv=kv_a)
         model(prompt, kv=kv_b)
-        step = StaticStep(model, kv_b, width=4, graph=False)
-        assert step.fused
-        for win in ([[12]], [[3, 4, 5]]):
-            wt = torch.tensor(win)
-            ref = model(wt, kv=kv_a, taps=(1,))
-            got = step(wt, kv_b, (1,))
-            err = (got.logits - ref.logits).abs().max()
-            assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (label, err)
+        dense_kernels.quant_one_row = spy
+        try:
+            for width, wins in ((4, ([[12]], [[3, 4, 5]])), (1, ([[8]],))):
+                step = StaticStep(model, kv_b, width=width, graph=False)
+                assert step.fused
+                for win in wins:
+                    wt = torch.tensor(win)
+                    ref = model(wt, kv=kv_a, taps=(1,))
+                    got = step(wt, kv_b, (1,))
+                    err = (got.logits - ref.logits).abs().max()
+                    assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (label, width, err)
+        finally:
+            dense_kernels.quant_one_row = one_row
+    fmt = getattr(model.model.layers[0].self_attn.o_proj, "qtype", None)
+    assert ("o_proj" in seen) == ((fmt, "o_proj") in dense_kernels.QUANT_ONE_ROW), (label, seen)
 
 
 def check_fused_step_gguf() -> None:
