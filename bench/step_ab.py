@@ -109,7 +109,8 @@ for _v in ("qone4j1", "qone8j1", "qone8j2", "qone16j2"):
     ARMS[f"q-{_v}"] = {**_DEFAULT, "qone": _v, "qdense": {"qkv": _v, "o_proj": _v}}
 # the quantized step before dense_kernels.QUANT_ONE_ROW (every one-row block product on DECODE_GEMV's tiles)
 ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
-# PDL on the split attention kernel too (pdl.SKIP empty)
+# PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
+# at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
