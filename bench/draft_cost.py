@@ -1,10 +1,10 @@
 """Where a drafter's time per window goes on a GPU: its CUDA graphs alone against what the speculative loop pays.
 
-    python bench/draft_cost.py [--new-tokens 96] [--replays 50]
+    python bench/draft_cost.py [--new-tokens 96] [--replays 50] [--tasks code,long]
 
 For the bundled pack's MTP head (its layer through the fused decode kernels, and through its modules as before:
 runtime/drafters/mtp.py `FUSED`) and its DFlash2 head (blocks 4 and 8): one greedy run on the code prompt with the
-engine's fixed-width step, then
+engine's fixed-width step (each of `--tasks`' prompts: code, and long, a 3k-token prompt), then
 - loop: draft ms per window as the loop measures it (CUDA events around `propose` and `observe`: GPU time, plus any
   time the GPU sat idle waiting for the host to queue the next launch);
 - graphs: the GPU time of each of the drafter's graphs the run captured, replayed back to back (`replays` times
@@ -52,7 +52,8 @@ def kernels_in(g: torch.cuda.CUDAGraph) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def measure(eng, label: str, block: int, ids: list[int], new_tokens: int, replays: int) -> list[dict[str, Any]]:
+def measure(eng, label: str, block: int, ids: list[int], new_tokens: int, replays: int, task: str = "code"
+            ) -> list[dict[str, Any]]:
     d = eng.drafter
     eng.generate(ids, max_new_tokens=8, block=block, spec_min_p=0.0, stop_ids=set())   # attaches the graphs
     d.graphs.graphs.clear()                      # then only this block's graphs: captured by the first full run
@@ -60,10 +61,11 @@ def measure(eng, label: str, block: int, ids: list[int], new_tokens: int, replay
     r = eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
     st = r.stats
     win = max(1, st["windows"])
-    rows = [{"drafter": label, "block": block, "what": "loop: draft ms per window", "ms": 1e3 * st["draft_s"] / win,
+    rows = [{"drafter": label, "block": block, "task": task, "what": "loop: draft ms per window",
+             "ms": 1e3 * st["draft_s"] / win,
              "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]}]
     for key, (g, _) in d.graphs.graphs.items():
-        rows.append({"drafter": label, "block": block, "what": f"graph {key}", "ms": graph_ms(g, replays),
+        rows.append({"drafter": label, "block": block, "task": task, "what": f"graph {key}", "ms": graph_ms(g, replays),
                      "launches": kernels_in(g)})
     return rows
 
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--tasks", default="code", help="prompts (bench/common.py task_prompts): code, long, math, prose")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/draft_cost.py needs a CUDA GPU (it times CUDA graphs).", file=sys.stderr)
@@ -80,23 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.engine import Engine
 
     rows: list[dict[str, Any]] = []
-    ids = None
+    tasks = [t for t in args.tasks.split(",") if t]
+    prompts: dict[str, list[int]] = {}
     for fused in (True, False):
         mtp.FUSED = fused
         eng = Engine.build(NANO, "mtp", device="cuda", context=4096, block=4)
-        ids = ids or eng.tokenizer.encode(task_prompts()["code"]).ids
-        for block in (4, 5):
-            rows += measure(eng, f"MTP ({'fused layer' if fused else 'modules'})", block, ids, args.new_tokens,
-                            args.replays)
+        prompts = prompts or {t: eng.tokenizer.encode(task_prompts()[t]).ids for t in tasks}
+        for task, ids in prompts.items():
+            for block in (4, 5):
+                rows += measure(eng, f"MTP ({'fused layer' if fused else 'modules'})", block, ids, args.new_tokens,
+                                args.replays, task)
         del eng
     mtp.FUSED = True
     eng = Engine.build(NANO, "dflash2", drafter_path=NANO_DFLASH2, device="cuda", context=4096, block=8)
-    for block in (4, 8):
-        rows += measure(eng, "DFlash2 bf16", block, ids, args.new_tokens, args.replays)
+    for task, ids in prompts.items():
+        for block in (4, 8):
+            rows += measure(eng, "DFlash2 bf16", block, ids, args.new_tokens, args.replays, task)
     write_json("draft_cost.json", {"machine": machine(), "args": vars(args), "rows": rows})
-    print_table(f"Drafter cost per window, bundled pack, code prompt ({machine().get('gpu')})",
-                ["drafter", "block", "what", "ms", "launches", "tok/window"],
-                [[r["drafter"], r["block"], r["what"], r["ms"], r.get("launches"), r.get("tokens_per_window")]
+    print_table(f"Drafter cost per window, bundled pack ({machine().get('gpu')})",
+                ["drafter", "block", "task", "what", "ms", "launches", "tok/window"],
+                [[r["drafter"], r["block"], r["task"], r["what"], r["ms"], r.get("launches"), r.get("tokens_per_window")]
                  for r in rows])
     return 0
 

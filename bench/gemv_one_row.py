@@ -161,7 +161,8 @@ def expert_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     return rows
 
 
-QUANT_CANDIDATES = ("n8j2", "qone4j1", "qone4j2", "qone8j1", "qone8j2", "qone16j1", "qone16j2", "qone2j2")
+QUANT_CANDIDATES = ("n8j2", "n16j2", "n4j2", "n8j1", "qone4j1", "qone4j2", "qone8j1", "qone8j2", "qone16j1", "qone16j2",
+                    "qone2j2")
 
 
 def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
