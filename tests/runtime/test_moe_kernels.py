@@ -41,11 +41,16 @@ def test_gemv_steps_divide_rows_and_warps_never_split_rows():
     assert moe_gemv.chunk(768, "q4_k", 512) == 1 and moe_gemv.chunk(2048, "q6_k", 512) == 2
     assert moe_gemv.chunk(2048, "bf16", 256) == 256 and moe_gemv.chunk(40, "bf16", 256) == 16   # 40: masked tail
     # one-step variants: a float row in one step of its power-of-two cover (tail masked) when KV holds it, else the
-    # usual steps; block formats ignore it
+    # usual steps; 32-value block rows too, in blocks (24 blocks of a 768-value row: a 32-block tile, the tail's
+    # scales zero); K-quants keep their steps
     assert moe_gemv.chunk(768, "bf16", 4096, True) == 1024 and moe_gemv.chunk(2048, "bf16", 2048, True) == 2048
     assert moe_gemv.chunk(768, "bf16", 512, True) == 256 and moe_gemv.chunk(768, "bf16", 4096) == 256
-    assert moe_gemv.chunk(2048, "q4_0", 512, True) == 16
-    assert moe_gemv.one_step("bf16", 768, 1024) and not moe_gemv.one_step("q4_0", 64, 64)
+    assert moe_gemv.chunk(2048, "q4_0", 512, True) == 16 and moe_gemv.chunk(2048, "q4_0", 4096, True) == 64
+    assert moe_gemv.chunk(768, "q4_0", 4096, True) == 32 and moe_gemv.chunk(768, "q4_0", 4096) == 8
+    assert moe_gemv.chunk(768, "q4_k", 4096, True) == 1 and not moe_gemv.one_step("q4_k", 768, 1)
+    assert moe_gemv.one_step("bf16", 768, 1024) and not moe_gemv.one_step("bf16", 768, 512)
+    assert moe_gemv.one_step("q4_0", 768, 32) and not moe_gemv.one_step("q4_0", 768, 8)
+    assert moe_gemv.one_step("q8_0", 2048, 64) and not moe_gemv.one_step("q8_0", 2048, 16)
     for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
         for k in (768, 2048):
             c = moe_gemv.chunk(k, fmt, 512)
@@ -61,6 +66,26 @@ def test_decode_gemv_names_a_variant(monkeypatch):
     monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q4_0", "nope")
     with pytest.raises(ValueError, match="not in GEMV_VARIANTS"):
         moe_gemv.variant("q4_0")
+
+
+def test_quant_one_row_table(monkeypatch):
+    """The fused step's block-format one-row products: QUANT_ONE_ROW names variants by (format, role); a role it
+    does not name, a window of several rows or a float module take the caller's path (None); a bad name is one
+    sentence."""
+    import torch
+
+    from runtime.formats.quant_linear import QuantLinear
+    from runtime.gpu import dense_kernels
+
+    assert all(v in moe_gemv.GEMV_VARIANTS for v in dense_kernels.QUANT_ONE_ROW.values())
+    assert all(f in moe_gemv.QT and r in ("qkv", "o_proj", "router") for f, r in dense_kernels.QUANT_ONE_ROW)
+    lin = QuantLinear.from_float(torch.randn(8, 64), "q8_0")
+    monkeypatch.setattr(dense_kernels, "QUANT_ONE_ROW", {("q8_0", "o_proj"): "nope"})
+    assert dense_kernels.quant_one_row(torch.randn(1, 64), lin, "qkv") is None
+    assert dense_kernels.quant_one_row(torch.randn(2, 64), lin, "o_proj") is None
+    assert dense_kernels.quant_one_row(torch.randn(1, 64), torch.nn.Linear(64, 8), "o_proj") is None
+    with pytest.raises(ValueError, match="not in GEMV_VARIANTS"):
+        dense_kernels.quant_one_row(torch.randn(1, 64), lin, "o_proj")
 
 
 def test_variant_by_window_width(monkeypatch):
