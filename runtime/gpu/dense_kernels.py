@@ -183,11 +183,13 @@ def quant_one_row(x: Tensor, mod, role: str) -> Tensor | None:
     """x [1, K] @ W^T for a block-format projection `mod` (a QuantLinear) through the variant QUANT_ONE_ROW names
     for its format and `role`; None when it names none (the caller takes the module's own path)."""
     name = QUANT_ONE_ROW.get((getattr(mod, "qtype", None), role)) if x.shape[0] == 1 else None
-    if name is None or not hasattr(mod, "blocks") or not HAVE_TRITON:
+    if name is None or not hasattr(mod, "blocks"):
         return None
     if name not in moe_gemv.GEMV_VARIANTS:
         raise ValueError(f"QUANT_ONE_ROW[{(mod.qtype, role)!r}] names {name!r}, which is not in GEMV_VARIANTS; use one "
                          f"of {', '.join(moe_gemv.GEMV_VARIANTS)}.")
+    if not HAVE_TRITON:
+        return None
     return gemv(x.contiguous(), mod.blocks, mod.qtype, moe_gemv.GEMV_VARIANTS[name])
 
 # how 2+ rows of a quantized matrix are multiplied: "dequant" (`dequant_linear` for matrices up to
