@@ -98,17 +98,26 @@ def dense_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     return rows
 
 
-def expert_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
-    from runtime.gpu import moe_gemv, moe_kernels
+def token_routes(gen: torch.Generator) -> tuple[torch.Tensor, list, list[torch.Tensor]]:
+    """One token's activation row, 48 routings of it (one per layer: a different top-8 each) and the h rows the
+    down products take."""
+    from runtime.gpu import moe_kernels
 
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    gu = (torch.randn(E, 2 * NI, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    dn = (torch.randn(E, H, NI, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     x = torch.randn(1, H, device="cuda", generator=gen).to(torch.bfloat16)
     pos = torch.zeros(1, dtype=torch.int32, device="cuda")
     routes = [moe_kernels.route(torch.randn(1, E, device="cuda", generator=gen), pos, TOPK, True)
               for _ in range(LAYERS)]
     hs = [torch.randn(TOPK, NI, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    return x, routes, hs
+
+
+def expert_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+    from runtime.gpu import moe_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    gu = (torch.randn(E, 2 * NI, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    dn = (torch.randn(E, H, NI, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x, routes, hs = token_routes(gen)
     r0 = routes[0]
     idx = r0.se.long()
     g_ref = x.float() @ gu[idx, :NI].float().transpose(1, 2)          # [8, 1, NI], sorted pair order
@@ -127,37 +136,55 @@ def expert_rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
         for warps in (4, 8):
             for early in (False, True):
                 downs[f"bn{bn} w{warps}{' early' if early else ''}"] = cfg(1, bn, warps, early)
-    rows = []
-    up_bytes = TOPK * 2 * NI * H * 2
-    down_bytes = TOPK * H * NI * 2
-    for part, cands, nbytes in (("up", ups, up_bytes), ("down", downs, down_bytes)):
+    setup = ExpertSetup(x, routes, hs, gu, dn, h_ref, y_ref)
+    return time_experts(setup, "bf16", (("up", ups, TOPK * 2 * NI * H * 2), ("down", downs, TOPK * H * NI * 2)), bw,
+                        deadline)
+
+
+class ExpertSetup:
+    """One token's experts for the timing: its activation row, 48 routings (one per layer), the h rows the down
+    products take, the stacked weights, and the float32 references of the first routing (sorted pair order for
+    h, each pair's own row for y)."""
+
+    def __init__(self, x, routes, hs, gu, dn, h_ref, y_ref) -> None:
+        self.x, self.routes, self.hs, self.gu, self.dn, self.h_ref, self.y_ref = x, routes, hs, gu, dn, h_ref, y_ref
+
+
+def time_experts(st: ExpertSetup, fmt: str, parts, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+    """Each (part, candidates, bytes) of `parts` ("up": gate/up, "down"), each candidate as one graph of the 48
+    calls: us per call, GB/s, share of the copy bandwidth, the largest error relative to the reference."""
+    from runtime.gpu import moe_gemv
+
+    rows: list[dict[str, Any]] = []
+    for part, cands, nbytes in parts:
         for label, c in cands.items():
             if deadline.left() < 5:
                 break
             try:
                 if part == "up":
-                    outs = [torch.empty(TOPK, NI, dtype=torch.bfloat16, device="cuda") for _ in routes]
+                    outs = [torch.empty(TOPK, NI, dtype=torch.bfloat16, device="cuda") for _ in st.routes]
 
                     def call(r, o, c=c):
-                        moe_gemv.up(x, r.tok, r.se, r.se, gu, o, "bf16", E, NI, False, 1, c)
-                    pairs = list(zip(routes, outs, strict=True))
+                        moe_gemv.up(st.x, r.tok, r.se, r.se, st.gu, o, fmt, E, NI, False, 1, c)
+                    pairs = list(zip(st.routes, outs, strict=True))
                     call(*pairs[0])
-                    err = (outs[0].float() - h_ref).abs().max().item() / h_ref.abs().max().item()
+                    err = (outs[0].float() - st.h_ref).abs().max().item() / st.h_ref.abs().max().item()
                 else:
-                    outs = [torch.empty(TOPK, H, dtype=torch.float32, device="cuda") for _ in routes]
+                    outs = [torch.empty(TOPK, H, dtype=torch.float32, device="cuda") for _ in st.routes]
 
                     def call(r, o, h, c=c):
-                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), dn, o, "bf16", E, False, True, 1,
-                                      c, early=True)
-                    pairs = list(zip(routes, outs, hs, strict=True))
+                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), st.dn, o, fmt, E, False, True, 1, c,
+                                      early=True)
+                    pairs = list(zip(st.routes, outs, st.hs, strict=True))
                     call(*pairs[0])
-                    err = (outs[0] - y_ref).abs().max().item() / y_ref.abs().max().item()
+                    err = (outs[0] - st.y_ref).abs().max().item() / st.y_ref.abs().max().item()
                 us = graph_us([lambda p=p, call=call: call(*p) for p in pairs])
             except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
-                rows.append({"matrix": f"experts {part}", "method": label, "error": f"{type(e).__name__}: {e!s:.160}"})
+                rows.append({"fmt": fmt, "matrix": f"experts {part}", "method": label,
+                             "error": f"{type(e).__name__}: {e!s:.160}"})
                 continue
-            rows.append({"matrix": f"experts {part}", "method": label, "cfg": c, "us": us, "GBs": nbytes / us / 1e3,
-                         "frac_copy": nbytes / us / 1e-6 / bw, "rel_err": err})
+            rows.append({"fmt": fmt, "matrix": f"experts {part}", "method": label, "cfg": c, "us": us,
+                         "GBs": nbytes / us / 1e3, "frac_copy": nbytes / us / 1e-6 / bw, "rel_err": err})
     return rows
 
 
@@ -171,7 +198,7 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     against float32 math on the dequantized values."""
     from bench.quant_target import random_blocks
     from runtime.formats.blocks import dequantize_torch
-    from runtime.gpu import dense_kernels, moe_gemv, moe_kernels
+    from runtime.gpu import dense_kernels, moe_gemv
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
@@ -196,11 +223,7 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
         del ws
     gu = random_blocks(E * 2 * NI, H, fmt, gen).reshape(E, 2 * NI, -1)
     dn = random_blocks(E * H, NI, fmt, gen).reshape(E, H, -1)
-    x = torch.randn(1, H, device="cuda", generator=gen).to(torch.bfloat16)
-    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
-    routes = [moe_kernels.route(torch.randn(1, E, device="cuda", generator=gen), pos, TOPK, True)
-              for _ in range(LAYERS)]
-    hs = [torch.randn(TOPK, NI, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    x, routes, hs = token_routes(gen)
     r0 = routes[0]
     idx = r0.se.long()
     guf = torch.stack([dequantize_torch(gu[e].contiguous(), fmt) for e in idx.tolist()]).float()
@@ -208,36 +231,9 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     h_ref = (torch.nn.functional.silu(guf[:, :NI] @ x.float()[0]) * (guf[:, NI:] @ x.float()[0]))
     y_ref = torch.einsum("pk,pnk->pn", hs[0].float(), dnf) * r0.w.reshape(-1)[r0.order.long()][:, None]
     y_ref = torch.zeros_like(y_ref).index_copy_(0, r0.order.long(), y_ref)
-    for part, nbytes in (("up", TOPK * gu[0].numel()), ("down", TOPK * dn[0].numel())):
-        for label, c in cands.items():
-            if deadline.left() < 5:
-                break
-            try:
-                if part == "up":
-                    outs = [torch.empty(TOPK, NI, dtype=torch.bfloat16, device="cuda") for _ in routes]
-
-                    def call(r, o, c=c):
-                        moe_gemv.up(x, r.tok, r.se, r.se, gu, o, fmt, E, NI, False, 1, c)
-                    pairs = list(zip(routes, outs, strict=True))
-                    call(*pairs[0])
-                    err = (outs[0].float() - h_ref).abs().max().item() / h_ref.abs().max().item()
-                else:
-                    outs = [torch.empty(TOPK, H, dtype=torch.float32, device="cuda") for _ in routes]
-
-                    def call(r, o, h, c=c):
-                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), dn, o, fmt, E, False, True, 1, c,
-                                      early=True)
-                    pairs = list(zip(routes, outs, hs, strict=True))
-                    call(*pairs[0])
-                    err = (outs[0] - y_ref).abs().max().item() / y_ref.abs().max().item()
-                us = graph_us([lambda p=p, call=call: call(*p) for p in pairs])
-            except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
-                rows.append({"fmt": fmt, "matrix": f"experts {part}", "method": label,
-                             "error": f"{type(e).__name__}: {e!s:.160}"})
-                continue
-            rows.append({"fmt": fmt, "matrix": f"experts {part}", "method": label, "cfg": c, "us": us,
-                         "GBs": nbytes / us / 1e3, "frac_copy": nbytes / us / 1e-6 / bw, "rel_err": err})
-    return rows
+    setup = ExpertSetup(x, routes, hs, gu, dn, h_ref, y_ref)
+    return rows + time_experts(setup, fmt, (("up", cands, TOPK * gu[0].numel()), ("down", cands, TOPK * dn[0].numel())),
+                               bw, deadline)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,10 +98,6 @@ for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k
     # with the reduction combining 16 or 64 chunks a step (attention_kernels.REDUCE_TILE)
     ARMS[_name + "+r16"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 16}
     ARMS[_name + "+r64"] = {**_DEFAULT, "wide": True, "tiers": _t, "reduce": 64}
-# the one-row down + top-k sum on the looping grid (moe_gemv `_down_sum_loop_kernel`: PER_SM programs a
-# multiprocessor walk the row groups, the next group's tile loaded before this group's arithmetic)
-for _bn, _w, _x in ((1, 4, 4), (2, 4, 2), (2, 4, 4), (4, 8, 2)):
-    ARMS[f"sum-loop-bn{_bn}w{_w}x{_x}"] = {**_DEFAULT, "sum": {"BN": _bn, "num_warps": _w, "PER_SM": _x}}
 # quantized builds (--quant): the one-row products of a block-format target through a one-step block tile
 # (moe_gemv "qone*"), experts ("qone": DECODE_GEMV_ONE_ROW of the build's format) and dense projections ("qdense":
 # dense_kernels.QUANT_ONE_ROW); "quant-best" (with --quant-from): the fastest tiles of bench/gemv_one_row.py --quant

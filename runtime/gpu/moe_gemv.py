@@ -590,46 +590,6 @@ if HAVE_TRITON:
         x = tl.load(res_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(o_ptr + n, (x + acc.to(dt).to(tl.float32)).to(dt), mask=n < N)
 
-    @triton.jit
-    def _down_sum_loop_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, w_ptr, res_ptr, o_ptr, E, N, K, stride_h, stride_we,
-                              NG, SWN: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-                              KC: tl.constexpr, EARLY: tl.constexpr, GDC: tl.constexpr = False):
-        """`_down_sum_kernel` on a grid of fewer programs than row groups (about PER_SM a multiprocessor): program
-        g takes groups g, g + programs, ..., loads the top-k pairs' h rows once, and loads the next group's weight
-        tile before this group's arithmetic, so its loads stay in flight instead of coming in one burst a program.
-        Same sums in the same order as `_down_sum_kernel` (a row's bits do not depend on the grid)."""
-        if not EARLY:
-            pdl.start(GDC)
-        pid = tl.program_id(0)
-        npg = tl.num_programs(0)
-        p = tl.arange(0, KP)
-        e = tl.load(se_ptr + p, mask=p < TOPK, other=E)
-        kn = tl.where(e < E, K, 0)
-        kk = tl.arange(0, KC)
-        r = tl.arange(0, BN)
-        base = w_ptr + tl.where(e < E, e, 0).to(tl.int64)[:, None, None] * stride_we + kk[None, None, :]
-        km = kk[None, None, :] < kn[:, None, None]
-        tile = tl.load(base + (tl.minimum(pid * BN + r, N - 1) * SWN)[None, :, None], mask=km, other=0.0)
-        dst = tl.load(ord_ptr + p, mask=p < TOPK, other=KP)
-        wt = tl.load(wt_ptr + dst, mask=p < TOPK, other=0.0).to(tl.float32)
-        if EARLY:
-            pdl.start(GDC)
-        hv = tl.load(h_ptr + p[:, None].to(tl.int64) * stride_h + kk[None, :], mask=kk[None, :] < kn[:, None],
-                     other=0.0).to(tl.float32)                                          # [KP, KC]
-        dt = o_ptr.dtype.element_ty
-        for g in range(pid, NG, npg):
-            gn = g + npg
-            nxt = tl.load(base + (tl.minimum(gn * BN + r, N - 1) * SWN)[None, :, None],
-                          mask=kk[None, None, :] < tl.where(gn < NG, kn, 0)[:, None, None], other=0.0)
-            y = tl.sum(tile.to(tl.float32) * hv[:, None, :], 2) * wt[:, None]           # [KP, BN] per pair
-            acc = tl.zeros((BN,), dtype=tl.float32)
-            for j in tl.static_range(TOPK):
-                acc += tl.sum(tl.where((dst == j)[:, None], y, 0.0), 0)
-            n = g * BN + r
-            x = tl.load(res_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-            tl.store(o_ptr + n, (x + acc.to(dt).to(tl.float32)).to(dt), mask=n < N)
-            tile = nxt
-
     @triton.jit(do_not_specialize=["NP", "E"])      # one build for every window width and expert count
     def _gemv_kernel(x_ptr, tok_ptr, se_ptr, slot_ptr, ord_ptr, wt_ptr, w_ptr, o_ptr, NP, E, N, NBLK, K, mg,
                      stride_xm, stride_we, stride_om, d_ptr, nw_ptr, xo_ptr, ho_ptr, eps,
@@ -742,6 +702,12 @@ def one_step(fmt: str, k: int, c: int) -> bool:
     return (q == 0 and c >= k) or (q in (1, 2, 3) and c * 32 >= k)
 
 
+def _one(fmt: str, k: int, c: int, one: bool) -> bool:
+    """The kernel's ONE: float rows whenever one step covers them (any variant); block rows only for a ONE variant
+    (its tile is a power of two of blocks, the tail masked)."""
+    return one_step(fmt, k, c) and (one or QT[fmt] == 0)
+
+
 # one-row windows of float experts: the down products of the token's top-k pairs and their sum (+ the residual) in
 # one launch (`down_sum`): tiles {"BN": down rows a program, "num_warps": ...}, or None (the down kernel, then
 # moe_kernels.combine). H200, A3B one-row step (bench/step_ab.py): 2.79 -> 2.72 ms at 1k context with BN 2 on 4
@@ -785,7 +751,7 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], ONE=one and one_step(fmt, K, c), **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -806,9 +772,8 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), h, h, h, h, 0.0, SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], ONE=one and one_step(fmt, K, c),
-                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and one and one_step(fmt, K, c),
-                       **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
+                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one), **pdl.launch(w))
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, ones: Tensor,
@@ -842,17 +807,7 @@ def down_sum(h: Tensor, se: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, r
     n_exp, N, K = down_w.shape
     out = torch.empty_like(residual)
     kc = cover(K)
-    groups = triton.cdiv(N, cfg["BN"])
-    if cfg.get("PER_SM"):
-        from runtime.gpu.attention_kernels import _sm_count
-
-        grid = min(groups, cfg["PER_SM"] * _sm_count(str(h.device)))
-        _down_sum_loop_kernel[(grid,)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
-                                       down_w.stride(0), groups, SWN=down_w.stride(1), TOPK=top_k,
-                                       KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
-                                       EARLY=early and EARLY_LOADS, num_warps=cfg["num_warps"], **pdl.launch(down_w))
-        return out
-    _down_sum_kernel[(groups,)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
+    _down_sum_kernel[(triton.cdiv(N, cfg["BN"]),)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
                                                    down_w.stride(0), SWN=down_w.stride(1), TOPK=top_k,
                                                    KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
                                                    EARLY=early and EARLY_LOADS, num_warps=cfg["num_warps"],

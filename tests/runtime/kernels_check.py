@@ -632,9 +632,7 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
         for i in (0, 2):
             r = moe_kernels.group(idx[i:i + 1].to(torch.int32), w[i:i + 1].float(), E, None)
             apart = moe_kernels.moe_routed(x[i:i + 1], res, r, gu, dn)
-            sums = {}
-            for ds in ({"BN": 2, "num_warps": 4}, {"BN": 8, "num_warps": 2}, {"BN": 2, "num_warps": 4, "PER_SM": 1},
-                       {"BN": 8, "num_warps": 2, "PER_SM": 2}):
+            for ds in ({"BN": 2, "num_warps": 4}, {"BN": 8, "num_warps": 2}):
                 moe_gemv.DOWN_SUM = ds
                 try:
                     both = moe_kernels.moe_routed(x[i:i + 1], res, r, gu, dn)
@@ -643,11 +641,6 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
                 assert both.dtype == dt and rel(both, apart) < 2e-3, (ds, rel(both, apart))
                 ref = res.float() + ref_moe(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gu.float(), dn.float())
                 assert rel(both, ref) < 3e-3, (ds, rel(both, ref))
-                # the looping grid (PER_SM: fewer programs than row groups) sums as the one-group programs do
-                key = (ds["BN"], ds["num_warps"])
-                if key in sums:
-                    assert torch.equal(both, sums[key]), ds
-                sums[key] = both
         wd = (torch.randn(40, 96, generator=g) * 0.1).to(dt)
         xd = torch.randn(3, 96, generator=g).to(dt)
         for var in ("one_d1", "one_d4", "one_d8"):
