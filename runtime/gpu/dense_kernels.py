@@ -192,6 +192,7 @@ def quant_one_row(x: Tensor, mod, role: str) -> Tensor | None:
         return None
     return gemv(x.contiguous(), mod.blocks, mod.qtype, moe_gemv.GEMV_VARIANTS[name])
 
+
 # how 2+ rows of a quantized matrix are multiplied: "dequant" (`dequant_linear` for matrices up to
 # DEQUANT_MAX_VALUES, the GEMV kernel above) or "gemv" (the GEMV kernel, one pass per row: the runtime before,
 # kept for bench/dense_gemv.py --quant-step). A 16-row tile kernel that dequantized each weight once for all rows
