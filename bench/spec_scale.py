@@ -19,8 +19,9 @@ What the target is, exactly (also in bench/README.md):
   (`--check` verifies it), while the bytes read, the kernels launched and the routing fan-out of each window are an
   A3B's. The prompt's prefill runs the pack only (prefill is not timed here).
 - Drafters are the pack's own (its MTP head, its DFlash2 heads), so their cost is a small drafter's, not an A3B
-  drafter's: each arm reports draft ms per window next to the drafter's bytes per window / copy bandwidth and as a
-  share of the A3B step.
+  drafter's: each arm reports draft ms per window (its time in the windows; its share of the prompt, once a
+  prompt, is `prompt_observe_ms`) next to the drafter's bytes per window / copy bandwidth and as a share of the
+  A3B step.
 
 Rows: target alone; MTP chains 2-4 (blocks 3-5); DFlash2 BF16 blocks 4/6/8 (default head) and 12/16 (turbo head);
 DFlash2 Q8_0/Q4_0 (converted on the fly, needs `gguf`) at the BF16 head's best block (`--full`: every block); on the
@@ -329,7 +330,9 @@ def record(runs: list[Any]) -> dict[str, Any]:
     w = [max(s["windows"], 1) for s in st]
     return {"tok_s": median([s["decode_tok_s"] for s in st]),
             "tokens_per_window": median([(s["generated_tokens"] - 1) / n for s, n in zip(st, w, strict=True)]),
-            "draft_ms": median([1e3 * s["draft_s"] / n for s, n in zip(st, w, strict=True)]),
+            # the drafter's time a window; its share of the prompt (once a prompt) apart
+            "draft_ms": median([1e3 * s["draft_window_s"] / n for s, n in zip(st, w, strict=True)]),
+            "prompt_observe_ms": median([1e3 * s["observe_prompt_s"] for s in st]),
             "verify_ms": median([1e3 * s["verify_s"] / n for s, n in zip(st, w, strict=True)]),
             "accept_rate": median([s["accepted"] / max(s["proposed"], 1) for s in st]),
             "windows": median([float(s["windows"]) for s in st])}

@@ -203,6 +203,27 @@ def test_chunked_prefill_changes_nothing(model, references):
         assert res.token_ids == references[tuple(p)]
 
 
+def test_prompt_observation_is_timed_apart(model, references):
+    """The drafter's share of the prompt (each chunk's observation, and the rows the MTP head held back, flushed
+    right after the prefill) is `observe_prompt_s`; the windows' drafting `draft_window_s`; `draft_s` both."""
+    p = PROMPTS[2]
+    dr = MTPDrafter(model, 128)
+    at_propose: list[tuple[int, bool]] = []
+    propose = dr.propose
+
+    def spy(anchor, pos, n, **kw):
+        at_propose.append((dr.kv.length, dr.pending is None))
+        return propose(anchor, pos, n, **kw)
+    dr.propose = spy
+    res = generate_ids(model, _kv(model), p, drafter=dr, block=3, max_new_tokens=N_NEW)
+    st = res.stats
+    assert res.token_ids == references[tuple(p)]
+    # the first window finds the prompt's rows (x[1..], g[..-1]) in the head's cache, none held back
+    assert at_propose[0] == (len(p) - 1, True)
+    assert st["observe_prompt_s"] > 0 and st["draft_window_s"] > 0
+    assert st["draft_s"] == st["observe_prompt_s"] + st["draft_window_s"]
+
+
 def test_context_full_stops_cleanly(model, references):
     p = PROMPTS[0]
     res = generate_ids(model, _kv(model, cap=10), p, drafter=MTPDrafter(model, 10), block=4, max_new_tokens=N_NEW)
