@@ -497,8 +497,8 @@ class Search:
         w = self.confirm.get(winner, ArmStats(winner)).geomean(self.tasks)
         d = self.confirm.get(self.default, ArmStats(self.default)).geomean(self.tasks)
         if w is None or d is None:
-            reason = (f"the budget ran out before {winner.label} could be confirmed against the default; "
-                      f"kept the default {self.default.label}")
+            reason = (f"the {self.max_seconds:.3g} s budget ran out before {winner.label} could be confirmed against "
+                      f"the default ({self.measured()}); kept the default {self.default.label}")
             return self._result(self.default, winner, "budget", reason)
         gain = w / d - 1.0
         if gain > p.min_gain:

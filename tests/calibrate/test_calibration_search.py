@@ -174,6 +174,18 @@ def test_overshoot_stays_within_a_tenth_of_the_budget_when_runs_get_slower(slow_
     assert clock2.t - 1000.0 > 1.1 * budget          # the case the deadline exists for
 
 
+def test_budget_spent_in_the_head_to_head_says_what_it_measured():
+    """The budget can also run out between the sweep and the head-to-head confirmation (here the machine turns 30x
+    slower after the 29th run): the default is kept, and the reason names the arm left unconfirmed and what was
+    measured, as every other way of running out does."""
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, slow_after=29, slowdown=30.0)
+    sr = run(eng, clock, max_seconds=30.0)
+    assert sr.decision == "budget" and sr.chosen == sr.default == Arm(4, 0.5) and sr.budget_hit
+    assert f"before {sr.winner.label} could be confirmed" in sr.reason
+    assert "measured the target alone on 4 of 4 prompts" in sr.reason and "30 s budget" in sr.reason
+
+
 def test_budget_too_small_for_anything_keeps_the_default():
     clock = FakeClock()
     eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, prefill_s=1.0)
