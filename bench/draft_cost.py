@@ -5,8 +5,10 @@
 For the bundled pack's MTP head (its layer through the fused decode kernels, and through its modules as before:
 runtime/drafters/mtp.py `FUSED`) and its DFlash2 head (blocks 4 and 8): one greedy run on the code prompt with the
 engine's fixed-width step (each of `--tasks`' prompts: code, and long, a 3k-token prompt), then
-- loop: draft ms per window as the loop measures it (CUDA events around `propose` and `observe`: GPU time, plus any
-  time the GPU sat idle waiting for the host to queue the next launch);
+- loop: draft ms per window as the loop measures it (CUDA events around `propose` and `observe` inside the windows,
+  the loop's `draft_window_s`: GPU time, plus any time the GPU sat idle waiting for the host to queue the next
+  launch); the drafter's share of the prompt (`observe_prompt_s`, once a prompt) is its own row, not spread over
+  the windows;
 - graphs: the GPU time of each of the drafter's graphs the run captured, replayed back to back (`replays` times
   between two events): what drafting costs when the host keeps ahead. The chain of n steps and the observe graph
   together are what one window needs;
@@ -62,8 +64,10 @@ def measure(eng, label: str, block: int, ids: list[int], new_tokens: int, replay
     st = r.stats
     win = max(1, st["windows"])
     rows = [{"drafter": label, "block": block, "task": task, "what": "loop: draft ms per window",
-             "ms": 1e3 * st["draft_s"] / win,
-             "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]}]
+             "ms": 1e3 * st["draft_window_s"] / win,
+             "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]},
+            {"drafter": label, "block": block, "task": task, "what": "loop: the prompt's observation, once",
+             "ms": 1e3 * st["observe_prompt_s"], "prompt_tokens": st["prompt_tokens"]}]
     for key, (g, _) in d.graphs.graphs.items():
         rows.append({"drafter": label, "block": block, "task": task, "what": f"graph {key}", "ms": graph_ms(g, replays),
                      "launches": kernels_in(g)})

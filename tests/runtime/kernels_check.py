@@ -288,7 +288,10 @@ def check_moe_gemv() -> None:
         cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k")]
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
         for n, (var, fmt) in enumerate(cases):
-            H, NI = (256, 256) if fmt in ("q4_k", "q6_k") else (40, 24) if fmt == "bf16" else (64, 96)
+            # a variant no table ships (a tuning candidate) runs at a smaller shape, without the slot checks: the
+            # interpreter runs every program in turn, and CI has two cores
+            shipped = var.startswith("_") or var in saved.values()
+            H, NI = (256, 256) if fmt in ("q4_k", "q6_k") else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
             g = torch.Generator().manual_seed(20 + n)
             if fmt == "bf16":             # rows of 40 and 24 values: steps of 16 with a masked tail
                 gub, dnb = (torch.randn(E, 2 * NI, H, generator=g) * 0.1), (torch.randn(E, H, NI, generator=g) * 0.1)
@@ -307,7 +310,7 @@ def check_moe_gemv() -> None:
             for i in ((2,) if fmt in ("q4_k", "q6_k") else (0, 2)):
                 one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gub, dnb, fmt=f)
                 assert torch.equal(one[0], out[i]), (var, fmt, i)
-            if fmt in ("q4_k", "q6_k") or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
+            if fmt in ("q4_k", "q6_k") or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
                 continue
             res = [2, 0, 4]                              # slot -> expert; experts 1 and 3 missed
             slot = torch.full((E,), -1, dtype=torch.int32)
