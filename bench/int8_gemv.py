@@ -11,7 +11,10 @@ count the activation quantization as its own row (`quantize`): a step would quan
 q/k/v and once for the experts' gate/up, o_proj's input and each pair's h row once. Next to each: GB/s of weights
 read, the share of the measured copy bandwidth, and two errors relative to the largest |value|: against float32
 math on the raw activations (what the float kernels compute) and, for the int8 rows, against float64 math on the
-quantized activations (what they should compute exactly, up to fp32 rounding). Writes `int8_gemv.json`.
+quantized activations (what they should compute exactly, up to fp32 rounding and the GPU's approximate division
+in the scale). A "floor" row is an int8 launch of the same grid reading one block a row: the fixed cost of a launch
+of that shape inside a graph (scheduling, the first loads' latency, stores), which no tile choice removes. Writes
+`int8_gemv.json`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from bench.gemv_one_row import DENSE, LAYERS, NI, TOPK, E, H, graph_us, token_ro
 
 # (BN rows a program, values a loop step, warps at most)
 CANDIDATES = ((8, 512, 4), (16, 512, 4), (4, 2048, 8), (8, 2048, 8), (16, 2048, 8))
+# the launch whose fixed cost the "floor" rows time: grid, loads of one block a row, stores
+FLOOR = {"bn": 8, "kv": 2048, "num_warps": 8}
+FLOOR_LABEL = "bn8 kv2048 w8"
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -94,7 +100,13 @@ def rows_for(fmt: str, bw: float, deadline: Deadline, rows: list[dict[str, Any]]
                 [lambda w=w, o=o, kw=kw, a=act, z=zero: int8_gemv.gemv(a, w, z, fmt, o, **kw)
                  for w, o in zip(ws, out, strict=True)],
                 out[0], ref_raw, ref_exact, {"bn": bn, "kv": kv, "warps": warps})
-        del ws
+        # the fixed cost of such a launch: the same grid and stores, one block a row
+        first = [w[:, :2 * int8_gemv.FORMATS[fmt][1]] for w in ws]
+        out = [torch.empty(1, N, dtype=torch.bfloat16, device="cuda") for _ in ws]
+        add(name, f"floor: int8 {FLOOR_LABEL}, one block a row", 0,
+            [lambda w=w, o=o, a=act, z=zero: int8_gemv.gemv(a, w, z, fmt, o, up=False, x_per_pair=False, **FLOOR)
+             for w, o in zip(first, out, strict=True)])
+        del ws, first
     # experts: one token's top-8 of 128, a different routing per call
     gu = random_blocks(E * 2 * NI, H, fmt, gen).reshape(E, 2 * NI, -1)
     dn = random_blocks(E * H, NI, fmt, gen).reshape(E, H, -1)
@@ -145,6 +157,14 @@ def rows_for(fmt: str, bw: float, deadline: Deadline, rows: list[dict[str, Any]]
              for r, o, a, wt in zip(routes, yo, acts_h, wts, strict=True)],
             yo[0], y_raw, down_exact, {"bn": bn, "kv": kv, "warps": warps})
     add("experts up", "int8: quantize", 0, [lambda: int8_gemv.quantize_rows(x) for _ in routes])
+    wpb2 = 2 * int8_gemv.FORMATS[fmt][1]
+    gu1, dn1 = gu[:, :, :wpb2], dn[:, :, :wpb2]
+    add("experts up", f"floor: int8 {FLOOR_LABEL}, one block a row", 0,
+        [lambda r=r, o=o: int8_gemv.gemv(act, gu1, r.se, fmt, o, up=True, x_per_pair=False, **FLOOR)
+         for r, o in zip(routes, hb, strict=True)])
+    add("experts down", f"floor: int8 {FLOOR_LABEL}, one block a row", 0,
+        [lambda r=r, o=o, a=a, wt=wt: int8_gemv.gemv(a, dn1, r.se, fmt, o, up=False, x_per_pair=True, weights=wt,
+                                                     **FLOOR) for r, o, a, wt in zip(routes, yb, acts_h, wts, strict=True)])
 
 
 def main(argv: list[str] | None = None) -> int:

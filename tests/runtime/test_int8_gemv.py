@@ -77,6 +77,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
 def test_int8_activation_products_in_interpreter():
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "TRITON_INTERPRET": "1"})

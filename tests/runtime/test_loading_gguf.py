@@ -272,6 +272,7 @@ def test_bad_files_one_sentence(tmp_path, files):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
 def test_quantized_fused_step_in_interpreter():
     """The GPU path of a quantized target (fused step: block q/k/v, o_proj, lm_head, embedding and experts) under the
     Triton interpreter against the plain forward (tests/runtime/kernels_check.py gguf)."""

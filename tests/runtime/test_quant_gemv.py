@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
 def test_quantized_dense_gemv_in_interpreter():
     env = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     import os
