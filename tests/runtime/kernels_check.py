@@ -260,12 +260,12 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
                 assert rel(part, pref) < tol, (fmt, rel(part, pref))
 
 
-def check_moe_gemv(part: int | None = None) -> None:
+def check_moe_gemv(half: int | None = None) -> None:
     """The decode-window GEMV kernels (runtime/gpu/moe_gemv.py): every variant on Q4_0 or Q8_0, and a test-only
     variant with odd tiles (rows past N, a step shorter than a row, two window rows per pass) on every format,
     against float32 math on gguf-py's values; a row alone has the bits it has in the window (rows sharing an expert
     too); a slot table leaves missed pairs zero, and a miss path through the same kernels gives the all-resident
-    bits. part 0 or 1: every other case (two processes, so the two CI cores share the work)."""
+    bits. half 0 or 1: every other case (two processes, so the two CI cores share the work)."""
     from runtime.gpu import moe_gemv
 
     saved = dict(moe_gemv.DECODE_GEMV)
@@ -288,7 +288,7 @@ def check_moe_gemv(part: int | None = None) -> None:
         cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k")]
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
         for n, (var, fmt) in enumerate(cases):
-            if part is not None and n % 2 != part:
+            if half is not None and n % 2 != half:
                 continue
             # a variant no table ships (a tuning candidate) runs at a smaller shape, without the slot checks: the
             # interpreter runs every program in turn, and CI has two cores
@@ -1003,9 +1003,9 @@ if __name__ == "__main__":
         print("moe kernels ok")
         sys.exit(0)
     if sys.argv[1:2] == ["moe_gemv"]:   # its own runs (tests/runtime/test_moe_kernels.py): moe_gemv [0|1]
-        part = int(sys.argv[2]) if len(sys.argv) > 2 else None
-        check_moe_gemv(part)
-        if part != 0:
+        half = int(sys.argv[2]) if len(sys.argv) > 2 else None
+        check_moe_gemv(half)
+        if half != 0:
             check_gemv_one_step(torch.float16)
         print("moe gemv kernels ok")
         sys.exit(0)
