@@ -192,6 +192,22 @@ QUANT_CANDIDATES = ("n8j2", "n16j2", "n4j2", "n8j1", "qone4j1", "qone4j2", "qone
                     "qone2j2")
 
 
+def quant_experts(fmt: str, gen: torch.Generator):
+    """Stacked `fmt` experts of the A3B shape (bench/quant_target.py's random blocks: gate/up [E, 2 NI, bytes], down
+    [E, H, bytes]), one token's routings (`token_routes`) and float64 values of the first routing's experts in sorted
+    pair order: (gu, dn, x, routes, hs, gate/up values, down values)."""
+    from bench.quant_target import random_blocks
+    from runtime.formats.blocks import dequantize_torch
+
+    gu = random_blocks(E * 2 * NI, H, fmt, gen).reshape(E, 2 * NI, -1)
+    dn = random_blocks(E * H, NI, fmt, gen).reshape(E, H, -1)
+    x, routes, hs = token_routes(gen)
+    idx = routes[0].se.long().tolist()
+    guf = torch.stack([dequantize_torch(gu[e].contiguous(), fmt) for e in idx]).double()
+    dnf = torch.stack([dequantize_torch(dn[e].contiguous(), fmt) for e in idx]).double()
+    return gu, dn, x, routes, hs, guf, dnf
+
+
 def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     """The one-row products of a target whose matrices and experts are `fmt` blocks (bench/quant_target.py's random
     blocks): the shipped variant against the looped one with prefetch and the one-step tiles (`QUANT_CANDIDATES`),
@@ -221,13 +237,9 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
                          "frac_copy": nbytes / us / 1e-6 / bw,
                          "rel_err": (y - ref).abs().max().item() / ref.abs().max().item()})
         del ws
-    gu = random_blocks(E * 2 * NI, H, fmt, gen).reshape(E, 2 * NI, -1)
-    dn = random_blocks(E * H, NI, fmt, gen).reshape(E, H, -1)
-    x, routes, hs = token_routes(gen)
+    gu, dn, x, routes, hs, guf, dnf = quant_experts(fmt, gen)
     r0 = routes[0]
-    idx = r0.se.long()
-    guf = torch.stack([dequantize_torch(gu[e].contiguous(), fmt) for e in idx.tolist()]).float()
-    dnf = torch.stack([dequantize_torch(dn[e].contiguous(), fmt) for e in idx.tolist()]).float()
+    guf, dnf = guf.float(), dnf.float()
     h_ref = (torch.nn.functional.silu(guf[:, :NI] @ x.float()[0]) * (guf[:, NI:] @ x.float()[0]))
     y_ref = torch.einsum("pk,pnk->pn", hs[0].float(), dnf) * r0.w.reshape(-1)[r0.order.long()][:, None]
     y_ref = torch.zeros_like(y_ref).index_copy_(0, r0.order.long(), y_ref)

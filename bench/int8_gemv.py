@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import Deadline, copy_bandwidth, machine, print_table, write_json  # noqa: E402
-from bench.gemv_one_row import DENSE, LAYERS, NI, TOPK, E, H, graph_us, token_routes  # noqa: E402
+from bench.gemv_one_row import DENSE, LAYERS, NI, TOPK, E, H, graph_us, quant_experts  # noqa: E402
 
 # (BN rows a program, values a loop step, warps at most)
 CANDIDATES = ((8, 512, 4), (16, 512, 4), (4, 2048, 8), (8, 2048, 8), (16, 2048, 8))
@@ -108,13 +108,8 @@ def rows_for(fmt: str, bw: float, deadline: Deadline, rows: list[dict[str, Any]]
              for w, o in zip(first, out, strict=True)])
         del ws, first
     # experts: one token's top-8 of 128, a different routing per call
-    gu = random_blocks(E * 2 * NI, H, fmt, gen).reshape(E, 2 * NI, -1)
-    dn = random_blocks(E * H, NI, fmt, gen).reshape(E, H, -1)
-    x, routes, hs = token_routes(gen)
+    gu, dn, x, routes, hs, guf, dnf = quant_experts(fmt, gen)
     r0 = routes[0]
-    idx = r0.se.long()
-    guf = torch.stack([dequantize_torch(gu[e].contiguous(), fmt) for e in idx.tolist()]).double()
-    dnf = torch.stack([dequantize_torch(dn[e].contiguous(), fmt) for e in idx.tolist()]).double()
     g_raw = guf @ x.double()[0]
     h_raw = torch.nn.functional.silu(g_raw[:, :NI]) * g_raw[:, NI:]
     wts = [r.w.reshape(-1)[r.order.long()].float().contiguous() for r in routes]      # sorted pair order
