@@ -34,6 +34,11 @@ class LoopResult:
     stop_reason: str = "length"     # length | stop | context | cancelled
 
 
+# queue the next window's drafting before this window's read where the drafter can (docs/models.md, "Drafting
+# ahead"); False: observe and propose after the read, as before (the benchmarks' switch)
+DRAFT_AHEAD = True
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -95,31 +100,84 @@ def _as_tokens(draft, device: torch.device) -> Tensor | None:
     return draft.to(device=device, dtype=torch.long)
 
 
-def _read(acc: Tensor, keep: Tensor | None, *rows: Tensor) -> tuple[int, int | None, list[int]]:
-    """The window's one host read: the accepted count, the floor's keep count and the token rows, in one transfer."""
+class _Read:
+    """The window's one host read, in two halves around `ahead`: the values go to pinned host memory behind an event
+    (`start`), work queued after them (the next window's drafting, docs/models.md "Drafting ahead") runs while the
+    host waits for that event alone (`finish`). Elsewhere (CPU) a plain read."""
+
+    def __init__(self, device: torch.device, n: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.buf = torch.zeros(n, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.n = 0
+
+    def start(self, vals: Tensor) -> None:
+        self.n = int(vals.shape[0])
+        if self.n > self.buf.shape[0]:
+            self.buf = torch.zeros(self.n, dtype=torch.long, pin_memory=self.cuda)
+        self.buf[: self.n].copy_(vals, non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+
+    def finish(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf[: self.n].tolist()
+
+
+# (accepted count [0-d], the window's next anchor [1]) -> None: queues work after the window, before its read
+Ahead = Callable[[Tensor, Tensor], None]
+
+
+def _read(acc: Tensor, keep: Tensor | None, *rows: Tensor, nxt: Tensor | None = None, ahead: Ahead | None = None,
+          reader: _Read | None = None) -> tuple[int, int | None, list[int]]:
+    """The window's one host read: the accepted count, the floor's keep count and the token rows, in one transfer;
+    `ahead(acc, nxt)` is queued between the copy and the wait (`reader` holds the pinned buffer)."""
     parts = [acc.reshape(1).long()] + ([keep.reshape(1).long()] if keep is not None else []) + [r.long() for r in rows]
-    vals = torch.cat(parts).tolist()
+    if ahead is None or reader is None:
+        vals = torch.cat(parts).tolist()
+    else:
+        reader.start(torch.cat(parts))
+        ahead(acc.reshape(()).long(), nxt)
+        vals = reader.finish()
     if keep is None:
         return vals[0], None, vals[1:]
     return vals[0], vals[1], vals[2:]
 
 
-def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | None = None
-                          ) -> tuple[int, int, list[int], list[int], Tensor]:
+def _ahead(drafter: Drafter, clock: _Clock, tv, window: Tensor, o, pos: int, n: int, min_p: float,
+           sampling: SamplingParams | None, gen: torch.Generator, done: list[bool]) -> Ahead:
+    """The next window's drafting, queued before this window's read (docs/models.md, "Drafting ahead"): the drafter
+    observes all the window's rows and drafts n rows at pos + acc + 1 from device values; done[0] says whether it
+    could. The verify span ends here, the draft span covers what was queued."""
+    taps = o.taps[0] if o.taps is not None else None
+
+    def go(acc: Tensor, nxt: Tensor) -> None:
+        clock.stop("verify", tv)
+        ta = clock.start()
+        done[0] = drafter.draft_ahead(window, o.hidden[0], taps, pos, acc, nxt, n, min_p=min_p, sampling=sampling,
+                                      generator=gen)
+        clock.stop("draft", ta)
+    return go
+
+
+def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | None = None, ahead: Ahead | None = None,
+                          reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
     """Greedy acceptance on the device, one host read: returns (accepted, proposed, new tokens, draft tokens,
     the last new token as a device tensor [1]). Rows at or past `keep` are not proposals."""
     tgt = torch.argmax(logits, dim=-1)                                    # [m+1]
     m = 0 if draft is None else int(draft.shape[0])
     if m == 0:
         acc = torch.zeros((), dtype=torch.long, device=tgt.device)
-        a, _, vals = _read(acc, None, tgt[:1])
+        a, _, vals = _read(acc, None, tgt[:1], nxt=tgt[:1], ahead=ahead, reader=reader)
         return 0, 0, vals, [], tgt[:1]
     ok = draft == tgt[:m]
     if keep is not None:
         ok = ok & (torch.arange(m, device=tgt.device) < keep)
     acc = torch.cumprod(ok.to(torch.int32), 0).sum()
-    a, k, vals = _read(acc, keep, tgt, draft)
-    return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], tgt[a:a + 1]
+    nxt = tgt.index_select(0, acc.reshape(1).long())                     # the target's token after the accepted
+    a, k, vals = _read(acc, keep, tgt, draft, nxt=nxt, ahead=ahead, reader=reader)
+    return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], nxt
 
 
 def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
@@ -128,8 +186,8 @@ def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
 
 
 def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | None, sp: SamplingParams,
-                           gen: torch.Generator, keep: Tensor | None = None
-                           ) -> tuple[int, int, list[int], list[int], Tensor]:
+                           gen: torch.Generator, keep: Tensor | None = None, ahead: Ahead | None = None,
+                           reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
     """Rejection sampling on the device (same draws as the textbook loop: m uniforms, then one token from the
     residual of the first rejected row, or from p of the row after the last proposal), one host read."""
     p = probs(logits, sp)                                                 # [m+1, V]
@@ -161,7 +219,7 @@ def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | Non
         row = p[0]
     tok = torch.multinomial(row, 1, generator=gen)
     rows = (draft, tok) if m else (tok,)
-    a, k, vals = _read(acc, keep, *rows)
+    a, k, vals = _read(acc, keep, *rows, nxt=tok, ahead=ahead, reader=reader)
     return a, (m if k is None else k), vals[:a] + [vals[-1]], vals[:m], tok
 
 
@@ -219,7 +277,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     gen = make_generator(sp.seed, dev)
     stats = {"prompt_tokens": n_prompt, "generated_tokens": 0, "windows": 0, "proposed": 0, "accepted": 0,
              "accepted_per_window": [], "draft_s": 0.0, "draft_window_s": 0.0, "observe_prompt_s": 0.0,
-             "verify_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
+             "verify_s": 0.0, "prefill_s": 0.0, "drafted_ahead": 0, "decode_s": 0.0,
              "decode_tok_s": 0.0, "block": block if use_draft else 1, "spec_min_p": spec_min_p}
     res = LoopResult(token_ids=[], stats=stats)
     if max_new_tokens == 0:
@@ -256,6 +314,10 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         # the anchor also lives on the device: each window's last token is taken from the device result, so a window
         # is assembled there (anchor + proposals) and the host reads once per window, in the acceptance
         anchor_dev = torch.tensor([first], dtype=torch.long, device=dev)
+        # drafting ahead needs a drafter that can (graphs attached) and a GPU to overlap with (or the CPU's
+        # interpreter runs of the same code: tests)
+        reader = (_Read(dev, 2 * block + 4) if use_draft and DRAFT_AHEAD and hasattr(drafter, "draft_ahead")
+                  and getattr(drafter, "graphs", None) is not None else None)
         if first in stop_ids:
             res.stop_reason = "stop"
         while res.stop_reason != "stop" and len(out) < max_new_tokens:
@@ -289,15 +351,24 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
             if logits_buf is not None and logits.shape[0] <= logits_buf.shape[0]:
                 logits_buf[: logits.shape[0]].copy_(logits)
                 logits = logits_buf[: logits.shape[0]]
+            ahead_fn, ahead_on = None, [False]
+            W = window.shape[1]
+            # only when the next window is sure to be a full block, whatever this one accepts (a DFlash2 block's
+            # rows depend on its width)
+            if reader is not None and remaining >= W + block and pos + W + block <= kv.capacity:
+                ahead_fn = _ahead(drafter, clock, tv, window[0], o, pos, block - 1, spec_min_p,
+                                  None if sp.greedy else sp, gen, ahead_on)
             if sp.greedy:
-                acc, proposed, new, drafted, anchor_dev = _accept_greedy_window(logits, draft, keep)
+                acc, proposed, new, drafted, anchor_dev = _accept_greedy_window(logits, draft, keep, ahead_fn, reader)
             else:
-                acc, proposed, new, drafted, anchor_dev = _accept_sampled_window(logits, draft, q, sp, gen, keep)
+                acc, proposed, new, drafted, anchor_dev = _accept_sampled_window(logits, draft, q, sp, gen, keep,
+                                                                                 ahead_fn, reader)
             bad = [t for t in drafted[:proposed] if not 0 <= t < V]
             if bad:
                 raise RuntimeError(f"the drafter proposed token id {bad[0]}, outside the vocabulary ({V}).")
             kv.rollback(pos + acc + 1)
-            clock.stop("verify", tv)
+            if ahead_fn is None:
+                clock.stop("verify", tv)
             for j, t in enumerate(new):
                 if t in stop_ids:
                     new = new[: j + 1]
@@ -315,7 +386,10 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 on_tokens(new)
             if res.stop_reason == "stop" or len(out) >= max_new_tokens:
                 break
-            if use_draft:
+            if ahead_on[0]:
+                stats["drafted_ahead"] += 1
+                drafter.settle(acc)                # the rows were observed ahead: the host's bookkeeping only
+            elif use_draft:
                 ta = clock.start()
                 taps_rows = o.taps[0, : acc + 1] if o.taps is not None else None
                 drafter.observe(window[0, : acc + 1], o.hidden[0, : acc + 1], taps_rows, pos)

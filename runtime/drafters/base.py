@@ -48,5 +48,9 @@ class Drafter(Protocol):
 
     def propose(self, anchor: int, pos: int, n: int, *, min_p: float, sampling: SamplingParams | None,
                 generator: torch.Generator | None) -> Proposal: ...
-    # Optional, used when present: `make_graphs()` -> a CUDA graph runner for greedy windows (the engine calls it
+    # Optional, used when present: `draft_ahead(window, hidden, taps, pos, acc, anchor, n, *, min_p, sampling,
+    # generator) -> bool` queues the observation of a whole verified window (acc, the accepted count, and anchor,
+    # the next anchor, as device tensors) and the next window's proposal before the loop reads the window, and
+    # `settle(acc)` then does the host's bookkeeping instead of `observe` (docs/models.md, "Drafting ahead");
+    # `make_graphs()` -> a CUDA graph runner for greedy windows (the engine calls it
     # on CUDA) and `memory_report()` -> {budget name: bytes} of what the drafter holds.

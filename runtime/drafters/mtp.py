@@ -42,12 +42,13 @@ class MTPDrafter:
         # next window's first step, one forward for both (a CPU pays a step per forward, whatever its rows)
         self.pending: tuple[Tensor, Tensor, int] | None = None
         self.graphs = None   # MTPGraphs (below), set by the engine on CUDA (greedy windows)
+        self.ahead: tuple[int, Proposal] | None = None   # (position, proposal) drafted ahead (`draft_ahead`)
         # the eager chain stops at the floor on the host (a free read on a CPU), else runs on and cuts on the device
         self.host_cut = p.device.type == "cpu"
 
     def reset(self) -> None:
         self.kv.reset()
-        self.last_g, self.next_pos, self.pending = None, 0, None
+        self.last_g, self.next_pos, self.pending, self.ahead = None, 0, None, None
 
     def flush(self) -> None:
         """Write the pending committed rows into the cache (chunked like the target's prefill): for a reader that
@@ -79,6 +80,7 @@ class MTPDrafter:
             return
         if start != self.next_pos:
             raise RuntimeError(f"MTP drafter observed position {start}, expected {self.next_pos}.")
+        self.ahead = None
         self.flush()
         # entries for positions p in [start, start+n): token x[p] with g[p-1]
         g_prev = hidden[:-1] if self.last_g is None else torch.cat((self.last_g[None], hidden[:-1]), 0)
@@ -100,6 +102,11 @@ class MTPDrafter:
         if pos != self.next_pos or self.last_g is None:
             raise RuntimeError(f"MTP drafter asked to draft at position {pos}, it has observed up to {self.next_pos}.")
         n = min(n, self.max_block - 1)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == pos:     # drafted before the last window's read (`draft_ahead`)
+            if ahead[1].tokens.shape[0] == n:
+                return ahead[1]
+            self.kv.length = pos - 1                  # another width: draft again (the kept entry is rewritten)
         if self.graphs is not None:
             self.flush()
             prop = self.graphs.propose(anchor, pos, n, min_p, sampling, generator)
@@ -145,6 +152,30 @@ class MTPDrafter:
             confidence=conf,
             keep=floor_keep(conf, min_p) if min_p > 0 and not cpu and confs else None,
         )
+
+    def draft_ahead(self, window: Tensor, hidden: Tensor, taps: Tensor | None, pos: int, acc: Tensor,
+                    anchor: Tensor, n: int, *, min_p: float = 0.0, sampling: SamplingParams | None = None,
+                    generator: torch.Generator | None = None) -> bool:
+        """Queue the window's observation and the next proposal before the loop's read (`MTPGraphs.ahead`); False
+        when only the after-read path can (no graphs, rows held back, capacity)."""
+        self.ahead = None
+        if self.graphs is None or self.pending is not None or self.next_pos != pos or self.last_g is None:
+            return False
+        n = min(n, self.max_block - 1)
+        prop = self.graphs.ahead(window, hidden, pos, acc, anchor, n, min_p,
+                                 sampling if sampling is not None and not sampling.greedy else None, generator)
+        if prop is None:
+            return False
+        self.ahead = (pos, prop)
+        return True
+
+    def settle(self, acc: int) -> None:
+        """The host's side of a window observed ahead: acc + 1 rows committed, the next chain's first entry kept."""
+        pos, prop = self.ahead
+        nxt = pos + acc + 1
+        self.kv.length = self.next_pos = nxt
+        self.last_g = self.graphs.g_in[0]      # g[nxt - 1]: the chain's input, kept until the next window drafts
+        self.ahead = (nxt, prop)
 
     def make_graphs(self) -> MTPGraphs:
         """The CUDA graph runner for greedy windows (the engine attaches it on CUDA)."""
@@ -262,21 +293,50 @@ class MTPGraphs(GraphSet):
         if not self.enabled or n <= 0 or d.last_g is None or d.kv.length != pos - 1 \
                 or pos - 1 + n > d.kv.capacity:
             return None
+        self._set(anchor, pos)
+        if d.last_g.data_ptr() != self.g_in.data_ptr():     # after a window drafted ahead it is g_in already
+            self.g_in.copy_(d.last_g[None])
+        prop = self._draft(n, min_p, sampling, generator)
+        if prop is not None:
+            d.kv.length = pos        # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
+        return prop
+
+    def _draft(self, n: int, min_p: float, sampling: SamplingParams | None,
+               generator: torch.Generator | None) -> Proposal | None:
+        """The chain of n steps from the scalars and g_in already set."""
         sk = sampling_key(sampling)
         sp = sampling if sk is not None else None
-        self._set(anchor, pos)
         self._set_floor(min_p)
-        self.g_in.copy_(d.last_g[None])
         if sp is not None:
             self.noise[:n].uniform_(generator=generator)      # the draws' randomness, outside the graph
         out = self._run(("chain", n, sk), lambda: self._chain(n, sp))
         if out is None:
             return None
         toks, conf, keep, q = out
-        d.kv.length = pos            # the first step's inputs (anchor, g[pos-1]) are true: its entry stays
         # all n rows and the floor's count, on the device: the loop reads nothing before verifying
         return Proposal(tokens=toks.clone(), q=None if q is None else q.clone(), confidence=conf.clone(),
                         keep=keep.clone())
+
+    def ahead(self, window: Tensor, hidden: Tensor, pos: int, acc: Tensor, anchor: Tensor, n: int, min_p: float,
+              sampling: SamplingParams | None, generator: torch.Generator | None) -> Proposal | None:
+        """Observe a verified window's rows and draft the next window, before the host knows how many rows were
+        accepted (docs/models.md, "Drafting ahead"): entries for positions pos+1 .. pos+W-1 (tokens window[1:],
+        hidden[:-1]) all go in, and the chain starts at pos + acc + 1 from anchor and hidden[acc], so its first
+        step overwrites the first entry that was not accepted; later ones lie past every slot it reads."""
+        kv = self.d.kv
+        W = int(window.shape[0])
+        if not self.enabled or n <= 0 or W - 1 > self.R or kv.length != pos or pos + self.R > kv.capacity \
+                or pos + W - 1 + n > kv.capacity:
+            return None
+        if W > 1:
+            self.obs_tok[:W - 1].copy_(window[1:])
+            self.obs_g[:W - 1].copy_(hidden[:W - 1])
+            self._set(0, 0, pos + 1)
+            if self._run("observe", self._observe) is None and not self.enabled:
+                return None
+        self._set_ahead(anchor, pos + 1, acc)
+        self.g_in.copy_(hidden.index_select(0, acc.reshape(1)))
+        return self._draft(n, min_p, sampling, generator)
 
     def _observe(self) -> None:
         R = self.R

@@ -849,6 +849,8 @@ def check_mtp_graphs() -> None:
         assert got.token_ids == ref.token_ids
         assert (got.stats["accepted"], got.stats["windows"]) == (ref.stats["accepted"], ref.stats["windows"]), \
             (got.stats["accepted"], ref.stats["accepted"])
+        # the graph path drafted ahead (before each window's read) where the next window was a full block
+        assert got.stats["drafted_ahead"] > 0 and ref.stats["drafted_ahead"] == 0, got.stats["drafted_ahead"]
         eng.drafter.graphs = None
     # sampled chains through the graph: a draw from q at every step (q = the eager path's at the first step)
     from runtime.sampling import SamplingParams

@@ -200,9 +200,32 @@ class DFlash2Graphs(GraphSet):
                 generator: torch.Generator | None = None) -> Proposal | None:
         if not self.enabled or pos != self.d.cache.length or (self.fast and pos + n + 1 > self.d.cache.capacity):
             return None
+        self._set(anchor, pos)
+        return self._block(n, min_p, sampling, generator)
+
+    def ahead(self, taps: Tensor, pos: int, acc: Tensor, anchor: Tensor, n: int, min_p: float,
+              sampling: SamplingParams | None, generator: torch.Generator | None) -> Proposal | None:
+        """Observe a verified window's rows and draft the next block before the host knows how many were accepted
+        (docs/models.md, "Drafting ahead"): all W rows go into slots pos .. pos+W-1 and the block drafts at
+        pos + acc + 1, writing its own K/V over the first row that was not accepted and past it; nothing reads a
+        slot beyond the block's last."""
+        cache = self.d.cache
+        W = int(taps.shape[0])
+        if not self.enabled or W > self.obs_rows or pos != cache.length or pos + self.obs_rows > cache.capacity \
+                or (self.fast and pos + W + n + 1 > cache.capacity):
+            return None
+        self.obs_taps[:W].copy_(taps)
+        self._set(0, 0, pos)
+        if self._run("observe", self._observe) is None and not self.enabled:
+            return None
+        self._set_ahead(anchor, pos + 1, acc)
+        return self._block(n, min_p, sampling, generator)
+
+    def _block(self, n: int, min_p: float, sampling: SamplingParams | None,
+               generator: torch.Generator | None) -> Proposal | None:
+        """One block of n + 1 rows from the scalars already set."""
         sk = sampling_key(sampling)
         sp = sampling if sk is not None else None
-        self._set(anchor, pos)
         self._set_floor(min_p)
         if sp is not None:
             self.noise[:n].uniform_(generator=generator)      # the draws' randomness, outside the graph

@@ -207,6 +207,7 @@ class DFlash2Drafter:
         self.cache = ContextCache(model, context, device=dev, dtype=kv_dtype or model.dtype)
         self.logits_buf = torch.zeros(self.max_block, self.geom.vocab_size, dtype=torch.float32, device=dev)
         self.graphs = None   # runtime.drafters.dflash2.graphs.DFlash2Graphs, set by the engine on CUDA (greedy windows)
+        self.ahead: tuple[int, Proposal] | None = None   # (position, proposal) drafted ahead (`draft_ahead`)
         # the floor cut on the host (a free read on a CPU), else on the device (`Proposal.keep`: no host read)
         self.host_cut = dev.type == "cpu"
 
@@ -216,10 +217,12 @@ class DFlash2Drafter:
 
     def reset(self) -> None:
         self.cache.truncate(0)
+        self.ahead = None
 
     def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None:
         if taps is None:
             raise ValueError("the DFlash2 drafter needs the target's tap features; pass taps for its tap_layers.")
+        self.ahead = None
         rows = taps.reshape(-1, taps.shape[-1])
         if self.graphs is not None and self.graphs.observe(rows, start):
             return
@@ -239,6 +242,9 @@ class DFlash2Drafter:
         if pos != self.cache.length:
             raise RuntimeError(
                 f"DFlash2 drafter asked to draft at position {pos}, its context holds {self.cache.length} positions.")
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == pos and ahead[1].tokens.shape[0] == n:
+            return ahead[1]                           # drafted before the last window's read (`draft_ahead`)
         if self.graphs is not None:
             prop = self.graphs.propose(int(anchor), pos, n, min_p, sampling if sampled else None, generator)
             if prop is not None:
@@ -259,6 +265,29 @@ class DFlash2Drafter:
                                temperature=sampling.temperature if sampled else 0.0, generator=generator,
                                cut=self.host_cut)
         return Proposal(tokens=walk.tokens, q=walk.q, confidence=walk.confidence, keep=walk.keep)
+
+    def draft_ahead(self, window: Tensor, hidden: Tensor, taps: Tensor | None, pos: int, acc: Tensor,
+                    anchor: Tensor, n: int, *, min_p: float = 0.0, sampling: SamplingParams | None = None,
+                    generator: torch.Generator | None = None) -> bool:
+        """Queue the window's observation and the next block before the loop's read (`DFlash2Graphs.ahead`);
+        False when only the after-read path can (no graphs, capacity)."""
+        self.ahead = None
+        if self.graphs is None or taps is None:
+            return False
+        n = min(int(n), self.max_block - 1)
+        sampled = sampling is not None and not sampling.greedy
+        prop = self.graphs.ahead(taps.reshape(-1, taps.shape[-1]), pos, acc, anchor, n, min_p,
+                                 sampling if sampled else None, generator)
+        if prop is None:
+            return False
+        self.ahead = (pos, prop)
+        return True
+
+    def settle(self, acc: int) -> None:
+        """The host's side of a window observed ahead: acc + 1 rows committed."""
+        pos, prop = self.ahead
+        self.cache.length = pos + acc + 1
+        self.ahead = (self.cache.length, prop)
 
     def make_graphs(self):
         """The CUDA graph runner for greedy windows (the engine attaches it on CUDA)."""

@@ -42,6 +42,10 @@ def test_dflash2_graph_path_equals_eager(setup, which):
         assert d.graphs.enabled and not d.graphs.errors
         assert got.token_ids == ref.token_ids
         assert got.stats["accepted"] == ref.stats["accepted"] and got.stats["windows"] == ref.stats["windows"]
+        # each window drafted the next one before its read (docs/models.md, "Drafting ahead"), but for the last ones,
+        # whose next window may be narrower than a block (the last 2 x block tokens at most)
+        assert got.stats["windows"] - 2 * 6 <= got.stats["drafted_ahead"] < got.stats["windows"]
+        assert ref.stats["drafted_ahead"] == 0
         # proposals and the draft context are the same as the eager path's at the end state
         k_eager = d.cache.k[:, :, : d.cache.length].clone()
         d.graphs = None
