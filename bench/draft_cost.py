@@ -7,8 +7,10 @@ runtime/drafters/mtp.py `FUSED`) and its DFlash2 head (blocks 4 and 8): one gree
 engine's fixed-width step (each of `--tasks`' prompts: code, and long, a 3k-token prompt), then
 - loop: draft ms per window as the loop measures it (CUDA events around `propose` and `observe` inside the windows,
   the loop's `draft_window_s`: GPU time, plus any time the GPU sat idle waiting for the host to queue the next
-  launch); the drafter's share of the prompt (`observe_prompt_s`, once a prompt) is its own row, not spread over
-  the windows;
+  launch), and a window's wall time less its verify span (what the window spends outside the target's step), with
+  the next window drafted ahead of each read (the loop's default, docs/models.md "Drafting ahead") and after it
+  (`speculative.DRAFT_AHEAD = False`, as before); the drafter's share of the prompt (`observe_prompt_s`, once a
+  prompt) is its own row, not spread over the windows;
 - graphs: the GPU time of each of the drafter's graphs the run captured, replayed back to back (`replays` times
   between two events): what drafting costs when the host keeps ahead. The chain of n steps and the observe graph
   together are what one window needs;
@@ -56,18 +58,29 @@ def kernels_in(g: torch.cuda.CUDAGraph) -> int:
 
 def measure(eng, label: str, block: int, ids: list[int], new_tokens: int, replays: int, task: str = "code"
             ) -> list[dict[str, Any]]:
+    from runtime import speculative
+
     d = eng.drafter
     eng.generate(ids, max_new_tokens=8, block=block, spec_min_p=0.0, stop_ids=set())   # attaches the graphs
     d.graphs.graphs.clear()                      # then only this block's graphs: captured by the first full run
-    eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
-    r = eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
-    st = r.stats
-    win = max(1, st["windows"])
-    rows = [{"drafter": label, "block": block, "task": task, "what": "loop: draft ms per window",
-             "ms": 1e3 * st["draft_window_s"] / win,
-             "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]},
-            {"drafter": label, "block": block, "task": task, "what": "loop: the prompt's observation, once",
-             "ms": 1e3 * st["observe_prompt_s"], "prompt_tokens": st["prompt_tokens"]}]
+    rows = []
+    for ahead in (True, False):
+        speculative.DRAFT_AHEAD = ahead
+        eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
+        r = eng.generate(ids, max_new_tokens=new_tokens, block=block, spec_min_p=0.0, stop_ids=set())
+        st = r.stats
+        win = max(1, st["windows"])
+        how = "drafted ahead" if ahead else "after the read"
+        rows += [{"drafter": label, "block": block, "task": task, "what": f"loop ({how}): draft ms per window",
+                  "ms": 1e3 * st["draft_window_s"] / win, "drafted_ahead": st["drafted_ahead"] / win,
+                  "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]},
+                 {"drafter": label, "block": block, "task": task,
+                  "what": f"loop ({how}): window ms - verify ms",
+                  "ms": 1e3 * (st["decode_s"] - st["verify_s"]) / win,
+                  "tokens_per_window": (st["accepted"] + win) / win, "decode_tok_s": st["decode_tok_s"]}]
+    speculative.DRAFT_AHEAD = True
+    rows.append({"drafter": label, "block": block, "task": task, "what": "loop: the prompt's observation, once",
+                 "ms": 1e3 * st["observe_prompt_s"], "prompt_tokens": st["prompt_tokens"]})
     for key, (g, _) in d.graphs.graphs.items():
         rows.append({"drafter": label, "block": block, "task": task, "what": f"graph {key}", "ms": graph_ms(g, replays),
                      "launches": kernels_in(g)})
@@ -105,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(eng, "DFlash2 bf16", block, ids, args.new_tokens, args.replays, task)
     write_json("draft_cost.json", {"machine": machine(), "args": vars(args), "rows": rows})
     print_table(f"Drafter cost per window, bundled pack ({machine().get('gpu')})",
-                ["drafter", "block", "task", "what", "ms", "launches", "tok/window"],
-                [[r["drafter"], r["block"], r["task"], r["what"], r["ms"], r.get("launches"), r.get("tokens_per_window")]
-                 for r in rows])
+                ["drafter", "block", "task", "what", "ms", "launches", "tok/window", "tok/s"],
+                [[r["drafter"], r["block"], r["task"], r["what"], r["ms"], r.get("launches"), r.get("tokens_per_window"),
+                  r.get("decode_tok_s")] for r in rows])
     return 0
 
 
