@@ -64,6 +64,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from runtime import speculative  # noqa: E402
+from runtime.gpu import capture  # noqa: E402
 from runtime.gpu.static_step import StaticStep  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
@@ -210,16 +211,20 @@ class Harness:
     def generate(self, ids: list[int], kind: str | None, block: int, width: int, n_new: int,
                  sampling: SamplingParams | None = None, min_p: float = 0.0, scaled: bool = True,
                  ahead: bool = True) -> Any:
-        """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead."""
+        """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead. A
+        `-dq` drafter's graphs are captured with its stacked block products dequantized + matmul (the path before
+        the GEMV launch, runtime/gpu/capture.py DRAFT_QUANT_PATH)."""
         d = self.drafters[kind] if kind else None
         step = self.step(width) if scaled else self.nano_step(width)
         model = self.target if scaled else self.nano
         speculative.DRAFT_AHEAD = ahead
+        capture.DRAFT_QUANT_PATH = "dequant" if kind and kind.endswith("-dq") else "gemv"
         try:
             return generate_ids(model, self.kv, ids, drafter=d, max_new_tokens=n_new, sampling=sampling,
                                 block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step)
         finally:
             speculative.DRAFT_AHEAD = True
+            capture.DRAFT_QUANT_PATH = "gemv"
 
 
 # ------------------------------------------------------------------------------------------------ the A3B step
@@ -290,6 +295,9 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
             for b in (4, 6, 8):
                 arms.append({"arm": f"DFlash2 {q} b{b}", "kind": f"dflash2-{q}", "block": b, "family": "dflash2",
                              "quant": q, "quantized": True})
+            for b in (4, 6, 8):        # the same head, its stacked products dequantized into scratch + matmul
+                arms.append({"arm": f"DFlash2 {q} b{b}, dequantize + matmul", "kind": f"dflash2-{q}-dq",
+                             "block": b, "family": "dflash2-dq", "quant": q, "quantized": True, "qpath": "dequant"})
     return arms
 
 
@@ -311,6 +319,7 @@ def load_drafters(h: Harness, tmp: Path, extra: str = "") -> Path | None:
     for q in ("q8_0", "q4_0"):
         convert_dflash2(NANO_DFLASH2, q, tmp / f"{q}.gguf")
         h.add_dflash2(f"dflash2-{q}", tmp / f"{q}.gguf")
+        h.add_dflash2(f"dflash2-{q}-dq", tmp / f"{q}.gguf")     # its graphs captured with the dequantizing path
     return tmp
 
 

@@ -9,6 +9,8 @@ build a graph turns that graph set off (recorded in `errors`), so the eager path
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -135,3 +137,55 @@ def stack_linears(mods: list) -> Tensor | None:
         mod.weight = torch.nn.Parameter(stacked[o:o + w.shape[0]], requires_grad=False)
         o += w.shape[0]
     return stacked
+
+
+class QuantStack:
+    """Block-format modules of one format and input width stacked into one block matrix (their `blocks` become
+    views of it: same bytes, no copy kept), applied in one product: a drafter block's few rows through the GEMV
+    kernel, one launch reading each weight block once (`DRAFT_QUANT_PATH`), where separate modules would take a
+    dequantization and a matmul each."""
+
+    def __init__(self, blocks: Tensor, qtype: str, in_features: int) -> None:
+        self.blocks, self.qtype, self.in_features = blocks, qtype, in_features
+
+    def __call__(self, x: Tensor) -> Tensor:
+        from runtime.formats.blocks import dequantize_torch
+        from runtime.gpu import dense_kernels, moe_gemv
+
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":      # the CPU: a float product
+            w = dequantize_torch(self.blocks, self.qtype).to(x.dtype)
+            return torch.nn.functional.linear(x, w)
+        cfg = moe_gemv.variant(self.qtype)
+        x2 = x.reshape(-1, self.in_features)
+        if DRAFT_QUANT_PATH == "gemv" and cfg is not None and x2.shape[0] <= dense_kernels.GEMV_ROWS:
+            return dense_kernels.gemv(x2.contiguous(), self.blocks, self.qtype, cfg).reshape(*x.shape[:-1], -1)
+        return dense_kernels.quant_linear(x, self.blocks, self.qtype, self.in_features)
+
+
+# a stacked block-format product of a drafter's graph: "gemv" (one launch) or "dequant" (the shared path of
+# `dense_kernels.quant_linear`: a dequantization into scratch and a cuBLAS product); the benchmarks' switch
+DRAFT_QUANT_PATH = "gemv"
+
+
+def stack_quant_linears(mods: list) -> QuantStack | None:
+    """`stack_linears` for `QuantLinear`s: one block matrix for all, None (nothing changed) unless all are
+    bias-free block-format modules of one format, input width and device."""
+    from runtime.formats.quant_linear import QuantLinear
+
+    if not all(type(m) is QuantLinear and m.bias is None and m.qtype != "bf16" for m in mods):
+        return None
+    if len({(m.qtype, m.in_features, m.blocks.device, m.blocks.shape[1]) for m in mods}) != 1:
+        return None
+    bs = [m.blocks for m in mods]
+    if len(bs) == 1:
+        return QuantStack(bs[0], mods[0].qtype, mods[0].in_features)
+    if all(b._base is not None for b in bs) and len({b._base.data_ptr() for b in bs}) == 1:
+        base = bs[0]._base                   # stacked before (a second graph set on the same model)
+        if base.shape[0] == sum(b.shape[0] for b in bs) and bs[0].data_ptr() == base.data_ptr():
+            return QuantStack(base, mods[0].qtype, mods[0].in_features)
+    stacked = torch.cat(bs, dim=0)
+    o = 0
+    for m, b in zip(mods, bs, strict=True):
+        m.blocks = stacked[o:o + b.shape[0]]
+        o += b.shape[0]
+    return QuantStack(stacked, mods[0].qtype, mods[0].in_features)

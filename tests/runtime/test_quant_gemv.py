@@ -33,6 +33,14 @@ SCRIPT = textwrap.dedent("""
                 x2 = torch.randn(M, 256)
                 x2[M - 1] = x[1]
                 assert torch.equal(dense_kernels.quant_linear(x2, blocks, q, 256)[M - 1], y[1]), (q, path, M)
+    # a drafter's stacked q/k/v in one GEMV launch (runtime/gpu/capture.py QuantStack) equals the three products
+    from runtime.gpu.capture import stack_quant_linears
+    mods = [QuantLinear.from_float(torch.randn(n, 256) * 0.05, "q4_0") for n in (32, 16, 16)]
+    x = torch.randn(5, 256)
+    ref = torch.cat([x @ m.dequantized_weight().T for m in mods], -1)
+    st = stack_quant_linears(mods)
+    y = st(x)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
     print("ok")
 """)
 
@@ -45,3 +53,29 @@ def test_quantized_dense_gemv_in_interpreter():
     env.update({k: v for k, v in os.environ.items() if k not in env})
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_stacked_block_modules_share_one_matrix():
+    """`stack_quant_linears` (a drafter's q/k/v as one block matrix): the modules' blocks become views of it, bytes
+    unchanged, and the stack's product on the CPU equals the modules' own; other modules are left alone."""
+    import torch
+
+    from runtime.formats.quant_linear import QuantLinear
+    from runtime.gpu.capture import stack_quant_linears
+
+    torch.manual_seed(1)
+    mods = [QuantLinear.from_float(torch.randn(n, 64) * 0.05, "q8_0") for n in (32, 16, 16)]
+    before = [m.blocks.clone() for m in mods]
+    x = torch.randn(3, 64)
+    outs = [m(x) for m in mods]
+    st = stack_quant_linears(mods)
+    assert st is not None and st.blocks.shape[0] == 64
+    for m, b in zip(mods, before, strict=True):
+        assert torch.equal(m.blocks, b) and m.blocks.data_ptr() >= st.blocks.data_ptr()
+        assert m.blocks._base is st.blocks
+    assert torch.equal(st(x), torch.cat(outs, -1))
+    again = stack_quant_linears(mods)                     # a second graph set: the same matrix, no new copy
+    assert again.blocks.data_ptr() == st.blocks.data_ptr()
+    other = QuantLinear.from_float(torch.randn(8, 32) * 0.05, "q8_0")      # another input width: not stacked
+    assert stack_quant_linears([mods[0], other]) is None
+    assert stack_quant_linears([torch.nn.Linear(64, 8, bias=False)]) is None

@@ -13,8 +13,13 @@ from torch import Tensor
 from runtime.drafters.base import Proposal, floor_keep
 from runtime.drafters.dflash2.model import _floor_q, follow_lattice, lattice_scores, lattice_walk
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
-from runtime.gpu.capture import GraphSet, capture, stack_linears
+from runtime.gpu.capture import GraphSet, QuantStack, capture, stack_linears, stack_quant_linears
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
+
+
+def _stack(mods: list) -> Tensor | QuantStack | None:
+    w = stack_linears(mods)
+    return w if w is not None else stack_quant_linears(mods)
 
 
 class DFlash2Graphs(GraphSet):
@@ -40,13 +45,19 @@ class DFlash2Graphs(GraphSet):
         self.fast = (kernels.available(drafter.cache.k) and drafter.cache.k.dtype == m.dtype
                      and all(layer.window is None for layer in m.layers)
                      and len({layer.causal for layer in m.layers}) == 1 and g.head_dim % 2 == 0)
-        self.qkv: list[Tensor | None] = []
-        self.gate_up: list[Tensor | None] = []
+        # q/k/v and gate/up as one product each: float weights stacked for one matmul, block-format ones
+        # (a quantized head) for one GEMV launch
+        self.qkv: list[Tensor | QuantStack | None] = []
+        self.gate_up: list[Tensor | QuantStack | None] = []
+        self.o_proj: list[QuantStack | None] = []       # block-format o_proj / down_proj through the GEMV launch
+        self.down: list[QuantStack | None] = []
         if self.fast:
             for layer in m.layers:
                 a = layer.self_attn
-                self.qkv.append(stack_linears([a.q_proj, a.k_proj, a.v_proj]))
-                self.gate_up.append(stack_linears([layer.mlp.gate_proj, layer.mlp.up_proj]))
+                self.qkv.append(_stack([a.q_proj, a.k_proj, a.v_proj]))
+                self.gate_up.append(_stack([layer.mlp.gate_proj, layer.mlp.up_proj]))
+                self.o_proj.append(stack_quant_linears([a.o_proj]))
+                self.down.append(stack_quant_linears([layer.mlp.down_proj]))
         # the split attention's partials, shared by every graph of this set (they run one at a time)
         self.part = (attention_kernels.split_scratch(self.obs_rows, g.num_heads, drafter.cache.capacity, g.head_dim,
                                                      self.dev) if self.fast else None)
@@ -74,6 +85,8 @@ class DFlash2Graphs(GraphSet):
     def _qkv(self, i: int, y: Tensor) -> Tensor:
         a = self.d.model.layers[i].self_attn
         w = self.qkv[i]
+        if isinstance(w, QuantStack):
+            return w(y)
         if w is not None:
             return F.linear(y, w)
         return torch.cat([a.q_proj(y), a.k_proj(y), a.v_proj(y)], dim=-1)
@@ -93,9 +106,9 @@ class DFlash2Graphs(GraphSet):
         w = self.gate_up[i]
         if w is None:
             return mlp(y)
-        gu = F.linear(y, w)
-        inter = w.shape[0] // 2
-        return mlp.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])
+        gu = w(y) if isinstance(w, QuantStack) else F.linear(y, w)
+        inter = gu.shape[-1] // 2
+        return (self.down[i] or mlp.down_proj)(F.silu(gu[:, :inter]) * gu[:, inter:])
 
     def _draft_fast(self, width: int, sp: SamplingParams | None = None) -> tuple[Tensor, ...]:
         d, m = self.d, self.d.model
@@ -120,7 +133,7 @@ class DFlash2Graphs(GraphSet):
                 y = self._conv(ac, y, dyn, 0)
             q = self._post(i, self._qkv(i, y), qpos)
             o = attention_kernels.attention(q, d.cache.k[i], d.cache.v[i], last, a.hd ** -0.5, part=self.part)
-            y = a.o_proj(o.reshape(width, a.nh * a.hd))
+            y = (self.o_proj[i] or a.o_proj)(o.reshape(width, a.nh * a.hd))
             if ac is not None:
                 y = self._conv(ac, y, dyn, 1)
             x, y = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, y)
