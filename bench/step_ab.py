@@ -13,9 +13,8 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
   PDL wait (dense_kernels.ONE_ROW_DENSE, moe_gemv "one_d*", EARLY), gate/up in one step (u1d32); the RMSNorms
   folded into the q/k/v and router products (dense_kernels.FUSE_NORM); the experts' down products, their top-k
   sum and the residual in one launch (moe_gemv.DOWN_SUM); PDL on the attention reduction; the routing kernel on
-  2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW), the one-row q/k-norm + RoPE + K/V write inside the split attention
-  kernel (attention_kernels.POST_IN_SPLIT): the runtime's default. default-late: the default with every load
-  after the PDL wait; post-apart: the default with that post-processing in its own launch (the same bits).
+  2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW): the runtime's default. default-late: the default with every load
+  after the PDL wait.
 Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
 launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt); in
 h200_session8/: the one-step tiles for the one-row experts' down products (4 or 2 gate/up rows, 16 or 8 down
@@ -67,13 +66,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "route_warps": 2, "post": True},
+                "route_warps": 2},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
-                     "skip": {"attention"}, "route_warps": 2, "late": True, "post": True},
-    # the default with the one-row q/k-norm + RoPE + K/V write in its own launch before the split attention (the
-    # runtime before attention_kernels.POST_IN_SPLIT)
-    "post-apart": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
-                   "skip": {"attention"}, "route_warps": 2},
+                     "skip": {"attention"}, "route_warps": 2, "late": True},
 }
 # verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
 # and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)
@@ -131,7 +126,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
-    attention_kernels.POST_IN_SPLIT = bool(arm.get("post"))
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
     dense_kernels.DENSE_GEMV_ROWS = arm.get("dense_rows", 1)
@@ -216,8 +210,7 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
         rows.append(row)
     checks = []
     for a, base in (("moe1+pdl", "moe1"), ("moe1+pdl-attn", "moe1"), ("moe1", "before"),
-                    ("default-late", "default"),        # EARLY loads move loads, never arithmetic
-                    ("post-apart", "default")):         # the post-processing in the split kernel: the same bits
+                    ("default-late", "default")):       # EARLY loads move loads, never arithmetic
         for c in contexts:      # launch options never change bits; nor do one-row options a wide step
             for w in widths:
                 if (a, c, w) in logits and (base, c, w) in logits and (base != "before" or w > 1):

@@ -148,72 +148,22 @@ if HAVE_TRITON:
         return lo, size
 
     @triton.jit
-    def _post_one_row(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, eps, rscale,
-                      kvh, first, step, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss,
-                      G: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr,
-                      C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr,
-                      QB: tl.constexpr, ROPE_OFF: tl.constexpr):
-        """`_qkv_post_kernel`'s work for one row inside a split program (kv head kvh): q-norm + RoPE of the head's
-        G query heads into q_ptr (every program of the head stores the same values), and, by the program whose
-        chunks include the row's position, k-norm + RoPE of k and v written at cache slot pos. Each head vector
-        through the same arithmetic as `_qkv_post_kernel` (one [HD] vector at a time), so the same bits; then a
-        barrier, so the program's threads read what it wrote."""
-        pos = tl.load(pos_ptr)
-        d = tl.arange(0, HD)
-        dp = (d + HD // 2) % HD
-        f = (tl.maximum(pos, 0) + ROPE_OFF).to(tl.float32) * tl.load(inv_ptr + d % (HD // 2))
-        dt = q_ptr.dtype.element_ty
-        cos = (tl.cos(f) * rscale).to(dt).to(tl.float32)
-        sin = (tl.sin(f) * rscale).to(dt).to(tl.float32)
-        wq = tl.load(qw_ptr + d).to(tl.float32)
-        wqp = tl.load(qw_ptr + dp).to(tl.float32)
-        for gi in tl.static_range(G):
-            h = kvh * G + gi
-            x = tl.load(qkv_ptr + h * HD + d).to(tl.float32)
-            xp = tl.load(qkv_ptr + h * HD + dp).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HD + eps)
-            tl.store(q_ptr + h * stride_qh + d, _norm_rope(x, xp, rstd, wq, wqp, cos, sin, d < HD // 2, dt))
-        NH = tl.num_programs(1) * G
-        n = _n_chunks(pos + 1, C0, E0, C1, E1, C2)
-        if (n - 1) % step == first:                  # this program's chunks hold the row's own position
-            ok = pos >= 0
-            x = tl.load(qkv_ptr + (NH + kvh) * HD + d).to(tl.float32)
-            xp = tl.load(qkv_ptr + (NH + kvh) * HD + dp).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HD + eps)
-            wk = tl.load(kw_ptr + d).to(tl.float32)
-            wkp = tl.load(kw_ptr + dp).to(tl.float32)
-            out = _norm_rope(x, xp, rstd, wk, wkp, cos, sin, d < HD // 2, dt)
-            dst = kvh.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs
-            sdst = kvh.to(tl.int64) * stride_sh + tl.maximum(pos, 0).to(tl.int64) * stride_ss
-            _store_row(out.to(tl.float32), k_ptr, ks_ptr, dst, sdst, ok, HD, Q8, NB, QB)
-            v = tl.load(qkv_ptr + (NH + NKV + kvh) * HD + d)
-            _store_row(v.to(tl.float32), v_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
-        tl.debug_barrier()
-
-    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, acc_ptr, ml_ptr, scale,
                            stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
-                           qkv_ptr, qw_ptr, kw_ptr, inv_ptr, eps, rscale,
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
-                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, POST: tl.constexpr = False,
-                           NKV: tl.constexpr = 1, ROPE_OFF: tl.constexpr = 0, GDC: tl.constexpr = False):
+                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
         cache once, not once per row). A row past its own end in a block sees only masked scores: its update is
-        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone. POST (one row): the row's
-        q/k/v post-processing first (`_post_one_row`), from the raw q/k/v row at qkv_ptr."""
+        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone."""
         pdl.start(GDC)
         rb = tl.program_id(0)
         kvh = tl.program_id(1)
         first = tl.program_id(2)
         step = tl.num_programs(2)
         nh = tl.num_programs(1) * G
-        if POST:
-            _post_one_row(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, eps, rscale,
-                          kvh, first, step, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, G, NKV, HD,
-                          C0, E0, C1, E1, C2, Q8, NB, QB, ROPE_OFF)
         i = tl.arange(0, RB * GP)
         r = rb * RB + i // GP                          # the tile's lines: RB rows x GP heads
         g = i % GP
@@ -423,11 +373,10 @@ def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: t
 
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
               vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
-              tiers: tuple[int, int, int, int, int] | None = None, post: tuple | None = None) -> Tensor:
+              tiers: tuple[int, int, int, int, int] | None = None) -> Tensor:
     """q [W, nh, hd] against cache kc, vc [nkv, S, hd] (q8_0 with scales ks, vs); row r sees cache rows
     0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk` (one
-    chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split). `post`
-    (`attention_post`): q is an empty buffer that the split kernel fills from the raw q/k/v row itself."""
+    chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split)."""
     W, nh, hd = q.shape
     nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
@@ -448,12 +397,10 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     gp = pow2(G)
     rb = row_block(gp)
     blocks = -(-W // rb)
-    qkv, q_w, k_w, inv, rscale, eps, rope_off = post if post is not None else (q, q, q, q, 1.0, 0.0, 0)
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
-        kc.stride(1), ssh, sss, nc, W, qkv, q_w, k_w, inv, float(eps), float(rscale), G=G, GP=gp, RB=rb, HD=hd,
-        BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8, NB=nb, QB=qb, POST=post is not None, NKV=nkv,
-        ROPE_OFF=int(rope_off), num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl.launch(q, "attention"))
+        kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
+        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl.launch(q, "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
@@ -482,25 +429,6 @@ def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale
                                     ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb, ROPE_OFF=int(rope_off),
                                     **pdl.launch(qkv))
     return q
-
-
-# the one-row step's q/k-norm + RoPE + K/V write inside the split attention kernel (`attention_post`: one launch
-# fewer a layer, the same bits); False: `qkv_post` then `attention` (the benchmarks' switch)
-POST_IN_SPLIT = True
-
-
-def attention_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale: float, pos: Tensor,
-                   kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float, scale: float, *,
-                   ks: Tensor | None = None, vs: Tensor | None = None, part: Tensor | None = None,
-                   rope_off: int = 0, tiers: tuple[int, int, int, int, int] | None = None) -> Tensor:
-    """`qkv_post` then `attention` for one row (qkv [1, (nh+2nkv)*hd]) in the split kernel's launch: each program
-    post-processes its head's query heads, the one holding the row's position writes k and v first; the same bits
-    as the two calls (checked in tests/runtime/kernels_check.py)."""
-    if qkv.shape[0] != 1:
-        raise ValueError(f"attention_post takes one row, got {qkv.shape[0]}.")
-    q = torch.empty(1, nh, hd, dtype=qkv.dtype, device=qkv.device)
-    return attention(q, kc, vc, pos, scale, ks=ks, vs=vs, part=part, tiers=tiers,
-                     post=(qkv.contiguous(), q_w, k_w, inv_freq, rope_scale, eps, rope_off))
 
 
 def dequant_q8(qc: Tensor, sc: Tensor, out: Tensor) -> Tensor:

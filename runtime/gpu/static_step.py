@@ -67,13 +67,9 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
     else:
         _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
         qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
-    if x.shape[0] == 1 and attention_kernels.POST_IN_SPLIT:      # one launch for both (docs/models.md, "Launches")
-        o = attention_kernels.attention_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
-                                             a.nkv, a.hd, eps, a.scale, ks=ks, vs=vs, part=part, rope_off=rope_off)
-    else:
-        q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
-                                       a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
-        o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part)
+    q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
+                                   a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
+    o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part)
     d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj, a.o_proj)
     mlp = layer.mlp
     fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,

@@ -827,38 +827,6 @@ def check_qkv_post_rope_off(dt: torch.dtype) -> None:
     assert float(ka.abs().sum(-1).gt(0).sum()) == nkv * 4         # four real rows written, the padded one not
 
 
-def check_attention_post(dt: torch.dtype) -> None:
-    """The one-row step's q/k/v post-processing inside the split kernel (`attention_post`) gives the bits of
-    `qkv_post` then `attention`: the output, and the cache after it (k and v written at the row's slot by the program
-    whose chunks hold it, before it reads them); at chunk edges, with programs walking one or several chunks, a q8_0
-    cache, RoPE at pos + 1 (an MTP head) and a padding row (writes nothing)."""
-    g = torch.Generator().manual_seed(21)
-    tiers = (32, 64, 64, 192, 128)
-    saved = attention_kernels.PROGRAMS_PER_SM
-    try:
-        for per_sm in (4, 1):                      # 5 chunks over 5 programs a head, or over 2
-            attention_kernels.PROGRAMS_PER_SM = per_sm
-            for q8 in (False, True):
-                nh, nkv, hd, S = 8, 2, 32, 300
-                qw, kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt), (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
-                inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-                for p, rope_off in ((0, 0), (31, 0), (32, 1), (191, 0), (192, 0), (299, 1), (-1, 0)):
-                    kc, vc, ks, vs, _, _ = cache(nkv, S, hd, dt, q8, g)
-                    qkv = torch.randn(1, (nh + 2 * nkv) * hd, generator=g).to(dt)
-                    pos = torch.tensor([p], dtype=torch.int32)
-                    a = [t.clone() if t is not None else None for t in (kc, vc, ks, vs)]
-                    q = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, a[0], a[1], nh, nkv, hd, 1e-6,
-                                                   ks=a[2], vs=a[3], rope_off=rope_off)
-                    ref = attention_kernels.attention(q, a[0], a[1], pos, hd ** -0.5, ks=a[2], vs=a[3], tiers=tiers)
-                    got = attention_kernels.attention_post(qkv, qw, kw, inv, 1.0, pos, kc, vc, nh, nkv, hd, 1e-6,
-                                                           hd ** -0.5, ks=ks, vs=vs, rope_off=rope_off, tiers=tiers)
-                    assert torch.equal(got, ref), (per_sm, q8, p, (got.float() - ref.float()).abs().max())
-                    for x, y in zip((kc, vc, ks, vs), a, strict=True):
-                        assert x is None or torch.equal(x, y), (per_sm, q8, p)
-    finally:
-        attention_kernels.PROGRAMS_PER_SM = saved
-
-
 def check_mtp_graphs() -> None:
     """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path;
     the head's layer runs through the target step's fused kernels (`MTPGraphs.fused`)."""
@@ -1018,7 +986,6 @@ def check_attention_all() -> None:
         check_kv_q8(dt)
         check_qkv_post_rows(dt)
         check_qkv_post_rope_off(dt)
-        check_attention_post(dt)
     check_dense_step_q8()
 
 
