@@ -20,6 +20,9 @@ from runtime.sampling import SamplingParams
 
 @dataclass
 class Proposal:
+    """A drafter's rows. From a graph path they are the graph's output buffers: valid until that drafter's next
+    replay, which the loop queues only after the window's verify and acceptance have read them (stream order)."""
+
     tokens: Tensor            # [m] int64, m <= n, on any device (the loop reads them once per window, if at all)
     q: Tensor | None          # [m, V] float32 draft distribution per row (sampling only)
     confidence: Tensor        # [m] float32 (the spec_min_p statistic)

@@ -313,9 +313,9 @@ class MTPGraphs(GraphSet):
         if out is None:
             return None
         toks, conf, keep, q = out
-        # all n rows and the floor's count, on the device: the loop reads nothing before verifying
-        return Proposal(tokens=toks.clone(), q=None if q is None else q.clone(), confidence=conf.clone(),
-                        keep=keep.clone())
+        # all n rows and the floor's count, on the device: the loop reads nothing before verifying. The graph's own
+        # output buffers, not copies: valid until this graph set's next replay (`Proposal`)
+        return Proposal(tokens=toks, q=q, confidence=conf, keep=keep)
 
     def ahead(self, window: Tensor, hidden: Tensor, pos: int, acc: Tensor, anchor: Tensor, n: int, min_p: float,
               sampling: SamplingParams | None, generator: torch.Generator | None) -> Proposal | None:
@@ -328,13 +328,12 @@ class MTPGraphs(GraphSet):
         if not self.enabled or n <= 0 or W - 1 > self.R or kv.length != pos or pos + self.R > kv.capacity \
                 or pos + W - 1 + n > kv.capacity:
             return None
+        self._set_ahead(anchor, pos + 1, acc, pos + 1)   # the observation reads only the start (scal[2])
         if W > 1:
             self.obs_tok[:W - 1].copy_(window[1:])
             self.obs_g[:W - 1].copy_(hidden[:W - 1])
-            self._set(0, 0, pos + 1)
             if self._run("observe", self._observe) is None and not self.enabled:
                 return None
-        self._set_ahead(anchor, pos + 1, acc)
         self.g_in.copy_(hidden.index_select(0, acc.reshape(1)))
         return self._draft(n, min_p, sampling, generator)
 

@@ -91,10 +91,11 @@ class GraphSet:
     def _set(self, a: int = 0, b: int = 0, c: int = 0) -> None:
         self.host_scal.set(a, b, c)
 
-    def _set_ahead(self, anchor: Tensor, pos: int, acc: Tensor) -> None:
+    def _set_ahead(self, anchor: Tensor, pos: int, acc: Tensor, start: int = 0) -> None:
         """Scalars of a window drafted before the host knows it: the anchor and the position pos + acc come from
-        the device (the verified window's results), in stream order after the host's copy."""
-        self.host_scal.set(0, pos, 0)
+        the device (the verified window's results), in stream order after the host's copy; `start` for the
+        observation queued with it."""
+        self.host_scal.set(0, pos, start)
         self.scal[0:1].copy_(anchor.reshape(1))
         self.scal[1:2].add_(acc.reshape(1))
 

@@ -228,10 +228,9 @@ class DFlash2Graphs(GraphSet):
                 or (self.fast and pos + W + n + 1 > cache.capacity):
             return None
         self.obs_taps[:W].copy_(taps)
-        self._set(0, 0, pos)
+        self._set_ahead(anchor, pos + 1, acc, pos)       # the observation reads only the start (scal[2])
         if self._run("observe", self._observe) is None and not self.enabled:
             return None
-        self._set_ahead(anchor, pos + 1, acc)
         return self._block(n, min_p, sampling, generator)
 
     def _block(self, n: int, min_p: float, sampling: SamplingParams | None,
@@ -246,9 +245,9 @@ class DFlash2Graphs(GraphSet):
         if out is None:
             return None
         toks, conf, keep, q = out
-        # all rows and the floor's count, on the device: the loop reads nothing before verifying
-        return Proposal(tokens=toks.clone(), q=None if q is None else q.clone(), confidence=conf.clone(),
-                        keep=keep.clone())
+        # all rows and the floor's count, on the device: the loop reads nothing before verifying. The graph's own
+        # output buffers, not copies: valid until this graph set's next replay (`Proposal`)
+        return Proposal(tokens=toks, q=q, confidence=conf, keep=keep)
 
     def _draft_cut(self, width: int, sp: SamplingParams | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """One block: draft forward, selector walk (greedy or sampled) and the floor cut, one launch sequence (one
