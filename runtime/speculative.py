@@ -314,8 +314,8 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         # the anchor also lives on the device: each window's last token is taken from the device result, so a window
         # is assembled there (anchor + proposals) and the host reads once per window, in the acceptance
         anchor_dev = torch.tensor([first], dtype=torch.long, device=dev)
-        # drafting ahead needs a drafter that can (graphs attached) and a GPU to overlap with (or the CPU's
-        # interpreter runs of the same code: tests)
+        # drafting ahead needs a drafter that can (graphs attached: on a GPU; on the CPU, where the graphs' functions
+        # run eagerly, the tests attach them to run the same code)
         reader = (_Read(dev, 2 * block + 4) if use_draft and DRAFT_AHEAD and hasattr(drafter, "draft_ahead")
                   and getattr(drafter, "graphs", None) is not None else None)
         if first in stop_ids:
