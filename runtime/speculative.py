@@ -175,9 +175,10 @@ def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | N
     if keep is not None:
         ok = ok & (torch.arange(m, device=tgt.device) < keep)
     acc = torch.cumprod(ok.to(torch.int32), 0).sum()
-    nxt = tgt.index_select(0, acc.reshape(1).long())                     # the target's token after the accepted
+    # the target's token after the accepted ones, on the device: before the read only when drafting ahead needs it
+    nxt = tgt.index_select(0, acc.reshape(1).long()) if ahead is not None else None
     a, k, vals = _read(acc, keep, tgt, draft, nxt=nxt, ahead=ahead, reader=reader)
-    return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], nxt
+    return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], nxt if nxt is not None else tgt[a:a + 1]
 
 
 def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:

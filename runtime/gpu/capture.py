@@ -130,15 +130,22 @@ def stack_linears(mods: list) -> Tensor | None:
         return None
     if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or not ws[0].is_floating_point():
         return None
-    if all(w._base is not None for w in ws) and len({w._base.data_ptr() for w in ws}) == 1:
-        base = ws[0]._base                   # stacked before (a second graph set on the same model)
-        if base.shape[0] == sum(w.shape[0] for w in ws) and ws[0].data_ptr() == base.data_ptr():
+    return _one_matrix(ws, lambda i, view: setattr(mods[i], "weight", torch.nn.Parameter(view, requires_grad=False)))
+
+
+def _one_matrix(parts: list[Tensor], put) -> Tensor:
+    """The row blocks `parts` as one matrix whose views `put(i, view)` hands back to their owners; the matrix they
+    already are views of, when a second graph set stacks the same modules (no new copy)."""
+    bases = {p._base.data_ptr() if p._base is not None else None for p in parts}
+    if None not in bases and len(bases) == 1:
+        base = parts[0]._base
+        if base.shape[0] == sum(p.shape[0] for p in parts) and parts[0].data_ptr() == base.data_ptr():
             return base
-    stacked = torch.cat([w.detach() for w in ws], dim=0)
+    stacked = torch.cat([p.detach() for p in parts], dim=0)
     o = 0
-    for mod, w in zip(mods, ws, strict=True):
-        mod.weight = torch.nn.Parameter(stacked[o:o + w.shape[0]], requires_grad=False)
-        o += w.shape[0]
+    for i, p in enumerate(parts):
+        put(i, stacked[o:o + p.shape[0]])
+        o += p.shape[0]
     return stacked
 
 
@@ -181,16 +188,7 @@ def stack_quant_linears(mods: list) -> QuantStack | None:
         return None
     if len({(m.qtype, m.in_features, m.blocks.device, m.blocks.shape[1]) for m in mods}) != 1:
         return None
-    bs = [m.blocks for m in mods]
-    if len(bs) == 1:
-        return QuantStack(bs[0], mods[0].qtype, mods[0].in_features)
-    if all(b._base is not None for b in bs) and len({b._base.data_ptr() for b in bs}) == 1:
-        base = bs[0]._base                   # stacked before (a second graph set on the same model)
-        if base.shape[0] == sum(b.shape[0] for b in bs) and bs[0].data_ptr() == base.data_ptr():
-            return QuantStack(base, mods[0].qtype, mods[0].in_features)
-    stacked = torch.cat(bs, dim=0)
-    o = 0
-    for m, b in zip(mods, bs, strict=True):
-        m.blocks = stacked[o:o + b.shape[0]]
-        o += b.shape[0]
+    if len(mods) == 1:
+        return QuantStack(mods[0].blocks, mods[0].qtype, mods[0].in_features)
+    stacked = _one_matrix([m.blocks for m in mods], lambda i, view: setattr(mods[i], "blocks", view))
     return QuantStack(stacked, mods[0].qtype, mods[0].in_features)
