@@ -31,6 +31,11 @@ REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant:
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
+# a q8_0 cache: the split kernel loads the next tile's codes and scales before this tile's dequantization and dots
+# (the same values as a tile at a time; False: a tile at a time, the benchmarks' switch), in one pipeline stage
+# (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
+Q8_PREFETCH = True
+SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
@@ -77,19 +82,28 @@ if HAVE_TRITON:
         return q.to(tl.int8), d.to(tl.float16)
 
     @triton.jit
+    def _raw_kv(ptr, sptr, base, sbase, s, sm, stride_cs, stride_ss, NB: tl.constexpr, QB: tl.constexpr):
+        """Cache rows `s` [BS] of one q8_0 head as stored: int8 codes [BS, NB, QB] and float16 scales [BS, NB]."""
+        b = tl.arange(0, NB)
+        e = tl.arange(0, QB)
+        off = base + s[:, None, None].to(tl.int64) * stride_cs + (b[None, :, None] * QB + e[None, None, :])
+        xq = tl.load(ptr + off, mask=sm[:, None, None], other=0)
+        sc = tl.load(sptr + sbase + s[:, None].to(tl.int64) * stride_ss + b[None, :], mask=sm[:, None], other=0.0)
+        return xq, sc
+
+    @triton.jit
+    def _deq(xq, sc, dt: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr):
+        """`_raw_kv`'s codes times their scales in fp32, rounded once to `dt`, as [BS, HD] (`_load_kv`'s values)."""
+        return tl.reshape((xq.to(tl.float32) * sc.to(tl.float32)[:, :, None]).to(dt), (BS, HD))
+
+    @triton.jit
     def _load_kv(ptr, sptr, base, sbase, s, sm, stride_cs, stride_ss, dt: tl.constexpr,
                  HD: tl.constexpr, BS: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr):
         """Cache rows `s` [BS] (masked by `sm`) of one head as [BS, HD] in `dt`; q8_0 rows dequantized (`q * d` in
         fp32, rounded once)."""
         if Q8:
-            b = tl.arange(0, NB)
-            e = tl.arange(0, QB)
-            off = base + s[:, None, None].to(tl.int64) * stride_cs + (b[None, :, None] * QB + e[None, None, :])
-            xq = tl.load(ptr + off, mask=sm[:, None, None], other=0)
-            sc = tl.load(sptr + sbase + s[:, None].to(tl.int64) * stride_ss + b[None, :], mask=sm[:, None],
-                         other=0.0)
-            x = (xq.to(tl.float32) * sc.to(tl.float32)[:, :, None]).to(dt)
-            return tl.reshape(x, (BS, HD))
+            xq, sc = _raw_kv(ptr, sptr, base, sbase, s, sm, stride_cs, stride_ss, NB, QB)
+            return _deq(xq, sc, dt, BS, HD)
         else:
             d = tl.arange(0, HD)
             off = base + s[:, None].to(tl.int64) * stride_cs + d[None, :]
@@ -152,7 +166,8 @@ if HAVE_TRITON:
                            stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
-                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, GDC: tl.constexpr = False):
+                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
+                           GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
@@ -186,11 +201,23 @@ if HAVE_TRITON:
             m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
             l_i = tl.zeros((RB * GP,), dtype=tl.float32)
             acc = tl.zeros((RB * GP, HD), dtype=tl.float32)
+            if Q8 and Q8_PF:                       # the chunk's first tile, raw
+                s = lo + tl.arange(0, BS)
+                kq, ksc = _raw_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
+                vq, vsc = _raw_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
             for s0 in range(lo, hi, BS):
                 s = s0 + tl.arange(0, BS)
                 sm = s < hi
-                k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                if Q8 and Q8_PF:                   # the next tile's raw words before this tile's arithmetic
+                    sn = s + BS
+                    kq_, ksc_ = _raw_kv(k_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
+                    vq_, vsc_ = _raw_kv(v_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
+                    k = _deq(kq, ksc, dt, BS, HD)
+                    v = _deq(vq, vsc, dt, BS, HD)
+                    kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
+                else:
+                    k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                    v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                 sc = tl.dot(q, tl.trans(k)) * scale
                 sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -392,7 +419,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         raise ValueError(f"attention partials hold {part.numel()} floats, {need} needed.")
     acc, ml = part[:n_acc], part[n_acc:need]
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
-    t = SPLIT_TILE
+    t = SPLIT_TILE_Q8 if q8 else SPLIT_TILE
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     gp = pow2(G)
     rb = row_block(gp)
@@ -400,7 +427,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl.launch(q, "attention"))
+        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
+        **pdl.launch(q, "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,

@@ -516,6 +516,12 @@ def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, 
         big = [torch.cat([a, b], 1) if a is not None else None for a, b in zip((kc, vc, ks, vs), extra[:4],
                                                                                 strict=True)]
         assert torch.equal(att(q, pos, *big), o)
+        if q8:                       # the q8_0 tile loaded a step ahead or a tile at a time: the same bits
+            attention_kernels.Q8_PREFETCH = not attention_kernels.Q8_PREFETCH
+            try:
+                assert torch.equal(att(q, pos), o)
+            finally:
+                attention_kernels.Q8_PREFETCH = not attention_kernels.Q8_PREFETCH
 
 
 def check_kv_q8(dt: torch.dtype) -> None:

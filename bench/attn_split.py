@@ -1,0 +1,133 @@
+"""The decode step's split attention alone, on a BF16 and a q8_0 KV cache, against the bytes it must read.
+
+    python bench/attn_split.py [--contexts 4096,32768,131072] [--widths 1,8] [--max-seconds 240]
+
+The A3B shape's attention (32 query heads, 4 KV heads of 128) for a window of W rows at the end of a context of C
+positions: `runtime/gpu/attention_kernels.attention` (the split kernel and its reduction), 16 calls on 16 distinct
+caches captured as one CUDA graph (a layer's cache at 32k is 35-67 MB, so 16 of them keep the 50 MB L2 from holding
+a previous call's), median of 20 replays. Bytes: the K and V rows of every position up to the window's last
+(q8_0: 34 bytes a 32 values), read once for the window. Candidates: how the kernel reads a q8_0 cache
+(`attention_kernels.Q8_PREFETCH`: a tile at a time, or the next tile's codes and scales loaded before this tile's
+dequantization) and its launch settings (`SPLIT_TILE_Q8`: pipeline stages, warps); each candidate's output is
+compared with the shipped one's, bit for bit. Writes `attn_split.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import Deadline, copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+
+NH, NKV, HD, COPIES = 32, 4, 128, 16
+# label -> (Q8_PREFETCH, num_stages, num_warps) for a q8_0 cache; the first is what the runtime ships, "a tile at a
+# time, 3 stages" what it shipped before; "bf16 w8" runs on the BF16 cache (its num_warps 8)
+CANDIDATES: dict[str, tuple[int, int, int]] = {
+    "shipped": (-1, -1, -1),
+    "a tile at a time, 3 stages": (0, 3, 4), "a tile at a time, 1 stage": (0, 1, 4), "prefetch, 3 stages": (1, 3, 4),
+    "prefetch, 8 warps": (1, 1, 8), "bf16 w8": (0, 3, 8),
+}
+
+
+def graph_us(calls: list) -> float:
+    from runtime.gpu.capture import capture
+
+    g, _ = capture(lambda: [c() for c in calls])
+    for _ in range(3):
+        g.replay()
+    ts = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return median(ts)
+
+
+def caches(ctx: int, q8: bool, gen: torch.Generator) -> list[tuple]:
+    from runtime.kv import quantize_q8_0
+
+    out = []
+    S = ctx + 64
+    for _ in range(COPIES):
+        k = torch.randn(NKV, S, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(NKV, S, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+        if q8:
+            (kq, ks), (vq, vs) = quantize_q8_0(k), quantize_q8_0(v)
+            del k, v
+            out.append((kq, vq, ks, vs))
+        else:
+            out.append((k, v, None, None))
+    return out
+
+
+def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+    from runtime.gpu import attention_kernels as ak
+
+    gen = torch.Generator(device="cuda").manual_seed(ctx + width)
+    cs = caches(ctx, q8, gen)
+    q = torch.randn(width, NH, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pos = torch.arange(ctx - width, ctx, device="cuda", dtype=torch.int32)
+    from runtime.kv import split_chunks
+
+    part = [ak.split_scratch(width, NH, ctx + 64, HD, "cuda") for _ in range(COPIES)]
+    row_bytes = HD * 2 if not q8 else HD + HD // 32 * 2
+    nbytes = ctx * NKV * row_bytes * 2
+    saved = (ak.Q8_PREFETCH, dict(ak.SPLIT_TILE), dict(ak.SPLIT_TILE_Q8))
+    rows, ref = [], None
+    for label, (pf, stages, warps) in CANDIDATES.items():
+        if deadline.left() < 10 or (not q8 and label not in ("shipped", "bf16 w8")) or (q8 and label == "bf16 w8"):
+            continue
+        try:
+            if pf >= 0:
+                ak.Q8_PREFETCH = bool(pf)
+                (ak.SPLIT_TILE_Q8 if q8 else ak.SPLIT_TILE).update(num_warps=warps, num_stages=stages)
+            calls = [lambda c=c, p=p: ak.attention(q, c[0], c[1], pos, HD ** -0.5, ks=c[2], vs=c[3], part=p)
+                     for c, p in zip(cs, part, strict=True)]
+            out = calls[0]()
+            same = None if ref is None else bool(torch.equal(out, ref))
+            ref = out if ref is None else ref
+            us = graph_us(calls)
+        finally:
+            ak.Q8_PREFETCH = saved[0]
+            ak.SPLIT_TILE.update(saved[1])
+            ak.SPLIT_TILE_Q8.update(saved[2])
+        rows.append({"context": ctx, "width": width, "kv_dtype": "q8_0" if q8 else "bf16", "candidate": label,
+                     "us": us, "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
+                     "same_bits_as_shipped": same, "chunks": split_chunks(ctx + 64)})
+    del cs, part
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--widths", default="1,8")
+    ap.add_argument("--max-seconds", type=float, default=240)
+    a = ap.parse_args()
+    deadline = Deadline(a.max_seconds)
+    bw = copy_bandwidth()
+    rows: list[dict[str, Any]] = []
+    for ctx in (int(c) for c in a.contexts.split(",")):
+        for w in (int(x) for x in a.widths.split(",")):
+            for q8 in (False, True):
+                if deadline.left() > 10:
+                    rows += run(ctx, w, q8, bw, deadline)
+    print_table(f"split attention, A3B heads (copy {bw / 1e9:,.0f} GB/s)",
+                ["context", "W", "kv", "candidate", "us", "GB/s", "% copy", "same bits"],
+                [[r["context"], r["width"], r["kv_dtype"], r["candidate"], r["us"], r["gb_s"],
+                  100 * r["frac_of_copy"], r["same_bits_as_shipped"]] for r in rows])
+    write_json("attn_split.json", {"machine": machine(), "copy_bytes_s": bw, "args": vars(a), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
