@@ -66,7 +66,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "route_warps": 2},
+                "route_warps": 2, "qnorm": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "route_warps": 2, "late": True},
 }
@@ -105,6 +105,9 @@ for _v in ("qone4j1", "qone8j1", "qone8j2", "qone16j2"):
     ARMS[f"q-{_v}"] = {**_DEFAULT, "qone": _v, "qdense": {"qkv": _v, "o_proj": _v}}
 # the quantized step before dense_kernels.QUANT_ONE_ROW (every one-row block product on DECODE_GEMV's tiles)
 ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
+# the quantized step with the RMSNorm before q/k/v in its own launch (dense_kernels.FUSE_NORM_QUANT off): the runtime
+# before bench/results/h200_session13/
+ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
@@ -124,6 +127,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
+    dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()

@@ -63,18 +63,19 @@ def _one_expert(M: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     return got
 
 
-def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int]) -> Tensor:
+def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int], norm: tuple[Tensor, float] | None = None) -> Tensor:
     """x2 [M, K] @ W^T through the matrix-vector kernels of runtime/gpu/moe_gemv.py, W (BF16 [N, K] or ggml blocks
     [N, row bytes]) taken as the single expert every row is routed to (weight 1): the weights are read once, by
     many programs, a row's bits do not depend on the other rows, and the result is written in x2's dtype (the
     fp32 sum rounded once, as a float32 result converted afterwards would be) in one launch. A dense weight is
     never written during a step, so a variant with EARLY loads it before its PDL wait (once the routing tables
-    exist: made in this call, they are written right before the kernel)."""
+    exist: made in this call, they are written right before the kernel). norm (weight, eps): one row, multiplied
+    as RMSNorm(x2) * weight (`moe_gemv.down`)."""
     M, N = x2.shape[0], w.shape[0]
     early = (x2.device, M) in _ONE_EXPERT
     one, rows, ones = _one_expert(M, x2.device)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    moe_gemv.down(x2, one, one, rows, ones, w[None], y, fmt, 1, False, False, pow2(M), cfg, early=early)
+    moe_gemv.down(x2, one, one, rows, ones, w[None], y, fmt, 1, False, False, pow2(M), cfg, early=early, norm=norm)
     return y
 
 
@@ -134,6 +135,27 @@ def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w:
     early = (x.device, 1) in _ONE_EXPERT
     one, _, ones = _one_expert(1, x.device)
     return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, ones, cfg, early)
+
+
+# one-row steps of a block-format target: fold the RMSNorm before q/k/v into the q/k/v product on the looped block
+# tiles (every program computes the row's 1 / rms and normalizes each activation as it loads it), where that product
+# takes moe_gemv.DECODE_GEMV's variant (no QUANT_ONE_ROW entry for the role)
+FUSE_NORM_QUANT = True
+
+
+def quant_norm_one_row(x: Tensor, norm_w: Tensor, eps: float, mod, role: str) -> Tensor | None:
+    """RMSNorm(x) * norm_w @ W^T for one row x [1, K] and a block-format projection `mod` (a QuantLinear) in one
+    launch, when FUSE_NORM_QUANT is on and its variant allows (`moe_gemv.norm_fits`); None otherwise (the caller
+    runs `rmsnorm`, then the product). The norm's arithmetic and roundings are `_rmsnorm_kernel`'s; its sum may be
+    reduced in another order."""
+    fmt = getattr(mod, "qtype", None)
+    if not FUSE_NORM_QUANT or x.shape[0] != 1 or fmt is None or not hasattr(mod, "blocks") or not HAVE_TRITON \
+            or (fmt, role) in QUANT_ONE_ROW or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    cfg = moe_gemv.variant(fmt)
+    if cfg is None or not moe_gemv.norm_fits(fmt, cfg):
+        return None
+    return gemv(x.contiguous(), mod.blocks, fmt, cfg, norm=(norm_w, eps))
 
 
 def weight_of(mod: torch.nn.Module) -> Tensor | None:

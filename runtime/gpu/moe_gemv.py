@@ -309,22 +309,34 @@ if HAVE_TRITON:
             return h, d, h, h
 
     @triton.jit
-    def _x32(xr, blk, QT: tl.constexpr, J: tl.constexpr):
+    def _xn3(xr, xo, nw, rstd, NORM: tl.constexpr):
+        """`_xs3` as float32; NORM: the values of RMSNorm(x) * nw instead (rstd: the row's 1 / rms), rounded where
+        runtime/gpu/dense_kernels.py's `_rmsnorm_kernel` rounds."""
+        x = _xs3(xr, xo)
+        if NORM:
+            dt = xr.dtype.element_ty
+            w = _xs3(nw, xo).to(tl.float32)
+            return ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _x32(xr, blk, nw, rstd, QT: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
         """The activations of each word's codes of blocks blk, as float32 pre-scaled by 2^-p for a code kept at
         bit p of its word: q8_0 (2i, 2i + 1 * 256), else the nibbles (2i, 2i + 16, 2i + 1, 2i + 17) of its two
-        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted)."""
+        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted). NORM: of the normalized row (`_xn3`)."""
         L: tl.constexpr = (16 if QT == 1 else 8) // J
         i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
         xo = blk[:, None, None] * 32 + 2 * i[None, :, :]
         if QT == 1:
-            x0 = _xs3(xr, xo).to(tl.float32)
-            return x0, _xs3(xr, xo + 1).to(tl.float32) * (1.0 / 256), x0, x0
+            x0 = _xn3(xr, xo, nw, rstd, NORM)
+            return x0, _xn3(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), x0, x0
         elif QT == 2:
-            return (_xs3(xr, xo).to(tl.float32), _xs3(xr, xo + 16).to(tl.float32), _xs3(xr, xo + 1).to(tl.float32),
-                    _xs3(xr, xo + 17).to(tl.float32))
+            return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM), _xn3(xr, xo + 1, nw, rstd, NORM),
+                    _xn3(xr, xo + 17, nw, rstd, NORM))
         else:
-            return (_xs3(xr, xo).to(tl.float32), _xs3(xr, xo + 16).to(tl.float32) * (1.0 / 16),
-                    _xs3(xr, xo + 1).to(tl.float32) * (1.0 / 256), _xs3(xr, xo + 17).to(tl.float32) * (1.0 / 4096))
+            return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16),
+                    _xn3(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), _xn3(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096))
 
     @triton.jit
     def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, QT: tl.constexpr, J: tl.constexpr):
@@ -353,9 +365,10 @@ if HAVE_TRITON:
         return acc + d * tl.sum(s, 2)
 
     @triton.jit
-    def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
-                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, J: tl.constexpr):
-        """Q8_0 / Q5_0 / Q4_0 rows. PF: the next step's words are loaded before this step's arithmetic."""
+    def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
+                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
+        """Q8_0 / Q5_0 / Q4_0 rows. PF: the next step's words are loaded before this step's arithmetic. NORM (one
+        row, MB 1): the activations are RMSNorm(row) * nw, made as they are loaded."""
         b = tl.arange(0, NBC)
         L: tl.constexpr = (16 if QT == 1 else 8) // J
         acca0 = tl.zeros((NBC, BN, L), dtype=tl.float32)
@@ -377,12 +390,12 @@ if HAVE_TRITON:
                 ha, da, qaa, qba = _ld32(wa, blk, mg, QT, J)
                 if TWO:
                     hb, db, qab, qbb = _ld32(wb, blk, mg, QT, J)
-            f0, f1, f2, f3 = _x32(xr0, blk, QT, J)
+            f0, f1, f2, f3 = _x32(xr0, blk, nw, rstd, QT, J, NORM)
             acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, QT, J)
             if TWO:
                 accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, QT, J)
             if MB == 2:
-                g0, g1, g2, g3 = _x32(xr1, blk, QT, J)
+                g0, g1, g2, g3 = _x32(xr1, blk, nw, rstd, QT, J, False)
                 acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, QT, J)
                 if TWO:
                     accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, QT, J)
@@ -404,7 +417,7 @@ if HAVE_TRITON:
     def _dot_one32(h, d, qa, qb, xr, bc, nk, QT: tl.constexpr, J: tl.constexpr):
         """[BN] fp32 sums of a one-step block tile (`_tile32`) times the activations at xr: `_rows32`'s arithmetic
         for a single step. nk == 0 (a missed expert's rows, whose activations may be anything): zeros."""
-        f0, f1, f2, f3 = _x32(xr, bc, QT, J)
+        f0, f1, f2, f3 = _x32(xr, bc, xr, 1.0, QT, J, False)
         acc = _dot32(tl.zeros(d.shape, dtype=tl.float32), h, d, qa, qb, f0, f1, f2, f3, QT, J)
         return tl.where(nk > 0, tl.sum(tl.sum(acc, 2), 0), 0.0)
 
@@ -533,12 +546,13 @@ if HAVE_TRITON:
                 tl.sum(tl.sum(accb1, 2), 0))
 
     @triton.jit
-    def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
-              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr, J: tl.constexpr):
+    def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw, rstd, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
+              BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr, J: tl.constexpr,
+              NORM: tl.constexpr):
         if QT == 0:
             ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
         elif QT <= 3:
-            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF, J)
+            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM)
         else:
             ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         return ra0, rb0, ra1, rb1
@@ -597,7 +611,8 @@ if HAVE_TRITON:
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
                      KMASK: tl.constexpr, J: tl.constexpr, ONE: tl.constexpr = False, EARLY: tl.constexpr = False,
-                     NORM: tl.constexpr = False, HAS_D: tl.constexpr = False, GDC: tl.constexpr = False):
+                     NORM: tl.constexpr = False, HAS_D: tl.constexpr = False, KN: tl.constexpr = 1,
+                     GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
@@ -606,7 +621,9 @@ if HAVE_TRITON:
         wait, so it overlaps the previous kernel's tail; only for weights no kernel of the step writes and an
         expert list written before the previous kernel (`down`, docs/models.md "Launches"). NORM (ONE, one dense
         row, `norm_gemv`): the row is RMSNorm(x (+ d)) * nw, computed by every program, and program 0 stores x + d
-        at xo and the normalized row at ho (HAS_D), so the norm needs no launch of its own."""
+        at xo and the normalized row at ho (HAS_D), so the norm needs no launch of its own. NORM on the looped
+        tiles (one row of 32-value block weights, `down`'s `norm`): every program computes the row's 1 / rms over
+        its KN >= K values first, and each activation it loads becomes RMSNorm(x) * nw as it is loaded."""
         if not EARLY:
             pdl.start(GDC)
         i = tl.program_id(0)
@@ -680,6 +697,11 @@ if HAVE_TRITON:
                         ra = _dot_f(ta, xr, kk, nk)
                         _out(o_ptr, p, nm, ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
         else:
+            rstd = 1.0
+            if NORM:                          # a block-format row product of RMSNorm(x) * nw (`down`'s `norm`)
+                kn = tl.arange(0, KN)
+                xv = tl.load(x_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / K + eps)
             for m0 in range(0, rows, MB):
                 p0 = i + m0
                 p1 = tl.where(m0 + 1 < rows, p0 + 1, p0)      # MB = 2: a second row, or the first again (not stored)
@@ -689,7 +711,8 @@ if HAVE_TRITON:
                 else:
                     xr0 = x_ptr + p0.to(tl.int64) * stride_xm
                     xr1 = x_ptr + p1.to(tl.int64) * stride_xm
-                ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, UP, QT, MB, BN, NBC, PF, KMASK, J)
+                ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw_ptr, rstd, UP, QT, MB, BN, NBC, PF,
+                                           KMASK, J, NORM)
                 _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
                 if MB == 2:
                     _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
@@ -755,11 +778,13 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
-         n_exp: int, has_slot: bool, zero: bool, bm: int, cfg: dict[str, int], early: bool = False) -> None:
+         n_exp: int, has_slot: bool, zero: bool, bm: int, cfg: dict[str, int], early: bool = False,
+         norm: tuple[Tensor, float] | None = None) -> None:
     """y[order[p]] = w * down(h[p]) for the sorted pairs p of resident experts (zeros for missed ones when zero).
     early: the caller vouches that no kernel of the step writes `down_w`, and that se, sl, order and wf were written
     before the kernel launched right before this one, so a variant with EARLY may read them (and the weights) before
-    its PDL wait."""
+    its PDL wait. norm (norm weight, eps): h is one row and the product is of RMSNorm(h) * weight, normalized inside
+    the kernel (32-value block formats on the looped tiles, MB 1: `norm_fits`)."""
     K = h.shape[1]
     N = y.shape[1]
     NP = se.numel()
@@ -769,11 +794,22 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     j = _words_per_thread(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
+    if norm is not None and not (norm_fits(fmt, cfg) and NP == 1 and h.shape[0] == 1):
+        raise ValueError(f"a normalized row product needs one row of 32-value blocks on looped tiles; got {fmt}, "
+                         f"{h.shape[0]} rows, {cfg}.")
+    nw, eps = norm if norm is not None else (h, 0.0)
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
-                       h.stride(0), w.stride(0), y.stride(0), h, h, h, h, 0.0, SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
+                       h.stride(0), w.stride(0), y.stride(0), h, nw, h, h, float(eps), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
                        num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
-                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one), **pdl.launch(w))
+                       EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one),
+                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, **pdl.launch(w))
+
+
+def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:
+    """Whether `down` can normalize its row inside the kernel with variant cfg: 32-value block weights on the
+    looped tiles (not ONE), one window row a pass."""
+    return QT.get(fmt) in (1, 2, 3) and not cfg.get("ONE") and not cfg.get("ONE_DOWN") and cfg["MB"] == 1
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, ones: Tensor,

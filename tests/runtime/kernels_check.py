@@ -693,6 +693,31 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
         moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)
 
 
+def check_quant_norm_gemv(dt: torch.dtype) -> None:
+    """The RMSNorm folded into a one-row block-format product (`dense_kernels.quant_norm_one_row`: the looped block
+    tiles normalize each activation as they load it) against rmsnorm + the same product and float math, for each
+    32-value block format and rows of 3 and 8 blocks; not taken for two rows or a role with its own one-row tiles."""
+    from runtime.gpu import moe_gemv
+
+    g = torch.Generator().manual_seed(43)
+    for K in (96, 256):
+        w = torch.randn(40, K, generator=g) * 0.1
+        x = (3 * torch.randn(1, K, generator=g)).to(dt)
+        nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dt)
+        for qt in ("q8_0", "q5_0", "q4_0"):
+            ql = QuantLinear.from_float(w, qt)
+            got = dense_kernels.quant_norm_one_row(x, nw, 1e-6, ql, "qkv")
+            _, h = dense_kernels.rmsnorm(x, nw, 1e-6)
+            want = dense_kernels.gemv(h, ql.blocks, qt, moe_gemv.variant(qt))
+            assert got is not None and got.dtype == dt and got.shape == (1, 40), (qt, K)
+            assert rel(got, want) < (1e-6 if dt == torch.float32 else 2e-3), (qt, K, rel(got, want))
+            ref = h.float() @ ql.dequantized_weight().float().t()
+            assert rel(got, ref) < 3e-3, (qt, K, rel(got, ref))
+            assert dense_kernels.quant_norm_one_row(torch.cat([x, x]), nw, 1e-6, ql, "qkv") is None
+            if (qt, "o_proj") in dense_kernels.QUANT_ONE_ROW:
+                assert dense_kernels.quant_norm_one_row(x, nw, 1e-6, ql, "o_proj") is None
+
+
 def check_quant(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for qt in ("q8_0", "q5_0", "q4_0"):
@@ -1015,6 +1040,8 @@ if __name__ == "__main__":
         check_moe_gemv(half)
         if half != 0:
             check_gemv_one_step(torch.float16)
+            for dt in (torch.float32, torch.float16):
+                check_quant_norm_gemv(dt)
         print("moe gemv kernels ok")
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
