@@ -1,7 +1,7 @@
 """The one-row experts' down products, their top-k sum and the residual (runtime/gpu/moe_gemv.py `down_sum`), per tile
 and grid, on the Qwen3-30B-A3B shape.
 
-    python bench/down_sum.py [--max-seconds 200] [--quant q4_0,q8_0]
+    python bench/down_sum.py [--max-seconds 200]
 
 A token's 8 experts of 128 (down: 2048 x 768 BF16 each, 25.2 MB for the 8) with a different top-8 for each of 48
 calls (one per layer, so the 50 MB L2 holds no previous call's weights, as in a step), captured as one CUDA graph of
@@ -12,9 +12,7 @@ the largest difference from float32 math relative to the largest |value|. (A loo
 multiprocessor each walking row groups with the next tile prefetched, measured 11.7-27 us against 10.6 and was
 dropped: bench/results/h200_session10/probe/, its code there as down_sum_loop.py.txt.)
 
-`--quant`: the same for experts in those block formats (random blocks, bench/moe.py), the candidates of
-`moe_gemv.DOWN_SUM_QUANT` next to "apart" (the down kernel on DECODE_GEMV's tiles, then the top-k sum kernel: the
-runtime before). Writes `down_sum.json` with the fastest candidate per format.
+Writes `down_sum.json` with the fastest candidate.
 """
 
 from __future__ import annotations
@@ -34,16 +32,9 @@ from bench.gemv_one_row import graph_us  # noqa: E402
 H, NI, E, TOPK, LAYERS = 2048, 768, 128, 8, 48
 
 
-def candidates(fmt: str) -> dict[str, dict[str, int]]:
+def candidates() -> dict[str, dict[str, int]]:
     from runtime.gpu import moe_gemv
 
-    if fmt != "bf16":
-        out = {"apart": {}, "shipped": dict(moe_gemv.DOWN_SUM_QUANT or {"BN": 2, "J": 2, "num_warps": 4})}
-        for bn in (1, 2, 4):
-            for j in (1, 2):
-                for warps in (2, 4):
-                    out[f"bn{bn} j{j} w{warps}"] = {"BN": bn, "J": j, "num_warps": warps}
-        return out
     out: dict[str, dict[str, int]] = {"shipped": dict(moe_gemv.DOWN_SUM or {"BN": 2, "num_warps": 4})}
     for bn in (1, 2, 4):
         for warps in (2, 4, 8):
@@ -51,21 +42,11 @@ def candidates(fmt: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def rows(bw: float, deadline: Deadline, fmt: str = "bf16") -> list[dict[str, Any]]:
-    from bench.moe import random_blocks
-    from runtime.formats.registry import row_bytes
+def rows(bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     from runtime.gpu import moe_gemv, moe_kernels
-    from runtime.gpu.kernels import pow2
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    if fmt == "bf16":
-        dn = (torch.randn(E, H, NI, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-        dnf = dn.float()
-        nbytes = TOPK * H * NI * 2
-    else:
-        dn = random_blocks(E, H, NI, fmt, "cuda", gen)
-        dnf = moe_kernels.dequantize(dn.view(E * H, -1), fmt).view(E, H, NI)
-        nbytes = TOPK * H * row_bytes(NI, fmt)
+    dn = (torch.randn(E, H, NI, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     pos = torch.zeros(1, dtype=torch.int32, device="cuda")
     routes = [moe_kernels.route(torch.randn(1, E, device="cuda", generator=gen), pos, TOPK, True)
               for _ in range(LAYERS)]
@@ -73,27 +54,23 @@ def rows(bw: float, deadline: Deadline, fmt: str = "bf16") -> list[dict[str, Any
     res = [torch.randn(1, H, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
     r0 = routes[0]
     idx = r0.se.long()
-    y = torch.einsum("pk,pnk->pn", hs[0].float(), dnf[idx])                 # sorted pair p's rows
+    y = torch.einsum("pk,pnk->pn", hs[0].float(), dn[idx].float())          # sorted pair p's rows
     ref = res[0].float()[0] + (y * r0.w.reshape(-1)[r0.order.long()][:, None]).sum(0)
+    nbytes = TOPK * H * NI * 2
     out: list[dict[str, Any]] = []
-    for label, c in candidates(fmt).items():
+    for label, c in candidates().items():
         if deadline.left() < 5:
             break
 
-        def call(r, h, x, c=c, label=label):
-            if label == "apart":                 # the down kernel, then the top-k sum (the runtime before)
-                yy = torch.empty(TOPK, H, dtype=torch.float32, device="cuda")
-                moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), dn, yy, fmt, E, False, True, pow2(1),
-                              moe_gemv.variant(fmt, 1), early=True)
-                return moe_kernels.combine(yy, r.idx, E, x, x.dtype)
-            return moe_gemv.down_sum(h, r.se, r.order, r.w.reshape(-1), dn, x, TOPK, c, True, fmt)
+        def call(r, h, x, c=c):
+            return moe_gemv.down_sum(h, r.se, r.order, r.w.reshape(-1), dn, x, TOPK, c, True)
         try:
             got = call(routes[0], hs[0], res[0])
             us = graph_us([lambda r=r, h=h, x=x: call(r, h, x) for r, h, x in zip(routes, hs, res, strict=True)])
         except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
-            out.append({"fmt": fmt, "method": label, "cfg": c, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            out.append({"method": label, "cfg": c, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             continue
-        out.append({"fmt": fmt, "method": label, "cfg": c, "us": us, "GBs": nbytes / us / 1e3,
+        out.append({"method": label, "cfg": c, "us": us, "GBs": nbytes / us / 1e3,
                     "frac_copy": nbytes / us / 1e-6 / bw,
                     "rel_err": (got.float()[0] - ref).abs().max().item() / ref.abs().max().item()})
     return out
@@ -102,23 +79,19 @@ def rows(bw: float, deadline: Deadline, fmt: str = "bf16") -> list[dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-seconds", type=float, default=200.0)
-    ap.add_argument("--quant", default="", help="block formats to time too (q4_0,q8_0): their candidates and 'apart'")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/down_sum.py needs a CUDA GPU; run it on one.", file=sys.stderr)
         return 2
     deadline = Deadline(args.max_seconds)
     bw = copy_bandwidth()
-    res: dict[str, Any] = {"machine": machine(), "copy_bandwidth_Bps": bw, "rows": [], "best": {}}
-    for fmt in ["bf16"] + [f for f in args.quant.split(",") if f]:
-        got = rows(bw, deadline, fmt)
-        res["rows"] += got
-        ok = [r for r in got if "us" in r and r["rel_err"] < 1e-2 and r["method"] != "apart"]
-        res["best"][fmt] = min(ok, key=lambda r: r["us"])["method"] if ok else None
+    res: dict[str, Any] = {"machine": machine(), "copy_bandwidth_Bps": bw, "rows": rows(bw, deadline)}
+    ok = [r for r in res["rows"] if "us" in r and r["rel_err"] < 1e-2]
+    res["best"] = min(ok, key=lambda r: r["us"])["method"] if ok else None
     print_table(f"One-row down + top-k sum + residual, A3B, graph of 48 calls (copy {bw / 1e9:,.0f} GB/s)",
-                ["format", "method", "us", "GB/s", "% copy", "rel err"],
-                [[r["fmt"], r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}", f"{100 * r['frac_copy']:.1f}",
-                  f"{r['rel_err']:.2g}"] if "us" in r else [r["fmt"], r["method"], r["error"], "", "", ""]
+                ["method", "us", "GB/s", "% copy", "rel err"],
+                [[r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}", f"{100 * r['frac_copy']:.1f}",
+                  f"{r['rel_err']:.2g}"] if "us" in r else [r["method"], r["error"], "", "", ""]
                  for r in res["rows"]])
     print("fastest:", res["best"])
     print("wrote", write_json("down_sum.json", res))

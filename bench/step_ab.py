@@ -47,7 +47,6 @@ from bench.common import copy_bandwidth, machine, median, print_table, write_jso
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 SUM = {"BN": 2, "num_warps": 4}
-QSUM = {"BN": 2, "J": 2, "num_warps": 4}     # moe_gemv.DOWN_SUM_QUANT as shipped
 OLD_SKIP = {"attention", "attention_reduce"}
 # each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
@@ -67,7 +66,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "route_warps": 2, "qnorm": True, "qsum": QSUM},
+                "route_warps": 2, "qnorm": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "route_warps": 2, "late": True},
 }
@@ -109,9 +108,6 @@ ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
 # the quantized step with the RMSNorm before q/k/v in its own launch (dense_kernels.FUSE_NORM_QUANT off): the runtime
 # before bench/results/h200_session13/
 ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
-# and with the block-format experts' down products and top-k sum in two launches (moe_gemv.DOWN_SUM_QUANT off)
-ARMS["q-sum-apart"] = {**_DEFAULT, "qsum": None}
-ARMS["q-both-apart"] = {**_DEFAULT, "qnorm": False, "qsum": None}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
@@ -133,7 +129,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
-    moe_gemv.DOWN_SUM_QUANT = arm.get("qsum")
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))

@@ -309,50 +309,43 @@ if HAVE_TRITON:
             return h, d, h, h
 
     @triton.jit
-    def _xn3(xr, xo, nw, rstd, rm, NORM: tl.constexpr, ROWS: tl.constexpr):
-        """Activations at offsets xo [A, J, L] as float32 [A, 1, J, L], broadcast over a tile's rows; NORM: of
-        RMSNorm(x) * nw instead (rstd: the row's 1 / rms), rounded where runtime/gpu/dense_kernels.py's
-        `_rmsnorm_kernel` rounds. ROWS: xr holds one row pointer per tile row ([R], rm: which rows to read, the
-        others 0): [A, R, J, L]."""
-        if ROWS:
-            return tl.load(xr[None, :, None, None] + xo[:, None, :, :], mask=rm[None, :, None, None],
-                           other=0.0).to(tl.float32)
+    def _xn3(xr, xo, nw, rstd, NORM: tl.constexpr):
+        """`_xs3` as float32; NORM: the values of RMSNorm(x) * nw instead (rstd: the row's 1 / rms), rounded where
+        runtime/gpu/dense_kernels.py's `_rmsnorm_kernel` rounds."""
         x = _xs3(xr, xo)
         if NORM:
             dt = xr.dtype.element_ty
             w = _xs3(nw, xo).to(tl.float32)
-            return (((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32))[:, None]
+            return ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         else:
-            return x.to(tl.float32)[:, None]
+            return x.to(tl.float32)
 
     @triton.jit
-    def _x32(xr, blk, nw, rstd, rm, QT: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr):
+    def _x32(xr, blk, nw, rstd, QT: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
         """The activations of each word's codes of blocks blk, as float32 pre-scaled by 2^-p for a code kept at
         bit p of its word: q8_0 (2i, 2i + 1 * 256), else the nibbles (2i, 2i + 16, 2i + 1, 2i + 17) of its two
-        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted). Shaped for a code tile (`_xn3`: NORM, ROWS)."""
+        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted). NORM: of the normalized row (`_xn3`)."""
         L: tl.constexpr = (16 if QT == 1 else 8) // J
         i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
         xo = blk[:, None, None] * 32 + 2 * i[None, :, :]
         if QT == 1:
-            x0 = _xn3(xr, xo, nw, rstd, rm, NORM, ROWS)
-            return x0, _xn3(xr, xo + 1, nw, rstd, rm, NORM, ROWS) * (1.0 / 256), x0, x0
+            x0 = _xn3(xr, xo, nw, rstd, NORM)
+            return x0, _xn3(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), x0, x0
         elif QT == 2:
-            return (_xn3(xr, xo, nw, rstd, rm, NORM, ROWS), _xn3(xr, xo + 16, nw, rstd, rm, NORM, ROWS),
-                    _xn3(xr, xo + 1, nw, rstd, rm, NORM, ROWS), _xn3(xr, xo + 17, nw, rstd, rm, NORM, ROWS))
+            return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM), _xn3(xr, xo + 1, nw, rstd, NORM),
+                    _xn3(xr, xo + 17, nw, rstd, NORM))
         else:
-            return (_xn3(xr, xo, nw, rstd, rm, NORM, ROWS), _xn3(xr, xo + 16, nw, rstd, rm, NORM, ROWS) * (1.0 / 16),
-                    _xn3(xr, xo + 1, nw, rstd, rm, NORM, ROWS) * (1.0 / 256),
-                    _xn3(xr, xo + 17, nw, rstd, rm, NORM, ROWS) * (1.0 / 4096))
+            return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16),
+                    _xn3(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), _xn3(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096))
 
     @triton.jit
     def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, QT: tl.constexpr, J: tl.constexpr):
-        """acc + d * sum(code * x) over each thread's words of a block (d: the block's float16 scale; x as `_x32`
-        shapes it)."""
+        """acc + d * sum(code * x) over each thread's words of a block (d: the block's float16 scale)."""
         if QT == 1:
             # an int8 code c is the byte c ^ 128 (flipped when loaded) = c + 128 over 2^23's bits
             q0 = _code(h, 0x00FF, 8388736.0)                    # low byte
             q1 = _code(h, 0xFF00, 8421376.0)                    # high byte (* 256)
-            s = q0 * x0 + q1 * x1
+            s = q0 * x0[:, None] + q1 * x1[:, None]
         elif QT == 2:
             L: tl.constexpr = 8 // J
             qh = (qa & 0xFFFF) | (qb << 16)
@@ -362,13 +355,13 @@ if HAVE_TRITON:
             q1 = (((h >> 4) & 0x0F) | ((hs >> 16) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
-            s = q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3
+            s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
         else:
             q0 = _code(h, 0x000F, 8388616.0)     # byte 2i, low nibble: value 2i
             q1 = _code(h, 0x00F0, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
             q2 = _code(h, 0x0F00, 8390656.0)     # byte 2i + 1, low: value 2i + 1 (* 256)
             q3 = _code(h, 0xF000, 8421376.0)     # byte 2i + 1, high: value 2i + 17 (* 4096)
-            s = q0 * x0 + q1 * x1 + q2 * x2 + q3 * x3
+            s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
         return acc + d * tl.sum(s, 2)
 
     @triton.jit
@@ -397,12 +390,12 @@ if HAVE_TRITON:
                 ha, da, qaa, qba = _ld32(wa, blk, mg, QT, J)
                 if TWO:
                     hb, db, qab, qbb = _ld32(wb, blk, mg, QT, J)
-            f0, f1, f2, f3 = _x32(xr0, blk, nw, rstd, 0, QT, J, NORM, False)
+            f0, f1, f2, f3 = _x32(xr0, blk, nw, rstd, QT, J, NORM)
             acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, QT, J)
             if TWO:
                 accb0 = _dot32(accb0, hb, db, qab, qbb, f0, f1, f2, f3, QT, J)
             if MB == 2:
-                g0, g1, g2, g3 = _x32(xr1, blk, nw, rstd, 0, QT, J, False, False)
+                g0, g1, g2, g3 = _x32(xr1, blk, nw, rstd, QT, J, False)
                 acca1 = _dot32(acca1, ha, da, qaa, qba, g0, g1, g2, g3, QT, J)
                 if TWO:
                     accb1 = _dot32(accb1, hb, db, qab, qbb, g0, g1, g2, g3, QT, J)
@@ -424,7 +417,7 @@ if HAVE_TRITON:
     def _dot_one32(h, d, qa, qb, xr, bc, nk, QT: tl.constexpr, J: tl.constexpr):
         """[BN] fp32 sums of a one-step block tile (`_tile32`) times the activations at xr: `_rows32`'s arithmetic
         for a single step. nk == 0 (a missed expert's rows, whose activations may be anything): zeros."""
-        f0, f1, f2, f3 = _x32(xr, bc, xr, 1.0, 0, QT, J, False, False)
+        f0, f1, f2, f3 = _x32(xr, bc, xr, 1.0, QT, J, False)
         acc = _dot32(tl.zeros(d.shape, dtype=tl.float32), h, d, qa, qb, f0, f1, f2, f3, QT, J)
         return tl.where(nk > 0, tl.sum(tl.sum(acc, 2), 0), 0.0)
 
@@ -579,51 +572,31 @@ if HAVE_TRITON:
     # -------------------------------------------------------------------------------------------- the kernel
 
     @triton.jit
-    def _down_sum_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, w_ptr, res_ptr, o_ptr, E, N, K, stride_h, stride_we, mg,
+    def _down_sum_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, w_ptr, res_ptr, o_ptr, E, N, K, stride_h, stride_we,
                          SWN: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-                         KC: tl.constexpr, EARLY: tl.constexpr, QT: tl.constexpr = 0, J: tl.constexpr = 1,
-                         GDC: tl.constexpr = False):
+                         KC: tl.constexpr, EARLY: tl.constexpr, GDC: tl.constexpr = False):
         """One token: program nb takes rows nb*BN.. of the down matrix of each of its top-k pairs (sorted order, as
         the up kernel wrote h), scales each pair's rows by its routing weight in fp32 and sums them in top-k order
         as `_moe_sum_kernel` does, then adds the residual. EARLY: the weights (resident, routing written before the
-        up kernel) are loaded before the PDL wait. Float rows of K values in one [KP, BN, KC] tile; 32-value block
-        rows (QT 1-3: K blocks, KC >= K of them a step, the tail's scales zero) as one tile of KP * BN rows, each
-        row with its pair's h row."""
+        up kernel) are loaded before the PDL wait."""
         if not EARLY:
             pdl.start(GDC)
         nb = tl.program_id(0)
         p = tl.arange(0, KP)
+        e = tl.load(se_ptr + p, mask=p < TOPK, other=E)
+        kn = tl.where(e < E, K, 0)                       # values to read of each pair's rows (0: none)
         n = nb * BN + tl.arange(0, BN)
-        if QT == 0:
-            e = tl.load(se_ptr + p, mask=p < TOPK, other=E)
-            kn = tl.where(e < E, K, 0)                       # values to read of each pair's rows (0: none)
-            kk = tl.arange(0, KC)
-            wp = (w_ptr + tl.where(e < E, e, 0).to(tl.int64)[:, None, None] * stride_we
-                  + (tl.minimum(n, N - 1) * SWN)[None, :, None] + kk[None, None, :])
-            tile = tl.load(wp, mask=kk[None, None, :] < kn[:, None, None], other=0.0)        # [KP, BN, KC]
-        else:
-            r = tl.arange(0, KP * BN)
-            pr = r // BN                                     # the pair of each tile row
-            er = tl.load(se_ptr + pr, mask=pr < TOPK, other=E)
-            ok = er < E
-            wr = (w_ptr + tl.where(ok, er, 0).to(tl.int64) * stride_we
-                  + (tl.minimum(nb * BN + r % BN, N - 1) * SWN).to(tl.int64))
-            b = tl.arange(0, KC)
-            bc = tl.minimum(b, K - 1)
-            hq, d, qa, qb = _ld32(wr, bc, mg, QT, J)                                        # [KC, KP * BN, ...]
-            d = tl.where((b[:, None] < tl.where(ok, K, 0)[None, :])[:, :, None], d, 0.0)
+        kk = tl.arange(0, KC)
+        wp = (w_ptr + tl.where(e < E, e, 0).to(tl.int64)[:, None, None] * stride_we
+              + (tl.minimum(n, N - 1) * SWN)[None, :, None] + kk[None, None, :])
+        tile = tl.load(wp, mask=kk[None, None, :] < kn[:, None, None], other=0.0)        # [KP, BN, KC]
         dst = tl.load(ord_ptr + p, mask=p < TOPK, other=KP)
         wt = tl.load(wt_ptr + dst, mask=p < TOPK, other=0.0).to(tl.float32)
         if EARLY:
             pdl.start(GDC)
-        if QT == 0:
-            hv = tl.load(h_ptr + p[:, None].to(tl.int64) * stride_h + kk[None, :], mask=kk[None, :] < kn[:, None],
-                         other=0.0).to(tl.float32)                                      # [KP, KC]
-            y = tl.sum(tile.to(tl.float32) * hv[:, None, :], 2) * wt[:, None]           # [KP, BN] per pair
-        else:
-            f0, f1, f2, f3 = _x32(h_ptr + pr.to(tl.int64) * stride_h, bc, h_ptr, 1.0, ok, QT, J, False, True)
-            acc3 = _dot32(tl.zeros(d.shape, dtype=tl.float32), hq, d, qa, qb, f0, f1, f2, f3, QT, J)
-            y = tl.reshape(tl.sum(tl.sum(acc3, 2), 0), (KP, BN)) * wt[:, None]
+        hv = tl.load(h_ptr + p[:, None].to(tl.int64) * stride_h + kk[None, :], mask=kk[None, :] < kn[:, None],
+                     other=0.0).to(tl.float32)                                          # [KP, KC]
+        y = tl.sum(tile.to(tl.float32) * hv[:, None, :], 2) * wt[:, None]               # [KP, BN] per pair
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOPK):                  # top-k order: the pair whose slot is j (exact: one term)
             acc += tl.sum(tl.where((dst == j)[:, None], y, 0.0), 0)
@@ -763,9 +736,6 @@ def _one(fmt: str, k: int, c: int, one: bool) -> bool:
 # moe_kernels.combine). H200, A3B one-row step (bench/step_ab.py): 2.79 -> 2.72 ms at 1k context with BN 2 on 4
 # warps (BN 1: 2.74; BN 2 or 4 on 8 warps: 2.85, 2.94)
 DOWN_SUM: dict[str, int] | None = {"BN": 2, "num_warps": 4}
-# the same for 32-value block experts (Q8_0, Q5_0, Q4_0): {"BN": down rows of each pair a program, "J": code words of
-# a block a thread, "num_warps": at most}, or None (the down kernel, then the top-k sum)
-DOWN_SUM_QUANT: dict[str, int] | None = {"BN": 2, "J": 2, "num_warps": 4}
 
 
 def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
@@ -867,26 +837,15 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Te
 
 
 def down_sum(h: Tensor, se: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, residual: Tensor, top_k: int,
-             cfg: dict[str, int], early: bool, fmt: str = "bf16") -> Tensor:
-    """residual [1, H] + sum over the token's top-k pairs of w * down(h[p]) in one launch (experts all resident, one
-    row; float experts with `DOWN_SUM`, 32-value block experts with `DOWN_SUM_QUANT`). early: as for `down`."""
-    n_exp, N = down_w.shape[0], down_w.shape[1]
-    K = h.shape[1]
+             cfg: dict[str, int], early: bool) -> Tensor:
+    """residual [1, H] + sum over the token's top-k pairs of w * down(h[p]) in one launch (float experts, all
+    resident, one row; `DOWN_SUM`). early: as for `down`."""
+    n_exp, N, K = down_w.shape
     out = torch.empty_like(residual)
-    w = _weights(down_w, fmt)
-    q = QT[fmt]
-    if q == 0:
-        kc, j, warps = cover(K), 1, cfg["num_warps"]
-    elif q in (1, 2, 3):
-        K //= 32                                          # blocks of a row
-        kc = max(2, 1 << (K - 1).bit_length())
-        j = _words_per_thread(fmt, cfg)
-        warps = _warps(fmt, kc, cfg["num_warps"], j)
-    else:
-        raise ValueError(f"down_sum reads float or 32-value block experts, not {fmt}.")
-    _down_sum_kernel[(triton.cdiv(N, cfg["BN"]),)](h, se, order, wf, w, residual, out, n_exp, N, K, h.stride(0),
-                                                   w.stride(0), MAGIC, SWN=w.stride(1), TOPK=top_k,
+    kc = cover(K)
+    _down_sum_kernel[(triton.cdiv(N, cfg["BN"]),)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
+                                                   down_w.stride(0), SWN=down_w.stride(1), TOPK=top_k,
                                                    KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
-                                                   EARLY=early and EARLY_LOADS, QT=q, J=j, num_warps=warps,
+                                                   EARLY=early and EARLY_LOADS, num_warps=cfg["num_warps"],
                                                    **pdl.launch(down_w))
     return out

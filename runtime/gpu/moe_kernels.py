@@ -571,15 +571,15 @@ def moe_routed(x: Tensor, residual: Tensor | None, r: Routing, gate_up: Tensor, 
     """(residual +) experts(x) with routing `r`: experts, then `miss_fn(x, r, y)` (fills the missed pairs' rows of
     y), then the per-token sum. Device work only: a CUDA graph captures it (with a graphable miss_fn)."""
     n_exp = slot.numel() if slot is not None else gate_up.shape[0]
-    fg, fd = _fmt_pair(fmt)
-    ds = moe_gemv.DOWN_SUM if fd == "bf16" else moe_gemv.DOWN_SUM_QUANT if fd in ("q8_0", "q5_0", "q4_0") else None
+    ds = moe_gemv.DOWN_SUM
     if ds is not None and residual is not None and x.shape[0] == 1 and slot is None and miss_fn is None \
-            and moe_gemv.variant(fg, 1) is not None:
-        # one row, every expert resident: gate/up through the GEMV kernel, then down + the top-k sum in one launch
-        _, inter = expert_dims(gate_up, down, fmt)
+            and _fmt_pair(fmt) == ("bf16", "bf16") and moe_gemv.variant("bf16", 1) is not None:
+        # one row of float experts: gate/up through the GEMV kernel, then down + the top-k sum in one launch
+        inter = gate_up.shape[1] // 2
         h = torch.empty(r.se.numel(), inter, dtype=x.dtype, device=x.device)
-        moe_gemv.up(x.contiguous(), r.tok, r.se, r.se, gate_up, h, fg, n_exp, inter, False, 1, moe_gemv.variant(fg, 1))
-        return moe_gemv.down_sum(h, r.se, r.order, r.w.reshape(-1), down, residual, r.idx.shape[1], ds, True, fd)
+        moe_gemv.up(x.contiguous(), r.tok, r.se, r.se, gate_up, h, "bf16", n_exp, inter, False, 1,
+                    moe_gemv.variant("bf16", 1))
+        return moe_gemv.down_sum(h, r.se, r.order, r.w.reshape(-1), down, residual, r.idx.shape[1], ds, True)
     y = experts(x, r, gate_up, down, fmt=fmt, slot=slot)
     if miss_fn is not None:
         miss_fn(x, r, y)

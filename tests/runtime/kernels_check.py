@@ -718,39 +718,6 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
                 assert dense_kernels.quant_norm_one_row(x, nw, 1e-6, ql, "o_proj") is None
 
 
-def check_down_sum_quant(dt: torch.dtype) -> None:
-    """One row of block-format experts: the down products, their top-k sum and the residual in one launch
-    (`moe_gemv.DOWN_SUM_QUANT`) against the down kernel then the sum kernel, and against float math, for each
-    32-value block format, down rows of 3 blocks (the tile's fourth zero-scaled) and of 2, two tilings (fp32; one
-    row length and one tiling in fp16, for the interpreter's time)."""
-    from runtime.gpu import moe_gemv
-
-    g = torch.Generator().manual_seed(44)
-    E, k, H = 6, 4, 64
-    saved = moe_gemv.DOWN_SUM_QUANT
-    try:
-        for NI in ((96, 64) if dt == torch.float32 else (96,)):
-            for fmt in ("q8_0", "q5_0", "q4_0"):
-                gu, guv = expert_blocks(fmt, E, 2 * NI, H, g)
-                dn, dnv = expert_blocks(fmt, E, H, NI, g)
-                x, res = torch.randn(1, H, generator=g).to(dt), torch.randn(1, H, generator=g).to(dt)
-                idx = torch.randperm(E, generator=g)[:k][None].to(torch.int32)
-                w = torch.rand(1, k, generator=g)
-                r = moe_kernels.group(idx, w, E, None)
-                moe_gemv.DOWN_SUM_QUANT = None
-                apart = moe_kernels.moe_routed(x, res, r, gu, dn, fmt=fmt)
-                ref = res.float() + ref_moe(x, idx, w, guv, dnv)
-                tilings = ({"BN": 2, "J": 2, "num_warps": 4}, {"BN": 4, "J": 1, "num_warps": 2})
-                for ds in tilings[:2 if dt == torch.float32 else 1]:
-                    moe_gemv.DOWN_SUM_QUANT = ds
-                    both = moe_kernels.moe_routed(x, res, r, gu, dn, fmt=fmt)
-                    tol = 1e-5 if dt == torch.float32 else 2e-3
-                    assert both.dtype == dt and rel(both, apart) < tol, (fmt, NI, ds, rel(both, apart))
-                    assert rel(both, ref) < 3e-3, (fmt, NI, ds, rel(both, ref))
-    finally:
-        moe_gemv.DOWN_SUM_QUANT = saved
-
-
 def check_quant(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for qt in ("q8_0", "q5_0", "q4_0"):
@@ -1075,7 +1042,6 @@ if __name__ == "__main__":
             check_gemv_one_step(torch.float16)
             for dt in (torch.float32, torch.float16):
                 check_quant_norm_gemv(dt)
-                check_down_sum_quant(dt)
         print("moe gemv kernels ok")
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
