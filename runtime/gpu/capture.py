@@ -134,19 +134,31 @@ def stack_linears(mods: list) -> Tensor | None:
 
 
 def _one_matrix(parts: list[Tensor], put) -> Tensor:
-    """The row blocks `parts` as one matrix whose views `put(i, view)` hands back to their owners; the matrix they
-    already are views of, when a second graph set stacks the same modules (no new copy)."""
-    bases = {p._base.data_ptr() if p._base is not None else None for p in parts}
-    if None not in bases and len(bases) == 1:
-        base = parts[0]._base
-        if base.shape[0] == sum(p.shape[0] for p in parts) and parts[0].data_ptr() == base.data_ptr():
-            return base
+    """The row blocks `parts` as one matrix whose views `put(i, view)` hands back to their owners; when the parts
+    already are consecutive row blocks of one buffer (a second graph set stacking the same modules), a view of those
+    rows (no new copy)."""
+    if _consecutive(parts):
+        first = parts[0].detach()
+        return first.as_strided((sum(p.shape[0] for p in parts), first.shape[1]), (first.shape[1], 1))
     stacked = torch.cat([p.detach() for p in parts], dim=0)
     o = 0
     for i, p in enumerate(parts):
         put(i, stacked[o:o + p.shape[0]])
         o += p.shape[0]
     return stacked
+
+
+def _consecutive(parts: list[Tensor]) -> bool:
+    """Whether the 2-D row blocks `parts` lie one after the other, contiguous, in one storage (by data pointers: a
+    Parameter made from a view keeps the storage but not the view's `_base`)."""
+    first = parts[0]
+    storage, ptr = first.untyped_storage().data_ptr(), first.data_ptr()
+    for p in parts:
+        if p.dim() != 2 or not p.is_contiguous() or p.dtype != first.dtype or p.shape[1] != first.shape[1] \
+                or p.untyped_storage().data_ptr() != storage or p.data_ptr() != ptr:
+            return False
+        ptr += p.numel() * p.element_size()
+    return True
 
 
 class QuantStack:

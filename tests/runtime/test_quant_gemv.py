@@ -79,3 +79,29 @@ def test_stacked_block_modules_share_one_matrix():
     other = QuantLinear.from_float(torch.randn(8, 32) * 0.05, "q8_0")      # another input width: not stacked
     assert stack_quant_linears([mods[0], other]) is None
     assert stack_quant_linears([torch.nn.Linear(64, 8, bias=False)]) is None
+
+
+def test_stacked_float_modules_share_one_matrix():
+    """`stack_linears` (a drafter's float q/k/v as one matrix): the modules' weights become views of it, values
+    unchanged; stacking them again (a second graph set) returns the same bytes instead of a second copy, and
+    modules that are not consecutive rows of one buffer get a fresh matrix."""
+    import torch
+
+    from runtime.gpu.capture import stack_linears
+
+    torch.manual_seed(2)
+    mods = [torch.nn.Linear(64, n, bias=False) for n in (32, 16, 16)]
+    before = [m.weight.detach().clone() for m in mods]
+    x = torch.randn(3, 64)
+    outs = [m(x) for m in mods]
+    st = stack_linears(mods)
+    assert st is not None and st.shape == (64, 64)
+    for m, b in zip(mods, before, strict=True):
+        assert torch.equal(m.weight, b) and m.weight.untyped_storage().data_ptr() == st.untyped_storage().data_ptr()
+    assert torch.equal(x @ st.t(), torch.cat(outs, -1))
+    again = stack_linears(mods)
+    assert again.data_ptr() == st.data_ptr() and again.shape == st.shape and torch.equal(again, st)
+    swapped = stack_linears([mods[1], mods[0], mods[2]])     # not in storage order: a copy, values in that order
+    assert swapped.data_ptr() != st.data_ptr()
+    assert torch.equal(swapped, torch.cat([before[1], before[0], before[2]]))
+
