@@ -480,9 +480,15 @@ class StrataServer:
 
         class _Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:
+                if outer.stopped_by is None:
+                    outer.stopped_by = sig
                 outer.cancel_work()
                 super().handle_exit(sig, frame)
 
+        # the first signal that stopped the server: uvicorn raises it again after its shutdown, but whether that
+        # reaches the caller as KeyboardInterrupt races with asyncio's own SIGINT handling, so the exit code is
+        # decided from this
+        self.stopped_by: int | None = None
         self.app = app
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                      timeout_graceful_shutdown=10, lifespan="on")
@@ -636,16 +642,18 @@ def serve(
 
     # uvicorn shuts down cleanly on SIGTERM, then raises it again with this handler back in place
     previous = signal.signal(signal.SIGTERM, terminated)
+    interrupted = False
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:     # likewise for Ctrl-C
-        typer.echo("strata-serve: stopped.", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        interrupted = True
     except _Terminated:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
     typer.echo("strata-serve: stopped.", err=True)
+    if interrupted or server.stopped_by == signal.SIGINT:
+        raise typer.Exit(EXIT_INTERRUPTED)
 
 
 class _Terminated(Exception):
