@@ -14,7 +14,7 @@ in a step (bench/step_ab.py measures the step). Next to each: GB/s of weights re
 copy bandwidth. Checks: the largest difference from float32 math relative to the largest |value|.
 
 `--quant q4_0,q8_0`: the same products of a target in those block formats (bench/quant_target.py's random blocks),
-the shipped variant against the looped one with prefetch and the one-step block tiles (`QUANT_CANDIDATES`).
+the shipped variant against other looped tiles (more blocks a step) and a one-step block tile (`QUANT_CANDIDATES`).
 
 Writes `gemv_one_row.json` (`gemv_one_row_quant.json` with --quant), with the fastest candidate per matrix.
 """
@@ -188,8 +188,10 @@ def time_experts(st: ExpertSetup, fmt: str, parts, bw: float, deadline: Deadline
     return rows
 
 
-QUANT_CANDIDATES = ("n8j2", "n16j2", "n4j2", "n8j1", "qone4j1", "qone4j2", "qone8j1", "qone8j2", "qone16j1", "qone16j2",
-                    "qone2j2")
+# bench/results/h200_session10/quant_tiles/ timed the one-step tiles (qone*: none faster for q/k/v or the experts);
+# these are the looped tiles with more blocks a step, so more warps a program (moe_gemv "n*k*")
+QUANT_CANDIDATES = ("n8j2np", "n8j2", "n4j2k2np", "n8j2k2np", "n16j2k2np", "n8j2k2", "n4j2k4np", "n8j2k4np", "n8j2k4",
+                    "qone4j2")
 
 
 def quant_experts(fmt: str, gen: torch.Generator):
@@ -210,7 +212,7 @@ def quant_experts(fmt: str, gen: torch.Generator):
 
 def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     """The one-row products of a target whose matrices and experts are `fmt` blocks (bench/quant_target.py's random
-    blocks): the shipped variant against the looped one with prefetch and the one-step tiles (`QUANT_CANDIDATES`),
+    blocks): the shipped variant against the candidates (`QUANT_CANDIDATES`),
     against float32 math on the dequantized values."""
     from bench.quant_target import random_blocks
     from runtime.formats.blocks import dequantize_torch

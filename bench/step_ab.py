@@ -66,7 +66,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "route_warps": 2, "qnorm": True},
+                "route_warps": 2, "qnorm": True, "qship": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "route_warps": 2, "late": True},
 }
@@ -86,9 +86,11 @@ ARMS.update({
 # bench/results/h200_session9/ (with "reduce": 16, the runtime before that)
 from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
 from runtime.gpu.dense_kernels import QUANT_ONE_ROW  # noqa: E402
+from runtime.gpu.moe_gemv import DECODE_GEMV_ONE_ROW  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 
 QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
+ONE_ROW_SHIPPED = dict(DECODE_GEMV_ONE_ROW)
 
 for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
@@ -108,6 +110,9 @@ ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
 # the quantized step with the RMSNorm before q/k/v in its own launch (dense_kernels.FUSE_NORM_QUANT off): the runtime
 # before bench/results/h200_session13/
 ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
+# the quantized one-row tiles before bench/results/h200_session13/quant_tiles/: no one-row expert variant for block
+# formats (DECODE_GEMV's), o_proj on the one-step tiles, q/k/v on DECODE_GEMV's
+ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
@@ -137,6 +142,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     if arm.get("narrow"):
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+    if arm.get("qship"):
+        moe_gemv.DECODE_GEMV_ONE_ROW.update({q: v for q, v in ONE_ROW_SHIPPED.items() if q in QUANT_FORMATS})
     dense_kernels.QUANT_ONE_ROW.clear()
     dense_kernels.QUANT_ONE_ROW.update(QUANT_ONE_ROW_SHIPPED)
     for q in QUANT_FORMATS:

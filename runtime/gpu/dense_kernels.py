@@ -138,8 +138,8 @@ def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w:
 
 
 # one-row steps of a block-format target: fold the RMSNorm before q/k/v into the q/k/v product on the looped block
-# tiles (every program computes the row's 1 / rms and normalizes each activation as it loads it), where that product
-# takes moe_gemv.DECODE_GEMV's variant (no QUANT_ONE_ROW entry for the role)
+# tiles (every program computes the row's 1 / rms and normalizes each activation as it loads it), on the variant
+# the product takes alone (QUANT_ONE_ROW's for the role, else moe_gemv.DECODE_GEMV's) when it is looped
 FUSE_NORM_QUANT = True
 
 
@@ -150,9 +150,10 @@ def quant_norm_one_row(x: Tensor, norm_w: Tensor, eps: float, mod, role: str) ->
     reduced in another order."""
     fmt = getattr(mod, "qtype", None)
     if not FUSE_NORM_QUANT or x.shape[0] != 1 or fmt is None or not hasattr(mod, "blocks") or not HAVE_TRITON \
-            or (fmt, role) in QUANT_ONE_ROW or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
-    cfg = moe_gemv.variant(fmt)
+    name = QUANT_ONE_ROW.get((fmt, role))
+    cfg = moe_gemv.GEMV_VARIANTS.get(name) if name is not None else moe_gemv.variant(fmt)
     if cfg is None or not moe_gemv.norm_fits(fmt, cfg):
         return None
     return gemv(x.contiguous(), mod.blocks, fmt, cfg, norm=(norm_w, eps))
@@ -195,10 +196,12 @@ def dequant_linear(x2: Tensor, blocks: Tensor, qtype: str) -> Tensor:
 
 # one-row products of a block-format matrix in the fused step: the GEMV variant per (format, role) where the role's
 # shape favours another than moe_gemv.DECODE_GEMV's (`quant_one_row`; the row count and the role pick it, never the
-# other rows). H200, A3B, 48 copies in a graph (bench/gemv_one_row.py --quant, bench/results/h200_session10/):
-# o_proj (2048 x 4096) through the one-step block tiles, 4 rows a program: Q4_0 5.9 us against 8.0 on the looped
-# tiles, Q8_0 7.0 against 8.4; q/k/v (5120 x 2048) keeps the looped tiles (5.9 against 7.1)
-QUANT_ONE_ROW: dict[tuple[str, str], str] = {("q4_0", "o_proj"): "qone4j2", ("q8_0", "o_proj"): "qone4j2"}
+# other rows). H200, A3B, 48 copies in a graph (bench/gemv_one_row.py --quant, bench/results/h200_session13/
+# quant_tiles/): looped tiles with more blocks a step (moe_gemv "n*k*": more warps a program), o_proj (2048 x 4096)
+# Q4_0 4.4 us against 5.8 on the one-step tiles before (8.0 on DECODE_GEMV's), Q8_0 5.7 against 7.0; Q4_0 q/k/v
+# (5120 x 2048) 5.3 against 5.9 (Q8_0 q/k/v: no better than DECODE_GEMV's, 6.3)
+QUANT_ONE_ROW: dict[tuple[str, str], str] = {("q4_0", "o_proj"): "n8j2k4np", ("q8_0", "o_proj"): "n4j2k2np",
+                                             ("q4_0", "qkv"): "n8j2k2"}
 
 
 def quant_one_row(x: Tensor, mod, role: str) -> Tensor | None:

@@ -696,7 +696,8 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
 def check_quant_norm_gemv(dt: torch.dtype) -> None:
     """The RMSNorm folded into a one-row block-format product (`dense_kernels.quant_norm_one_row`: the looped block
     tiles normalize each activation as they load it) against rmsnorm + the same product and float math, for each
-    32-value block format and rows of 3 and 8 blocks; not taken for two rows or a role with its own one-row tiles."""
+    32-value block format and rows of 3 and 8 blocks, on DECODE_GEMV's variant and on a role's own looped one; not
+    taken for two rows or a role whose variant is one-step."""
     from runtime.gpu import moe_gemv
 
     g = torch.Generator().manual_seed(43)
@@ -714,8 +715,15 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
             ref = h.float() @ ql.dequantized_weight().float().t()
             assert rel(got, ref) < 3e-3, (qt, K, rel(got, ref))
             assert dense_kernels.quant_norm_one_row(torch.cat([x, x]), nw, 1e-6, ql, "qkv") is None
-            if (qt, "o_proj") in dense_kernels.QUANT_ONE_ROW:
-                assert dense_kernels.quant_norm_one_row(x, nw, 1e-6, ql, "o_proj") is None
+            for name in ("qone4j2", "n8j2k2"):       # the role's own variant: a one-step one is never normalized
+                dense_kernels.QUANT_ONE_ROW[(qt, "_check")] = name
+                try:
+                    got = dense_kernels.quant_norm_one_row(x, nw, 1e-6, ql, "_check")
+                finally:
+                    del dense_kernels.QUANT_ONE_ROW[(qt, "_check")]
+                assert (got is None) == (name == "qone4j2"), name
+                if got is not None:
+                    assert rel(got, ref) < 3e-3, (qt, K, name, rel(got, ref))
 
 
 def check_quant(dt: torch.dtype) -> None:
