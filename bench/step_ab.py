@@ -86,11 +86,12 @@ ARMS.update({
 # bench/results/h200_session9/ (with "reduce": 16, the runtime before that)
 from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
 from runtime.gpu.dense_kernels import QUANT_ONE_ROW  # noqa: E402
-from runtime.gpu.moe_gemv import DECODE_GEMV_ONE_ROW  # noqa: E402
+from runtime.gpu.moe_gemv import DECODE_GEMV, DECODE_GEMV_ONE_ROW  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 
 QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
 ONE_ROW_SHIPPED = dict(DECODE_GEMV_ONE_ROW)
+DECODE_SHIPPED = dict(DECODE_GEMV)
 
 for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
@@ -113,6 +114,11 @@ ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
 # the quantized one-row tiles before bench/results/h200_session13/quant_tiles/: no one-row expert variant for block
 # formats (DECODE_GEMV's), o_proj on the one-step tiles, q/k/v on DECODE_GEMV's
 ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}}
+# verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on looped
+# tiles with more values a step (moe_gemv.DECODE_GEMV of the block formats)
+ARMS["q-wide-default"] = {**_DEFAULT, "wide": True}
+for _v in ("u4d8k2np", "n4j2k2np", "n8j2k2np"):
+    ARMS[f"q-wide-{_v}"] = {**_DEFAULT, "wide": True, "qdecode": _v}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
@@ -141,6 +147,9 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_gemv.DECODE_GEMV_NARROW.clear()
     if arm.get("narrow"):
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]
+    moe_gemv.DECODE_GEMV.update(DECODE_SHIPPED)
+    if arm.get("qdecode"):
+        moe_gemv.DECODE_GEMV.update({q: arm["qdecode"] for q in QUANT_FORMATS})
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
     if arm.get("qship"):
         moe_gemv.DECODE_GEMV_ONE_ROW.update({q: v for q, v in ONE_ROW_SHIPPED.items() if q in QUANT_FORMATS})
@@ -415,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quant_from:
             qarms.append(quant_best(args.quant_from, q))
         qm = build_on_gpu(A3B_SHAPE, q)
-        qrows, qchecks = run(qm, qarms, contexts, [1], args.rounds, args.steps, q, one_row)
+        qrows, qchecks = run(qm, qarms, contexts, widths, args.rounds, args.steps, q, one_row)
         for r in qrows:
             r["tok_s"] = 1e3 / r["step_ms"]
         res["rows"] += qrows
