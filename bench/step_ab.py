@@ -112,18 +112,18 @@ ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
 # before bench/results/h200_session13/
 ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
 # the quantized one-row tiles before bench/results/h200_session13/quant_tiles/: no one-row expert variant for block
-# formats (DECODE_GEMV's), o_proj on the one-step tiles, q/k/v on DECODE_GEMV's
-ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}}
-# verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on looped
-# tiles with more values a step (moe_gemv.DECODE_GEMV of the block formats)
-ARMS["q-wide-default"] = {**_DEFAULT, "wide": True}
-for _v in ("u4d8k2np", "n4j2k2np", "n8j2k2np"):
-    ARMS[f"q-wide-{_v}"] = {**_DEFAULT, "wide": True, "qdecode": _v}
+# formats, Q4_0 experts on n8j2np, o_proj on the one-step tiles, q/k/v on DECODE_GEMV's
+ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}, "qdecode": {"q4_0": "n8j2np"}}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
+# verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on other
+# looped tiles (moe_gemv.DECODE_GEMV of the block formats; Q4_0's is u4d8k2np since h200_session13)
+ARMS["q-wide-default"] = {**_DEFAULT, "wide": True}
+for _v in ("n8j2np", "u4d8k2np", "n4j2k2np", "n8j2k2np"):
+    ARMS[f"q-wide-{_v}"] = {**_DEFAULT, "wide": True, "qdecode": dict.fromkeys(QUANT_FORMATS, _v)}
 
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
@@ -148,8 +148,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     if arm.get("narrow"):
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]
     moe_gemv.DECODE_GEMV.update(DECODE_SHIPPED)
-    if arm.get("qdecode"):
-        moe_gemv.DECODE_GEMV.update({q: arm["qdecode"] for q in QUANT_FORMATS})
+    moe_gemv.DECODE_GEMV.update(arm.get("qdecode", {}))
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
     if arm.get("qship"):
         moe_gemv.DECODE_GEMV_ONE_ROW.update({q: v for q, v in ONE_ROW_SHIPPED.items() if q in QUANT_FORMATS})

@@ -76,24 +76,26 @@ for _bn in (2, 4, 8, 16):
         GEMV_VARIANTS[f"qone{_bn}j{_j}"] = {"ONE": 1, "BN_UP": _bn, "BN_DOWN": _bn, "KV": 4096, "MB": 1, "PF": 0,
                                            "J": _j, "num_warps": 4, "num_stages": 1, "EARLY": 1}
 # looped block tiles with more blocks a step (k2: 1024 values, k4: 2048), so a program gets more warps (`_warps`
-# gives it no more than a step's blocks keep off the rows: 512 values of Q4_0 make 2). One-row experts take them
-# (DECODE_GEMV_ONE_ROW): H200, A3B top-8, 48 calls in a graph (bench/gemv_one_row.py --quant,
-# bench/results/h200_session13/quant_tiles/): Q4_0 gate/up 10.1 -> 9.4 us with 4 rows a program (u4d8k2np; its
-# down products as before, 5.2), Q8_0 down 8.3 -> 7.8 with 4 (n4j2k2np; gate/up 13.4 either way)
+# gives it no more than a step's blocks keep off the rows: 512 values of Q4_0 make 2). H200, A3B top-8, 48 calls in
+# a graph (bench/gemv_one_row.py --quant, bench/results/h200_session13/quant_tiles/): Q4_0 gate/up 10.1 -> 9.4 us
+# with 4 rows a program (u4d8k2np; its down products as before, 5.2), Q8_0 down 8.3 -> 7.8 with 4 (n4j2k2np;
+# gate/up 13.4 either way). Q4_0 takes u4d8k2np at every width (bench/step_ab.py --widths 4,8 --quant q4_0, arm
+# q-wide-u4d8k2np: steps of 4 and 8 rows 6.54 -> 6.43 and 9.75 -> 9.49 ms at 1k context; one row 2.17 either way),
+# Q8_0 n4j2k2np for one-row windows
 for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
     for _pf in (0, 1):
         GEMV_VARIANTS[f"n{_bn}j2k{_kv // 512}{'' if _pf else 'np'}"] = {
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
-DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "n8j2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
+DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
 # and 16; u1d32 with the down products in `down_sum`, bench/results/h200_session8/). The choice depends only on the
 # window's row count, and a run keeps one step width, so a row's bits never depend on the other rows
 # (runtime/gpu/static_step.py; calibration checks each width's own reference)
-DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q4_0": "u4d8k2np", "q8_0": "n4j2k2np"}
+DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np"}
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
 DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
