@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import Deadline, copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from bench.common import Deadline, copy_bandwidth, machine, print_table, write_json  # noqa: E402
+from bench.gemv_one_row import graph_us  # noqa: E402
 
 NH, NKV, HD, COPIES = 32, 4, 128, 16
 # label -> (Q8_PREFETCH, num_stages, num_warps) for a q8_0 cache; the first is what the runtime ships, "a tile at a
@@ -33,23 +34,6 @@ CANDIDATES: dict[str, tuple[int, int, int]] = {
     "a tile at a time, 3 stages": (0, 3, 4), "a tile at a time, 1 stage": (0, 1, 4), "prefetch, 3 stages": (1, 3, 4),
     "prefetch, 8 warps": (1, 1, 8), "bf16 w8": (0, 3, 8),
 }
-
-
-def graph_us(calls: list) -> float:
-    from runtime.gpu.capture import capture
-
-    g, _ = capture(lambda: [c() for c in calls])
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return median(ts)
 
 
 def caches(ctx: int, q8: bool, gen: torch.Generator) -> list[tuple]:
