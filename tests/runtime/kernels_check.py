@@ -696,12 +696,12 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
 def check_quant_norm_gemv(dt: torch.dtype) -> None:
     """The RMSNorm folded into a one-row block-format product (`dense_kernels.quant_norm_one_row`: the looped block
     tiles normalize each activation as they load it) against rmsnorm + the same product and float math, for each
-    32-value block format and rows of 3 and 8 blocks, on DECODE_GEMV's variant and on a role's own looped one; not
-    taken for two rows or a role whose variant is one-step."""
+    32-value block format and rows of 3, 8 and 64 blocks, on DECODE_GEMV's variant and on a role's own looped one;
+    not taken for two rows or a role whose variant is one-step."""
     from runtime.gpu import moe_gemv
 
     g = torch.Generator().manual_seed(43)
-    for K in (96, 256):
+    for K in (96, 256, 2048):        # 2048: two 1024-value steps of the k2 tiles
         w = torch.randn(40, K, generator=g) * 0.1
         x = (3 * torch.randn(1, K, generator=g)).to(dt)
         nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dt)
