@@ -64,10 +64,10 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
     fused = dense_kernels.norm_one_row(x, None, layer.input_layernorm.weight, eps, a.qkv_weight, "qkv")
     if fused is not None:
         qkv = fused[2]
-    elif a.qkv_blocks is not None and (qkv := dense_kernels.quant_norm_one_row(
-            x, layer.input_layernorm.weight, eps, a.qkv_blocks, "qkv")) is not None:
-        pass
-    else:
+    else:                           # block-format q/k/v: the norm folded into its product where the variant allows
+        qkv = (dense_kernels.quant_norm_one_row(x, layer.input_layernorm.weight, eps, a.qkv_blocks, "qkv")
+               if a.qkv_blocks is not None else None)
+    if qkv is None:
         _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
         qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
     q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
