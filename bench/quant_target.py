@@ -16,7 +16,9 @@ Two parts, each written to bench/results/quant_target.json (`$OUT` on the device
   engine's step (CUDA graph when the kernels take the format) against the bound: the device-to-device copy
   bandwidth measured in the same run / the bytes one token must read in that format (dense weights with one
   embedding row, top-k experts of every layer, the KV cache at the mean length). `frac_of_bound = tok_s / bound`,
-  `vs_bf16 = tok_s / BF16's tok_s`.
+  `vs_bf16 = tok_s / BF16's tok_s`. `tok_s` is the median of three runs with the next step queued before each
+  token's read (shipped); `tok_s_after_read` the same runs, alternating, with it queued after the read; `step_tok_s`
+  the graphed step alone, replayed 50 times at the prompt's length (the loop's ceiling).
 - `--check` first compares, for each format, the GPU paths the speed part uses with the plain dequantize-then-matmul
   reference on one A3B-sized MoE layer and one dense matrix (relative error), and stops with exit code 1 on a miss.
 """
@@ -49,6 +51,7 @@ from bench.common import (  # noqa: E402
     task_prompts,
     write_json,
 )
+from runtime import speculative  # noqa: E402
 from runtime.formats.quant_linear import QuantEmbedding, QuantLinear  # noqa: E402
 from runtime.formats.registry import FORMATS  # noqa: E402
 from runtime.kv import KVCache  # noqa: E402
@@ -184,7 +187,10 @@ def active_bytes(cfg_json: dict, fmt: str, mean_len: float) -> int:
     return dense + experts + kv
 
 
-def run_decode(model, prompt: list[int], n_new: int, capacity: int) -> dict[str, Any]:
+def run_decode(model, prompt: list[int], n_new: int, capacity: int, reps: int = 3) -> dict[str, Any]:
+    """Target-only decode through `generate_ids` (median of `reps` runs), with the next step queued before each
+    token's read (`speculative.DECODE_AHEAD`, shipped) and after it, alternating in one run; and the graphed step
+    alone at the prompt's length (what the loop would reach with no host time between steps)."""
     from runtime.gpu.static_step import StaticStep
 
     cfg = model.cfg
@@ -192,8 +198,30 @@ def run_decode(model, prompt: list[int], n_new: int, capacity: int) -> dict[str,
                  device="cuda")
     step = StaticStep(model, kv, 1, graph=True)
     generate_ids(model, kv, prompt, max_new_tokens=4, stop_ids=set(), step=step)    # warm-up / capture
-    r = generate_ids(model, kv, prompt, max_new_tokens=n_new, stop_ids=set(), step=step)
-    out = {"tok_s": r.stats["decode_tok_s"], "tokens": r.token_ids, "graph": step.use_graph,
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[int]] = {}
+    try:
+        for _ in range(reps):
+            for ahead in (True, False):
+                speculative.DECODE_AHEAD = ahead
+                r = generate_ids(model, kv, prompt, max_new_tokens=n_new, stop_ids=set(), step=step)
+                runs[ahead].append(r.stats["decode_tok_s"])
+                tokens[ahead] = r.token_ids
+    finally:
+        speculative.DECODE_AHEAD = True
+    n = len(prompt)
+    kv.rollback(n)
+    win = torch.tensor([[prompt[-1]]], device="cuda")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        step(win, kv)
+        kv.rollback(n)
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t) / 50 * 1e3
+    out = {"tok_s": median(runs[True]), "tok_s_after_read": median(runs[False]), "tok_s_runs": runs[True],
+           "tok_s_after_read_runs": runs[False], "step_ms": step_ms, "step_tok_s": 1e3 / step_ms,
+           "same_tokens": tokens[True] == tokens[False], "tokens": tokens[True], "graph": step.use_graph,
            "kernels": step.use_kernels, "fused": step.fused, "errors": list(step.errors)}
     del kv, step
     return out
@@ -217,8 +245,9 @@ def speed(args, bw: float, deadline: Deadline) -> dict[str, Any]:
         rec.update(build_s=build_s, active_bytes=ab, bound_tok_s=bw / ab, frac_of_bound=rec["tok_s"] * ab / bw)
         rec.pop("tokens")
         res[q] = rec
-        print(f"  {q}: {rec['tok_s']:.1f} tok/s, bound {rec['bound_tok_s']:.0f} ({100 * rec['frac_of_bound']:.0f}%)"
-              f" kernels={rec['kernels']} graph={rec['graph']} fused={rec['fused']}", flush=True)
+        print(f"  {q}: {rec['tok_s']:.1f} tok/s, bound {rec['bound_tok_s']:.0f} ({100 * rec['frac_of_bound']:.0f}%);"
+              f" next step queued after the read {rec['tok_s_after_read']:.1f}, the step alone {rec['step_tok_s']:.1f}"
+              f" (same tokens: {rec['same_tokens']}) kernels={rec['kernels']} graph={rec['graph']} fused={rec['fused']}", flush=True)
         # llama-bench's `-d D tg128`: D tokens already in the cache, then 128 generated
         for depth in args.depths:
             if deadline.over():
@@ -230,7 +259,8 @@ def speed(args, bw: float, deadline: Deadline) -> dict[str, Any]:
             d.update(depth=depth, bound_tok_s=bw / ab, frac_of_bound=d["tok_s"] * ab / bw)
             res.setdefault("depths", []).append({"quant": q, **d})
             print(f"  {q} at depth {depth}: {d['tok_s']:.1f} tok/s, bound {d['bound_tok_s']:.0f} "
-                  f"({100 * d['frac_of_bound']:.0f}%)", flush=True)
+                  f"({100 * d['frac_of_bound']:.0f}%); after the read {d['tok_s_after_read']:.1f}, the step alone "
+                  f"{d['step_tok_s']:.1f}", flush=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -330,15 +360,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sp, ag = res.get("speed", {}), res.get("agreement", {}).get("quants", {})
     for q in args.quants:
         s, a = sp.get(q, {}), ag.get(q, {})
-        row = {"quant": q, "tok_s": s.get("tok_s"), "bound_tok_s": s.get("bound_tok_s"),
+        row = {"quant": q, "tok_s": s.get("tok_s"), "tok_s_after_read": s.get("tok_s_after_read"),
+               "step_tok_s": s.get("step_tok_s"), "bound_tok_s": s.get("bound_tok_s"),
                "frac_of_bound": s.get("frac_of_bound"), "vs_bf16": s.get("vs_bf16"),
                "top1_agreement": a.get("top1", 1.0 if q == "bf16" else None), "top1_agreement_code": a.get("top1_code"),
                "tokens_until_difference_median": a.get("tokens_until_difference_median")}
         res["rows"].append(row)
     print_table("quantized targets: A3B-shape decode (GPU) and bundled-pack agreement with BF16 (CPU fp32)",
-                ["quant", "tok/s", "bound tok/s", "% bound", "x BF16", "top-1 agree", "top-1 (code)",
-                 "tokens to 1st diff"],
-                [[r["quant"], r["tok_s"], r["bound_tok_s"],
+                ["quant", "tok/s", "after read", "step alone", "bound tok/s", "% bound", "x BF16", "top-1 agree",
+                 "top-1 (code)", "tokens to 1st diff"],
+                [[r["quant"], r["tok_s"], r["tok_s_after_read"], r["step_tok_s"], r["bound_tok_s"],
                   None if r["frac_of_bound"] is None else 100 * r["frac_of_bound"], r["vs_bf16"],
                   r["top1_agreement"], r["top1_agreement_code"], r["tokens_until_difference_median"]]
                  for r in res["rows"]])

@@ -211,19 +211,20 @@ class Harness:
     def generate(self, ids: list[int], kind: str | None, block: int, width: int, n_new: int,
                  sampling: SamplingParams | None = None, min_p: float = 0.0, scaled: bool = True,
                  ahead: bool = True) -> Any:
-        """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead. A
+        """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead, and a
+        target-only step is queued after the read, as before decoding ahead. A
         `-dq` drafter's graphs are captured with its stacked block products dequantized + matmul (the path before
         the GEMV launch, runtime/gpu/capture.py DRAFT_QUANT_PATH)."""
         d = self.drafters[kind] if kind else None
         step = self.step(width) if scaled else self.nano_step(width)
         model = self.target if scaled else self.nano
-        speculative.DRAFT_AHEAD = ahead
+        speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = ahead
         capture.DRAFT_QUANT_PATH = "dequant" if kind and kind.endswith("-dq") else "gemv"
         try:
             return generate_ids(model, self.kv, ids, drafter=d, max_new_tokens=n_new, sampling=sampling,
                                 block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step)
         finally:
-            speculative.DRAFT_AHEAD = True
+            speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = True
             capture.DRAFT_QUANT_PATH = "gemv"
 
 
@@ -276,7 +277,10 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
                          "block": chain + 1, "family": "mtp-module"})
     for b in (4, 6, 8):
         arms.append({"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "block": b, "family": "dflash2", "quant": "bf16"})
-    # the same drafters observing and drafting after each window's read (before drafting ahead): an A/B in one run
+    # the same drafters observing and drafting after each window's read (before drafting ahead), and the target
+    # alone with each step queued after the read (before decoding ahead): A/Bs in one run
+    arms.append({"arm": "target-only, after the read", "kind": None, "block": 1, "family": "target-after",
+                 "ahead": False})
     arms.append({"arm": "MTP chain 3 (b4), after the read", "kind": "mtp", "block": 4, "family": "mtp-after",
                  "ahead": False})
     arms.append({"arm": "DFlash2 bf16 b6, after the read", "kind": "dflash2", "block": 6, "family": "dflash2-after",

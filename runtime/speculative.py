@@ -37,6 +37,9 @@ class LoopResult:
 # queue the next window's drafting before this window's read where the drafter can (docs/models.md, "Drafting
 # ahead"); False: observe and propose after the read, as before (the benchmarks' switch)
 DRAFT_AHEAD = True
+# target-only windows: queue the next one-row step from this window's device token before reading it (docs/models.md,
+# "Decoding ahead"); False: the next step is queued after the read (the benchmarks' switch)
+DECODE_AHEAD = True
 
 
 def _sync(device: torch.device) -> None:
@@ -161,6 +164,17 @@ def _ahead(drafter: Drafter, clock: _Clock, tv, window: Tensor, o, pos: int, n: 
     return go
 
 
+def _step_ahead(step, kv: KVCache, clock: _Clock, tv, box: list) -> Ahead:
+    """The next target-only window, queued before this window's read (docs/models.md, "Decoding ahead"): one row,
+    the device token `nxt`, at kv.length (this window's end). box[0] gets (its output, its verify span's start)."""
+
+    def go(acc: Tensor, nxt: Tensor) -> None:
+        clock.stop("verify", tv)
+        t = clock.start()
+        box[0] = (step(nxt.reshape(1, 1), kv, ()), t)
+    return go
+
+
 def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | None = None, ahead: Ahead | None = None,
                           reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
     """Greedy acceptance on the device, one host read: returns (accepted, proposed, new tokens, draft tokens,
@@ -278,7 +292,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     gen = make_generator(sp.seed, dev)
     stats = {"prompt_tokens": n_prompt, "generated_tokens": 0, "windows": 0, "proposed": 0, "accepted": 0,
              "accepted_per_window": [], "draft_s": 0.0, "draft_window_s": 0.0, "observe_prompt_s": 0.0,
-             "verify_s": 0.0, "prefill_s": 0.0, "drafted_ahead": 0, "decode_s": 0.0,
+             "verify_s": 0.0, "prefill_s": 0.0, "drafted_ahead": 0, "decoded_ahead": 0, "decode_s": 0.0,
              "decode_tok_s": 0.0, "block": block if use_draft else 1, "spec_min_p": spec_min_p}
     res = LoopResult(token_ids=[], stats=stats)
     if max_new_tokens == 0:
@@ -319,6 +333,11 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         # run eagerly, the tests attach them to run the same code)
         reader = (_Read(dev, 2 * block + 4) if use_draft and DRAFT_AHEAD and hasattr(drafter, "draft_ahead")
                   and getattr(drafter, "graphs", None) is not None else None)
+        # target-only windows through a fixed-width step: the next one is queued before this one's read
+        decode_ahead = not use_draft and DECODE_AHEAD and step is not None and step.accepts(1, ())
+        if decode_ahead:
+            reader = _Read(dev, 4)
+        pending: list = [None]      # (output, verify span start) of a window queued ahead, at kv.length - 1
         if first in stop_ids:
             res.stop_reason = "stop"
         while res.stop_reason != "stop" and len(out) < max_new_tokens:
@@ -341,13 +360,16 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 if draft.shape[0] == 0:
                     draft = None
                 clock.stop("draft", ta)
-            tv = clock.start()
             # ids outside the vocabulary are clamped for the forward and refused after the window's one read
             window = (anchor_dev if draft is None else torch.cat((anchor_dev, draft.clamp(0, V - 1))))[None]
-            if step is not None and step.accepts(window.shape[1], taps):
-                o = step(window, kv, taps)
+            if pending[0] is not None:      # queued before the last window's read, from its device token
+                (o, tv), pending[0] = pending[0], None
             else:
-                o = model(window, kv=kv, taps=taps)
+                tv = clock.start()
+                if step is not None and step.accepts(window.shape[1], taps):
+                    o = step(window, kv, taps)
+                else:
+                    o = model(window, kv=kv, taps=taps)
             logits = o.logits[0]
             if logits_buf is not None and logits.shape[0] <= logits_buf.shape[0]:
                 logits_buf[: logits.shape[0]].copy_(logits)
@@ -356,7 +378,12 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
             W = window.shape[1]
             # only when the next window is sure to be a full block, whatever this one accepts (a DFlash2 block's
             # rows depend on its width)
-            if reader is not None and remaining >= W + block and pos + W + block <= kv.capacity:
+            if decode_ahead:
+                # only when a next window is sure to run unless this token stops (a stop token or a cancel
+                # discards it: one step's work)
+                if remaining >= 2 and pos + 2 <= kv.capacity:
+                    ahead_fn = _step_ahead(step, kv, clock, tv, pending)
+            elif reader is not None and remaining >= W + block and pos + W + block <= kv.capacity:
                 ahead_fn = _ahead(drafter, clock, tv, window[0], o, pos, block - 1, spec_min_p,
                                   None if sp.greedy else sp, gen, ahead_on)
             if sp.greedy:
@@ -367,7 +394,10 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
             bad = [t for t in drafted[:proposed] if not 0 <= t < V]
             if bad:
                 raise RuntimeError(f"the drafter proposed token id {bad[0]}, outside the vocabulary ({V}).")
-            kv.rollback(pos + acc + 1)
+            if pending[0] is None:          # else the window queued ahead holds kv.length = pos + 2
+                kv.rollback(pos + acc + 1)
+            else:
+                stats["decoded_ahead"] += 1
             if ahead_fn is None:
                 clock.stop("verify", tv)
             for j, t in enumerate(new):
@@ -396,6 +426,8 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 drafter.observe(window[0, : acc + 1], o.hidden[0, : acc + 1], taps_rows, pos)
                 clock.stop("draft", ta)
             anchor, pos = new[-1], pos + acc + 1
+        if pending[0] is not None:          # a window queued ahead of a stop or a cancel: not committed
+            kv.rollback(kv.length - 1)
         _sync(dev)
         t2 = time.perf_counter()
     res.token_ids = out
