@@ -117,8 +117,6 @@ ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
-# the same with the split kernel letting the reduction in only after its chunk loop (attention_kernels.SPLIT_LATE_TRIGGER)
-ARMS["attn-pdl-late"] = {**_DEFAULT, "skip": set(), "wide": True, "split_late": True}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
 # verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on other
@@ -139,7 +137,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")
-    attention_kernels.SPLIT_LATE_TRIGGER = bool(arm.get("split_late"))
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")

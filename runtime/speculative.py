@@ -38,8 +38,11 @@ class LoopResult:
 # ahead"); False: observe and propose after the read, as before (the benchmarks' switch)
 DRAFT_AHEAD = True
 # target-only windows: queue the next one-row step from this window's device token before reading it (docs/models.md,
-# "Decoding ahead"); False: the next step is queued after the read (the benchmarks' switch)
+# "Decoding ahead"); False: the next step is queued after the read (the benchmarks' switch). On a CPU the step runs
+# as it is called, so queuing it earlier gains nothing there and costs a step at a stop token: off unless
+# DECODE_AHEAD_CPU (the tests' switch, to run the same code)
 DECODE_AHEAD = True
+DECODE_AHEAD_CPU = False
 
 
 def _sync(device: torch.device) -> None:
@@ -334,7 +337,8 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         reader = (_Read(dev, 2 * block + 4) if use_draft and DRAFT_AHEAD and hasattr(drafter, "draft_ahead")
                   and getattr(drafter, "graphs", None) is not None else None)
         # target-only windows through a fixed-width step: the next one is queued before this one's read
-        decode_ahead = not use_draft and DECODE_AHEAD and step is not None and step.accepts(1, ())
+        decode_ahead = (not use_draft and DECODE_AHEAD and (dev.type == "cuda" or DECODE_AHEAD_CPU)
+                        and step is not None and step.accepts(1, ()))
         if decode_ahead:
             reader = _Read(dev, 4)
         pending: list = [None]      # (output, verify span start) of a window queued ahead, at kv.length - 1

@@ -36,9 +36,6 @@ ROW_TILE = 64           # query-head lines per split program (rows x GQA group):
 # (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
 Q8_PREFETCH = True
 SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
-# the split kernel under PDL (when pdl.SKIP lets it): True lets the reduction after it be scheduled only once a
-# program has walked its chunks (else at its start, as every other kernel; bench/step_ab.py arm "attn-pdl-late")
-SPLIT_LATE_TRIGGER = False
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
@@ -170,17 +167,13 @@ if HAVE_TRITON:
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
-                           LATE: tl.constexpr = False, GDC: tl.constexpr = False):
+                           GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
         cache once, not once per row). A row past its own end in a block sees only masked scores: its update is
-        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone. LATE (under PDL): the next
-        kernel is let in once the program's chunks are done, not at its start."""
-        if LATE:
-            pdl.wait(GDC)
-        else:
-            pdl.start(GDC)
+        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone."""
+        pdl.start(GDC)
         rb = tl.program_id(0)
         kvh = tl.program_id(1)
         first = tl.program_id(2)
@@ -240,8 +233,6 @@ if HAVE_TRITON:
             tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
             tl.store(ml_ptr + slot * 2, m_i, mask=keep)
             tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
-        if LATE:
-            pdl.trigger(GDC)
 
     @triton.jit
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
@@ -436,8 +427,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, LATE=SPLIT_LATE_TRIGGER, num_warps=t["num_warps"],
-        num_stages=t["num_stages"], **pdl.launch(q, "attention"))
+        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
+        **pdl.launch(q, "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,

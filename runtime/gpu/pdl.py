@@ -55,19 +55,6 @@ if HAVE_TRITON:
                                       is_pure=False, pack=1)
 
     @triton.jit
-    def wait(GDC: tl.constexpr):
-        """`start`'s first half: wait for the previous kernel, without letting the next one be scheduled yet."""
-        if GDC:
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def trigger(GDC: tl.constexpr):
-        """`start`'s second half: let the next kernel be scheduled (once every program has called it or ended)."""
-        if GDC:
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-    @triton.jit
     def _probe_kernel(x_ptr, GDC: tl.constexpr):
         start(GDC)
         tl.store(x_ptr + tl.arange(0, 32), tl.load(x_ptr + tl.arange(0, 32)) + 1.0)

@@ -32,6 +32,7 @@ def _run(model, ahead: bool, monkeypatch, *, cap: int = 96, **kw):
     kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap)
     step = StaticStep(model, kv, width=1, graph=False)
     monkeypatch.setattr(speculative, "DECODE_AHEAD", ahead)
+    monkeypatch.setattr(speculative, "DECODE_AHEAD_CPU", True)       # the GPU's path, run eagerly
     r = generate_ids(model, kv, PROMPT, step=step, **kw)
     k, v = kv.committed()
     return r, kv.length, k.clone(), v.clone()
@@ -76,6 +77,13 @@ def test_cancel_discards_the_window_queued_ahead(model, monkeypatch):
     on, off = run(True), run(False)
     _same(on, off)
     assert on[0].stop_reason == "cancelled" and len(on[0].token_ids) == 7
+
+
+def test_off_on_a_cpu_unless_asked(model, monkeypatch):
+    c = model.cfg
+    kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 96)
+    r = generate_ids(model, kv, PROMPT, step=StaticStep(model, kv, width=1, graph=False), max_new_tokens=6)
+    assert r.stats["decoded_ahead"] == 0 and len(r.token_ids) == 6
 
 
 def test_context_end(model, monkeypatch):

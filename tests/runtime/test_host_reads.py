@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from runtime import speculative
 from runtime.drafters.dflash2.graphs import DFlash2Graphs
 from runtime.drafters.dflash2.loading import load_dflash2_drafter
 from runtime.drafters.mtp import MTPDrafter
@@ -111,9 +112,12 @@ def _mtp(model, host_cut=False):
     return d
 
 
-def test_target_only_reads_once_per_token(setup, counter):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_target_only_reads_once_per_token(setup, counter, monkeypatch, ahead):
+    monkeypatch.setattr(speculative, "DECODE_AHEAD_CPU", ahead)    # the next step queued before the read (GPU)
     r, n, reads = _run(setup[0], counter)
     assert n == r.stats["windows"], reads
+    assert (r.stats["decoded_ahead"] > 0) == ahead
 
 
 @pytest.mark.parametrize("min_p", [0.0, 0.3])
