@@ -65,7 +65,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "+sum": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": OLD_SKIP},
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
-    "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
+    "default": {"moe1": "u1d32", "dense": ONE_DENSE, "dense_rows": {"router": 16}, "norm": True, "sum": SUM,
+                "pdl": True, "skip": {"attention"},
                 "route_warps": 2, "qnorm": True, "qship": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "route_warps": 2, "late": True},
@@ -78,8 +79,14 @@ ARMS.update({
     "wide-moe-u1d32": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32")},
     "wide-moe-n16d32": {**_DEFAULT, "wide": True, "narrow": (8, "n16d32")},
     "wide-moe-n8j2m2": {**_DEFAULT, "wide": True, "narrow": (8, "n8j2m2")},
-    "wide-dense": {**_DEFAULT, "wide": True, "dense_rows": 8},
-    "wide-both": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32"), "dense_rows": 8},
+    "wide-dense": {**_DEFAULT, "wide": True, "dense_rows": {"qkv": 8, "o_proj": 8, "router": 8}},
+    "wide-both": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32"), "dense_rows": {"qkv": 8, "o_proj": 8, "router": 8}},
+    # the router alone through its one-step tile up to 16 rows (shipped since bench/results/h200_session14/), and
+    # the shipped step with the router on cuBLAS beyond one row (the runtime before)
+    "wide-router16": {**_DEFAULT, "wide": True, "dense_rows": {"router": 16}},
+    "wide-router1": {**_DEFAULT, "wide": True, "dense_rows": {}},
+    "wide-router16-o4": {**_DEFAULT, "wide": True, "dense_rows": {"router": 16, "o_proj": 4}},
+    "wide-router16-qkv4": {**_DEFAULT, "wide": True, "dense_rows": {"router": 16, "qkv": 4}},
 })
 # the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider; arms
 # without "tiers" / "reduce" take the shipped layout and reduction tile. tiers-before: the layout until
@@ -143,7 +150,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
-    dense_kernels.DENSE_GEMV_ROWS = arm.get("dense_rows", 1)
+    dense_kernels.DENSE_GEMV_ROWS.clear()
+    dense_kernels.DENSE_GEMV_ROWS.update(arm.get("dense_rows", {}))
     moe_gemv.DECODE_GEMV_NARROW.clear()
     if arm.get("narrow"):
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]

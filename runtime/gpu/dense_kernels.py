@@ -84,23 +84,30 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int], norm: tuple[Tenso
 # graph (bench/gemv_one_row.py): q/k/v 6.9 us against cuBLAS's 8.0, o_proj 6.5 against 8.8, the router 1.5 against
 # 4.9; the one-row step at 1k context 3.19 -> 2.93 ms (bench/step_ab.py, bench/results/h200_session8/)
 ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
-# windows of up to this many rows take ONE_ROW_DENSE's variants too (a program loads its weight tile once and
-# serves every row of the window); wider ones take cuBLAS
-DENSE_GEMV_ROWS = 1
+# windows of up to this many rows (per role; 1 where not named) take ONE_ROW_DENSE's variants too (a program loads
+# its weight tile once and serves every row of the window); wider ones take cuBLAS. The router (128 x 2048) through
+# its one-step tile at up to 16 rows: H200, A3B verify step (bench/step_ab.py arm "wide-router16",
+# bench/results/h200_session14/) -- see docs/models.md "Kernels chosen by width"
+DENSE_GEMV_ROWS: dict[str, int] = {"router": 16}
+
+
+def dense_rows(role: str) -> int:
+    """The widest window whose `role` product takes the one-step tiles (at least one row)."""
+    return max(1, DENSE_GEMV_ROWS.get(role, 1))
 
 
 def _one_row_variant(x: Tensor, w: Tensor | None, role: str) -> str | None:
-    """The variant ONE_ROW_DENSE names for `role` when x has at most DENSE_GEMV_ROWS rows (at least one) and w is a
-    float matrix of its dtype on the GPU (or in the interpreter: the tests), else None."""
+    """The variant ONE_ROW_DENSE names for `role` when x has at most `dense_rows(role)` rows (at least one) and w is
+    a float matrix of its dtype on the GPU (or in the interpreter: the tests), else None."""
     name = ONE_ROW_DENSE.get(role)
-    if name is None or w is None or not 1 <= x.shape[0] <= max(1, DENSE_GEMV_ROWS) or not HAVE_TRITON \
+    if name is None or w is None or not 1 <= x.shape[0] <= dense_rows(role) or not HAVE_TRITON \
             or x.dtype != w.dtype or w.dim() != 2 or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     return name
 
 
 def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
-    """x [M, K] @ w^T (M <= DENSE_GEMV_ROWS; one row by default) through the GEMV kernel when ONE_ROW_DENSE names a
+    """x [M, K] @ w^T (M <= dense_rows(role)) through the GEMV kernel when ONE_ROW_DENSE names a
     variant for `role` and w is a float matrix of x's dtype on the GPU; None otherwise (the caller takes its usual
     path). Chosen by the row count alone, so at a step's fixed width a row's bits never depend on the other rows
     (docs/models.md, "Kernels chosen by width")."""

@@ -659,18 +659,21 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
             assert out.dtype == dt and rel(out, xd.float() @ wd.float().t()) < 3e-3, (var, dt)
             again = dense_kernels.gemv(xd[1:2].contiguous(), wd, "bf16", moe_gemv.GEMV_VARIANTS[var])
             assert torch.equal(out[1], again[0]), var
-        # `one_row` takes windows of up to DENSE_GEMV_ROWS rows (the caller's cuBLAS path beyond)
-        rows = dense_kernels.DENSE_GEMV_ROWS
+        # `one_row` takes windows of up to DENSE_GEMV_ROWS[role] rows (the caller's cuBLAS path beyond)
+        rows = dict(dense_kernels.DENSE_GEMV_ROWS)
         try:
-            dense_kernels.DENSE_GEMV_ROWS = 1
-            assert dense_kernels.one_row(xd, wd, "qkv") is None
-            dense_kernels.DENSE_GEMV_ROWS = 4
+            dense_kernels.DENSE_GEMV_ROWS.clear()
+            assert dense_kernels.one_row(xd, wd, "qkv") is None and dense_kernels.one_row(xd, wd, "router") is None
+            dense_kernels.DENSE_GEMV_ROWS.update(qkv=4, router=2)
             got = dense_kernels.one_row(xd, wd, "qkv")
             assert torch.equal(got, dense_kernels.gemv(xd, wd, "bf16", moe_gemv.GEMV_VARIANTS[
                 dense_kernels.ONE_ROW_DENSE["qkv"]]))
+            assert dense_kernels.one_row(xd, wd, "router") is None                           # 3 rows > 2
+            assert torch.equal(dense_kernels.one_row(xd[:2], wd, "router")[1], again[0])     # one_d8's row 1 alone
             assert dense_kernels.norm_one_row(xd, None, wd[0], 1e-6, wd, "qkv") is None     # one row only
         finally:
-            dense_kernels.DENSE_GEMV_ROWS = rows
+            dense_kernels.DENSE_GEMV_ROWS.clear()
+            dense_kernels.DENSE_GEMV_ROWS.update(rows)
         # the RMSNorm folded into a one-row product: the residual as rmsnorm writes it, the normalized row and the
         # product within rounding of rmsnorm + gemv (the norm's sum may be reduced in another order)
         nw = (1 + 0.1 * torch.randn(96, generator=g)).to(dt)
