@@ -65,8 +65,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "+sum": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": OLD_SKIP},
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
-    "default": {"moe1": "u1d32", "dense": ONE_DENSE, "dense_rows": {"router": 16}, "norm": True, "sum": SUM,
-                "pdl": True, "skip": {"attention"},
+    "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
                 "route_warps": 2, "qnorm": True, "qship": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "route_warps": 2, "late": True},
@@ -81,22 +80,28 @@ ARMS.update({
     "wide-moe-n8j2m2": {**_DEFAULT, "wide": True, "narrow": (8, "n8j2m2")},
     "wide-dense": {**_DEFAULT, "wide": True, "dense_rows": {"qkv": 8, "o_proj": 8, "router": 8}},
     "wide-both": {**_DEFAULT, "wide": True, "narrow": (8, "u1d32"), "dense_rows": {"qkv": 8, "o_proj": 8, "router": 8}},
-    # the router alone through its one-step tile up to 16 rows (shipped since bench/results/h200_session14/), and
-    # the shipped step with the router on cuBLAS beyond one row (the runtime before)
+    # dense_kernels.DENSE_GEMV_ROWS per role ("dense_rows"; arms that do not name it take the shipped table):
+    # every wider window on cuBLAS (the runtime before bench/results/h200_session14/), the router's and o_proj's
+    # one-step tiles up to a few rows
+    "wide-cublas": {**_DEFAULT, "wide": True, "dense_rows": {}},
+    "wide-router8": {**_DEFAULT, "wide": True, "dense_rows": {"router": 8}},
     "wide-router16": {**_DEFAULT, "wide": True, "dense_rows": {"router": 16}},
-    "wide-router1": {**_DEFAULT, "wide": True, "dense_rows": {}},
-    "wide-router16-o4": {**_DEFAULT, "wide": True, "dense_rows": {"router": 16, "o_proj": 4}},
-    "wide-router16-qkv4": {**_DEFAULT, "wide": True, "dense_rows": {"router": 16, "qkv": 4}},
+    "wide-o4": {**_DEFAULT, "wide": True, "dense_rows": {"o_proj": 4}},
+    "wide-router8-o4": {**_DEFAULT, "wide": True, "dense_rows": {"router": 8, "o_proj": 4}},
+    "wide-router8-o2": {**_DEFAULT, "wide": True, "dense_rows": {"router": 8, "o_proj": 2}},
+    # the RMSNorm before a wider window's router in its own launch (dense_kernels.FUSE_NORM_ROWS off)
+    "wide-norm-apart": {**_DEFAULT, "wide": True, "norm_rows": False},
 })
 # the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider; arms
 # without "tiers" / "reduce" take the shipped layout and reduction tile. tiers-before: the layout until
 # bench/results/h200_session9/ (with "reduce": 16, the runtime before that)
 from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
-from runtime.gpu.dense_kernels import QUANT_ONE_ROW  # noqa: E402
+from runtime.gpu.dense_kernels import DENSE_GEMV_ROWS, QUANT_ONE_ROW  # noqa: E402
 from runtime.gpu.moe_gemv import DECODE_GEMV, DECODE_GEMV_ONE_ROW  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 
 QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
+DENSE_ROWS_SHIPPED = dict(DENSE_GEMV_ROWS)
 ONE_ROW_SHIPPED = dict(DECODE_GEMV_ONE_ROW)
 DECODE_SHIPPED = dict(DECODE_GEMV)
 
@@ -145,13 +150,14 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
+    dense_kernels.FUSE_NORM_ROWS = arm.get("norm_rows", True)
     dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
     dense_kernels.DENSE_GEMV_ROWS.clear()
-    dense_kernels.DENSE_GEMV_ROWS.update(arm.get("dense_rows", {}))
+    dense_kernels.DENSE_GEMV_ROWS.update(arm.get("dense_rows", DENSE_ROWS_SHIPPED))
     moe_gemv.DECODE_GEMV_NARROW.clear()
     if arm.get("narrow"):
         moe_gemv.DECODE_GEMV_NARROW["bf16"] = arm["narrow"]

@@ -85,10 +85,11 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int], norm: tuple[Tenso
 # 4.9; the one-row step at 1k context 3.19 -> 2.93 ms (bench/step_ab.py, bench/results/h200_session8/)
 ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 # windows of up to this many rows (per role; 1 where not named) take ONE_ROW_DENSE's variants too (a program loads
-# its weight tile once and serves every row of the window); wider ones take cuBLAS. The router (128 x 2048) through
-# its one-step tile at up to 16 rows: H200, A3B verify step (bench/step_ab.py arm "wide-router16",
-# bench/results/h200_session14/) -- see docs/models.md "Kernels chosen by width"
-DENSE_GEMV_ROWS: dict[str, int] = {"router": 16}
+# its weight tile once and serves every row of the window); wider ones take cuBLAS. H200, A3B verify steps at 1k
+# context (bench/step_ab.py arms wide-cublas / wide-router8-o2, bench/results/h200_session14/wide_router/): 4.17 ->
+# 3.96 ms at 2 rows, 4.78 -> 4.66 at 3, 5.51 -> 5.41 at 4, 6.23 -> 6.15 at 5, 8 rows unchanged; the router at 16
+# rows and q/k/v at 4 were slower, o_proj at 4 no faster than at 2
+DENSE_GEMV_ROWS: dict[str, int] = {"router": 8, "o_proj": 2}
 
 
 def dense_rows(role: str) -> int:
@@ -120,28 +121,30 @@ def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
     return gemv(x.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])
 
 
-# one-row steps: fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program
-# normalizes the row; the router's program 0 stores the residual and the normalized row for the experts), so the
-# norm needs no launch of its own; only where ONE_ROW_DENSE names a one-step variant for the product. H200, A3B
-# one-row step (bench/step_ab.py): 2.93 -> 2.79 ms at 1k context, 3.98 -> 3.86 at 32k
+# fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program normalizes the
+# rows; the router's program 0 stores the residual and the normalized rows for the experts), so the norm needs no
+# launch of its own; only where the product takes a one-step variant (ONE_ROW_DENSE, up to DENSE_GEMV_ROWS rows).
+# H200, A3B one-row step (bench/step_ab.py): 2.93 -> 2.79 ms at 1k context, 3.98 -> 3.86 at 32k. FUSE_NORM_ROWS:
+# windows of more than one row too (the router's, up to 8 rows; bench/step_ab.py arm wide-norm-apart)
 FUSE_NORM = True
+FUSE_NORM_ROWS = True
 
 
 def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor | None, role: str
                  ) -> tuple[Tensor, Tensor | None, Tensor] | None:
-    """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for one row x [1, K] in one launch (`moe_gemv.norm_gemv`)
-    when FUSE_NORM is on and `one_row` would take (w, role) through a one-step variant; None otherwise (the caller
-    runs `rmsnorm`, then the product)."""
-    name = _one_row_variant(x, w, role) if FUSE_NORM and x.shape[0] == 1 else None
+    """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for rows x [M, K] in one launch (`moe_gemv.norm_gemv`)
+    when FUSE_NORM is on (FUSE_NORM_ROWS for M > 1) and `one_row` would take (w, role) through a one-step variant;
+    None otherwise (the caller runs `rmsnorm`, then the product). Each row's bits are those it has alone."""
+    name = _one_row_variant(x, w, role) if FUSE_NORM and (x.shape[0] == 1 or FUSE_NORM_ROWS) else None
     if name is None:
         return None
     cfg = moe_gemv.GEMV_VARIANTS.get(name)
-    K = x.shape[1]
+    M, K = x.shape
     if cfg is None or not (cfg.get("ONE") and moe_gemv.one_step("bf16", K, moe_gemv.chunk(K, "bf16", cfg["KV"], True))):
         return None
-    early = (x.device, 1) in _ONE_EXPERT
-    one, _, ones = _one_expert(1, x.device)
-    return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, ones, cfg, early)
+    early = (x.device, M) in _ONE_EXPERT
+    one, rows, ones = _one_expert(M, x.device)
+    return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, rows, ones, cfg, early)
 
 
 # one-row steps of a block-format target: fold the RMSNorm before q/k/v into the q/k/v product on the looped block
