@@ -89,8 +89,6 @@ ARMS.update({
     "wide-o4": {**_DEFAULT, "wide": True, "dense_rows": {"o_proj": 4}},
     "wide-router8-o4": {**_DEFAULT, "wide": True, "dense_rows": {"router": 8, "o_proj": 4}},
     "wide-router8-o2": {**_DEFAULT, "wide": True, "dense_rows": {"router": 8, "o_proj": 2}},
-    # the RMSNorm before a wider window's router in its own launch (dense_kernels.FUSE_NORM_ROWS off)
-    "wide-norm-apart": {**_DEFAULT, "wide": True, "norm_rows": False},
 })
 # the split attention's chunk layout (runtime/kv.py KV_TIERS: (C0, E0, C1, E1, C2)), at W = 1 and wider; arms
 # without "tiers" / "reduce" take the shipped layout and reduction tile. tiers-before: the layout until
@@ -150,7 +148,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
-    dense_kernels.FUSE_NORM_ROWS = arm.get("norm_rows", True)
     dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)

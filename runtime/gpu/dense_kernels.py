@@ -121,30 +121,30 @@ def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
     return gemv(x.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])
 
 
-# fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program normalizes the
-# rows; the router's program 0 stores the residual and the normalized rows for the experts), so the norm needs no
-# launch of its own; only where the product takes a one-step variant (ONE_ROW_DENSE, up to DENSE_GEMV_ROWS rows).
-# H200, A3B one-row step (bench/step_ab.py): 2.93 -> 2.79 ms at 1k context, 3.98 -> 3.86 at 32k. FUSE_NORM_ROWS:
-# windows of more than one row too (the router's, up to 8 rows; bench/step_ab.py arm wide-norm-apart)
+# one-row steps: fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program
+# normalizes the row; the router's program 0 stores the residual and the normalized row for the experts), so the
+# norm needs no launch of its own; only where ONE_ROW_DENSE names a one-step variant for the product. H200, A3B
+# one-row step (bench/step_ab.py): 2.93 -> 2.79 ms at 1k context, 3.98 -> 3.86 at 32k. Not for wider windows: a
+# router product of 2-8 rows with every program normalizing every row was 0-1.5% slower than the norm's own launch
+# (bench/results/h200_session14/norm_rows_rejected/)
 FUSE_NORM = True
-FUSE_NORM_ROWS = True
 
 
 def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor | None, role: str
                  ) -> tuple[Tensor, Tensor | None, Tensor] | None:
-    """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for rows x [M, K] in one launch (`moe_gemv.norm_gemv`)
-    when FUSE_NORM is on (FUSE_NORM_ROWS for M > 1) and `one_row` would take (w, role) through a one-step variant;
-    None otherwise (the caller runs `rmsnorm`, then the product). Each row's bits are those it has alone."""
-    name = _one_row_variant(x, w, role) if FUSE_NORM and (x.shape[0] == 1 or FUSE_NORM_ROWS) else None
+    """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for one row x [1, K] in one launch (`moe_gemv.norm_gemv`)
+    when FUSE_NORM is on and `one_row` would take (w, role) through a one-step variant; None otherwise (the caller
+    runs `rmsnorm`, then the product)."""
+    name = _one_row_variant(x, w, role) if FUSE_NORM and x.shape[0] == 1 else None
     if name is None:
         return None
     cfg = moe_gemv.GEMV_VARIANTS.get(name)
-    M, K = x.shape
+    K = x.shape[1]
     if cfg is None or not (cfg.get("ONE") and moe_gemv.one_step("bf16", K, moe_gemv.chunk(K, "bf16", cfg["KV"], True))):
         return None
-    early = (x.device, M) in _ONE_EXPERT
-    one, rows, ones = _one_expert(M, x.device)
-    return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, rows, ones, cfg, early)
+    early = (x.device, 1) in _ONE_EXPERT
+    one, _, ones = _one_expert(1, x.device)
+    return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, ones, cfg, early)
 
 
 # one-row steps of a block-format target: fold the RMSNorm before q/k/v into the q/k/v product on the looped block

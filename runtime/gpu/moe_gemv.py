@@ -693,13 +693,10 @@ if HAVE_TRITON:
                 tb = _tile_f(wb, kk, nk)
             if EARLY:
                 pdl.start(GDC)
-            if NORM:                          # dense rows (one expert): each row normalized, then its product
-                for m in range(0, rows):
-                    ro = (i + m).to(tl.int64) * stride_xm
-                    hv = _norm_row(x_ptr + ro, d_ptr + ro, nw_ptr, xo_ptr + ro, ho_ptr + ro, kk, K, eps, HAS_D,
-                                   nb == 0)
-                    ra = tl.sum(ta.to(tl.float32) * hv[None, :], 1)
-                    _out(o_ptr, i + m, nm, ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
+            if NORM:
+                hv = _norm_row(x_ptr, d_ptr, nw_ptr, xo_ptr, ho_ptr, kk, K, eps, HAS_D, (nb == 0) & (rows > 0))
+                ra = tl.sum(ta.to(tl.float32) * hv[None, :], 1)
+                _out(o_ptr, i, n < tl.where(rows > 0, N, 0), ra, ra, ord_ptr, wt_ptr, n, stride_om, UP)
             else:
                 for m in range(0, rows):
                     p = i + m
@@ -827,27 +824,24 @@ def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:
     return QT.get(fmt) in (1, 2, 3) and not cfg.get("ONE") and not cfg.get("ONE_DOWN") and cfg["MB"] == 1
 
 
-def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, rows: Tensor,
-              ones: Tensor, cfg: dict[str, int], early: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(x + delta, RMSNorm(x + delta) * norm_w, that @ w^T) for float rows x [M, K] and a dense float matrix
-    w [N, K], in one launch of a one-step variant (delta None: x as it is, and the normalized rows are not stored).
-    one / rows / ones: the single-expert tables of runtime/gpu/dense_kernels.py `gemv` for M rows (constant:
-    `early` allows EARLY). Each row's bits are those it has alone."""
-    M, K = x.shape
+def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, ones: Tensor,
+              cfg: dict[str, int], early: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(x + delta, RMSNorm(x + delta) * norm_w, that row @ w^T) for one float row x [1, K] and a dense float matrix
+    w [N, K], in one launch of a one-step variant (delta None: x as it is, and the normalized row is not stored).
+    one / ones: the single-expert tables of runtime/gpu/dense_kernels.py `gemv` (constant: `early` allows EARLY)."""
+    K = x.shape[1]
     N = w.shape[0]
     c = chunk(K, "bf16", cfg["KV"], True)
     if not one_step("bf16", K, c):
         raise ValueError(f"norm_gemv needs a one-step variant whose KV covers rows of {K} values; got {cfg}.")
-    x = x.contiguous()
     xo = torch.empty_like(x) if delta is not None else x
     ho = torch.empty_like(x) if delta is not None else x
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     grid = (1, triton.cdiv(N, cfg["BN_DOWN"]))
-    d = delta.contiguous() if delta is not None else x
-    _gemv_kernel[grid](x, one, one, one, rows, ones, w[None], y, M, 1, N, K, K, MAGIC,
+    d = delta if delta is not None else x
+    _gemv_kernel[grid](x, one, one, one, one, ones, w[None], y, 1, 1, N, K, K, MAGIC,
                        x.stride(0), w.numel(), y.stride(0), d, norm_w, xo, ho, float(eps), SWN=w.stride(0),
-                       EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=False, QT=0, ZERO=False,
-                       BM=1 << (M - 1).bit_length(), MB=1,
+                       EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=False, QT=0, ZERO=False, BM=1, MB=1,
                        BN=cfg["BN_DOWN"], NBC=c, PF=0, KMASK=K % c != 0, J=1, num_warps=cfg["num_warps"],
                        num_stages=cfg["num_stages"], ONE=True, EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS,
                        NORM=True, HAS_D=delta is not None, **pdl.launch(w))
