@@ -214,18 +214,25 @@ class Harness:
         """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead, and a
         target-only step is queued after the read, as before decoding ahead. A
         `-dq` drafter's graphs are captured with its stacked block products dequantized + matmul (the path before
-        the GEMV launch, runtime/gpu/capture.py DRAFT_QUANT_PATH)."""
+        the GEMV launch, runtime/gpu/capture.py DRAFT_QUANT_PATH); a `-qone...` drafter's with them on that one-step
+        block tile (capture.DRAFT_GEMV)."""
         d = self.drafters[kind] if kind else None
         step = self.step(width) if scaled else self.nano_step(width)
         model = self.target if scaled else self.nano
         speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = ahead
         capture.DRAFT_QUANT_PATH = "dequant" if kind and kind.endswith("-dq") else "gemv"
+        one = kind.rpartition("-")[2] if kind and "-qone" in kind else None
+        shipped = dict(capture.DRAFT_GEMV)
+        if one:
+            capture.DRAFT_GEMV.update(dict.fromkeys(("q8_0", "q4_0"), one))
         try:
             return generate_ids(model, self.kv, ids, drafter=d, max_new_tokens=n_new, sampling=sampling,
                                 block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step)
         finally:
             speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = True
             capture.DRAFT_QUANT_PATH = "gemv"
+            capture.DRAFT_GEMV.clear()
+            capture.DRAFT_GEMV.update(shipped)
 
 
 # ------------------------------------------------------------------------------------------------ the A3B step
@@ -267,6 +274,10 @@ def verify_cost(h: Harness, ids: list[int], widths: list[int], reps: int) -> dic
 
 
 # ------------------------------------------------------------------------------------------------ the arms
+# one-step block tiles (runtime/gpu/moe_gemv.py "qone{rows}j{words}") tried for a quantized head's stacked products
+ONE_STEP = ("qone8j2", "qone4j1")
+
+
 def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
     arms = [{"arm": "target-only", "kind": None, "block": 1, "family": "target"}]
     for chain in (2, 3, 4):
@@ -302,6 +313,10 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
             for b in (4, 6, 8):        # the same head, its stacked products dequantized into scratch + matmul
                 arms.append({"arm": f"DFlash2 {q} b{b}, dequantize + matmul", "kind": f"dflash2-{q}-dq",
                              "block": b, "family": "dflash2-dq", "quant": q, "quantized": True, "qpath": "dequant"})
+            for v in ONE_STEP:         # the same head's stacked products on one-step block tiles (EARLY loads)
+                for b in (4, 6, 8):
+                    arms.append({"arm": f"DFlash2 {q} b{b}, {v}", "kind": f"dflash2-{q}-{v}", "block": b,
+                                 "family": "dflash2-one", "quant": q, "quantized": True, "qpath": v})
     return arms
 
 
@@ -324,6 +339,8 @@ def load_drafters(h: Harness, tmp: Path, extra: str = "") -> Path | None:
         convert_dflash2(NANO_DFLASH2, q, tmp / f"{q}.gguf")
         h.add_dflash2(f"dflash2-{q}", tmp / f"{q}.gguf")
         h.add_dflash2(f"dflash2-{q}-dq", tmp / f"{q}.gguf")     # its graphs captured with the dequantizing path
+        for v in ONE_STEP:                                           # ... with the one-step block tiles
+            h.add_dflash2(f"dflash2-{q}-{v}", tmp / f"{q}.gguf")
     return tmp
 
 

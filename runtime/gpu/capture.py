@@ -177,7 +177,8 @@ class QuantStack:
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":      # the CPU: a float product
             w = dequantize_torch(self.blocks, self.qtype).to(x.dtype)
             return torch.nn.functional.linear(x, w)
-        cfg = moe_gemv.variant(self.qtype)
+        name = DRAFT_GEMV.get(self.qtype)
+        cfg = moe_gemv.GEMV_VARIANTS[name] if name is not None else moe_gemv.variant(self.qtype)
         x2 = x.reshape(-1, self.in_features)
         if DRAFT_QUANT_PATH == "gemv" and cfg is not None and x2.shape[0] <= dense_kernels.GEMV_ROWS:
             return dense_kernels.gemv(x2.contiguous(), self.blocks, self.qtype, cfg).reshape(*x.shape[:-1], -1)
@@ -189,6 +190,9 @@ class QuantStack:
 # bundled heads both draft a window in 0.42-0.44 ms on an H200 (bench/results/h200_session12/final/); "gemv" reads
 # each weight block once where "dequant" also writes and reads a 16-bit copy, which counts at a real head's size
 DRAFT_QUANT_PATH = "gemv"
+# the GEMV variant (runtime/gpu/moe_gemv.py GEMV_VARIANTS) of a stacked drafter product per block format, where it
+# differs from the decode windows' (moe_gemv.DECODE_GEMV); read when a graph is captured
+DRAFT_GEMV: dict[str, str] = {}
 
 
 def stack_quant_linears(mods: list) -> QuantStack | None:
