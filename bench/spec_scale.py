@@ -215,16 +215,18 @@ class Harness:
         target-only step is queued after the read, as before decoding ahead. A
         `-dq` drafter's graphs are captured with its stacked block products dequantized + matmul (the path before
         the GEMV launch, runtime/gpu/capture.py DRAFT_QUANT_PATH); a `-qone...` drafter's with them on that one-step
-        block tile (capture.DRAFT_GEMV)."""
+        block tile, a `-looped` one's on the decode windows' tiles (capture.DRAFT_GEMV)."""
         d = self.drafters[kind] if kind else None
         step = self.step(width) if scaled else self.nano_step(width)
         model = self.target if scaled else self.nano
         speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = ahead
         capture.DRAFT_QUANT_PATH = "dequant" if kind and kind.endswith("-dq") else "gemv"
-        one = kind.rpartition("-")[2] if kind and "-qone" in kind else None
+        tiles = kind.rpartition("-")[2] if kind else ""
         shipped = dict(capture.DRAFT_GEMV)
-        if one:
-            capture.DRAFT_GEMV.update(dict.fromkeys(("q8_0", "q4_0"), one))
+        if tiles == "looped":          # the decode windows' variants (moe_gemv.DECODE_GEMV): the runtime before
+            capture.DRAFT_GEMV.clear()
+        elif tiles in DRAFT_TILES:
+            capture.DRAFT_GEMV.update(dict.fromkeys(("q8_0", "q4_0"), tiles))
         try:
             return generate_ids(model, self.kv, ids, drafter=d, max_new_tokens=n_new, sampling=sampling,
                                 block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step)
@@ -274,8 +276,9 @@ def verify_cost(h: Harness, ids: list[int], widths: list[int], reps: int) -> dic
 
 
 # ------------------------------------------------------------------------------------------------ the arms
-# one-step block tiles (runtime/gpu/moe_gemv.py "qone{rows}j{words}") tried for a quantized head's stacked products
-ONE_STEP = ("qone8j2", "qone4j1")
+# other tiles for a quantized head's stacked products (shipped: runtime/gpu/capture.py DRAFT_GEMV): one-step block
+# tiles (runtime/gpu/moe_gemv.py "qone{rows}j{words}") and "looped", the decode windows' (the runtime before)
+DRAFT_TILES = ("looped", "qone8j1", "qone16j2", "qone4j1")
 
 
 def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
@@ -313,7 +316,7 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
             for b in (4, 6, 8):        # the same head, its stacked products dequantized into scratch + matmul
                 arms.append({"arm": f"DFlash2 {q} b{b}, dequantize + matmul", "kind": f"dflash2-{q}-dq",
                              "block": b, "family": "dflash2-dq", "quant": q, "quantized": True, "qpath": "dequant"})
-            for v in ONE_STEP:         # the same head's stacked products on one-step block tiles (EARLY loads)
+            for v in DRAFT_TILES:      # the same head's stacked products on other tiles
                 for b in (4, 6, 8):
                     arms.append({"arm": f"DFlash2 {q} b{b}, {v}", "kind": f"dflash2-{q}-{v}", "block": b,
                                  "family": "dflash2-one", "quant": q, "quantized": True, "qpath": v})
@@ -339,7 +342,7 @@ def load_drafters(h: Harness, tmp: Path, extra: str = "") -> Path | None:
         convert_dflash2(NANO_DFLASH2, q, tmp / f"{q}.gguf")
         h.add_dflash2(f"dflash2-{q}", tmp / f"{q}.gguf")
         h.add_dflash2(f"dflash2-{q}-dq", tmp / f"{q}.gguf")     # its graphs captured with the dequantizing path
-        for v in ONE_STEP:                                           # ... with the one-step block tiles
+        for v in DRAFT_TILES:                                        # ... with other tiles
             h.add_dflash2(f"dflash2-{q}-{v}", tmp / f"{q}.gguf")
     return tmp
 

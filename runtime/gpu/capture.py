@@ -191,8 +191,11 @@ class QuantStack:
 # each weight block once where "dequant" also writes and reads a 16-bit copy, which counts at a real head's size
 DRAFT_QUANT_PATH = "gemv"
 # the GEMV variant (runtime/gpu/moe_gemv.py GEMV_VARIANTS) of a stacked drafter product per block format, where it
-# differs from the decode windows' (moe_gemv.DECODE_GEMV); read when a graph is captured
-DRAFT_GEMV: dict[str, str] = {}
+# differs from the decode windows' (moe_gemv.DECODE_GEMV); read when a graph is captured. One-step block tiles (a
+# program's 8 rows loaded whole, before the PDL wait): the bundled DFlash2 head (width 256) drafts a block of 4 in
+# 0.40 ms instead of 0.42 (Q4_0), 0.42 instead of 0.44 (Q8_0) on an H200 (bench/spec_scale.py, arms "..., looped",
+# bench/results/h200_session14/draft_tiles/)
+DRAFT_GEMV: dict[str, str] = {"q4_0": "qone8j2", "q8_0": "qone8j2"}
 
 
 def stack_quant_linears(mods: list) -> QuantStack | None:

@@ -33,14 +33,23 @@ SCRIPT = textwrap.dedent("""
                 x2 = torch.randn(M, 256)
                 x2[M - 1] = x[1]
                 assert torch.equal(dense_kernels.quant_linear(x2, blocks, q, 256)[M - 1], y[1]), (q, path, M)
-    # a drafter's stacked q/k/v in one GEMV launch (runtime/gpu/capture.py QuantStack) equals the three products
+    # a drafter's stacked q/k/v in one GEMV launch (runtime/gpu/capture.py QuantStack, on DRAFT_GEMV's tile and on
+    # the decode windows') equals the three products, and a row's bits do not depend on the other rows
+    from runtime.gpu import capture
     from runtime.gpu.capture import stack_quant_linears
-    mods = [QuantLinear.from_float(torch.randn(n, 256) * 0.05, "q4_0") for n in (32, 16, 16)]
-    x = torch.randn(5, 256)
-    ref = torch.cat([x @ m.dequantized_weight().T for m in mods], -1)
-    st = stack_quant_linears(mods)
-    y = st(x)
-    assert ((y - ref).norm() / ref.norm()).item() < 1e-5
+    shipped = dict(capture.DRAFT_GEMV)
+    assert shipped, "the shipped table names a tile"
+    for q in ("q4_0", "q8_0"):
+        mods = [QuantLinear.from_float(torch.randn(n, 256) * 0.05, q) for n in (32, 16, 16)]
+        x = torch.randn(5, 256)
+        ref = torch.cat([x @ m.dequantized_weight().T for m in mods], -1)
+        st = stack_quant_linears(mods)
+        for table in (shipped, {}):
+            capture.DRAFT_GEMV.clear()
+            capture.DRAFT_GEMV.update(table)
+            y = st(x)
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-5, (q, table)
+            assert torch.equal(st(x[2:3])[0], y[2]), (q, table)
     print("ok")
 """)
 
