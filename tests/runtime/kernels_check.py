@@ -669,7 +669,9 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
             assert torch.equal(got, dense_kernels.gemv(xd, wd, "bf16", moe_gemv.GEMV_VARIANTS[
                 dense_kernels.ONE_ROW_DENSE["qkv"]]))
             assert dense_kernels.one_row(xd, wd, "router") is None                           # 3 rows > 2
-            assert torch.equal(dense_kernels.one_row(xd[:2], wd, "router")[1], again[0])     # one_d8's row 1 alone
+            alone = dense_kernels.gemv(xd[1:2].contiguous(), wd, "bf16",
+                                       moe_gemv.GEMV_VARIANTS[dense_kernels.ONE_ROW_DENSE["router"]])
+            assert torch.equal(dense_kernels.one_row(xd[:2], wd, "router")[1], alone[0])     # row 1 as alone
             assert dense_kernels.norm_one_row(xd, None, wd[0], 1e-6, wd, "qkv") is None     # one row only
         finally:
             dense_kernels.DENSE_GEMV_ROWS.clear()
