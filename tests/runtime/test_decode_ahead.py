@@ -26,11 +26,12 @@ def model(tmp_path_factory):
                                         scale=2.0))
 
 
-def _run(model, ahead: bool, monkeypatch, *, cap: int = 96, **kw):
-    """(result, committed length, committed K, committed V) with decoding ahead on or off."""
+def _run(model, ahead: bool, monkeypatch, *, cap: int = 96, width: int = 1, **kw):
+    """(result, committed length, committed K, committed V) with decoding ahead on or off, through a step of
+    `width` rows (an engine configured for a drafter decodes alone through its block-wide step)."""
     c = model.cfg
     kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap)
-    step = StaticStep(model, kv, width=1, graph=False)
+    step = StaticStep(model, kv, width=width, graph=False)
     monkeypatch.setattr(speculative, "DECODE_AHEAD", ahead)
     monkeypatch.setattr(speculative, "DECODE_AHEAD_CPU", True)       # the GPU's path, run eagerly
     r = generate_ids(model, kv, PROMPT, step=step, **kw)
@@ -47,11 +48,12 @@ def _same(a, b) -> None:
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+@pytest.mark.parametrize("width", [1, 4])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_length_end_same_tokens_and_cache(model, monkeypatch, sampled):
+def test_length_end_same_tokens_and_cache(model, monkeypatch, sampled, width):
     sp = SamplingParams(temperature=0.9, seed=5) if sampled else None
-    on = _run(model, True, monkeypatch, max_new_tokens=20, sampling=sp)
-    off = _run(model, False, monkeypatch, max_new_tokens=20, sampling=sp)
+    on = _run(model, True, monkeypatch, max_new_tokens=20, sampling=sp, width=width)
+    off = _run(model, False, monkeypatch, max_new_tokens=20, sampling=sp, width=width)
     _same(on, off)
     assert on[0].stop_reason == "length" and len(on[0].token_ids) == 20
     # every window but the last queued its successor; none with the switch off
