@@ -127,6 +127,21 @@ ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
+# parts that let the next kernel be scheduled before their own wait (pdl.TRIGGER_FIRST, "trig"): the reduction (so
+# o_proj's programs load their weights while the split attention still runs; with PDL on the split too, or not),
+# q/k/v post-processing and the split as well, the routing (gate/up scheduled during it), the down products + sum
+# (the next layer's q/k/v loading early)
+_TRIG = {
+    "trig-reduce": ({"attention_reduce"}, set()),
+    "trig-reduce-split-apart": ({"attention_reduce"}, {"attention"}),
+    "trig-attn": ({"attention", "attention_reduce"}, set()),
+    "trig-post-attn": ({"post", "attention", "attention_reduce"}, set()),
+    "trig-route": ({"route"}, {"attention"}),
+    "trig-down": ({"down_sum"}, {"attention"}),
+    "trig-all": ({"post", "attention", "attention_reduce", "route", "down_sum"}, set()),
+}
+for _name, (_trig, _skip) in _TRIG.items():
+    ARMS[_name] = {**_DEFAULT, "skip": _skip, "trig": _trig, "wide": True}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
 # verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on other
@@ -153,6 +168,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     pdl.SKIP.update(arm.get("skip", ()))
+    pdl.TRIGGER_FIRST.clear()
+    pdl.TRIGGER_FIRST.update(arm.get("trig", ()))
     dense_kernels.DENSE_GEMV_ROWS.clear()
     dense_kernels.DENSE_GEMV_ROWS.update(arm.get("dense_rows", DENSE_ROWS_SHIPPED))
     moe_gemv.DECODE_GEMV_NARROW.clear()

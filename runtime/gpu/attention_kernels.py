@@ -455,7 +455,7 @@ def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale
     _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, ksx, vs if q8 else vc, float(eps),
                                     float(rope_scale), qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1),
                                     ssh, sss, NH=nh, NKV=nkv, HD=hd, Q8=q8, NB=nb, QB=qb, ROPE_OFF=int(rope_off),
-                                    **pdl.launch(qkv))
+                                    **pdl.launch(qkv, "post"))
     return q
 
 

@@ -859,5 +859,5 @@ def down_sum(h: Tensor, se: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, r
                                                    down_w.stride(0), SWN=down_w.stride(1), TOPK=top_k,
                                                    KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
                                                    EARLY=early and EARLY_LOADS, num_warps=cfg["num_warps"],
-                                                   **pdl.launch(down_w))
+                                                   **pdl.launch(down_w, "down_sum"))
     return out

@@ -464,7 +464,7 @@ def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool, slot: Tensor | No
                         KP=triton.next_power_of_2(top_k), WP=max(2, triton.next_power_of_2(W)),
                         NPP=max(2, triton.next_power_of_2(NP)), NORM=norm, HAS_SLOT=slot is not None,
                         num_warps=ROUTE_WARPS_ONE_ROW if W == 1 else 4,
-                        **pdl.launch(logits))
+                        **pdl.launch(logits, "route"))
     return Routing(idx, w, se, order, tok, miss, n_miss)
 
 

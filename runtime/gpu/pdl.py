@@ -14,6 +14,13 @@ launched without PDL (cuBLAS, torch) wait for everything before them, each kerne
 done. `launch(t)` gives the launch options for a kernel on tensor t's device: the attribute and GDC=True on a CUDA
 device of capability 9.0 or more with a Triton that launches with PDL (probed once), else GDC=False and a plain
 launch (the CPU interpreter, older GPUs, `ENABLED = False`).
+
+A kernel of a TRIGGER_FIRST part lets the next kernel be scheduled before its own wait: the next kernel's programs
+can then start while this one still waits for the one before, so a kernel two launches ahead (o_proj behind the
+split attention's reduction) loads its weights early. Each kernel still waits for its predecessor, which waited
+for its own, so every kernel still sees all earlier ones done; but the next kernel must not read, before its wait,
+anything the kernel before a TRIGGER_FIRST one writes (the EARLY loads read weights and constant tables only; the
+gate/up kernel, whose routing the down products read early, is never a TRIGGER_FIRST part).
 """
 
 from __future__ import annotations
@@ -38,18 +45,29 @@ ENABLED = True
 # parts launched without PDL even when ENABLED: "attention" (the split kernel), "attention_reduce" (its reduction),
 # "prefill" (the MoE kernels on prefill chunks)
 SKIP: set[str] = {"attention"}
+# parts whose kernels let the next kernel be scheduled before their own wait instead of after it (docs/models.md,
+# "Launches"): the next kernel's programs then start (and a kernel with EARLY loads its weights) while this one
+# still waits for the kernel before it. Empty: every kernel waits first (the benchmarks try the parts: "post",
+# "attention", "attention_reduce", "route", "down_sum")
+TRIGGER_FIRST: set[str] = set()
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}
 _ON = {"GDC": True, "launch_pdl": True}
+_ON_FIRST = {"GDC": 2, "launch_pdl": True}
 
 if HAVE_TRITON:
 
     @triton.jit
     def start(GDC: tl.constexpr):
         """Wait until the previous kernel in the stream is done and its writes are visible, then allow the next
-        kernel to be scheduled. A no-op without PDL (GDC False: the interpreter never sees the PTX)."""
-        if GDC:
+        kernel to be scheduled (GDC 2, a TRIGGER_FIRST part: allow it first, then wait). A no-op without PDL (GDC
+        False: the interpreter never sees the PTX)."""
+        if GDC == 2:
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        elif GDC:
             tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
@@ -86,4 +104,6 @@ def launch(t: Tensor, part: str = "") -> dict:
     kernel's group for SKIP."""
     if not (ENABLED and HAVE_TRITON and t.is_cuda) or part in SKIP or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
-    return _ON if _probe(t.device) else _OFF
+    if not _probe(t.device):
+        return _OFF
+    return _ON_FIRST if part in TRIGGER_FIRST else _ON
