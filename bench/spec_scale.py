@@ -210,16 +210,18 @@ class Harness:
 
     def generate(self, ids: list[int], kind: str | None, block: int, width: int, n_new: int,
                  sampling: SamplingParams | None = None, min_p: float = 0.0, scaled: bool = True,
-                 ahead: bool = True) -> Any:
+                 ahead: bool = True, rule_graphs: bool = True) -> Any:
         """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead, and a
         target-only step is queued after the read, as before decoding ahead. A
         `-dq` drafter's graphs are captured with its stacked block products dequantized + matmul (the path before
         the GEMV launch, runtime/gpu/capture.py DRAFT_QUANT_PATH); a `-qone...` drafter's with them on that one-step
-        block tile, a `-looped` one's on the decode windows' tiles (capture.DRAFT_GEMV)."""
+        block tile, a `-looped` one's on the decode windows' tiles (capture.DRAFT_GEMV). `rule_graphs` False: a
+        sampled window's acceptance as eager ops (runtime/speculative.py SAMPLED_GRAPHS, the runtime before)."""
         d = self.drafters[kind] if kind else None
         step = self.step(width) if scaled else self.nano_step(width)
         model = self.target if scaled else self.nano
         speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = ahead
+        speculative.SAMPLED_GRAPHS = rule_graphs
         capture.DRAFT_QUANT_PATH = "dequant" if kind and kind.endswith("-dq") else "gemv"
         tiles = kind.rpartition("-")[2] if kind else ""
         shipped = dict(capture.DRAFT_GEMV)
@@ -232,6 +234,7 @@ class Harness:
                                 block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step)
         finally:
             speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = True
+            speculative.SAMPLED_GRAPHS = True
             capture.DRAFT_QUANT_PATH = "gemv"
             capture.DRAFT_GEMV.clear()
             capture.DRAFT_GEMV.update(shipped)
@@ -299,6 +302,12 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
                  "ahead": False})
     arms.append({"arm": "DFlash2 bf16 b6, after the read", "kind": "dflash2", "block": 6, "family": "dflash2-after",
                  "quant": "bf16", "ahead": False})
+    # sampled only: the acceptance rule as eager ops, one launch each (before its CUDA graphs), next to the same arm
+    # with the graphs
+    arms.append({"arm": "target-only, eager sampling rule", "kind": None, "block": 1, "family": "target-eager",
+                 "eager_rule": True, "sampled_only": True})
+    arms.append({"arm": "MTP chain 3 (b4), eager sampling rule", "kind": "mtp", "block": 4, "family": "mtp-eager",
+                 "eager_rule": True, "sampled_only": True})
     if "extra" in h.drafters:
         label = h.extra_label
         for b in (4, 6, 8):
@@ -408,10 +417,10 @@ def run_arms(h: Harness, arms: list[dict], prompts: dict[str, list[int]], args, 
             refs[(task, width)] = h.generate(ids, None, 1, width, args.new_tokens).token_ids
         return refs[(task, width)]
 
-    def warm(kind, block, width, ids, sp=None, ahead=True) -> None:
-        key = (kind, block, width, sp is None, ahead)
+    def warm(kind, block, width, ids, sp=None, ahead=True, rule_graphs=True) -> None:
+        key = (kind, block, width, sp is None, ahead, rule_graphs)
         if key not in warmed:                      # graph capture for this drafter and width, untimed
-            h.generate(ids, kind, block, width, 8, sampling=sp, ahead=ahead)
+            h.generate(ids, kind, block, width, 8, sampling=sp, ahead=ahead, rule_graphs=rule_graphs)
             warmed.add(key)
 
     for mode in ("greedy", "sampled"):
@@ -423,6 +432,8 @@ def run_arms(h: Harness, arms: list[dict], prompts: dict[str, list[int]], args, 
                 if deadline.over():
                     res["truncated"] = True
                     return
+                if mode == "greedy" and arm.get("sampled_only"):
+                    continue
                 if mode == "greedy" and arm.get("quantized") and not args.full:
                     best = best_block(res, "DFlash2 bf16 b")
                     if best is not None and arm["block"] != best:
@@ -430,11 +441,12 @@ def run_arms(h: Harness, arms: list[dict], prompts: dict[str, list[int]], args, 
                 kind, block = arm["kind"], arm["block"]
                 width = block
                 ahead = arm.get("ahead", True)
-                warm(kind, block, width, ids, sp, ahead)
+                rg = not arm.get("eager_rule")
+                warm(kind, block, width, ids, sp, ahead, rg)
                 # one untimed full run first: the last windows of a run draft fewer tokens, and each new draft count
                 # is a new graph (and its kernels' first compile), which the short warm-up does not reach
-                runs = [h.generate(ids, kind, block, width, args.new_tokens, sampling=sp, ahead=ahead)
-                        for _ in range(args.repeats + 1)][1:]
+                runs = [h.generate(ids, kind, block, width, args.new_tokens, sampling=sp, ahead=ahead,
+                                   rule_graphs=rg) for _ in range(args.repeats + 1)][1:]
                 rec = record(runs)
                 rec["draft_bytes"] = drafter_bytes(h, kind, block)
                 rec["draft_bound_ms"] = 1e3 * rec["draft_bytes"] / res["copy_bandwidth_Bps"] if res.get(
@@ -475,6 +487,12 @@ def sampled_arms(arms: list[dict], res: dict[str, Any], args) -> list[dict]:
         scored = [(a, res["arms"][a["arm"]].get("greedy", {}).get("code", {}).get("tok_s", 0.0)) for a in cands]
         if scored:
             keep.append(max(scored, key=lambda x: x[1])[0])
+    # the eager-rule arms, each next to the same drafter and block with the rule's graphs
+    for a in arms:
+        if a.get("sampled_only"):
+            twin = next((b for b in arms if b["kind"] == a["kind"] and b["block"] == a["block"]
+                         and b["family"] in ("target", "mtp", "dflash2")), None)
+            keep.extend(x for x in (twin, a) if x is not None and x not in keep)
     return keep
 
 

@@ -13,8 +13,9 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
   PDL wait (dense_kernels.ONE_ROW_DENSE, moe_gemv "one_d*", EARLY), gate/up in one step (u1d32); the RMSNorms
   folded into the q/k/v and router products (dense_kernels.FUSE_NORM); the experts' down products, their top-k
   sum and the residual in one launch (moe_gemv.DOWN_SUM); PDL on the attention reduction; the routing kernel on
-  2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW): the runtime's default. default-late: the default with every load
-  after the PDL wait.
+  2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW); before a one-step o_proj, the split kernel on PDL and the reduction
+  letting o_proj in before its own wait (pdl.TRIGGER_FIRST; arm split-apart: without): the runtime's default.
+  default-late: the default with every load after the PDL wait.
 Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
 launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt); in
 h200_session8/: the one-step tiles for the one-row experts' down products (4 or 2 gate/up rows, 16 or 8 down
@@ -66,9 +67,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "route_warps": 2, "qnorm": True, "qship": True},
+                "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
-                     "skip": {"attention"}, "route_warps": 2, "late": True},
+                     "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True},
 }
 # verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
 # and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)
@@ -126,11 +127,18 @@ ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
 ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}, "qdecode": {"q4_0": "n8j2np"}}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
-ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "wide": True}
+ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
+# the shipped launches at every width (pdl.TRIGGER_FIRST: the reduction lets a one-step o_proj in first, the split
+# kernel on PDL before it)
+# the runtime before pdl.TRIGGER_FIRST (bench/results/h200_session15/): the split kernel without PDL, the reduction
+# waiting first
+ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
+ARMS["q-split-apart"] = ARMS["split-apart"]
 # parts that let the next kernel be scheduled before their own wait (pdl.TRIGGER_FIRST, "trig"): the reduction (so
 # o_proj's programs load their weights while the split attention still runs; with PDL on the split too, or not),
 # q/k/v post-processing and the split as well, the routing (gate/up scheduled during it), the down products + sum
 # (the next layer's q/k/v loading early)
+# (parts named as before runtime/gpu/pdl.py split them by o_early: each stands for both of its forms)
 _TRIG = {
     "trig-reduce": ({"attention_reduce"}, set()),
     "trig-reduce-split-apart": ({"attention_reduce"}, {"attention"}),
@@ -140,8 +148,14 @@ _TRIG = {
     "trig-down": ({"down_sum"}, {"attention"}),
     "trig-all": ({"post", "attention", "attention_reduce", "route", "down_sum"}, set()),
 }
+
+
+def _both(parts: set[str]) -> set[str]:
+    return parts | {p + ":o_early" for p in parts if p.startswith("attention")}
+
+
 for _name, (_trig, _skip) in _TRIG.items():
-    ARMS[_name] = {**_DEFAULT, "skip": _skip, "trig": _trig, "wide": True}
+    ARMS[_name] = {**_DEFAULT, "skip": _both(_skip), "trig": _both(_trig), "wide": True}
 QUANT_ARMS = ("before", "moe1+pdl-attn", "default")
 QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
 # verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on other
@@ -167,7 +181,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_gemv.DOWN_SUM = arm.get("sum")
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
-    pdl.SKIP.update(arm.get("skip", ()))
+    # an arm without "trig" predates the o_early forms of the attention parts: each part it skips, in both forms
+    pdl.SKIP.update(arm.get("skip", ()) if "trig" in arm else _both(set(arm.get("skip", ()))))
     pdl.TRIGGER_FIRST.clear()
     pdl.TRIGGER_FIRST.update(arm.get("trig", ()))
     dense_kernels.DENSE_GEMV_ROWS.clear()

@@ -24,7 +24,7 @@ from runtime.drafters.base import Drafter
 from runtime.errors import UsageError
 from runtime.gpu import prefill_chunk
 from runtime.kv import KVCache
-from runtime.sampling import SamplingParams, make_generator, pick, probs
+from runtime.sampling import SamplingParams, gumbel_pick, make_generator, pick, probs, sampling_key
 
 
 @dataclass
@@ -198,30 +198,29 @@ def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | N
     return a, (m if k is None else k), vals[:a + 1], vals[m + 1:], nxt if nxt is not None else tgt[a:a + 1]
 
 
-def _uniforms(m: int, gen: torch.Generator, device: torch.device) -> Tensor:
-    """m draws of U[0, 1) for the acceptance test (0 included: float32 rand can return exactly 0)."""
-    return torch.rand(m, generator=gen, device=device)
+def _uniforms(n: int, gen: torch.Generator, device: torch.device, out: Tensor | None = None) -> Tensor:
+    """n draws of U[0, 1) (0 included: float32 rand can return exactly 0), into `out` when given (the same values
+    either way)."""
+    if out is not None:
+        return torch.rand(n, generator=gen, device=device, out=out)
+    return torch.rand(n, generator=gen, device=device)
 
 
-def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | None, sp: SamplingParams,
-                           gen: torch.Generator, keep: Tensor | None = None, ahead: Ahead | None = None,
-                           reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
-    """Rejection sampling on the device (same draws as the textbook loop: m uniforms, then one token from the
-    residual of the first rejected row, or from p of the row after the last proposal), one host read."""
+def _sampled_rule(logits: Tensor, draft: Tensor | None, q: Tensor | None, keep: Tensor | None, noise: Tensor,
+                  sp: SamplingParams) -> tuple[Tensor, Tensor]:
+    """(accepted count, the window's new token [1]) of rejection sampling from uniforms drawn beforehand: noise[:m]
+    test the m proposals, noise[m:] (one per vocabulary entry) draw the token by Gumbel-max (`gumbel_pick`: exactly
+    a draw from its row). Device ops on fixed shapes only, so a CUDA graph can hold them (`_SampledRule`)."""
     p = probs(logits, sp)                                                 # [m+1, V]
     m = 0 if draft is None else int(draft.shape[0])
-    dev = p.device
     if m:
-        if q is None or q.shape[0] != m:
-            raise RuntimeError("the drafter returned no draft distribution q for a sampled proposal.")
-        q = q.to(dev, torch.float32)
+        dev = p.device
         idx = torch.arange(m, device=dev)
         d = draft.clamp(0, p.shape[-1] - 1)             # an id outside the vocabulary is refused after the read
         px, qx = p[idx, d], q[idx, d]
-        u = _uniforms(m, gen, dev)
         # u < p/q without dividing; strict, so a token the target cannot emit (p = 0) is never accepted, not
         # even when u draws exactly 0 (once in 2^24 draws in float32)
-        ok = u * qx < px
+        ok = noise[:m] * qx < px
         if keep is not None:
             ok = ok & (idx < keep)
         acc = torch.cumprod(ok.to(torch.int32), 0).sum()
@@ -233,9 +232,107 @@ def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | Non
         s = resid.sum()
         row = torch.where(rejected & (s > 0), resid / s.clamp_min(torch.finfo(resid.dtype).tiny), pr)
     else:
-        acc = torch.zeros((), dtype=torch.long, device=dev)
+        acc = torch.zeros((), dtype=torch.long, device=p.device)
         row = p[0]
-    tok = torch.multinomial(row, 1, generator=gen)
+    return acc, gumbel_pick(torch.log(row), noise[m:]).reshape(1)
+
+
+# sampled windows: the acceptance rule replayed from CUDA graphs (`_SampledRule`); False: the same ops run eagerly,
+# one launch each (the benchmarks' switch). At most SAMPLED_GRAPHS_KEPT graphs (the least recently used is dropped:
+# a server's requests may each bring their own temperature; each graph holds a few [block, vocabulary] buffers)
+SAMPLED_GRAPHS = True
+SAMPLED_GRAPHS_KEPT = 4
+
+
+class _Rule:
+    """One captured rule: its static inputs and outputs."""
+
+    def __init__(self, logits: Tensor, draft: Tensor | None, q: Tensor | None, keep: Tensor | None,
+                 sp: SamplingParams) -> None:
+        m = 0 if draft is None else int(draft.shape[0])
+        self.logits = logits.detach().clone()
+        self.draft = draft.detach().clone() if m else None
+        self.q = q.detach().clone() if m else None
+        self.keep = keep.detach().reshape(()).clone() if keep is not None else None
+        self.noise = torch.full((m + logits.shape[-1],), 0.5, dtype=torch.float32, device=logits.device)
+        from runtime.gpu.capture import capture
+
+        self.graph, (self.acc, self.tok) = capture(
+            lambda: _sampled_rule(self.logits, self.draft, self.q, self.keep, self.noise, sp))
+
+
+class _SampledRule:
+    """`_sampled_rule` for one device: on a GPU from CUDA graphs keyed by the window's shape, its floor and the
+    sampling parameters, so a sampled window's acceptance is a few copies, one fill of uniforms and one replay
+    instead of some 30 launches (docs/models.md, "Sampled acceptance"); eagerly on a CPU, and for good once a
+    capture fails. The uniforms are the same draws either way (one fill of m + V from the run's generator), so the
+    two paths give the same tokens."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graphs: dict[tuple, _Rule] = {}
+        self.enabled = device.type == "cuda"
+        self.errors: list[str] = []
+
+    def __call__(self, logits: Tensor, draft: Tensor | None, q: Tensor | None, keep: Tensor | None,
+                 sp: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        m = 0 if draft is None else int(draft.shape[0])
+        n = m + int(logits.shape[-1])
+        if m:
+            if q is None or q.shape[0] != m:
+                raise RuntimeError("the drafter returned no draft distribution q for a sampled proposal.")
+            q = q.to(logits.device, torch.float32)
+        rule = self._rule(logits, draft, q, keep, sp) if self.enabled and SAMPLED_GRAPHS else None
+        if rule is None:
+            return _sampled_rule(logits, draft, q, keep, _uniforms(n, gen, logits.device), sp)
+        rule.logits.copy_(logits)
+        if m:
+            rule.draft.copy_(draft)
+            rule.q.copy_(q)
+        if keep is not None:
+            rule.keep.copy_(keep.reshape(()))
+        _uniforms(n, gen, logits.device, out=rule.noise)
+        rule.graph.replay()
+        # the token outlives the window (the next window's anchor): a copy, not the graph's buffer
+        return rule.acc, rule.tok.clone()
+
+    def _rule(self, logits: Tensor, draft: Tensor | None, q: Tensor | None, keep: Tensor | None,
+              sp: SamplingParams) -> _Rule | None:
+        key = (tuple(logits.shape), logits.dtype, None if draft is None else int(draft.shape[0]),
+               None if keep is None else keep.dtype, sampling_key(sp))
+        rule = self.graphs.pop(key, None)
+        if rule is None:
+            try:
+                rule = _Rule(logits, draft, q, keep, sp)
+            except Exception as e:  # a capture that fails: the eager ops from now on
+                self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+                self.enabled = False
+                self.graphs.clear()
+                return None
+            while len(self.graphs) >= SAMPLED_GRAPHS_KEPT:
+                self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = rule              # most recently used last
+        return rule
+
+
+_RULES: dict[str, _SampledRule] = {}
+
+
+def sampled_rule(device: torch.device) -> _SampledRule:
+    """The device's sampled acceptance (its graphs are kept between generations)."""
+    key = str(device)
+    if key not in _RULES:
+        _RULES[key] = _SampledRule(device)
+    return _RULES[key]
+
+
+def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | None, sp: SamplingParams,
+                           gen: torch.Generator, keep: Tensor | None = None, ahead: Ahead | None = None,
+                           reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
+    """Rejection sampling on the device (`_sampled_rule`: m + V uniforms, the m proposals' tests, then one token
+    from the residual of the first rejected row, or from p of the row after the last proposal), one host read."""
+    m = 0 if draft is None else int(draft.shape[0])
+    acc, tok = sampled_rule(logits.device)(logits, draft, q, keep, sp, gen)
     rows = (draft, tok) if m else (tok,)
     a, k, vals = _read(acc, keep, *rows, nxt=tok, ahead=ahead, reader=reader)
     return a, (m if k is None else k), vals[:a] + [vals[-1]], vals[:m], tok

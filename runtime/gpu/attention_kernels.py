@@ -400,10 +400,12 @@ def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: t
 
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
               vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
-              tiers: tuple[int, int, int, int, int] | None = None) -> Tensor:
+              tiers: tuple[int, int, int, int, int] | None = None, o_early: bool = False) -> Tensor:
     """q [W, nh, hd] against cache kc, vc [nkv, S, hd] (q8_0 with scales ks, vs); row r sees cache rows
     0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk` (one
-    chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split)."""
+    chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split). `o_early`:
+    the kernel after this call loads its weights before its PDL wait (a one-step o_proj product), so the two
+    kernels launch as the PDL parts "attention:o_early" and "attention_reduce:o_early" (runtime/gpu/pdl.py)."""
     W, nh, hd = q.shape
     nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
@@ -428,12 +430,13 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
         NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
-        **pdl.launch(q, "attention"))
+        **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
                                            C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
-                                           **pdl.launch(q, "attention_reduce"))
+                                           **pdl.launch(q, "attention_reduce:o_early" if o_early else
+                                                        "attention_reduce"))
     return o
 
 

@@ -107,6 +107,13 @@ def _one_row_variant(x: Tensor, w: Tensor | None, role: str) -> str | None:
     return name
 
 
+def loads_early(x: Tensor, w: Tensor | None, role: str) -> bool:
+    """Whether `one_row(x, w, role)` takes a variant that loads its weights before its PDL wait, so the kernel
+    before it may let it be scheduled first (runtime/gpu/pdl.py, TRIGGER_FIRST)."""
+    name = _one_row_variant(x, w, role)
+    return name is not None and bool(moe_gemv.GEMV_VARIANTS.get(name, {}).get("EARLY")) and moe_gemv.EARLY_LOADS
+
+
 def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
     """x [M, K] @ w^T (M <= dense_rows(role)) through the GEMV kernel when ONE_ROW_DENSE names a
     variant for `role` and w is a float matrix of x's dtype on the GPU; None otherwise (the caller takes its usual

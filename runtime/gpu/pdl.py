@@ -43,13 +43,20 @@ if HAVE_TRITON:
 # (bench/results/h200_session8/); the benchmarks switch PDL off to measure the step without it
 ENABLED = True
 # parts launched without PDL even when ENABLED: "attention" (the split kernel), "attention_reduce" (its reduction),
-# "prefill" (the MoE kernels on prefill chunks)
+# "prefill" (the MoE kernels on prefill chunks); "attention:o_early" and "attention_reduce:o_early" are the same
+# kernels where the o_proj product after them loads its weights before its wait (`attention_kernels.attention`'s
+# o_early). The split kernel launches without PDL (with PDL alone the one-row step was 1.5-2% slower from 4k context
+# on), except before such an o_proj (below)
 SKIP: set[str] = {"attention"}
-# parts whose kernels let the next kernel be scheduled before their own wait instead of after it (docs/models.md,
-# "Launches"): the next kernel's programs then start (and a kernel with EARLY loads its weights) while this one
-# still waits for the kernel before it. Empty: every kernel waits first (the benchmarks try the parts: "post",
-# "attention", "attention_reduce", "route", "down_sum")
-TRIGGER_FIRST: set[str] = set()
+# parts whose kernels let the next kernel be scheduled before their own wait (module docstring): the reduction
+# before an o_proj that loads early (with the split kernel before it on PDL), so the o_proj product's programs load
+# their weights while the split attention still runs. H200, A3B one-row BF16 step (bench/step_ab.py arms
+# split-apart / default, three runs, bench/results/h200_session15/): 2.62-2.63 -> 2.61 ms at 1k, 2.69 -> 2.68 at 4k,
+# 3.15-3.16 -> 3.10 at 16k, 3.61 -> 3.58 at 32k (the split kernel on PDL alone: 2.61 / 2.76 / 3.19 / 3.67); the q/k/v
+# post-processing, the split kernel, the routing or the down products first too: no better (arms trig-*). Not
+# before a quantized target's o_proj (looped tiles, no early loads): there the same launches made the one-row step at
+# 16k context 2.70 -> 2.81 ms (Q4_0) and 3.01 -> 3.24 (Q8_0)
+TRIGGER_FIRST: set[str] = {"attention_reduce:o_early"}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}

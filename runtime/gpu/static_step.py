@@ -72,8 +72,10 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
         qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
     q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
                                    a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
-    o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part)
-    d = _proj(o.reshape(-1, a.nh * a.hd), dense_kernels.weight_of(a.o_proj), "o_proj", a.o_proj, a.o_proj)
+    wo = dense_kernels.weight_of(a.o_proj)
+    o_early = dense_kernels.loads_early(q.reshape(q.shape[0], -1), wo, "o_proj")
+    o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part, o_early=o_early)
+    d = _proj(o.reshape(-1, a.nh * a.hd), wo, "o_proj", a.o_proj, a.o_proj)
     mlp = layer.mlp
     fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
                                        dense_kernels.weight_of(mlp.gate), "router")

@@ -148,7 +148,9 @@ def test_a_token_the_target_cannot_emit_is_rejected_even_when_u_is_zero(monkeypa
     sp = SamplingParams(temperature=1.0, top_k=1)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.5, 0.0, 0.0, 4.0]])
     q = torch.tensor([[0.5, 0.0, 0.5, 0.0]])               # the drafter proposes token 0 (p[0, 0] = 0)
-    monkeypatch.setattr(spec, "_uniforms", lambda m, gen, device: torch.zeros(m, device=device))
+    # u = 0 for the proposal's test; the draw's uniforms (m + V in one fill) any valid value
+    monkeypatch.setattr(spec, "_uniforms", lambda n, gen, device, out=None: torch.cat(
+        (torch.zeros(1, device=device), torch.full((n - 1,), 0.5, device=device))))
     acc, new = _accept_sampled(logits, [0], q, sp, torch.Generator().manual_seed(0))
     assert acc == 0 and new == [1]                          # rejected; the residual is the target's only token
     # a token with p > 0 is still accepted at u = 0
