@@ -5,7 +5,8 @@
 For each (context, drafter): the budget with the GPU's free memory, the expert slots it chooses, then, in a fresh
 process (so nothing of an earlier row is counted and the process's one-time allocations, such as cuBLAS workspaces,
 are), an engine built with those slots, a prompt filling the context (context - 8 tokens) prefilled and 4 tokens
-decoded, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA
+decoded, then short sampled generations of the target alone at as many settings as the sampled acceptance keeps
+graphs for, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA
 context itself is outside it).
 `predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
 cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
@@ -93,6 +94,14 @@ def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str,
     g = torch.Generator().manual_seed(context)
     ids = torch.randint(2, eng.model.cfg.vocab_size, (context - 8,), generator=g).tolist()
     res = eng.generate(ids, max_new_tokens=4, stop_ids=set())
+    # sampled requests too, target alone: the sampled acceptance's graphs, one per setting until
+    # runtime.sampling.RULE_GRAPHS_KEPT are kept, on a short prompt (they outlive it). Not drafting: a drafter's
+    # own sampled proposal graphs (one per draft length and setting) are not in the budget (docs/budget.md)
+    from runtime.sampling import RULE_GRAPHS_KEPT, SamplingParams
+
+    for i in range(RULE_GRAPHS_KEPT):
+        eng.generate(ids[:64], max_new_tokens=12, stop_ids=set(), draft=False,
+                     sampling=SamplingParams(temperature=0.6 + 0.1 * i, top_p=0.9, seed=i))
     torch.cuda.synchronize()
     out = {"peak_reserved": torch.cuda.max_memory_reserved() - before,
            "peak_allocated": torch.cuda.max_memory_allocated(), "baseline_reserved": before,

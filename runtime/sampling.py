@@ -13,6 +13,11 @@ from torch import Tensor
 
 from runtime.errors import UsageError
 
+# the sampled acceptance's CUDA graphs kept per device (runtime/speculative.py `_SampledRule`; the least recently
+# used is dropped: a server's requests may each bring their own temperature); the budget counts their pools
+# (setup_wizard/budget.py `sampling_graph_bytes`)
+RULE_GRAPHS_KEPT = 4
+
 
 @dataclass
 class SamplingParams:

@@ -24,7 +24,15 @@ from runtime.drafters.base import Drafter
 from runtime.errors import UsageError
 from runtime.gpu import prefill_chunk
 from runtime.kv import KVCache
-from runtime.sampling import SamplingParams, gumbel_pick, make_generator, pick, probs, sampling_key
+from runtime.sampling import (
+    RULE_GRAPHS_KEPT,
+    SamplingParams,
+    gumbel_pick,
+    make_generator,
+    pick,
+    probs,
+    sampling_key,
+)
 
 
 @dataclass
@@ -238,10 +246,8 @@ def _sampled_rule(logits: Tensor, draft: Tensor | None, q: Tensor | None, keep: 
 
 
 # sampled windows: the acceptance rule replayed from CUDA graphs (`_SampledRule`); False: the same ops run eagerly,
-# one launch each (the benchmarks' switch). At most SAMPLED_GRAPHS_KEPT graphs (the least recently used is dropped:
-# a server's requests may each bring their own temperature; each graph holds a few [block, vocabulary] buffers)
+# one launch each (the benchmarks' switch). At most runtime.sampling.RULE_GRAPHS_KEPT graphs are kept
 SAMPLED_GRAPHS = True
-SAMPLED_GRAPHS_KEPT = 4
 
 
 class _Rule:
@@ -275,14 +281,16 @@ class _SampledRule:
         self.errors: list[str] = []
 
     def __call__(self, logits: Tensor, draft: Tensor | None, q: Tensor | None, keep: Tensor | None,
-                 sp: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+                 sp: SamplingParams, gen: torch.Generator, graph: bool = True) -> tuple[Tensor, Tensor]:
+        """`graph` False: this window's shape is not worth a graph (the loop captures only target-only windows and
+        full blocks; the shorter windows at a generation's end would each be a graph of their own)."""
         m = 0 if draft is None else int(draft.shape[0])
         n = m + int(logits.shape[-1])
         if m:
             if q is None or q.shape[0] != m:
                 raise RuntimeError("the drafter returned no draft distribution q for a sampled proposal.")
             q = q.to(logits.device, torch.float32)
-        rule = self._rule(logits, draft, q, keep, sp) if self.enabled and SAMPLED_GRAPHS else None
+        rule = self._rule(logits, draft, q, keep, sp) if graph and self.enabled and SAMPLED_GRAPHS else None
         if rule is None:
             return _sampled_rule(logits, draft, q, keep, _uniforms(n, gen, logits.device), sp)
         rule.logits.copy_(logits)
@@ -309,7 +317,7 @@ class _SampledRule:
                 self.enabled = False
                 self.graphs.clear()
                 return None
-            while len(self.graphs) >= SAMPLED_GRAPHS_KEPT:
+            while len(self.graphs) >= RULE_GRAPHS_KEPT:
                 self.graphs.pop(next(iter(self.graphs)))
         self.graphs[key] = rule              # most recently used last
         return rule
@@ -328,11 +336,14 @@ def sampled_rule(device: torch.device) -> _SampledRule:
 
 def _accept_sampled_window(logits: Tensor, draft: Tensor | None, q: Tensor | None, sp: SamplingParams,
                            gen: torch.Generator, keep: Tensor | None = None, ahead: Ahead | None = None,
-                           reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
+                           reader: _Read | None = None, block: int | None = None
+                           ) -> tuple[int, int, list[int], list[int], Tensor]:
     """Rejection sampling on the device (`_sampled_rule`: m + V uniforms, the m proposals' tests, then one token
-    from the residual of the first rejected row, or from p of the row after the last proposal), one host read."""
+    from the residual of the first rejected row, or from p of the row after the last proposal), one host read.
+    From a graph when the window is target-only or a full `block` (None: any window)."""
     m = 0 if draft is None else int(draft.shape[0])
-    acc, tok = sampled_rule(logits.device)(logits, draft, q, keep, sp, gen)
+    acc, tok = sampled_rule(logits.device)(logits, draft, q, keep, sp, gen,
+                                           graph=block is None or m in (0, block - 1))
     rows = (draft, tok) if m else (tok,)
     a, k, vals = _read(acc, keep, *rows, nxt=tok, ahead=ahead, reader=reader)
     return a, (m if k is None else k), vals[:a] + [vals[-1]], vals[:m], tok
@@ -491,7 +502,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 acc, proposed, new, drafted, anchor_dev = _accept_greedy_window(logits, draft, keep, ahead_fn, reader)
             else:
                 acc, proposed, new, drafted, anchor_dev = _accept_sampled_window(logits, draft, q, sp, gen, keep,
-                                                                                 ahead_fn, reader)
+                                                                                 ahead_fn, reader, block)
             bad = [t for t in drafted[:proposed] if not 0 <= t < V]
             if bad:
                 raise RuntimeError(f"the drafter proposed token id {bad[0]}, outside the vocabulary ({V}).")

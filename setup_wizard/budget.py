@@ -23,6 +23,7 @@ On a GPU three more items make the prediction one of *reserved* memory (`torch.c
 - `workspace`: cuBLAS workspaces, one per stream that runs matmuls (the default stream and, with CUDA graphs, the
   capture stream), each `cublas_workspace_bytes(capability)` (torch's default: 32 MiB on sm90, else 8 MiB + 128 KiB).
 - `graph_pool`: the CUDA graphs' private pools (one per captured graph) and the capture stream's warm-up segments.
+- `sampling_graphs`: the sampled acceptance's CUDA graphs (see `sampling_graph_bytes`).
 - `allocator`: the caching allocator's rounding of every persistent and transient allocation into segments
   (see `segment_bytes`: 2 MiB segments for requests <= 1 MiB, 20 MiB for < 10 MiB, else rounded up to 2 MiB).
 Then `expert_cache` slots = remaining // bytes of one expert, capped at the number of experts, never negative.
@@ -43,6 +44,7 @@ from runtime.formats.registry import QTYPES, block_format, row_bytes
 from runtime.kv import KV_QUANTS, Q8_BLOCK, kv_row_bytes, split_partials_bytes
 from runtime.memory import default_prefill_chunk
 from runtime.models.target_config import TargetGeometry
+from runtime.sampling import RULE_GRAPHS_KEPT
 
 MIB = 1 << 20
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -56,6 +58,7 @@ ITEM_ORDER = (
     "scratch",
     "workspace",
     "graph_pool",
+    "sampling_graphs",
     "allocator",
     "headroom",
     "reserve",
@@ -359,6 +362,16 @@ def graph_pool_bytes(t: TargetGeometry, drafter: str, width: int, wb: int, offlo
     return (n + 1) * segment_bytes(step)
 
 
+def sampling_graph_bytes(t: TargetGeometry, block: int) -> int:
+    """The sampled acceptance's CUDA graphs (runtime/speculative.py `_SampledRule`), made once a request samples:
+    at most RULE_GRAPHS_KEPT, each a private pool holding a window's rule at up to `block` rows: its static logits
+    and draft distributions, the temperature-scaled rows, the softmax, top-p's sorted rows with their int64
+    indices, cumulative sums and masks, the renormalised rows, and the Gumbel draw's row of uniforms and scores."""
+    r, v = max(int(block), 1), t.vocab
+    rule = [r * v * 4] * 8 + [r * v * 8] + [r * v] * 2 + [v * 4] * 4 + [(r + v) * 4]
+    return RULE_GRAPHS_KEPT * segment_bytes(rule)
+
+
 kv_bytes = kv_cache_bytes
 
 
@@ -417,6 +430,7 @@ def compute_budget(
         ws = cublas_workspace_bytes(inputs.capability, inputs.cublas_workspace_config)
         items["workspace"] = ws * (2 if inputs.graphs else 1)
         items["graph_pool"] = graph_pool_bytes(target, drafter, block, wb) if inputs.graphs else 0
+        items["sampling_graphs"] = sampling_graph_bytes(target, block) if inputs.graphs else 0
         rows = max(min(chunk, ctx), block, 1)
         pers = persistent_tensors(target, drafter, wb, kb, ctx, block, dflash2, quant, inputs.kv_quant)
         trans = transient_tensors(target, rows, wb, dflash2 if drafter == "dflash2" else None) + attn

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime import speculative
-from runtime.sampling import SamplingParams
+from runtime.sampling import RULE_GRAPHS_KEPT, SamplingParams
 
 V = 16
 
@@ -77,9 +77,9 @@ def test_at_most_the_kept_graphs_most_recent_first(graphed):
     temps = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
     for t in temps:
         graphed(logits, None, None, None, SamplingParams(temperature=t), torch.Generator().manual_seed(0))
-    assert len(graphed.graphs) == speculative.SAMPLED_GRAPHS_KEPT
+    assert len(graphed.graphs) == RULE_GRAPHS_KEPT
     kept = {k[-1][0] for k in graphed.graphs}
-    assert kept == set(temps[-speculative.SAMPLED_GRAPHS_KEPT:])
+    assert kept == set(temps[-RULE_GRAPHS_KEPT:])
     graphed(logits, None, None, None, SamplingParams(temperature=temps[-4]), torch.Generator().manual_seed(0))
     assert next(reversed(graphed.graphs))[-1][0] == temps[-4]          # used again: now the most recent
 
@@ -107,3 +107,13 @@ def test_a_window_without_its_draft_distribution_is_refused():
     with pytest.raises(RuntimeError, match="no draft distribution"):
         speculative._SampledRule(torch.device("cpu"))(logits, draft, None, None, SamplingParams(temperature=1.0),
                                                       torch.Generator())
+
+
+def test_only_target_only_windows_and_full_blocks_get_graphs(graphed, monkeypatch):
+    """The shorter windows at a generation's end run eagerly: each would be a graph of its own."""
+    monkeypatch.setitem(speculative._RULES, "cpu", graphed)
+    sp = SamplingParams(temperature=0.9)
+    for m in (3, 2, 1, 0):
+        logits, draft, q = _window(m, m)
+        speculative._accept_sampled_window(logits, draft, q, sp, torch.Generator().manual_seed(0), block=4)
+    assert {k[2] for k in graphed.graphs} == {None, 3}       # m = 0 (no draft) and the full block

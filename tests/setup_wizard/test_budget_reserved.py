@@ -8,6 +8,7 @@ import pytest
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.kv import split_chunks
 from runtime.models.target_config import TargetGeometry
+from runtime.sampling import RULE_GRAPHS_KEPT
 from setup_wizard.budget import (
     MIB,
     BudgetError,
@@ -16,6 +17,7 @@ from setup_wizard.budget import (
     compute_budget,
     cublas_workspace_bytes,
     persistent_tensors,
+    sampling_graph_bytes,
     scratch_bytes,
     segment_bytes,
 )
@@ -56,14 +58,16 @@ def _cuda(context=128, block=8, **kw):
 def test_tiny_model_reserves_one_small_segment_plus_workspaces_and_graph_pools(drafter, graphs_mib):
     """Everything of the tiny model (weights, KV, transients) is < 1 MiB in all, so it lives in one 2 MiB
     segment; two 32 MiB workspaces (default + capture stream); one 2 MiB pool per captured graph (target step
-    + 0/2/3 drafter graphs) and one for the capture stream's warm-up."""
+    + 0/2/3 drafter graphs) and one for the capture stream's warm-up; one 2 MiB pool per kept graph of the sampled
+    acceptance (runtime.sampling.RULE_GRAPHS_KEPT)."""
     t = TargetGeometry.from_config(TINY, has_mtp=True)
     b = compute_budget(t, drafter, _cuda(block=1 if drafter == "none" else 8), dflash2=DFlash2Geometry.from_config(DF))
     it = b.table()
     assert it["workspace"] == 64 * MIB
     assert it["graph_pool"] == graphs_mib * MIB
+    assert it["sampling_graphs"] == RULE_GRAPHS_KEPT * 2 * MIB
     reserved = sum(v for k, v in it.items() if k not in ("headroom", "reserve"))
-    assert reserved == 2 * MIB + 64 * MIB + graphs_mib * MIB
+    assert reserved == 2 * MIB + 64 * MIB + graphs_mib * MIB + RULE_GRAPHS_KEPT * 2 * MIB
 
 
 def test_persistent_tensor_list_sums_to_the_exact_items():
@@ -81,10 +85,21 @@ def test_persistent_tensor_list_sums_to_the_exact_items():
 def test_no_graphs_one_workspace_no_pool_and_cpu_has_none_of_these():
     t = TargetGeometry.from_config(TINY, has_mtp=False)
     b = compute_budget(t, "none", _cuda(block=1, graphs=False))
-    assert b.items["workspace"] == 32 * MIB and b.items["graph_pool"] == 0
+    assert b.items["workspace"] == 32 * MIB and b.items["graph_pool"] == b.items["sampling_graphs"] == 0
     cpu = compute_budget(t, "none", BudgetInputs(context=128, block=1, device_type="cpu", available_bytes=1 << 30,
                                                  total_bytes=1 << 30, weight_bytes=4, kv_bytes=4))
-    assert not {"workspace", "graph_pool", "allocator"} & set(cpu.items)
+    assert not {"workspace", "graph_pool", "sampling_graphs", "allocator"} & set(cpu.items)
+
+
+def test_sampling_graphs_hold_the_rule_at_the_block_and_vocabulary():
+    """A Qwen3-30B-A3B-sized vocabulary (151,936) at block 4, by the allocator's rule: the eight fp32 [4, V] rows
+    (2.3 MiB each) share one 20 MiB segment, the sort's int64 indices (4.6 MiB) start a second, the two byte masks
+    and five [V]-sized fp32 rows (594 KiB each, small) fill three 2 MiB segments: 46 MiB a graph."""
+    import dataclasses
+
+    t = dataclasses.replace(TargetGeometry.from_config(TINY, has_mtp=True), vocab=151936)
+    assert sampling_graph_bytes(t, 4) == RULE_GRAPHS_KEPT * 46 * MIB
+    assert sampling_graph_bytes(t, 8) > sampling_graph_bytes(t, 4)
 
 
 def test_flash_scratch_grows_with_context_only_by_the_split_partials_on_cuda():
@@ -141,7 +156,8 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
     assert segment_bytes(pers + trans) == packed
     assert it["allocator"] == packed - sum(pers) - it["scratch"]
     reserved = sum(v for k, v in it.items() if k not in ("headroom", "reserve"))
-    assert reserved == packed + it["workspace"] + it["graph_pool"]
+    assert it["sampling_graphs"] == RULE_GRAPHS_KEPT * 2 * MIB       # each rule's rows of 4096 fit 2 MiB
+    assert reserved == packed + it["workspace"] + it["graph_pool"] + it["sampling_graphs"]
 
 
 def _partials(rows, heads, ctx, hd):
