@@ -5,8 +5,8 @@
 For each (context, drafter): the budget with the GPU's free memory, the expert slots it chooses, then, in a fresh
 process (so nothing of an earlier row is counted and the process's one-time allocations, such as cuBLAS workspaces,
 are), an engine built with those slots, a prompt filling the context (context - 8 tokens) prefilled and 4 tokens
-decoded, then short sampled generations of the target alone at as many settings as the sampled acceptance keeps
-graphs for, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA
+decoded, then on a short prompt a longer greedy generation and sampled ones (drafting and the target alone) at as
+many sampling settings as the graphs are kept for, so every graph the budget counts is made, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA
 context itself is outside it).
 `predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
 cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
@@ -94,14 +94,20 @@ def measure(kind: str, path: Path | None, context: int, slots: int) -> dict[str,
     g = torch.Generator().manual_seed(context)
     ids = torch.randint(2, eng.model.cfg.vocab_size, (context - 8,), generator=g).tolist()
     res = eng.generate(ids, max_new_tokens=4, stop_ids=set())
-    # sampled requests too, target alone: the sampled acceptance's graphs, one per setting until
-    # runtime.sampling.RULE_GRAPHS_KEPT are kept, on a short prompt (they outlive it). Not drafting: a drafter's
-    # own sampled proposal graphs (one per draft length and setting) are not in the budget (docs/budget.md)
+    # every graph the budget counts, on a short prompt (graphs outlive it): a longer greedy generation (its last
+    # windows draft fewer rows: a proposal graph per length), then sampled ones, drafting and the target alone, at
+    # as many settings as the graph sets keep (runtime/gpu/capture.py SAMPLED_SETTINGS_KEPT; the sampled
+    # acceptance's graphs, runtime.sampling.RULE_GRAPHS_KEPT, for the target alone)
+    from runtime.gpu.capture import SAMPLED_SETTINGS_KEPT
     from runtime.sampling import RULE_GRAPHS_KEPT, SamplingParams
 
-    for i in range(RULE_GRAPHS_KEPT):
-        eng.generate(ids[:64], max_new_tokens=12, stop_ids=set(), draft=False,
-                     sampling=SamplingParams(temperature=0.6 + 0.1 * i, top_p=0.9, seed=i))
+    short = ids[:64]
+    eng.generate(short, max_new_tokens=24, stop_ids=set())
+    for i in range(RULE_GRAPHS_KEPT if kind == "none" else SAMPLED_SETTINGS_KEPT):
+        sp = SamplingParams(temperature=0.6 + 0.1 * i, top_p=0.9, seed=i)
+        if kind != "none":
+            eng.generate(short, max_new_tokens=24, stop_ids=set(), sampling=sp)
+        eng.generate(short, max_new_tokens=12, stop_ids=set(), draft=False, sampling=sp)
     torch.cuda.synchronize()
     out = {"peak_reserved": torch.cuda.max_memory_reserved() - before,
            "peak_allocated": torch.cuda.max_memory_allocated(), "baseline_reserved": before,

@@ -41,6 +41,7 @@ from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 from runtime.drafters.registry import KINDS, kv_cache_bytes
 from runtime.errors import UsageError
 from runtime.formats.registry import QTYPES, block_format, row_bytes
+from runtime.gpu.capture import SAMPLED_SETTINGS_KEPT
 from runtime.kv import KV_QUANTS, Q8_BLOCK, kv_row_bytes, split_partials_bytes
 from runtime.memory import default_prefill_chunk
 from runtime.models.target_config import TargetGeometry
@@ -350,15 +351,26 @@ def transient_tensors(t: TargetGeometry, rows: int, wb: int, dflash2: DFlash2Geo
     return out
 
 
+def drafter_graphs(drafter: str, width: int) -> int:
+    """The graphs a drafter's graph set may hold: its `graph_sets`, plus a proposal graph for each shorter draft
+    (the last windows of a generation draft fewer rows: width - 2 more lengths) and, for sampled requests, a
+    proposal graph per length for each of SAMPLED_SETTINGS_KEPT sampling settings (runtime/gpu/capture.py)."""
+    g = KINDS[drafter].graph_sets
+    if g == 0 or width < 2:
+        return g
+    return g + (width - 2) + SAMPLED_SETTINGS_KEPT * (width - 1)
+
+
 def graph_pool_bytes(t: TargetGeometry, drafter: str, width: int, wb: int, offload: bool = False) -> int:
     """Each captured graph keeps a private pool of its step's intermediates (width `width` rows), and the warm-up on
-    the capture stream leaves its own segments: one `segment_bytes` of a step's tensors per graph, plus one.
-    Offloaded, a step also holds one layer's fp32 pair buffer and expert activations."""
+    the capture stream leaves its own segments: one `segment_bytes` of a step's tensors per graph (the target's
+    step and the drafter's graphs, `drafter_graphs`), plus one. Offloaded, a step also holds one layer's fp32 pair
+    buffer and expert activations."""
     h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
     step = [width * t.vocab * 4, width * h * wb * 4, width * (q + 2 * kv) * wb * 2, width * t.top_k * 16]
     if offload:
         step += [width * t.top_k * h * 4, width * t.top_k * t.moe_intermediate * wb]
-    n = 1 + KINDS[drafter].graph_sets
+    n = 1 + drafter_graphs(drafter, width)
     return (n + 1) * segment_bytes(step)
 
 

@@ -72,6 +72,17 @@ class HostScalars:
         return self.t
 
 
+# a graph set keeps its sampled proposals' graphs (keys ending in a sampling key) for at most this many sampling
+# settings: the least recently used setting's graphs are dropped (a server's requests may each bring their own
+# temperature, and each setting is a graph per draft length); the budget counts them (setup_wizard/budget.py)
+SAMPLED_SETTINGS_KEPT = 2
+
+
+def _setting(key: object) -> tuple | None:
+    """The sampling key a graph key ends in (("chain", n, sk), ("draft", n, sk)), or None (greedy, observe)."""
+    return key[-1] if isinstance(key, tuple) and len(key) >= 3 and isinstance(key[-1], tuple) else None
+
+
 class GraphSet:
     """Graphs keyed by shape, replayed with scalars (anchor, position, start) and a confidence floor copied in
     through rings of pinned host buffers (`HostScalars`)."""
@@ -84,6 +95,7 @@ class GraphSet:
         self.floor = self.host_floor.t                                # spec_min_p
         self.cuda = device.type == "cuda"   # elsewhere (tests) the same functions run eagerly, no graph
         self.graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.settings: dict[tuple, None] = {}       # sampling settings with graphs, least recently used first
         self.enabled = True
         self.errors: list[str] = []
         self.replays = 0
@@ -102,11 +114,26 @@ class GraphSet:
     def _set_floor(self, min_p: float) -> None:
         self.host_floor.set(float(min_p))
 
+    def _touch(self, key: object) -> None:
+        """Mark `key`'s sampling setting as the most recent; drop the graphs of settings past
+        SAMPLED_SETTINGS_KEPT (before a new one is captured, so they never coexist)."""
+        sk = _setting(key)
+        if sk is None:
+            return
+        self.settings.pop(sk, None)
+        self.settings[sk] = None
+        while len(self.settings) > SAMPLED_SETTINGS_KEPT:
+            old = next(iter(self.settings))
+            del self.settings[old]
+            for k in [k for k in self.graphs if _setting(k) == old]:
+                del self.graphs[k]
+
     def _run(self, key: object, fn) -> object | None:
         if not self.enabled:
             return None
         if not self.cuda:
             return fn()
+        self._touch(key)
         if key not in self.graphs:
             try:
                 self.graphs[key] = capture(fn)
@@ -114,6 +141,7 @@ class GraphSet:
                 self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
                 self.enabled = False
                 self.graphs.clear()
+                self.settings.clear()
                 torch.cuda.synchronize()
                 return None
         g, out = self.graphs[key]

@@ -72,11 +72,13 @@ class DFlash2Graphs(GraphSet):
             try:
                 if not self.cuda:
                     return fn()
+                self._touch(key)
                 self.graphs[key] = capture(fn)
             except Exception as e:
                 self.errors.append(f"fast path off: {type(e).__name__}: {str(e)[:300]}")
                 self.fast = False
                 self.graphs.clear()
+                self.settings.clear()
                 if self.cuda:
                     torch.cuda.synchronize()
         return super()._run(key, fn)
