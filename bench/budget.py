@@ -76,7 +76,10 @@ def predict(kind: str, quant: str, context: int, free: int, total: int,
     geo = TargetGeometry.from_config(json.loads((NANO / "config.json").read_text())).with_inventory(inventory(NANO))
     dgeo = DFlash2Geometry.from_config(json.loads((NANO_DFLASH2 / "config.json").read_text())) \
         if kind == "dflash2" else None
-    block = {"none": 1, "mtp": 16}.get(kind, dgeo.block_size if dgeo else 1)
+    from runtime.engine import MTP_DEFAULT_BLOCK
+
+    # the block the measured engine runs (built without one: the kind's default), as setup budgets the configured one
+    block = {"none": 1, "mtp": MTP_DEFAULT_BLOCK}.get(kind, dgeo.block_size if dgeo else 1)
     inp = B.BudgetInputs(context=context, block=block, device_type="cuda", available_bytes=free, total_bytes=total,
                          weight_bytes=2, kv_bytes=2, capability=capability,
                          cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))

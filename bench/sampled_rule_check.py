@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             for label, kw in SETTINGS.items():
                 for task, prompt in prompts.items():
                     sp = SamplingParams(seed=11, **kw)
-                    run(eng, prompt, True, 8, sp)                    # captures, untimed
+                    # captures, untimed: a full generation, so every window shape the timed runs meet is made
+                    # (a short one would leave the full block's graph to the first timed run)
+                    run(eng, prompt, True, args.new_tokens, sp)
                     tok_s: dict[bool, list[float]] = {True: [], False: []}
                     toks: dict[bool, list[int]] = {}
                     for _ in range(args.repeats):
