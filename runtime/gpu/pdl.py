@@ -50,9 +50,10 @@ ENABLED = True
 SKIP: set[str] = {"attention"}
 # parts whose kernels let the next kernel be scheduled before their own wait (module docstring): the reduction
 # before an o_proj that loads early (with the split kernel before it on PDL), so the o_proj product's programs load
-# their weights while the split attention still runs. H200, A3B one-row BF16 step (bench/step_ab.py arms
-# split-apart / default, three runs, bench/results/h200_session15/): 2.62-2.63 -> 2.61 ms at 1k, 2.69 -> 2.68 at 4k,
-# 3.15-3.16 -> 3.10 at 16k, 3.61 -> 3.58 at 32k (the split kernel on PDL alone: 2.61 / 2.76 / 3.19 / 3.67); the q/k/v
+# their weights while the split attention still runs. H200, A3B one-row BF16 step (bench/step_ab.py, three runs in
+# bench/results/h200_session15/: trigger/, trigger_confirm/, o_early/): 2.62-2.63 -> 2.61 ms at 1k, 2.69-2.70 ->
+# 2.67-2.68 at 4k, 3.15-3.16 -> 3.10 at 16k, 3.61 -> 3.58-3.59 at 32k (the split kernel on PDL alone: 2.61 / 2.76 /
+# 3.19 / 3.67); the q/k/v
 # post-processing, the split kernel, the routing or the down products first too: no better (arms trig-*). Not
 # before a quantized target's o_proj (looped tiles, no early loads): there the same launches made the one-row step at
 # 16k context 2.70 -> 2.81 ms (Q4_0) and 3.01 -> 3.24 (Q8_0)
