@@ -6,8 +6,9 @@ For each (context, drafter): the budget with the GPU's free memory, the expert s
 process (so nothing of an earlier row is counted and the process's one-time allocations, such as cuBLAS workspaces,
 are), an engine built with those slots, a prompt filling the context (context - 8 tokens) prefilled and 4 tokens
 decoded, then on a short prompt a longer greedy generation and sampled ones (drafting and the target alone) at as
-many sampling settings as the graphs are kept for, so every graph the budget counts is made, and the peak `torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA
-context itself is outside it).
+many sampling settings as the graphs are kept for, so every graph the budget counts is made, and the peak
+`torch.cuda.max_memory_reserved` (the allocator's reservation, graph pools included; the CUDA context itself is
+outside it).
 `predicted` = every budget item except `headroom` and `reserve` (they are slack, not allocations) + the expert
 cache; `error` = (predicted - measured) / measured; `fits` = measured <= predicted + headroom (no out-of-memory).
 Also the runtime's own `Engine.memory_report()` total (persistent buffers only), the reservation right after the

@@ -56,12 +56,13 @@ def _cuda(context=128, block=8, **kw):
 
 # graphs: the target step, the capture warm-up, and a drafter's: MTP 2 + DFlash2 3, then at block 8 six shorter
 # proposal lengths and 2 sampled settings x 7 lengths (runtime/gpu/capture.py SAMPLED_SETTINGS_KEPT)
-@pytest.mark.parametrize("drafter,graphs_mib", [("none", 4), ("mtp", 2 * (2 + 2 + 6 + 14)), ("dflash2", 2 * (2 + 3 + 6 + 14))])
+@pytest.mark.parametrize("drafter,graphs_mib",
+                         [("none", 4), ("mtp", 2 * (2 + 2 + 6 + 14)), ("dflash2", 2 * (2 + 3 + 6 + 14))])
 def test_tiny_model_reserves_one_small_segment_plus_workspaces_and_graph_pools(drafter, graphs_mib):
     """Everything of the tiny model (weights, KV, transients) is < 1 MiB in all, so it lives in one 2 MiB
     segment; two 32 MiB workspaces (default + capture stream); one 2 MiB pool per captured graph (target step
-    + the drafter's graphs, `drafter_graphs`) and one for the capture stream's warm-up; one 2 MiB pool per kept graph of the sampled
-    acceptance (runtime.sampling.RULE_GRAPHS_KEPT)."""
+    + the drafter's graphs, `drafter_graphs`) and one for the capture stream's warm-up; one 2 MiB pool per kept
+    graph of the sampled acceptance (runtime.sampling.RULE_GRAPHS_KEPT)."""
     t = TargetGeometry.from_config(TINY, has_mtp=True)
     b = compute_budget(t, drafter, _cuda(block=1 if drafter == "none" else 8), dflash2=DFlash2Geometry.from_config(DF))
     it = b.table()
