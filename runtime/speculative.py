@@ -275,7 +275,6 @@ class _SampledRule:
     two paths give the same tokens."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self.graphs: dict[tuple, _Rule] = {}
         self.enabled = device.type == "cuda"
         self.errors: list[str] = []
