@@ -125,6 +125,9 @@ ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
 # the quantized one-row tiles before bench/results/h200_session13/quant_tiles/: no one-row expert variant for block
 # formats, Q4_0 experts on n8j2np, o_proj on the one-step tiles, q/k/v on DECODE_GEMV's
 ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}, "qdecode": {"q4_0": "n8j2np"}}
+# the routing kernel launched without PDL (the experts' kernel after it then starts once it is done): H200, A3B
+# one-row step 2.63 -> 2.66 ms at 1k context (bench/results/h200_session16/route_one_row_rejected/)
+ARMS["route-nopdl"] = {**_DEFAULT, "skip": {"attention", "route"}, "wide": True}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
