@@ -1,6 +1,6 @@
 """What each stage of the one-row decode step costs inside the CUDA graph: the step without that stage's launches.
 
-    python bench/step_ablate.py [--contexts 1024,16384] [--quant q4_0] [--rounds 7] [--steps 30]
+    python bench/step_ablate.py [--contexts 1024,16384] [--widths 1] [--quant q4_0] [--rounds 7] [--steps 30]
 
 The kernel profile (bench/step_profile.py) times kernels run eagerly, where a kernel launched with PDL starts early
 and waits, so its time overlaps its neighbours' and the sum says little about the graph. Here each arm captures the
@@ -10,6 +10,8 @@ holds every other launch as it is. The step time saved is what that stage adds t
 the latency of its loads, its arithmetic, its bytes), per layer next to what its bytes take at the measured copy
 bandwidth. The outputs are wrong by design (a stage's result is a constant): timing only.
 
+With --widths 2-16 the same for verify windows (there the norms have launches of their own and stay; a stage's
+bytes are quoted for one row only, as the experts a window reads depend on its rows' routing).
 Stages: qkv (the norm + q/k/v product), post (q/k norm, RoPE, the K/V write), attention (split + reduction),
 o_proj, router (the norm + router product), route (the top-k kernel; a routing made at the warm-up is reused, of a
 real row: the warm-up's row may be padding, whose routing has no expert, which would drop the experts' work too),
@@ -110,9 +112,9 @@ def ablate(stage: str, consts: Consts):
         return real["attention"](q, kc, vc, pos, scale, **kw)
 
     def proj(x, w, role, usual, blocks=None):
-        if role == "o_proj" and "o_proj" in parts:
+        if role in ("o_proj", "qkv") and role in parts:
             out = w.shape[0] if w is not None else blocks.out_features
-            return consts.like("o_proj", (x.shape[0], out), x.dtype, x.device)
+            return consts.like(role, (x.shape[0], out), x.dtype, x.device)
         if role == "router" and "router" in parts:
             out = w.shape[0] if w is not None else usual.out_features
             return consts.like("router", (x.shape[0], out), x.dtype, x.device)
@@ -167,8 +169,8 @@ def stage_bytes(model) -> dict[str, float]:
     return {"qkv": qkv, "o_proj": nbytes(a.o_proj), "router": nbytes(mlp.gate), "experts": experts}
 
 
-def run(model, tag: str, contexts: list[int], stages: list[str], rounds: int, steps: int, bw: float
-        ) -> list[dict[str, Any]]:
+def run(model, tag: str, contexts: list[int], widths: list[int], stages: list[str], rounds: int, steps: int,
+        bw: float) -> list[dict[str, Any]]:
     from bench.context import make_kv
     from bench.step_ab import time_steps
     from runtime.gpu.static_step import StaticStep
@@ -176,36 +178,40 @@ def run(model, tag: str, contexts: list[int], stages: list[str], rounds: int, st
     consts = Consts()
     n_layers = model.cfg.num_hidden_layers
     kvs = {c: make_kv(model, c, "bf16", capacity=c + 64) for c in contexts}
-    win = torch.randint(0, model.cfg.vocab_size, (1, 1), device="cuda")
+    wins = {w: torch.randint(0, model.cfg.vocab_size, (1, w), device="cuda") for w in widths}
     arms = ["none", *stages]
-    built: dict[tuple[str, int], Any] = {}
-    errors: dict[tuple[str, int], list[str]] = {}
+    built: dict[tuple[str, int, int], Any] = {}
+    errors: dict[tuple[str, int, int], list[str]] = {}
     for a in arms:
         for c in contexts:
-            with ablate("" if a == "none" else a, consts):
-                st = StaticStep(model, kvs[c], 1, graph=True)
-                for _ in range(2):          # capture (after the warm-up made the constants), then one replay
-                    st(win, kvs[c])
-                    kvs[c].rollback(c)
-            built[(a, c)] = st
-            errors[(a, c)] = list(st.errors)
-    times: dict[tuple[str, int], list[float]] = {k: [] for k in built}
+            for w in widths:
+                with ablate("" if a == "none" else a, consts):
+                    st = StaticStep(model, kvs[c], w, graph=True)
+                    for _ in range(2):          # capture (after the warm-up made the constants), then one replay
+                        st(wins[w], kvs[c])
+                        kvs[c].rollback(c)
+                built[(a, c, w)] = st
+                errors[(a, c, w)] = list(st.errors)
+    times: dict[tuple[str, int, int], list[float]] = {k: [] for k in built}
     for r in range(rounds):
         order = list(built)
         order = order[r % len(order):] + order[:r % len(order)]
         for k in order:
-            times[k].append(time_steps(built[k], kvs[k[1]], win, steps))
+            times[k].append(time_steps(built[k], kvs[k[1]], wins[k[2]], steps))
     sb = stage_bytes(model)
     rows = []
     for c in contexts:
-        base = median(times[("none", c)])
-        for a in arms:
-            ms = median(times[(a, c)])
-            nb = sum(sb.get(p, 0) for p in a.split("+"))
-            rows.append({"build": tag, "stage": a, "context": c, "step_ms": ms, "rounds_ms": times[(a, c)],
-                         "saved_us_per_layer": (base - ms) * 1e3 / n_layers if a != "none" else 0.0,
-                         "bytes_per_layer": nb, "bytes_us_per_layer": nb / bw * 1e6,
-                         "graph": built[(a, c)].use_graph, "errors": errors[(a, c)]})
+        for w in widths:
+            base = median(times[("none", c, w)])
+            for a in arms:
+                ms = median(times[(a, c, w)])
+                # bytes of a one-row window (a wider one reads more experts: the distinct ones of its rows)
+                nb = sum(sb.get(p, 0) for p in a.split("+")) if w == 1 or "experts" not in a else 0
+                rows.append({"build": tag, "stage": a, "context": c, "width": w, "step_ms": ms,
+                             "rounds_ms": times[(a, c, w)],
+                             "saved_us_per_layer": (base - ms) * 1e3 / n_layers if a != "none" else 0.0,
+                             "bytes_per_layer": nb, "bytes_us_per_layer": nb / bw * 1e6,
+                             "graph": built[(a, c, w)].use_graph, "errors": errors[(a, c, w)]})
     for st in built.values():
         st.graphs.clear()
     del built, kvs
@@ -216,6 +222,7 @@ def run(model, tag: str, contexts: list[int], stages: list[str], rounds: int, st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,16384")
+    ap.add_argument("--widths", default="1", help="window rows of the step (verify windows: 2-16)")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--quant", default="", help="also a block-format build (q4_0, q8_0)")
     ap.add_argument("--rounds", type=int, default=7)
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.context import build_a3b
 
     contexts = [int(x) for x in args.contexts.split(",") if x]
+    widths = [int(x) for x in args.widths.split(",") if x]
     stages = [s for s in args.stages.split(",") if s]
     unknown = [s for s in stages if not set(s.split("+")) <= set("+".join(STAGES).split("+"))]
     if unknown:
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     res: dict[str, Any] = {"machine": machine(), "copy_GBs": bw / 1e9, "rows": []}
     model, _ = build_a3b()
-    res["rows"] += run(model, "bf16", contexts, stages, args.rounds, args.steps, bw)
+    res["rows"] += run(model, "bf16", contexts, widths, stages, args.rounds, args.steps, bw)
     del model
     torch.cuda.empty_cache()
     for q in (x for x in args.quant.split(",") if x):
@@ -243,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         from bench.quant_target import build_on_gpu
 
         qm = build_on_gpu(A3B_SHAPE, q)
-        res["rows"] += run(qm, q, contexts, stages, args.rounds, args.steps, bw)
+        res["rows"] += run(qm, q, contexts, widths, stages, args.rounds, args.steps, bw)
         del qm
         torch.cuda.empty_cache()
     write_json("step_ablate.json", res)
-    print_table(f"One-row step without each stage, {res['machine'].get('gpu')}, copy {bw / 1e9:,.0f} GB/s (median of "
+    print_table(f"Decode step without each stage, {res['machine'].get('gpu')}, copy {bw / 1e9:,.0f} GB/s (median of "
                 f"{args.rounds} rounds of {args.steps} replays)",
-                ["build", "context", "without", "step ms", "saved us/layer", "its bytes us/layer", "errors"],
-                [[r["build"], r["context"], r["stage"], r["step_ms"], r["saved_us_per_layer"],
+                ["build", "context", "W", "without", "step ms", "saved us/layer", "its bytes us/layer", "errors"],
+                [[r["build"], r["context"], r["width"], r["stage"], r["step_ms"], r["saved_us_per_layer"],
                   r["bytes_us_per_layer"] if r["bytes_per_layer"] else None, "; ".join(r["errors"])[:40]]
                  for r in res["rows"]])
     return 0
