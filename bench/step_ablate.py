@@ -1,4 +1,4 @@
-"""What each stage of the one-row decode step costs inside the CUDA graph: the step without that stage's launches.
+"""What each stage of the decode step costs inside the CUDA graph: the step without that stage's launches.
 
     python bench/step_ablate.py [--contexts 1024,16384] [--widths 1] [--quant q4_0] [--rounds 7] [--steps 30]
 
@@ -39,22 +39,24 @@ from bench.common import copy_bandwidth, machine, median, print_table, write_jso
 
 STAGES = ("qkv", "post", "attention", "post+attention", "o_proj", "router", "route", "route-relay", "experts")
 
-if torch.cuda.is_available():
+from runtime.gpu import pdl  # noqa: E402
+from runtime.gpu.kernels import HAVE_TRITON  # noqa: E402
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from runtime.gpu import pdl
-
     @triton.jit
-    def _relay_kernel(i_ptr, w_ptr, s_ptr, o_ptr, t_ptr, dst_ptr, K: tl.constexpr, GDC: tl.constexpr = False):
-        """One program that waits for the routing kernel and copies its five tables (k each) into dst."""
+    def _relay_kernel(i_ptr, w_ptr, s_ptr, o_ptr, t_ptr, dst_ptr, K, KP: tl.constexpr, GDC: tl.constexpr = False):
+        """One program that waits for the routing kernel and copies its five tables (K entries each) into dst."""
         pdl.start(GDC)
-        j = tl.arange(0, K)
-        tl.store(dst_ptr + j, tl.load(i_ptr + j))
-        tl.store(dst_ptr + K + j, tl.load(w_ptr + j.to(tl.int64)).to(tl.int32, bitcast=True))
-        tl.store(dst_ptr + 2 * K + j, tl.load(s_ptr + j))
-        tl.store(dst_ptr + 3 * K + j, tl.load(o_ptr + j))
-        tl.store(dst_ptr + 4 * K + j, tl.load(t_ptr + j))
+        j = tl.arange(0, KP)
+        m = j < K
+        tl.store(dst_ptr + j, tl.load(i_ptr + j, mask=m), mask=m)
+        tl.store(dst_ptr + K + j, tl.load(w_ptr + j, mask=m).to(tl.int32, bitcast=True), mask=m)
+        tl.store(dst_ptr + 2 * K + j, tl.load(s_ptr + j, mask=m), mask=m)
+        tl.store(dst_ptr + 3 * K + j, tl.load(o_ptr + j, mask=m), mask=m)
+        tl.store(dst_ptr + 4 * K + j, tl.load(t_ptr + j, mask=m), mask=m)
 
 
 class Consts:
@@ -126,7 +128,8 @@ def ablate(stage: str, consts: Consts):
             r = real["route"](logits, pos, top_k, norm, slot=slot)
             k = r.idx.numel()
             dst = torch.empty(5 * k, dtype=torch.int32, device=logits.device)
-            _relay_kernel[(1,)](r.idx, r.w, r.se, r.order, r.tok, dst, K=k, **pdl.launch(dst, "route"))
+            _relay_kernel[(1,)](r.idx, r.w, r.se, r.order, r.tok, dst, k, KP=triton.next_power_of_2(k),
+                                **pdl.launch(dst, "route"))
             return r._replace(idx=dst[:k].view(r.idx.shape), w=dst[k:2 * k].view(torch.float32).view(r.w.shape),
                               se=dst[2 * k:3 * k], order=dst[3 * k:4 * k], tok=dst[4 * k:5 * k])
         if "route" in parts:

@@ -1,6 +1,11 @@
 """bench/step_ablate.py's stage removal, on the CPU: a removed stage returns its constant (no kernel, the same
 buffer every call, of the stage's output shape), the others run as they are, and every function comes back after."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from bench.step_ablate import STAGES, Consts, ablate
@@ -30,3 +35,27 @@ def test_experts_removed_leave_the_residual():
     with ablate("experts", Consts()):
         assert moe_kernels.moe_routed(x, res, None, None, None) is res
     assert "route-relay" in STAGES and "post+attention" in STAGES
+
+
+RELAY = """
+import torch
+from bench.step_ablate import Consts, ablate
+from runtime.gpu import moe_kernels
+lg = torch.randn(3, 8)
+pos = torch.tensor([4, 5, -1], dtype=torch.int32)
+ref = moe_kernels.route(lg, pos, 2, True)
+with ablate("route-relay", Consts()):
+    got = moe_kernels.route(lg, pos, 2, True)
+for name, a, b in zip(ref._fields, ref, got, strict=True):
+    assert torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape, name
+print("relay ok")
+"""
+
+
+def test_route_relay_hands_on_the_routing_kernels_tables_unchanged():
+    """route-relay copies the routing kernel's tables (weights through their bits) for the experts to read: run in
+    the Triton interpreter, the copies equal the kernel's own tables."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", RELAY], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0 and "relay ok" in r.stdout, r.stderr[-2000:]
