@@ -92,6 +92,29 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
     return moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
 
 
+# CPU, a one-row step (a target decoding alone): the row's k experts called directly (`_one_row_experts`) instead
+# of through the grouping loop of `StaticStep._moe_rows`; the same ops on the same shapes, so the same bits
+CPU_ONE_ROW_DIRECT = True
+
+
+def _one_row_experts(mlp: SparseMoe, h: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+    """The loop's result for one row h [1, H]: its experts in expert order, each as `MLP.forward` computes it (the
+    expert's weights through F.linear), scaled by its routing weight and added to zeros as `index_add_` adds it.
+    Why: a CPU step is paid per op, and the loop's sort, count, index and module calls cost about as much as the
+    experts' arithmetic on a small model."""
+    ids = idx[0].tolist()
+    out = torch.zeros_like(h)
+    for j in sorted(range(len(ids)), key=ids.__getitem__):
+        out.add_((_expert(mlp.experts[ids[j]], h) * w[0:1, j:j + 1]).to(out.dtype))
+    return out
+
+
+def _expert(ex, h: Tensor) -> Tensor:
+    """`MLP.forward` on h in the expert's dtype, through F.linear on its weights (no module calls: the same ops)."""
+    x = h.to(ex.gate_proj.weight.dtype)
+    return F.linear(F.silu(F.linear(x, ex.gate_proj.weight)) * F.linear(x, ex.up_proj.weight), ex.down_proj.weight)
+
+
 class StaticStep:
     def __init__(self, model, kv: KVCache, width: int, *, graph: bool = True) -> None:
         if width < 1:
@@ -197,6 +220,8 @@ class StaticStep:
                                          mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
         if mlp.dense_for(self.width):       # small experts: all at once (SparseMoe.dense), padded rows get 0
             return mlp.dense(h, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp), w)
+        if self.width == 1 and n == 1 and CPU_ONE_ROW_DIRECT:
+            return _one_row_experts(mlp, h, w, idx)
         w, idx = w[:n], idx[:n]
         out = torch.zeros_like(h)
         flat = idx.flatten()
@@ -209,8 +234,7 @@ class StaticStep:
                 continue
             tok, slot = tok_all[off:off + c], slot_all[off:off + c]
             off += c
-            ex = mlp.experts[e]
-            y = ex(h.to(ex.gate_proj.weight.dtype))[tok]
+            y = _expert(mlp.experts[e], h)[tok]
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
         return out
 

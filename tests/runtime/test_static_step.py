@@ -125,6 +125,35 @@ def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, mode
             assert torch.equal(la, lb) and torch.equal(ha, hb) and torch.equal(ta, tb), split
 
 
+def test_cpu_one_row_step_calls_the_experts_directly_with_the_loops_bits(model, monkeypatch):
+    """A one-row CPU step runs the row's experts directly (static_step.CPU_ONE_ROW_DIRECT), bitwise what the
+    grouping loop gives (logits, hidden row, taps, and the greedy tokens of a generation)."""
+    from runtime.gpu import static_step
+
+    calls = []
+    monkeypatch.setattr(static_step, "_one_row_experts",
+                        lambda *a, _f=static_step._one_row_experts: calls.append(1) or _f(*a))
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    got = {}
+    for direct in (True, False):
+        monkeypatch.setattr(static_step, "CPU_ONE_ROW_DIRECT", direct)
+        kv = _kv(model)
+        with torch.no_grad():
+            model(prompt, kv=kv)
+            step = StaticStep(model, kv, width=1, graph=False)
+            got[direct] = [step(torch.tensor([[t]]), kv, (0, 2)) for t in (12, 40, 3, 8)]
+    assert calls and len(calls) % model.cfg.num_hidden_layers == 0
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden) and torch.equal(a.taps, b.taps)
+    toks = {}
+    for direct in (True, False):
+        monkeypatch.setattr(static_step, "CPU_ONE_ROW_DIRECT", direct)
+        kv = _kv(model, 96)
+        toks[direct] = generate_ids(model, kv, [5, 6, 7, 8, 9, 10, 3], max_new_tokens=24, stop_ids=set(),
+                                    step=StaticStep(model, kv, width=1, graph=False)).token_ids
+    assert toks[True] == toks[False]
+
+
 def test_cpu_engine_runs_every_window_through_the_step(tmp_path, monkeypatch):
     """The engine on the CPU builds the fixed-width step (its step width: the configured block) and every window
     goes through it, target-only and speculative alike."""
