@@ -1,0 +1,37 @@
+"""The target's RMSNorm (runtime/models/layers.py): in fp32 one fused op, with the bits of transformers' order
+(normalise, then scale by the weight); in bf16 the normalised row is rounded before the scale, as transformers
+rounds it."""
+
+import torch
+import torch.nn.functional as F
+
+from runtime.models.layers import RMSNorm
+
+
+def _transformers_order(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def test_fp32_norm_is_one_op_with_the_bits_of_normalise_then_scale():
+    g = torch.Generator().manual_seed(7)
+    for shape in ((1, 1, 256), (1, 5, 256), (1, 3, 4, 64), (2, 382, 64)):
+        n = RMSNorm(shape[-1], 1e-6)
+        with torch.no_grad():
+            n.weight.copy_(torch.randn(shape[-1], generator=g))
+        for scale in (1e-3, 1.0, 30.0):
+            x = torch.randn(*shape, generator=g) * scale
+            two_ops = n.weight * F.rms_norm(x, (shape[-1],), eps=1e-6)
+            assert torch.equal(n(x), two_ops), (shape, scale)
+            assert torch.allclose(n(x), _transformers_order(x, n.weight, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_norm_rounds_before_the_scale():
+    g = torch.Generator().manual_seed(8)
+    n = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        n.weight.copy_(torch.randn(64, generator=g))
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    assert n(x).dtype == torch.bfloat16
+    assert torch.equal(n(x), n.weight * F.rms_norm(x.float(), (64,), eps=1e-6).to(torch.bfloat16))
