@@ -136,8 +136,10 @@ class Worker:
 
     @property
     def waiting(self) -> int:
+        """Admitted jobs behind the running one whose client is still there (one that left or was cancelled is
+        dropped when its turn comes, without reaching the engine)."""
         with self._lock:
-            return len(self._admitted) - (1 if self._running is not None else 0)
+            return sum(1 for j in self._admitted if j is not self._running and not j.should_stop())
 
     @property
     def running(self) -> bool:

@@ -313,7 +313,7 @@ def test_disconnect_cancels_the_generation(engine, port):
     queued = raw(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 50})
     wait_for(lambda: health(port)["waiting"] == 1, "the queued request")
     queued.close()
-    time.sleep(0.1)
+    wait_for(lambda: health(port)["waiting"] == 0, "the server to see the queued client leave")
     engine.gate.set()
     assert read_all(running)[0] == 200
     wait_for(lambda: health(port)["waiting"] == 0 and not health(port)["running"], "the queue to drain")
