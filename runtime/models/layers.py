@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # normalised in fp32, rounded to x's dtype, then scaled (transformers' order); one fused op for the first
         # part (a CPU step is paid per op). In fp32 there is nothing to round, and the fused op scales by the
-        # weight itself with the same bits as the product after it (checked in tests/runtime/test_layers_norm.py)
+        # weight itself with the same bits as the product after it (docs/models.md, "Numerics")
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight=self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
