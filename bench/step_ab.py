@@ -233,6 +233,19 @@ def time_steps(step, kv, win, n: int) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
+def interleaved_times(built: dict[tuple, Any], kvs: dict[int, Any], wins: dict[int, torch.Tensor], rounds: int,
+                      steps: int) -> dict[tuple, list[float]]:
+    """ms per step of each captured step keyed (arm, context, width), `rounds` rounds of `steps` replays over all of
+    them, each round starting one step further along (drift hits every arm alike)."""
+    times: dict[tuple, list[float]] = {k: [] for k in built}
+    for r in range(rounds):
+        order = list(built)
+        order = order[r % len(order):] + order[:r % len(order)]
+        for k in order:
+            times[k].append(time_steps(built[k], kvs[k[1]], wins[k[2]], steps))
+    return times
+
+
 def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: int, steps: int, tag: str,
         one_row: dict[str, str | None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from bench.context import gen, make_kv
@@ -256,12 +269,7 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
                 errors[f"{a}/{c}/{w}"] = list(st.errors)
                 steps_by[(a, c, w)] = st
     set_arm(ARMS["before"] if "before" in arms else ARMS[arms[0]], one_row)
-    times: dict[tuple[str, int, int], list[float]] = {k: [] for k in steps_by}
-    for r in range(rounds):
-        order = list(steps_by)
-        order = order[r % len(order):] + order[:r % len(order)]
-        for k in order:
-            times[k].append(time_steps(steps_by[k], kvs[k[1]], wins[k[2]], steps))
+    times = interleaved_times(steps_by, kvs, wins, rounds, steps)
     rows = []
     for (a, c, w), ts in times.items():
         ref = logits.get(("before", c, w), logits.get((arms[0], c, w)))     # else: against the first arm

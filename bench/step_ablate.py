@@ -176,7 +176,7 @@ def stage_bytes(model) -> dict[str, float]:
 def run(model, tag: str, contexts: list[int], widths: list[int], stages: list[str], rounds: int, steps: int,
         bw: float) -> list[dict[str, Any]]:
     from bench.context import make_kv
-    from bench.step_ab import time_steps
+    from bench.step_ab import interleaved_times
     from runtime.gpu.static_step import StaticStep
 
     consts = Consts()
@@ -198,12 +198,7 @@ def run(model, tag: str, contexts: list[int], widths: list[int], stages: list[st
                         kvs[c].rollback(c)
                 built[(a, c, w)] = st
                 errors[(a, c, w)] = list(st.errors)
-    times: dict[tuple[str, int, int], list[float]] = {k: [] for k in built}
-    for r in range(rounds):
-        order = list(built)
-        order = order[r % len(order):] + order[:r % len(order)]
-        for k in order:
-            times[k].append(time_steps(built[k], kvs[k[1]], wins[k[2]], steps))
+    times = interleaved_times(built, kvs, wins, rounds, steps)
     sb = stage_bytes(model)
     rows = []
     for c in contexts:
