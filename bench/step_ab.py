@@ -131,8 +131,6 @@ ARMS["route-nopdl"] = {**_DEFAULT, "skip": {"attention", "route"}, "wide": True}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
-# the shipped launches at every width (pdl.TRIGGER_FIRST: the reduction lets a one-step o_proj in first, the split
-# kernel on PDL before it)
 # the runtime before pdl.TRIGGER_FIRST (bench/results/h200_session15/): the split kernel without PDL, the reduction
 # waiting first
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
