@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.config import EXPERT_MISS
+from runtime.cpu_layout import relayout
 from runtime.errors import UsageError
 from runtime.expert_arena import ExpertArena, bind_experts
 from runtime.expert_pool import SlotPool
@@ -44,6 +45,10 @@ def _nbytes(m: nn.Module) -> int:
 def _stack_nbytes(blk: SparseMoe) -> int:
     """Bytes of a layer's experts held as ggml block stacks."""
     return sum(t.numel() * t.element_size() for t in (blk.gate_up, blk.down) if t is not None)
+
+
+# CPU, resident experts: float linear weights held input-major (runtime/cpu_layout.py; False: as loaded)
+CPU_INPUT_MAJOR = True
 
 
 class ExpertCache:
@@ -157,8 +162,12 @@ class ExpertCache:
                 blk.pack_dense()       # a small model's experts run all at once on the CPU (SparseMoe.dense)
             if mtp is not None and isinstance(mtp.layers[0].mlp, SparseMoe):
                 mtp.layers[0].mlp.pack_dense(hot=True)      # the drafter's chain: steps back to back
-            for layer in model.model.layers:
+            for layer in [*model.model.layers, *(mtp.layers if mtp is not None else [])]:
                 layer.self_attn.stack_qkv()         # the CPU step's q/k/v in one product (project_qkv)
+            # BLAS's faster operand order (runtime/cpu_layout.py); not for the Triton kernels, which read weights
+            # row-major (the interpreter runs them on a CPU in tests)
+            if CPU_INPUT_MAJOR and not kernels.available(torch.empty(0)):
+                relayout(model)
         if self.mode == "pool" and self.miss == "auto":
             self.miss = self._choose_miss_path()
 

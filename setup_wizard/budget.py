@@ -7,7 +7,8 @@ reports the same names from `Engine.memory_report()` and a test compares the two
 What is counted (bytes):
 - `target_dense_weights`: every target tensor except routed experts and `mtp.*`, at the runtime dtype; for a
   quantized target (Q8_0/Q4_0 GGUF) its matrices as ggml blocks and its norms and router at the runtime dtype.
-- `drafter_weights`: MTP = the `mtp.*` tensors, stored as the target is; DFlash2 = as stored (45 norm/conv/selector tensors
+- `drafter_weights`: MTP = the `mtp.*` tensors, stored as the target is, and on a CPU an int8 copy of a float
+  vocabulary head for the chain (`vocab * hidden + 2 * vocab`, runtime/drafters/head8.py); DFlash2 = as stored (45 norm/conv/selector tensors
   BF16, 36 backbone matrices BF16 or in Q8_0/Q5_0/Q4_0 blocks); none = 0. On CPU the runtime widens the BF16
   tensors to its fp32 dtype, so there they count 4 B/element (quantized blocks stay as stored).
 - `target_kv = n_layers * 2 * n_kv_heads * head_dim * kv_bytes * context`; with `kv_quant = "q8_0"` each head
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.drafters import head8
 from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 from runtime.drafters.registry import KINDS, kv_cache_bytes
 from runtime.errors import UsageError
@@ -428,6 +430,8 @@ def compute_budget(
     block = inputs.block if drafter != "none" else 1
     items: dict[str, int] = {"target_dense_weights": target.dense_bytes(wb)}
     items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
+    if drafter == "mtp" and inputs.device_type == "cpu" and target.float_head:
+        items["drafter_weights"] += head8.nbytes(target.vocab, target.hidden)     # the chain's int8 head
     items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * ctx
     items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
     items["logits"] = block * target.vocab * 4 * (2 if kind.makes_logits else 1)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime.drafters import head8 as _head8
 from runtime.drafters.base import Proposal, floor_keep
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
-from runtime.models.layers import SparseMoe, project_qkv
+from runtime.models.layers import SparseMoe, cached_attention, project_qkv
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
@@ -45,6 +46,9 @@ class MTPDrafter:
         self.ahead: tuple[int, Proposal] | None = None   # (position, proposal) drafted ahead (`draft_ahead`)
         # the eager chain stops at the floor on the host (a free read on a CPU), else runs on and cuts on the device
         self.host_cut = p.device.type == "cpu"
+        # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
+        self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
+        self._rope_table: tuple[int, Tensor, Tensor, torch.dtype] | None = None    # (first position, cos, sin, dtype)
 
     def reset(self) -> None:
         self.kv.reset()
@@ -68,10 +72,49 @@ class MTPDrafter:
         if first_pos - 1 + n > self.kv.capacity:
             raise ValueError(f"MTP cache capacity {self.kv.capacity} exceeded at position {first_pos + n - 1}.")
         pos = torch.arange(first_pos, first_pos + n, device=tok.device)[None]
-        emb = self.model.model.embed_tokens(tok)[None]
-        h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))
+        if self.host_cut and self.kv.quant is None:
+            h = self._rows_cpu(tok, g, pos)
+        else:
+            emb = self.model.model.embed_tokens(tok)[None]
+            h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))[0]
         self.kv.length += n
-        return h[0]
+        return h
+
+    def _rows_cpu(self, tok: Tensor, g: Tensor, pos: Tensor) -> Tensor:
+        """`MTPHead.forward` for rows at consecutive positions pos [1, n] on the CPU, with fewer ops: q/k/v as one
+        product, RoPE from a table made once a window, the cache written and read in place. Why: a CPU step is paid per
+        op, and the chain runs one row at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
+        mtp, m = self.mtp, self.model
+        layer = mtp.layers[0]
+        a = layer.self_attn
+        n = int(tok.shape[0])
+        emb = m.model.embed_tokens(tok)
+        x = mtp.fc(torch.cat((mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(g.to(emb.dtype))), -1))
+        cos, sin = self._rope(int(pos[0, 0]), n, x.dtype)
+        q, k, v = project_qkv(a, layer.input_layernorm(x)[None], cos, sin)
+        s0 = self.kv.length
+        kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                        # [nkv, S, hd]
+        kc[:, s0:s0 + n] = k[0].to(kc.dtype)
+        vc[:, s0:s0 + n] = v.transpose(0, 1).to(vc.dtype)
+        keys, vals = kc[:, :s0 + n].to(q.dtype), vc[:, :s0 + n].to(q.dtype)
+        if n == 1:      # one query row: scores, weights and values by KV head (SDPA's CPU kernel costs twice that)
+            sc = torch.bmm(q[0, :, 0].view(a.nkv, a.nh // a.nkv, a.hd), keys.transpose(1, 2)).mul_(a.scale)
+            o = torch.bmm(torch.softmax(sc, -1), vals).view(1, a.nh * a.hd)
+        else:
+            o = cached_attention(q, keys[None], vals[None], a.scale)[0].transpose(0, 1).reshape(n, a.nh * a.hd)
+        x = x + a.o_proj(o)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return mtp.norm(x)
+
+    def _rope(self, first: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin [1, n, hd] for positions first.., from a table made for a whole window at once (the chain asks
+        for one position a step; a CPU pays each of the table's ops once, not once a step)."""
+        t = self._rope_table
+        if t is None or t[3] != dtype or not t[0] <= first <= first + n <= t[0] + t[1].shape[1]:
+            pos = torch.arange(first, first + max(n, self.max_block), device=self.kv.k.device)[None]
+            t = self._rope_table = (first, *self.model.rotary(pos, dtype), dtype)
+        o = first - t[0]
+        return t[1][:, o:o + n], t[2][:, o:o + n]
 
     @torch.no_grad()
     def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None:
@@ -130,7 +173,10 @@ class MTPDrafter:
                 h = self._step(tok, g, pos + i)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
-            lg = self.model.lm_head(h)[0].float()
+            if self.head8 is not None:
+                lg = _head8.logits(h, self.head8)[0]
+            else:
+                lg = self.model.lm_head(h)[0].float()
             self.logits_buf[i].copy_(lg)
             c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
             if cpu and min_p > 0 and float(c) < min_p:
@@ -188,6 +234,8 @@ class MTPDrafter:
         mlp = self.mtp.layers[0].mlp
         if getattr(mlp, "fmt", None) is not None:        # experts as ggml block stacks (not registered tensors)
             w += sum(t.numel() * t.element_size() for t in (mlp.gate_up, mlp.down))
+        if self.head8 is not None:                       # the CPU chain's 8-bit head
+            w += sum(t.numel() * t.element_size() for t in self.head8)
         return {"drafter_weights": w, "drafter_kv": self.kv.nbytes,
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
 

@@ -154,6 +154,9 @@ class TargetGeometry:
     gguf_dense: tuple[int, int] | None = None
     gguf_expert: tuple[int, int] | None = None
     gguf_mtp: tuple[int, int] | None = None
+    # the vocabulary head is held as floats (a folder; a GGUF whose output, or tied token_embd, is F32/F16/BF16):
+    # on a CPU the MTP chain then keeps an int8 copy of it (runtime/drafters/head8.py)
+    float_head: bool = True
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], *, has_mtp: bool | None = None) -> TargetGeometry:

@@ -911,6 +911,7 @@ def check_mtp_graphs() -> None:
     assert d.graphs.replays == 0 and fast.keep is not None   # the graph path (eager on the CPU) made it
     graphs, d.graphs = d.graphs, None
     d.kv.length = d_pos - 1                   # both paths keep the first step's entry: draft from the same state
+    d.head8 = None                            # the eager chain through the target's head, as the graphs run it
     eager = d.propose(anchor, d_pos, 3, min_p=0.0, sampling=sp, generator=gen)
     d.graphs = graphs
     assert fast.q.shape == eager.q.shape == (3, eng.model.cfg.vocab_size)

@@ -54,6 +54,10 @@ def test_memory_report_is_real(engine):
     assert rep["drafter_kv"] == 1 * 2 * c.num_key_value_heads * c.head_dim * 4 * 256
     n_params = {id(p): p for p in engine.model.parameters()}
     total = sum(p.numel() * 4 for p in n_params.values())
+    # on the CPU the MTP chain's head also lives in 8 bits (runtime/drafters/mtp.py `int8_head`): a drafter weight
+    head8 = engine.drafter.head8
+    assert head8 is not None and head8[0].dtype == torch.int8
+    total += sum(t.numel() * t.element_size() for t in head8)
     assert rep["target_dense_weights"] + rep["expert_cache"] + rep["drafter_weights"] == total
     assert rep["logits"] == 2 * engine.drafter.max_block * c.vocab_size * 4
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import runtime.drafters.head8 as head8_mod
 from runtime.drafters.base import Proposal
 from runtime.drafters.mtp import MTPDrafter
 from runtime.kv import KVCache
@@ -168,18 +169,40 @@ def test_rollback_leaves_no_trace(model, references, block, bad_row):
     torch.testing.assert_close(dn.kv.v[:, :, :, :n], d1.kv.v[:, :, :, :n], rtol=0, atol=1e-5)
 
 
-def test_mtp_first_proposal_matches_teacher_forced_head(model):
-    """The cached MTP step at the anchor equals the training-path MTP prediction (same semantics)."""
+@pytest.mark.parametrize("int8", [False, True])
+def test_mtp_first_proposal_matches_teacher_forced_head(model, int8, monkeypatch):
+    """The cached MTP step at the anchor equals the training-path MTP prediction (same semantics). On the CPU the
+    chain's vocabulary head may be int8 rows with a scale each (runtime/drafters/head8.py): then the logits are the product of
+    the bf16-rounded hidden row with the dequantized head, rounded to bf16, and the head's rounding is within
+    half a scale step of each weight."""
+    monkeypatch.setattr(head8_mod, "CPU_INT8_HEAD", int8)
     seq = torch.tensor([[5, 9, 13, 2, 44, 17, 8]])
     with torch.no_grad():
         out = model(seq)
         tf = model.mtp_logits(seq, out.hidden)[0]       # row p-1 predicts x[p+1]
     dr = MTPDrafter(model, 64)
+    assert (dr.head8 is not None) == int8
     n = seq.shape[1] - 1
     dr.observe(seq[0, :n], out.hidden[0, :n], None, 0)
     prop = dr.propose(int(seq[0, n]), n, 1, min_p=0.0, sampling=None, generator=None)
-    assert prop.tokens.tolist() == [int(tf[n - 1].argmax())]
-    torch.testing.assert_close(dr.logits_buf[0], tf[n - 1], rtol=0, atol=1e-5)
+    if not int8:
+        assert prop.tokens.tolist() == [int(tf[n - 1].argmax())]
+        torch.testing.assert_close(dr.logits_buf[0], tf[n - 1], rtol=0, atol=1e-5)
+        return
+    q, scale = dr.head8
+    w = model.lm_head.weight.detach()
+    assert ((q.float() * scale.float()[:, None] - w).abs() <= scale.float()[:, None] * 0.5 + 1e-6).all()
+    dr.reset()
+    dr.observe(seq[0, :n], out.hidden[0, :n], None, 0)
+    with torch.no_grad():
+        dr.flush()
+        dr.kv.length = n - 1
+        h = dr._step(seq[0, n:n + 1], out.hidden[0, n - 1:n], n)          # the chain's first row, MTP hidden
+    ref = h.bfloat16().float() @ (q.float() * scale.float()[:, None]).t()
+    torch.testing.assert_close(dr.logits_buf[0], ref[0].bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+    assert prop.tokens.tolist() == [int(dr.logits_buf[0].argmax())]
+    # and its logits stay near the float head's (a draft's quality, not its bits)
+    assert (dr.logits_buf[0] - tf[n - 1]).abs().max() < 0.05 * tf[n - 1].abs().max()
 
 
 def test_stop_tokens_and_max_new(model, references):

@@ -119,7 +119,8 @@ def test_target_items_by_hand_cpu_fp32():
                        weight_bytes=4, kv_bytes=4, prefill_chunk=64)
     b = compute_budget(t, "mtp", inp)
     assert b.items["target_dense_weights"] == 12992 * 4
-    assert b.items["drafter_weights"] == t.mtp_elems() * 4
+    # + the chain's int8 copy of the float head on a CPU: a byte per weight, a bf16 scale per row
+    assert b.items["drafter_weights"] == t.mtp_elems() * 4 + 100 * 32 + 2 * 100
     assert b.items["target_kv"] == 2 * 2 * 2 * 8 * 4 * 128
     assert b.items["drafter_kv"] == 1 * 2 * 2 * 8 * 4 * 128
     assert b.items["logits"] == 2 * 4 * 100 * 4

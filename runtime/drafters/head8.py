@@ -1,0 +1,46 @@
+"""The MTP chain's vocabulary head in 8 bits on a CPU (runtime/drafters/mtp.py): int8 rows with one bf16 scale
+each, multiplied by torch's weight-only int8 kernel (docs/models.md, "MTP head").
+
+Why: on a CPU the chain's vocabulary product streams the head once a step (4 MB in fp32 on the bundled pack, past
+a core's L2); 8 bits read a quarter of that. A draft needs no particular bits: verification decides, so the output
+is unchanged; only how often a draft is accepted could move. The budget counts it (setup_wizard/budget.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# False: the chain uses the target's own head on a CPU too
+CPU_INT8_HEAD = True
+
+
+def usable(hidden: int) -> bool:
+    """Whether the int8 head is used for a head of input width `hidden` (torch's CPU kernel reads the input in
+    whole vectors: it crashes on a width of 30)."""
+    return CPU_INT8_HEAD and hasattr(torch, "_weight_int8pack_mm") and hidden % 16 == 0
+
+
+def nbytes(vocab: int, hidden: int) -> int:
+    """What the int8 head holds: a byte per weight and a bf16 scale per row (0 when it is not used)."""
+    return vocab * hidden + 2 * vocab if usable(hidden) else 0
+
+
+def int8_head(head) -> tuple[Tensor, Tensor] | None:
+    """The head's weight [V, H] as int8 rows and their bf16 scales, for `logits`; None for a head that is not a
+    float nn.Linear without bias (a block-format GGUF head stays as it is) or when `usable` says no."""
+    w = getattr(head, "weight", None)
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or w is None or not w.dtype.is_floating_point \
+            or not usable(w.shape[1]):
+        return None
+    w = w.detach().float()
+    # the scale as the kernel reads it (bf16), rounded up so that no weight leaves [-127, 127]: every weight is
+    # then within half a step of its int8 value
+    scale = ((w.abs().amax(1) / 127).clamp(min=1e-30) * (1 + 2 ** -8)).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
+def logits(h: Tensor, head: tuple[Tensor, Tensor]) -> Tensor:
+    """h [n, H] -> fp32 logits [n, V] (the product in bf16 activations, as the kernel takes them)."""
+    return torch._weight_int8pack_mm(h.to(torch.bfloat16), *head).float()
