@@ -4,6 +4,7 @@ graphs for greedy windows (runtime/gpu/capture.py says how graphs work here)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.drafters import head8 as _head8
@@ -49,6 +50,7 @@ class MTPDrafter:
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
         self._rope_table: tuple[int, Tensor, Tensor, torch.dtype] | None = None    # (first position, cos, sin, dtype)
+        self._cpu_norms: tuple[Tensor, Tensor] | None = None      # `_norm_weights`
 
     def reset(self) -> None:
         self.kv.reset()
@@ -81,30 +83,58 @@ class MTPDrafter:
         return h
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, pos: Tensor) -> Tensor:
-        """`MTPHead.forward` for rows at consecutive positions pos [1, n] on the CPU, with fewer ops: q/k/v as one
-        product, RoPE from a table made once a window, the cache written and read in place. Why: a CPU step is paid per
-        op, and the chain runs one row at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
+        """`MTPHead.forward` for rows at consecutive positions pos [1, n] on the CPU, with fewer ops: the two input
+        norms as one, q/k/v as one product, q- and k-norm as one and RoPE once over both (from a table made once a
+        window), the cache written and read in place. Why: a CPU step is paid per op, and the chain runs one row
+        at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
         mtp, m = self.mtp, self.model
+        eps = m.cfg.rms_norm_eps
         layer = mtp.layers[0]
         a = layer.self_attn
+        nh, nkv, hd = a.nh, a.nkv, a.hd
         n = int(tok.shape[0])
+        w_in, w_qk = self._norm_weights()
         emb = m.model.embed_tokens(tok)
-        x = mtp.fc(torch.cat((mtp.pre_fc_norm_embedding(emb), mtp.pre_fc_norm_hidden(g.to(emb.dtype))), -1))
+        e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
+        x = mtp.fc((F.rms_norm(e_g.float(), (e_g.shape[-1],), eps=eps) * w_in).to(emb.dtype).view(n, -1))
         cos, sin = self._rope(int(pos[0, 0]), n, x.dtype)
-        q, k, v = project_qkv(a, layer.input_layernorm(x)[None], cos, sin)
+        qkv = a.qkv(layer.input_layernorm(x))
+        qk = qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd)
+        qk = (F.rms_norm(qk.float(), (hd,), eps=eps) * w_qk).to(x.dtype)
+        cos, sin = cos[0, :, None], sin[0, :, None]                                # [n, 1, hd]
+        qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), -1) * sin
         s0 = self.kv.length
-        kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                        # [nkv, S, hd]
-        kc[:, s0:s0 + n] = k[0].to(kc.dtype)
-        vc[:, s0:s0 + n] = v.transpose(0, 1).to(vc.dtype)
-        keys, vals = kc[:, :s0 + n].to(q.dtype), vc[:, :s0 + n].to(q.dtype)
-        if n == 1:      # one query row: scores, weights and values by KV head (SDPA's CPU kernel costs twice that)
-            sc = torch.bmm(q[0, :, 0].view(a.nkv, a.nh // a.nkv, a.hd), keys.transpose(1, 2)).mul_(a.scale)
-            o = torch.bmm(torch.softmax(sc, -1), vals).view(1, a.nh * a.hd)
-        else:
-            o = cached_attention(q, keys[None], vals[None], a.scale)[0].transpose(0, 1).reshape(n, a.nh * a.hd)
+        kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
+        kc[:, s0:s0 + n] = qk[:, nh:].transpose(0, 1).to(kc.dtype)
+        vc[:, s0:s0 + n] = qkv[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1).to(vc.dtype)
+        keys, vals = kc[:, :s0 + n].to(x.dtype), vc[:, :s0 + n].to(x.dtype)
+        grp = nh // nkv
+        q = qk[:, :nh].reshape(n, nkv, grp, hd)
+        if n <= self.max_block:
+            # a window's rows: scores, weights and values by KV head, the rows' own keys masked causally (SDPA's
+            # CPU kernel costs about twice that for one row, and builds a [rows x context] mask for a few)
+            qg = q.transpose(0, 1).reshape(nkv, n * grp, hd)                         # lines (row, head in group)
+            sc = torch.bmm(qg, keys.transpose(1, 2)).mul_(a.scale)                 # [nkv, n * grp, s0 + n]
+            if n > 1:
+                mask = torch.full((n, n), float("-inf"), device=sc.device).triu_(1)
+                sc[..., s0:] += mask.repeat_interleave(grp, 0)
+            o = torch.bmm(torch.softmax(sc, -1), vals).view(nkv, n, grp, hd).transpose(0, 1).reshape(n, -1)
+        else:           # committed rows in prefill-sized chunks
+            qh = q.reshape(n, nh, hd).transpose(0, 1)[None]
+            o = cached_attention(qh, keys[None], vals[None], a.scale)[0].transpose(0, 1).reshape(n, nh * hd)
         x = x + a.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return mtp.norm(x)
+
+    def _norm_weights(self) -> tuple[Tensor, Tensor]:
+        """The input norms' weights stacked [2, H] and the q-/k-norm weights per head [nh + nkv, hd], in fp32."""
+        if self._cpu_norms is None:
+            mtp = self.mtp
+            a = mtp.layers[0].self_attn
+            w_in = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight)).float()
+            w_qk = torch.cat((a.q_norm.weight.expand(a.nh, a.hd), a.k_norm.weight.expand(a.nkv, a.hd))).float()
+            self._cpu_norms = (w_in, w_qk)
+        return self._cpu_norms
 
     def _rope(self, first: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos/sin [1, n, hd] for positions first.., from a table made for a whole window at once (the chain asks
