@@ -98,7 +98,8 @@ class MTPDrafter:
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
         x = mtp.fc((F.rms_norm(e_g.float(), (e_g.shape[-1],), eps=eps) * w_in).to(emb.dtype).view(n, -1))
         cos, sin = self._rope(int(pos[0, 0]), n, x.dtype)
-        qkv = a.qkv(layer.input_layernorm(x))
+        h = layer.input_layernorm(x)
+        qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
         qk = qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd)
         qk = (F.rms_norm(qk.float(), (hd,), eps=eps) * w_qk).to(x.dtype)
         cos, sin = cos[0, :, None], sin[0, :, None]                                # [n, 1, hd]
