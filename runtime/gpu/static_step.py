@@ -115,6 +115,10 @@ def _expert(ex, h: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, ex.gate_proj.weight)) * F.linear(x, ex.up_proj.weight), ex.down_proj.weight)
 
 
+# CPU: q- and k-norm as one RMSNorm and RoPE once over a window's q and k heads (`StaticStep._qkv_rows`; same bits)
+CPU_QK_MERGED = True
+
+
 # CPU: a row attends through two batched products and a softmax (scores, weights, values by KV head) rather than
 # SDPA, whose CPU kernel costs about twice that for one query row (False: SDPA)
 CPU_ROW_BMM = True
@@ -157,6 +161,7 @@ class StaticStep:
         self.window = (0, 0)              # (start, real rows) of the window being run, for those paths
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self.replays = 0
+        self._qk_norms: dict[int, Tensor] = {}   # layer -> q/k-norm weights per head [nh + nkv, hd] (`_qkv_rows`)
         self.errors: list[str] = []      # fallbacks taken (a kernel or a capture that failed), for the benchmarks
 
     # ----------------------------------------------------------------------------------------------- the forward
@@ -215,6 +220,24 @@ class StaticStep:
                                                     vals[None, :, :stop], scale=a.scale, enable_gqa=a.nkv != a.nh)
                 o[j] = oj[0, :, 0]
         return o
+
+    def _qkv_rows(self, a, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """CPU: `project_qkv` on h [W, H] with q- and k-norm as one RMSNorm over the window's q and k heads and
+        RoPE once over both (the same ops per head vector, so the same bits; half the ops). -> q [W, nh, hd],
+        k and v [W, nkv, hd]."""
+        nh, nkv, hd = a.nh, a.nkv, a.hd
+        w = self._qk_norms.get(i)
+        if w is None:
+            w = self._qk_norms[i] = torch.cat((a.q_norm.weight.expand(nh, hd), a.k_norm.weight.expand(nkv, hd)))
+        W = h.shape[0]
+        qkv = a.qkv(h)
+        qk = qkv[:, :(nh + nkv) * hd].view(W, nh + nkv, hd)
+        # the modules' RMSNorm: normalised in fp32, rounded to the dtype, scaled (in fp32 the same bits as the fused
+        # op with its weight: layers.RMSNorm)
+        qk = w * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
+        c, s_ = cos[0, :, None], sin[0, :, None]                                # [W, 1, hd]
+        qk = qk * c + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), -1) * s_
+        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(W, nkv, hd)
 
     def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int) -> Tensor:
         """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows
@@ -290,8 +313,12 @@ class StaticStep:
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
-            q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
-            o = self._attend(a, q[0].transpose(0, 1), k[0].transpose(0, 1), v, i)
+            if self.cpu and CPU_QK_MERGED and a.has_qkv:
+                q, k, v = self._qkv_rows(a, i, layer.input_layernorm(x)[0], cos, sin)
+            else:
+                q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
+                q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            o = self._attend(a, q, k, v, i)
             x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
             h = layer.post_attention_layernorm(x)
             mlp = layer.mlp

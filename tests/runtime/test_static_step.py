@@ -174,3 +174,28 @@ def test_cpu_engine_runs_every_window_through_the_step(tmp_path, monkeypatch):
     spec = eng.generate("hello world", max_new_tokens=16, stop_ids=set(), spec_min_p=0.0)
     assert spec.token_ids == plain.token_ids
     assert spec.stats["windows"] == len(seen) and max(seen) > 1
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_cpu_merged_qk_norm_and_rope_give_the_modules_bits(model, monkeypatch, width):
+    """The CPU step's q/k post-processing as one RMSNorm and one RoPE over a window's q and k heads
+    (`StaticStep._qkv_rows`) gives the bits of the separate q-norm, k-norm and RoPE (`project_qkv`)."""
+    from runtime.gpu import static_step
+
+    for layer in model.model.layers:
+        layer.self_attn.stack_qkv()          # as the engine holds them on a CPU (runtime/experts.py)
+    calls = []
+    real = StaticStep._qkv_rows
+    monkeypatch.setattr(StaticStep, "_qkv_rows", lambda self, *a: calls.append(1) or real(self, *a))
+    outs = {}
+    for merged in (False, True):
+        monkeypatch.setattr(static_step, "CPU_QK_MERGED", merged)
+        kv = _kv(model)
+        with torch.no_grad():
+            model(torch.tensor([[5, 9, 11, 2, 7, 30]]), kv=kv)
+            step = StaticStep(model, kv, width=width, graph=False)
+            o = step(torch.tensor([[12, 40, 3, 8][:width]]), kv)
+        outs[merged] = (o.logits, o.hidden, kv.k.clone(), kv.v.clone())
+    assert len(calls) == model.cfg.num_hidden_layers          # the merged path ran (once per layer)
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
