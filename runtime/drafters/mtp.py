@@ -13,7 +13,7 @@ from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
-from runtime.models.layers import SparseMoe, cached_attention, project_qkv
+from runtime.models.layers import SparseMoe, cached_attention, project_qkv, qkv_rows
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
@@ -50,7 +50,7 @@ class MTPDrafter:
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
         self._rope_table: tuple[int, Tensor, Tensor, torch.dtype] | None = None    # (first position, cos, sin, dtype)
-        self._cpu_norms: tuple[Tensor, Tensor] | None = None      # `_norm_weights`
+        self._in_norms: Tensor | None = None      # `_rows_cpu`: the input norms' weights stacked [2, H], fp32
 
     def reset(self) -> None:
         self.kv.reset()
@@ -93,24 +93,20 @@ class MTPDrafter:
         a = layer.self_attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
         n = int(tok.shape[0])
-        w_in, w_qk = self._norm_weights()
         emb = m.model.embed_tokens(tok)
+        if self._in_norms is None:               # the two input norms' weights, stacked [2, H]
+            self._in_norms = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight)).float()
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
-        x = mtp.fc((F.rms_norm(e_g.float(), (e_g.shape[-1],), eps=eps) * w_in).to(emb.dtype).view(n, -1))
+        x = mtp.fc((F.rms_norm(e_g.float(), (e_g.shape[-1],), eps=eps) * self._in_norms).to(emb.dtype).view(n, -1))
         cos, sin = self._rope(int(pos[0, 0]), n, x.dtype)
-        h = layer.input_layernorm(x)
-        qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
-        qk = qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd)
-        qk = (F.rms_norm(qk.float(), (hd,), eps=eps) * w_qk).to(x.dtype)
-        cos, sin = cos[0, :, None], sin[0, :, None]                                # [n, 1, hd]
-        qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), -1) * sin
+        q, k, v = qkv_rows(a, layer.input_layernorm(x), cos, sin)
         s0 = self.kv.length
         kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
-        kc[:, s0:s0 + n] = qk[:, nh:].transpose(0, 1).to(kc.dtype)
-        vc[:, s0:s0 + n] = qkv[:, (nh + nkv) * hd:].view(n, nkv, hd).transpose(0, 1).to(vc.dtype)
+        kc[:, s0:s0 + n] = k.transpose(0, 1).to(kc.dtype)
+        vc[:, s0:s0 + n] = v.transpose(0, 1).to(vc.dtype)
         keys, vals = kc[:, :s0 + n].to(x.dtype), vc[:, :s0 + n].to(x.dtype)
         grp = nh // nkv
-        q = qk[:, :nh].reshape(n, nkv, grp, hd)
+        q = q.reshape(n, nkv, grp, hd)
         if n <= self.max_block:
             # a window's rows: scores, weights and values by KV head, the rows' own keys masked causally (SDPA's
             # CPU kernel costs about twice that for one row, and builds a [rows x context] mask for a few)
@@ -126,16 +122,6 @@ class MTPDrafter:
         x = x + a.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return mtp.norm(x)
-
-    def _norm_weights(self) -> tuple[Tensor, Tensor]:
-        """The input norms' weights stacked [2, H] and the q-/k-norm weights per head [nh + nkv, hd], in fp32."""
-        if self._cpu_norms is None:
-            mtp = self.mtp
-            a = mtp.layers[0].self_attn
-            w_in = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight)).float()
-            w_qk = torch.cat((a.q_norm.weight.expand(a.nh, a.hd), a.k_norm.weight.expand(a.nkv, a.hd))).float()
-            self._cpu_norms = (w_in, w_qk)
-        return self._cpu_norms
 
     def _rope(self, first: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos/sin [1, n, hd] for positions first.., from a table made for a whole window at once (the chain asks

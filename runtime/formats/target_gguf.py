@@ -306,7 +306,8 @@ def read_geometry(path: Any):
     geo = TargetGeometry.from_target_config(cfg, has_mtp=mtp_parts is not None)
     from dataclasses import replace
 
-    head = {t.name: t for t in tensors}.get("output.weight") or {t.name: t for t in tensors}.get("token_embd.weight")
+    by_name = {t.name: t for t in tensors}
+    head = by_name.get("output.weight") or by_name.get("token_embd.weight")      # tied: the embedding table
     float_head = head is not None and head.tensor_type.name in _FLOAT_TENSORS
     return replace(geo, mtp_sparse=cfg.mtp_sparse if mtp_parts else geo.mtp_sparse, quant=file_quant(meta, tensors),
                    gguf_dense=_parts(dense), gguf_expert=(one[0] // e, one[1] // e), gguf_mtp=mtp_parts,

@@ -32,7 +32,7 @@ from torch import Tensor
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
-from runtime.models.layers import SparseMoe, project_qkv
+from runtime.models.layers import SparseMoe, project_qkv, qkv_rows
 from runtime.models.qwen3_moe import TargetOutput
 
 
@@ -115,7 +115,7 @@ def _expert(ex, h: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, ex.gate_proj.weight)) * F.linear(x, ex.up_proj.weight), ex.down_proj.weight)
 
 
-# CPU: q- and k-norm as one RMSNorm and RoPE once over a window's q and k heads (`StaticStep._qkv_rows`; same bits)
+# CPU: q- and k-norm as one RMSNorm and RoPE once over a window's q and k heads (`layers.qkv_rows`; same bits)
 CPU_QK_MERGED = True
 
 
@@ -161,7 +161,6 @@ class StaticStep:
         self.window = (0, 0)              # (start, real rows) of the window being run, for those paths
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self.replays = 0
-        self._qk_norms: dict[int, Tensor] = {}   # layer -> q/k-norm weights per head [nh + nkv, hd] (`_qkv_rows`)
         self.errors: list[str] = []      # fallbacks taken (a kernel or a capture that failed), for the benchmarks
 
     # ----------------------------------------------------------------------------------------------- the forward
@@ -220,24 +219,6 @@ class StaticStep:
                                                     vals[None, :, :stop], scale=a.scale, enable_gqa=a.nkv != a.nh)
                 o[j] = oj[0, :, 0]
         return o
-
-    def _qkv_rows(self, a, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """CPU: `project_qkv` on h [W, H] with q- and k-norm as one RMSNorm over the window's q and k heads and
-        RoPE once over both (the same ops per head vector, so the same bits; half the ops). -> q [W, nh, hd],
-        k and v [W, nkv, hd]."""
-        nh, nkv, hd = a.nh, a.nkv, a.hd
-        w = self._qk_norms.get(i)
-        if w is None:
-            w = self._qk_norms[i] = torch.cat((a.q_norm.weight.expand(nh, hd), a.k_norm.weight.expand(nkv, hd)))
-        W = h.shape[0]
-        qkv = a.qkv(h)
-        qk = qkv[:, :(nh + nkv) * hd].view(W, nh + nkv, hd)
-        # the modules' RMSNorm: normalised in fp32, rounded to the dtype, scaled (in fp32 the same bits as the fused
-        # op with its weight: layers.RMSNorm)
-        qk = w * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
-        c, s_ = cos[0, :, None], sin[0, :, None]                                # [W, 1, hd]
-        qk = qk * c + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), -1) * s_
-        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(W, nkv, hd)
 
     def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int) -> Tensor:
         """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows
@@ -314,7 +295,7 @@ class StaticStep:
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
             if self.cpu and CPU_QK_MERGED and a.has_qkv:
-                q, k, v = self._qkv_rows(a, i, layer.input_layernorm(x)[0], cos, sin)
+                q, k, v = qkv_rows(a, layer.input_layernorm(x)[0], cos, sin)
             else:
                 q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
                 q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)

@@ -130,6 +130,22 @@ def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor,
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def qkv_rows(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`project_qkv` for rows h [W, H] (cos/sin [1, W, hd]) with the q- and k-norm as one RMSNorm over the rows' q
+    and k heads and RoPE once over both: the same ops on each head vector, so the same bits, in half the ops (a
+    CPU step is paid per op). -> q [W, nh, hd], k and v [W, nkv, hd]."""
+    nh, nkv, hd = a.nh, a.nkv, a.hd
+    W = h.shape[0]
+    if a.qk_heads_weight is None:        # q-norm's weight for each q head, then k-norm's for each k head
+        a.qk_heads_weight = torch.cat((a.q_norm.weight.expand(nh, hd), a.k_norm.weight.expand(nkv, hd)))
+    qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
+    qk = qkv[:, :(nh + nkv) * hd].view(W, nh + nkv, hd)
+    # RMSNorm's order (normalised in fp32, rounded to the dtype, scaled; in fp32 the bits of the fused op)
+    qk = a.qk_heads_weight * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
+    qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
+    return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(W, nkv, hd)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
@@ -144,6 +160,7 @@ class Attention(nn.Module):
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
         self.qkv_blocks = None                  # the same for block-format q/k/v (a `QuantLinear` over their rows)
+        self.qk_heads_weight: Tensor | None = None   # inference only (`qkv_rows`): q/k-norm weights per head
 
     def qkv(self, h: Tensor) -> Tensor:
         """q, k and v projections in one matmul (after `stack_qkv`; `has_qkv` says whether it stacked)."""
