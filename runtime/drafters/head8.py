@@ -41,6 +41,8 @@ def int8_head(head) -> tuple[Tensor, Tensor] | None:
     return q, scale
 
 
-def logits(h: Tensor, head: tuple[Tensor, Tensor]) -> Tensor:
-    """h [n, H] -> fp32 logits [n, V] (the product in bf16 activations, as the kernel takes them)."""
-    return torch._weight_int8pack_mm(h.to(torch.bfloat16), *head).float()
+def logits(h: Tensor, head: tuple[Tensor, Tensor], cast: bool = True) -> Tensor:
+    """h [n, H] -> logits [n, V] (the product in bf16 activations, as the kernel takes them), in fp32 unless
+    `cast` is False (bf16: for a caller that copies them into an fp32 buffer anyway)."""
+    out = torch._weight_int8pack_mm(h.to(torch.bfloat16), *head)
+    return out.float() if cast else out

@@ -13,8 +13,49 @@ from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
-from runtime.models.layers import SparseMoe, cached_attention, project_qkv, qkv_rows
+from runtime.models.layers import SparseMoe, _rotate_half, cached_attention, project_qkv
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
+
+
+def _rms(x: Tensor, w2: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm of x over its last dimension as one layer_norm over [x, -x], whose mean is 0 and whose variance is
+    the mean of x^2 (a CPU's layer_norm is one kernel, its RMSNorm about eight ops). w2: the weight then zeros
+    ([2 * H], `_CpuConsts`), or None for no weight. The result is a view of the first half."""
+    h = x.shape[-1]
+    return F.layer_norm(torch.cat((x, -x), -1), (2 * h,), w2, None, eps)[..., :h]
+
+
+def _mm(lin: torch.nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
+    """lin(x) (+ add), as one BLAS call for a float nn.Linear without bias (its weight's transpose is the
+    input-major matrix runtime/cpu_layout.py makes), else through the module."""
+    w = getattr(lin, "weight", None)
+    if type(lin) is not torch.nn.Linear or lin.bias is not None or w.dtype != x.dtype:
+        return lin(x) if add is None else add + lin(x)
+    return torch.mm(x, w.t()) if add is None else torch.addmm(add, x, w.t())
+
+
+class _CpuConsts:
+    """`MTPDrafter._rows_cpu`'s weights for its norms: the input norms' stacked [2, H], the layer and final norms'
+    as [w, 0] for `_rms`, and the q/k-norm weight per q and k head, q's times the attention scale."""
+
+    def __init__(self, in_norms: Tensor, attn_norm: Tensor, post_norm: Tensor, final_norm: Tensor,
+                 qk_norm: Tensor) -> None:
+        self.in_norms, self.attn_norm, self.post_norm, self.final_norm = in_norms, attn_norm, post_norm, final_norm
+        self.qk_norm = qk_norm
+
+    @classmethod
+    def of(cls, mtp) -> _CpuConsts:
+        layer = mtp.layers[0]
+        a = layer.self_attn
+
+        def w2(norm) -> Tensor:
+            w = norm.weight.detach()
+            return torch.cat((w, torch.zeros_like(w)))
+
+        with torch.no_grad():
+            qk = torch.cat((a.q_norm.weight.expand(a.nh, a.hd) * a.scale, a.k_norm.weight.expand(a.nkv, a.hd)))
+            ins = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight))
+        return cls(ins, w2(layer.input_layernorm), w2(layer.post_attention_layernorm), w2(mtp.norm), qk)
 
 
 class MTPDrafter:
@@ -50,7 +91,7 @@ class MTPDrafter:
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
         self._rope_table: tuple[int, Tensor, Tensor, torch.dtype] | None = None    # (first position, cos, sin, dtype)
-        self._in_norms: Tensor | None = None      # `_rows_cpu`: the input norms' weights stacked [2, H], fp32
+        self._consts: _CpuConsts | None = None    # `_rows_cpu`'s norm weights, made at its first call
 
     def reset(self) -> None:
         self.kv.reset()
@@ -73,55 +114,84 @@ class MTPDrafter:
             raise RuntimeError(f"MTP cache holds {self.kv.length} entries, position {first_pos} needs {first_pos - 1}.")
         if first_pos - 1 + n > self.kv.capacity:
             raise ValueError(f"MTP cache capacity {self.kv.capacity} exceeded at position {first_pos + n - 1}.")
-        pos = torch.arange(first_pos, first_pos + n, device=tok.device)[None]
         if self.host_cut and self.kv.quant is None:
-            h = self._rows_cpu(tok, g, pos)
+            h = self._rows_cpu(tok, g, first_pos)
         else:
+            pos = torch.arange(first_pos, first_pos + n, device=tok.device)[None]
             emb = self.model.model.embed_tokens(tok)[None]
             h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))[0]
         self.kv.length += n
         return h
 
-    def _rows_cpu(self, tok: Tensor, g: Tensor, pos: Tensor) -> Tensor:
-        """`MTPHead.forward` for rows at consecutive positions pos [1, n] on the CPU, with fewer ops: the two input
-        norms as one, q/k/v as one product, q- and k-norm as one and RoPE once over both (from a table made once a
-        window), the cache written and read in place. Why: a CPU step is paid per op, and the chain runs one row
-        at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
+    def _rows_cpu(self, tok: Tensor, g: Tensor, first: int) -> Tensor:
+        """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, with fewer ops: every RMSNorm as
+        one layer_norm (`_rms`), the two input norms as one, q/k/v as one product, q- and k-norm as one (the
+        attention scale folded into q's weight) and RoPE once over both (from a table made once a window), the
+        cache written and read in place, the residual adds inside the products (addmm), and a small layer's experts
+        all at once with the router's top-k softmaxed directly. Why: a CPU step is paid per op, and the chain runs
+        one row at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
         mtp, m = self.mtp, self.model
+        c = self._cpu_consts()
         eps = m.cfg.rms_norm_eps
         layer = mtp.layers[0]
         a = layer.self_attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
         n = int(tok.shape[0])
         emb = m.model.embed_tokens(tok)
-        if self._in_norms is None:               # the two input norms' weights, stacked [2, H]
-            self._in_norms = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight)).float()
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
-        x = mtp.fc((F.rms_norm(e_g.float(), (e_g.shape[-1],), eps=eps) * self._in_norms).to(emb.dtype).view(n, -1))
-        cos, sin = self._rope(int(pos[0, 0]), n, x.dtype)
-        q, k, v = qkv_rows(a, layer.input_layernorm(x), cos, sin)
+        x = _mm(mtp.fc, (_rms(e_g, None, eps) * c.in_norms).view(n, -1))
+        cos, sin = self._rope(first, n, x.dtype)
+        h = _rms(x, c.attn_norm, eps)
+        qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
+        qk = _rms(qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd), None, eps) * c.qk_norm     # q carries the scale
+        qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(n, nkv, hd)
         s0 = self.kv.length
         kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
-        kc[:, s0:s0 + n] = k.transpose(0, 1).to(kc.dtype)
-        vc[:, s0:s0 + n] = v.transpose(0, 1).to(vc.dtype)
-        keys, vals = kc[:, :s0 + n].to(x.dtype), vc[:, :s0 + n].to(x.dtype)
+        kc[:, s0:s0 + n] = k.transpose(0, 1)
+        vc[:, s0:s0 + n] = v.transpose(0, 1)
+        keys, vals = kc[:, :s0 + n], vc[:, :s0 + n]
+        if keys.dtype != x.dtype:
+            keys, vals = keys.to(x.dtype), vals.to(x.dtype)
         grp = nh // nkv
         q = q.reshape(n, nkv, grp, hd)
         if n <= self.max_block:
             # a window's rows: scores, weights and values by KV head, the rows' own keys masked causally (SDPA's
             # CPU kernel costs about twice that for one row, and builds a [rows x context] mask for a few)
             qg = q.transpose(0, 1).reshape(nkv, n * grp, hd)                         # lines (row, head in group)
-            sc = torch.bmm(qg, keys.transpose(1, 2)).mul_(a.scale)                 # [nkv, n * grp, s0 + n]
+            sc = torch.bmm(qg, keys.transpose(1, 2))                               # [nkv, n * grp, s0 + n]
             if n > 1:
                 mask = torch.full((n, n), float("-inf"), device=sc.device).triu_(1)
                 sc[..., s0:] += mask.repeat_interleave(grp, 0)
             o = torch.bmm(torch.softmax(sc, -1), vals).view(nkv, n, grp, hd).transpose(0, 1).reshape(n, -1)
-        else:           # committed rows in prefill-sized chunks
+        else:           # committed rows in prefill-sized chunks (the scale is in q already)
             qh = q.reshape(n, nh, hd).transpose(0, 1)[None]
-            o = cached_attention(qh, keys[None], vals[None], a.scale)[0].transpose(0, 1).reshape(n, nh * hd)
-        x = x + a.o_proj(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return mtp.norm(x)
+            o = cached_attention(qh, keys[None], vals[None], 1.0)[0].transpose(0, 1).reshape(n, nh * hd)
+        x = _mm(a.o_proj, o, x)
+        y = _rms(x, c.post_norm, eps)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
+            E, inter = mlp.n_exp, mlp.inter
+            r = _mm(mlp.gate, y)
+            if mlp.norm_topk:        # the top-k's own softmax: their full-softmax weights renormalised
+                lw, idx = torch.topk(r, mlp.top_k, dim=-1)
+                w = torch.softmax(lw.float(), -1)
+            else:
+                w, idx = torch.topk(torch.softmax(r.float(), -1), mlp.top_k, dim=-1)
+            gu = torch.mm(y, mlp.dense_gu.t()).view(n, E, 2, inter)
+            wd = torch.zeros(n, E, dtype=gu.dtype, device=x.device).scatter_(1, idx, w.to(gu.dtype))
+            act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * wd[:, :, None]
+            x = torch.addmm(x, act.view(n, E * inter), mlp.dense_down.t())
+            if mlp.counter is not None:
+                mlp.counter(mlp.layer_idx, n)
+        else:
+            x = x + mlp(y)
+        return _rms(x, c.final_norm, eps)
+
+    def _cpu_consts(self) -> _CpuConsts:
+        if self._consts is None:
+            self._consts = _CpuConsts.of(self.mtp)
+        return self._consts
 
     def _rope(self, first: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos/sin [1, n, hd] for positions first.., from a table made for a whole window at once (the chain asks
@@ -190,11 +260,11 @@ class MTPDrafter:
                 h = self._step(tok, g, pos + i)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
+            lg = self.logits_buf[i]
             if self.head8 is not None:
-                lg = _head8.logits(h, self.head8)[0]
+                lg[None].copy_(_head8.logits(h, self.head8, cast=False))    # bf16 -> fp32 in the copy
             else:
-                lg = self.model.lm_head(h)[0].float()
-            self.logits_buf[i].copy_(lg)
+                lg[None].copy_(self.model.lm_head(h))
             c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
             if cpu and min_p > 0 and float(c) < min_p:
                 break
