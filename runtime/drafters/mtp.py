@@ -90,7 +90,7 @@ class MTPDrafter:
         self.host_cut = p.device.type == "cpu"
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
-        self._rope_table: tuple[int, Tensor, Tensor, torch.dtype] | None = None    # (first position, cos, sin, dtype)
+        self._rot_table: tuple[int, Tensor, torch.dtype] | None = None    # (first position, RoPE matrices, dtype)
         self._consts: _CpuConsts | None = None    # `_rows_cpu`'s norm weights, made at its first call
 
     def reset(self) -> None:
@@ -140,11 +140,14 @@ class MTPDrafter:
         emb = m.model.embed_tokens(tok)
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
         x = _mm(mtp.fc, (_rms(e_g, None, eps) * c.in_norms).view(n, -1))
-        cos, sin = self._rope(first, n, x.dtype)
         h = _rms(x, c.attn_norm, eps)
         qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
         qk = _rms(qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd), None, eps) * c.qk_norm     # q carries the scale
-        qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
+        if n <= self.max_block:
+            qk = torch.bmm(qk, self._rot(first, n, x.dtype))
+        else:
+            cos, sin = m.rotary(torch.arange(first, first + n, device=x.device)[None], x.dtype)
+            qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(n, nkv, hd)
         s0 = self.kv.length
         kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
@@ -193,15 +196,19 @@ class MTPDrafter:
             self._consts = _CpuConsts.of(self.mtp)
         return self._consts
 
-    def _rope(self, first: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos/sin [1, n, hd] for positions first.., from a table made for a whole window at once (the chain asks
-        for one position a step; a CPU pays each of the table's ops once, not once a step)."""
-        t = self._rope_table
-        if t is None or t[3] != dtype or not t[0] <= first <= first + n <= t[0] + t[1].shape[1]:
+    def _rot(self, first: int, n: int, dtype: torch.dtype) -> Tensor:
+        """RoPE at positions first.. as matrices [n, hd, hd] (x * cos + rotate_half(x) * sin = x @ (diag(cos) +
+        P * sin), P the rotate-half permutation), sliced from a table made for max_block positions at once: the
+        chain asks for one position a step, and one product costs a CPU less than the five ops of the formula."""
+        t = self._rot_table
+        if t is None or t[2] != dtype or not t[0] <= first <= first + n <= t[0] + t[1].shape[0]:
             pos = torch.arange(first, first + max(n, self.max_block), device=self.kv.k.device)[None]
-            t = self._rope_table = (first, *self.model.rotary(pos, dtype), dtype)
+            cos, sin = self.model.rotary(pos, torch.float32)
+            hd = cos.shape[-1]
+            perm = _rotate_half(torch.eye(hd, device=cos.device))
+            t = self._rot_table = (first, (torch.diag_embed(cos[0]) + perm * sin[0, :, None, :]).to(dtype), dtype)
         o = first - t[0]
-        return t[1][:, o:o + n], t[2][:, o:o + n]
+        return t[1][o:o + n]
 
     @torch.no_grad()
     def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None:
@@ -253,6 +260,7 @@ class MTPDrafter:
             self.flush()
             pend = None
         toks, qs, confs = [], [], []
+        per_step = not cpu or min_p > 0
         for i in range(n):
             if i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
                 h = self._step(torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2])[-1:]
@@ -265,25 +273,29 @@ class MTPDrafter:
                 lg[None].copy_(_head8.logits(h, self.head8, cast=False))    # bf16 -> fp32 in the copy
             else:
                 lg[None].copy_(self.model.lm_head(h))
-            c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
-            if cpu and min_p > 0 and float(c) < min_p:
-                break
+            if per_step:
+                c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
+                if cpu and min_p > 0 and float(c) < min_p:
+                    break
+                confs.append(c)
             if sampling is None or sampling.greedy:
-                t = torch.argmax(lg, dim=-1, keepdim=True)
+                t = lg.max(-1, keepdim=True)[1]      # argmax's index (the first of equals) in a cheaper CPU op
             else:
                 q = probs(lg, sampling)
                 t = torch.multinomial(q, 1, generator=generator)
                 qs.append(q)
             toks.append(t)
-            confs.append(c)
             tok, g = t, h
         self.kv.rollback(committed)
-        conf = torch.stack(confs) if confs else torch.zeros(0, device=dev)
+        if per_step:
+            conf = torch.stack(confs) if confs else torch.zeros(0, device=dev)
+        else:           # no floor to stop at: the window's confidences in one op, not two a step
+            conf = torch.softmax(self.logits_buf[:len(toks)], -1).amax(-1)
         return Proposal(
             tokens=torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=dev),
             q=torch.stack(qs) if qs else None,
             confidence=conf,
-            keep=floor_keep(conf, min_p) if min_p > 0 and not cpu and confs else None,
+            keep=floor_keep(conf, min_p) if min_p > 0 and not cpu and toks else None,
         )
 
     def draft_ahead(self, window: Tensor, hidden: Tensor, taps: Tensor | None, pos: int, acc: Tensor,

@@ -185,9 +185,12 @@ def test_mtp_first_proposal_matches_teacher_forced_head(model, int8, monkeypatch
     n = seq.shape[1] - 1
     dr.observe(seq[0, :n], out.hidden[0, :n], None, 0)
     prop = dr.propose(int(seq[0, n]), n, 1, min_p=0.0, sampling=None, generator=None)
+    # the confidence is the step's top-1 probability (with no floor the CPU takes it for the window at once)
+    torch.testing.assert_close(prop.confidence, torch.softmax(dr.logits_buf[:1], -1).amax(-1), rtol=0, atol=0)
     if not int8:
         assert prop.tokens.tolist() == [int(tf[n - 1].argmax())]
         torch.testing.assert_close(dr.logits_buf[0], tf[n - 1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(prop.confidence, torch.softmax(tf[n - 1:n], -1).amax(-1), rtol=0, atol=1e-6)
         return
     q, scale = dr.head8
     w = model.lm_head.weight.detach()
