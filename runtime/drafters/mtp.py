@@ -13,16 +13,8 @@ from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
-from runtime.models.layers import SparseMoe, _rotate_half, cached_attention, project_qkv
+from runtime.models.layers import SparseMoe, _rotate_half, cached_attention, ln_weight, project_qkv, rms_ln
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
-
-
-def _rms(x: Tensor, w2: Tensor | None, eps: float) -> Tensor:
-    """RMSNorm of x over its last dimension as one layer_norm over [x, -x], whose mean is 0 and whose variance is
-    the mean of x^2 (a CPU's layer_norm is one kernel, its RMSNorm about eight ops). w2: the weight then zeros
-    ([2 * H], `_CpuConsts`), or None for no weight. The result is a view of the first half."""
-    h = x.shape[-1]
-    return F.layer_norm(torch.cat((x, -x), -1), (2 * h,), w2, None, eps)[..., :h]
 
 
 def _mm(lin: torch.nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
@@ -35,27 +27,18 @@ def _mm(lin: torch.nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
 
 
 class _CpuConsts:
-    """`MTPDrafter._rows_cpu`'s weights for its norms: the input norms' stacked [2, H], the layer and final norms'
-    as [w, 0] for `_rms`, and the q/k-norm weight per q and k head, q's times the attention scale."""
+    """`MTPDrafter._rows_cpu`'s norm weights: the input norms' stacked [2, H], the layer's and the final norm's
+    for `rms_ln`, and the q/k-norm weight per q and k head, q's times the attention scale."""
 
-    def __init__(self, in_norms: Tensor, attn_norm: Tensor, post_norm: Tensor, final_norm: Tensor,
-                 qk_norm: Tensor) -> None:
-        self.in_norms, self.attn_norm, self.post_norm, self.final_norm = in_norms, attn_norm, post_norm, final_norm
-        self.qk_norm = qk_norm
-
-    @classmethod
-    def of(cls, mtp) -> _CpuConsts:
+    def __init__(self, mtp) -> None:
         layer = mtp.layers[0]
         a = layer.self_attn
-
-        def w2(norm) -> Tensor:
-            w = norm.weight.detach()
-            return torch.cat((w, torch.zeros_like(w)))
-
         with torch.no_grad():
-            qk = torch.cat((a.q_norm.weight.expand(a.nh, a.hd) * a.scale, a.k_norm.weight.expand(a.nkv, a.hd)))
-            ins = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight))
-        return cls(ins, w2(layer.input_layernorm), w2(layer.post_attention_layernorm), w2(mtp.norm), qk)
+            self.qk_norm = torch.cat((a.q_norm.weight.expand(a.nh, a.hd) * a.scale,
+                                      a.k_norm.weight.expand(a.nkv, a.hd)))
+            self.in_norms = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight))
+        self.attn_norm, self.post_norm = ln_weight(layer.input_layernorm), ln_weight(layer.post_attention_layernorm)
+        self.final_norm = ln_weight(mtp.norm)
 
 
 class MTPDrafter:
@@ -125,9 +108,8 @@ class MTPDrafter:
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int) -> Tensor:
         """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, with fewer ops: every RMSNorm as
-        one layer_norm (`_rms`), the two input norms as one, q/k/v as one product, q- and k-norm as one (the
-        attention scale folded into q's weight) and RoPE once over both (from a table made once a window), the
-        cache written and read in place, the residual adds inside the products (addmm), and a small layer's experts
+        one layer_norm (`layers.rms_ln`), the two input norms as one, q/k/v as one product, q- and k-norm as one (the
+        attention scale folded into q's weight) and RoPE as one product over both (`_rot`), the cache written and read in place, the residual adds inside the products (addmm), and a small layer's experts
         all at once with the router's top-k softmaxed directly. Why: a CPU step is paid per op, and the chain runs
         one row at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
         mtp, m = self.mtp, self.model
@@ -139,10 +121,10 @@ class MTPDrafter:
         n = int(tok.shape[0])
         emb = m.model.embed_tokens(tok)
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
-        x = _mm(mtp.fc, (_rms(e_g, None, eps) * c.in_norms).view(n, -1))
-        h = _rms(x, c.attn_norm, eps)
+        x = _mm(mtp.fc, (rms_ln(e_g, None, eps) * c.in_norms).view(n, -1))
+        h = rms_ln(x, c.attn_norm, eps)
         qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
-        qk = _rms(qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd), None, eps) * c.qk_norm     # q carries the scale
+        qk = rms_ln(qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd), None, eps) * c.qk_norm     # q carries the scale
         if n <= self.max_block:
             qk = torch.bmm(qk, self._rot(first, n, x.dtype))
         else:
@@ -171,7 +153,7 @@ class MTPDrafter:
             qh = q.reshape(n, nh, hd).transpose(0, 1)[None]
             o = cached_attention(qh, keys[None], vals[None], 1.0)[0].transpose(0, 1).reshape(n, nh * hd)
         x = _mm(a.o_proj, o, x)
-        y = _rms(x, c.post_norm, eps)
+        y = rms_ln(x, c.post_norm, eps)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
             E, inter = mlp.n_exp, mlp.inter
@@ -189,11 +171,11 @@ class MTPDrafter:
                 mlp.counter(mlp.layer_idx, n)
         else:
             x = x + mlp(y)
-        return _rms(x, c.final_norm, eps)
+        return rms_ln(x, c.final_norm, eps)
 
     def _cpu_consts(self) -> _CpuConsts:
         if self._consts is None:
-            self._consts = _CpuConsts.of(self.mtp)
+            self._consts = _CpuConsts(self.mtp)
         return self._consts
 
     def _rot(self, first: int, n: int, dtype: torch.dtype) -> Tensor:

@@ -5,7 +5,7 @@ rounds it."""
 import torch
 import torch.nn.functional as F
 
-from runtime.models.layers import RMSNorm
+from runtime.models.layers import RMSNorm, ln_weight, rms_ln
 
 
 def _transformers_order(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,3 +35,25 @@ def test_bf16_norm_rounds_before_the_scale():
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     assert n(x).dtype == torch.bfloat16
     assert torch.equal(n(x), n.weight * F.rms_norm(x.float(), (64,), eps=1e-6).to(torch.bfloat16))
+
+
+def test_layer_norm_form_is_rmsnorm_row_by_row():
+    """`rms_ln` (the CPU step's norm: one layer_norm over [x, -x]) is RMSNorm within fp32 rounding, with the
+    weight or without, and a row's bits are those it gets alone, at any row of any batch (row invariance)."""
+    g = torch.Generator().manual_seed(9)
+    for shape in ((1, 1, 256), (1, 5, 256), (4, 6, 64), (2, 382, 64)):
+        n = RMSNorm(shape[-1], 1e-6)
+        with torch.no_grad():
+            n.weight.copy_(torch.randn(shape[-1], generator=g))
+        for scale in (1e-3, 1.0, 30.0):
+            x = torch.randn(*shape, generator=g) * scale
+            y = rms_ln(x, ln_weight(n), 1e-6)
+            torch.testing.assert_close(y, n(x), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(rms_ln(x, None, 1e-6), F.rms_norm(x, (shape[-1],), eps=1e-6),
+                                       rtol=1e-5, atol=1e-6)
+            rows = x.reshape(-1, shape[-1])
+            for i in (0, rows.shape[0] - 1):
+                assert torch.equal(rms_ln(rows[i:i + 1], ln_weight(n), 1e-6)[0], y.reshape(-1, shape[-1])[i])
+    b = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(rms_ln(x, ln_weight(b), 1e-6).float(), b(x).float(), rtol=2 ** -7, atol=1e-2)
