@@ -217,14 +217,19 @@ class StaticStep:
             vc[:, start:end], vs[:, start:end] = quantize_q8_0(vn)
             keys = dequantize_q8_0(kc[:, :end], ks[:, :end], q.dtype)
             vals = dequantize_q8_0(vc[:, :end], vs[:, :end], q.dtype)
-        o = torch.zeros_like(q)
         W, nh, hd = q.shape
-        qg = q.view(W, a.nkv, nh // a.nkv, hd)          # a row's query heads by KV head (GQA groups)
+        o = torch.empty_like(q)
+        if n < W:
+            o[n:].zero_()
+        grp = nh // a.nkv
+        if CPU_ROW_BMM:     # the scale on q once for the window (every row's q gets the same op), not on each row's scores
+            qg = (q[:n] * a.scale).view(n, a.nkv, grp, hd)          # a row's query heads by KV head (GQA groups)
+            og = o.view(W, a.nkv, grp, hd)
         for j in range(n):
             stop = start + j + 1
             if CPU_ROW_BMM:
-                s = torch.bmm(qg[j], keys[:, :stop].transpose(1, 2)).mul_(a.scale)       # [nkv, group, stop]
-                o[j] = torch.bmm(torch.softmax(s, -1), vals[:, :stop]).view(nh, hd)
+                s = torch.bmm(qg[j], keys[:, :stop].transpose(1, 2))                   # [nkv, group, stop]
+                torch.bmm(torch.softmax(s, -1), vals[:, :stop], out=og[j])
             else:
                 oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], keys[None, :, :stop],
                                                     vals[None, :, :stop], scale=a.scale, enable_gqa=a.nkv != a.nh)
