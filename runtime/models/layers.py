@@ -41,14 +41,19 @@ def rms_ln(x: Tensor, w2: Tensor | None, eps: float) -> Tensor:
     return F.layer_norm(torch.cat((x, -x), -1), (2 * h,), w2, None, eps)[..., :h]
 
 
-def ln_weight(norm: RMSNorm) -> Tensor:
-    """An RMSNorm's weight followed by as many zeros, for `rms_ln` (made once, kept on the module)."""
-    w = getattr(norm, "_ln_weight", None)
-    if w is None or w.device != norm.weight.device or w.dtype != norm.weight.dtype:
+def ln_weight(norm: nn.Module, dtype: torch.dtype | None = None) -> Tensor:
+    """An RMSNorm's weight (in `dtype`, default its own) followed by as many zeros, for `rms_ln` (made once, kept
+    on the module)."""
+    p = norm.weight
+    # remade when the weight is replaced or changed in place (a training step between evaluations)
+    key = (p.data_ptr(), p._version, dtype or p.dtype)
+    have = getattr(norm, "_ln_weight", None)
+    if have is None or have[0] != key:
         with torch.no_grad():
-            w = torch.cat((norm.weight.detach(), torch.zeros_like(norm.weight.detach())))
-        object.__setattr__(norm, "_ln_weight", w)      # not registered: state_dict and the weight count unchanged
-    return w
+            v = p.detach().to(key[2])
+            have = (key, torch.cat((v, torch.zeros_like(v))))
+        object.__setattr__(norm, "_ln_weight", have)   # not registered: state_dict and the weight count unchanged
+    return have[1]
 
 
 def rope_inv_freq(cfg: Qwen3MoeConfig) -> tuple[Tensor, float]:

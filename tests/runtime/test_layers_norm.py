@@ -57,3 +57,16 @@ def test_layer_norm_form_is_rmsnorm_row_by_row():
     b = RMSNorm(64, 1e-6).to(torch.bfloat16)
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     torch.testing.assert_close(rms_ln(x, ln_weight(b), 1e-6).float(), b(x).float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_layer_norm_form_follows_a_changed_weight():
+    """`ln_weight` is remade when the norm's weight changes in place or is replaced (no stale copy)."""
+    n = RMSNorm(16, 1e-6)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        rms_ln(x, ln_weight(n), 1e-6)
+        n.weight.mul_(3.0)
+        torch.testing.assert_close(rms_ln(x, ln_weight(n), 1e-6), n(x), rtol=1e-5, atol=1e-6)
+        n.weight.data = torch.randn(16)
+        torch.testing.assert_close(rms_ln(x, ln_weight(n), 1e-6), n(x), rtol=1e-5, atol=1e-6)
+    assert ln_weight(n, torch.bfloat16).dtype == torch.bfloat16

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from runtime.drafters.base import floor_keep
 from runtime.drafters.dflash2.contract import DFlash2Geometry
-from runtime.models.layers import MLP, apply_rope  # the target's SiLU MLP and RoPE, one definition
+from runtime.models.layers import MLP, apply_rope, ln_weight, rms_ln  # the target's MLP, RoPE and CPU norm
 from runtime.sampling import SamplingParams, probs
 
 # ----------------------------------------------------------------------------------------------- building blocks
@@ -43,6 +43,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dt = x.dtype
+        if dt == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            # inference on a CPU: one layer_norm (layers.rms_ln) instead of about nine ops; drafts need no bits
+            return rms_ln(x, ln_weight(self, dt), self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.to(dt) * xf.to(dt)
@@ -82,8 +85,16 @@ class GroupedDynamicCausalConv(nn.Module):
         """h [B, W, H]; dyn [B, W, K, H/G]; base [K, H] -> [B, W, H]."""
         B, W, H = h.shape
         blocks = h.reshape(B, W, self.groups, self.group_size)
+        if not torch.is_grad_enabled():
+            # inference: each tap's kernel (base + dynamic) made at once, then one product a tap, the shifted ones
+            # added in place (1 + K ops, not about 5 K: a CPU pays per op); the same sum in another order
+            w = base.to(h.dtype).view(1, 1, self.kernel_size, self.groups, self.group_size) + dyn[..., None]
+            out = w[:, :, 0] * blocks
+            for o in range(1, min(self.kernel_size, W)):
+                out[:, o:].addcmul_(w[:, o:, o], blocks[:, :W - o])
+            return out.reshape(B, W, H)
         out = torch.zeros_like(blocks)
-        for o in range(self.kernel_size):
+        for o in range(min(self.kernel_size, W)):     # an offset past the window start reads only zeros
             vals = blocks if o == 0 else F.pad(blocks[:, : W - o], (0, 0, 0, 0, o, 0))
             out = out + base[o].to(h.dtype).view(1, 1, self.groups, self.group_size) * vals
             out = out + dyn[:, :, o, :, None] * vals
@@ -117,13 +128,20 @@ class DraftAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, y: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
-                mask: Tensor | None) -> Tensor:
-        """Block rows y [B, W, H] attend to the context K/V [B or 1, nkv, C, hd] and to the block itself."""
+                mask: Tensor | None, block_slots: bool = False) -> Tensor:
+        """Block rows y [B, W, H] attend to the context K/V [B or 1, nkv, C, hd] and to the block itself.
+        `block_slots`: ctx_k/ctx_v (batch 1) end with W spare slots of the cache, where the block's K/V are written
+        (no copy of the whole context each layer, as a concatenation makes)."""
         B, W, _ = y.shape
         q = apply_rope(self.q_norm(self.q_proj(y).view(B, W, self.nh, self.hd)).transpose(1, 2), cos, sin)
         kb, vb = self.kv(y, cos, sin)
-        keys = torch.cat([ctx_k.to(q.dtype).expand(B, -1, -1, -1), kb], dim=2)
-        vals = torch.cat([ctx_v.to(q.dtype).expand(B, -1, -1, -1), vb], dim=2)
+        if block_slots and B == 1:
+            ctx_k[:, :, -W:] = kb
+            ctx_v[:, :, -W:] = vb
+            keys, vals = ctx_k.to(q.dtype), ctx_v.to(q.dtype)
+        else:
+            keys = torch.cat([ctx_k.to(q.dtype).expand(B, -1, -1, -1), kb], dim=2)
+            vals = torch.cat([ctx_v.to(q.dtype).expand(B, -1, -1, -1), vb], dim=2)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=self.hd**-0.5,
                                            enable_gqa=self.nkv != self.nh)
         return self.o_proj(o.transpose(1, 2).reshape(B, W, self.nh * self.hd))
@@ -146,12 +164,12 @@ class DraftLayer(nn.Module):
             self.mlp_conv = GroupedDynamicCausalConv(H, geom.conv_kernel_size, geom.conv_group_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_k: Tensor, ctx_v: Tensor,
-                mask: Tensor | None) -> Tensor:
+                mask: Tensor | None, block_slots: bool = False) -> Tensor:
         y = self.input_layernorm(x)
         d = None
         if self.attention_conv is not None:
             y, d = self.attention_conv.prepare(y)
-        y = self.self_attn(y, cos, sin, ctx_k, ctx_v, mask)
+        y = self.self_attn(y, cos, sin, ctx_k, ctx_v, mask, block_slots)
         if self.attention_conv is not None:
             y = self.attention_conv.finish(y, d)
         x = x + y
@@ -243,7 +261,7 @@ class DFlash2Model(nn.Module):
         return logits
 
     def _run_layers(self, x: Tensor, q_pos: Tensor, ctx: list[tuple[Tensor, Tensor]], k_pos: Tensor,
-                    k_valid: Tensor | None) -> Tensor:
+                    k_valid: Tensor | None, block_slots: bool = False) -> Tensor:
         cos, sin = self.rotary(q_pos, x.dtype)
         masks: dict[tuple[int | None, bool], Tensor | None] = {}
         for layer, (ck, cv) in zip(self.layers, ctx, strict=True):
@@ -254,7 +272,7 @@ class DFlash2Model(nn.Module):
                     kv_m = k_valid[:, None, None, :]
                     m = kv_m if m is None else (m & kv_m)
                 masks[key] = m
-            x = layer(x, cos, sin, ck, cv, masks[key])
+            x = layer(x, cos, sin, ck, cv, masks[key], block_slots)
         return self.norm(x)
 
     # -- training ----------------------------------------------------------------------------------------------
@@ -332,9 +350,12 @@ class DFlash2Model(nn.Module):
         if all(w is not None for w in windows):
             lo = max(0, pos - max(windows) + 1)   # nothing older is visible to any row
         n = cache.length
-        ctx = [(cache.k[i, None, :, lo:n], cache.v[i, None, :, lo:n]) for i in range(len(self.layers))]
+        # the block's K/V go in the cache's spare slots past the context when it has them (never committed)
+        slots = n + width <= cache.capacity and cache.k.dtype == self.dtype
+        end = n + width if slots else n
+        ctx = [(cache.k[i, None, :, lo:end], cache.v[i, None, :, lo:end]) for i in range(len(self.layers))]
         k_pos = torch.cat([torch.arange(lo, n, device=dev), q_pos[0]])[None]
-        return self._run_layers(self.block_input(ids, embed), q_pos, ctx, k_pos, None)[0, 1:]
+        return self._run_layers(self.block_input(ids, embed), q_pos, ctx, k_pos, None, slots)[0, 1:]
 
 
 class ContextCache:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
@@ -61,25 +62,30 @@ def test_conv_identity_base_and_zero_projection_is_identity():
     assert torch.equal(conv.finish(h, d), h)
 
 
-def test_conv_matches_formula_and_never_crosses_the_block_start():
+@pytest.mark.parametrize("grad", [True, False])      # training's loop, inference's taps at once
+@pytest.mark.parametrize("k, w", [(2, 6), (3, 6), (3, 1), (2, 2)])
+def test_conv_matches_formula_and_never_crosses_the_block_start(grad, k, w):
     torch.manual_seed(0)
-    conv = GroupedDynamicCausalConv(64, 2, 16)
+    conv = GroupedDynamicCausalConv(64, k, 16)
     with torch.no_grad():
         conv.base_kernel.normal_()
         conv.kernel_projection.weight.normal_()
-    h = torch.randn(3, 6, 64)
-    y, d = conv.prepare(h)
-    dyn = conv.kernel_projection(h).view(3, 6, 2, 2, 4)
-    torch.testing.assert_close(y, naive_conv(h, dyn[:, :, 0], conv.base_kernel[0], 16), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conv.finish(h, d), naive_conv(h, dyn[:, :, 1], conv.base_kernel[1], 16),
-                               rtol=1e-5, atol=1e-5)
+    h = torch.randn(3, w, 64)
+    with torch.set_grad_enabled(grad):
+        y, d = conv.prepare(h)
+        fin = conv.finish(h, d)
+        h2 = h.clone()
+        h2[1] += 5.0
+        y2, _ = conv.prepare(h2)
+    with torch.no_grad():
+        dyn = conv.kernel_projection(h).view(3, w, 2, k, 4)
+        torch.testing.assert_close(y, naive_conv(h, dyn[:, :, 0], conv.base_kernel[0], 16), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fin, naive_conv(h, dyn[:, :, 1], conv.base_kernel[1], 16), rtol=1e-5, atol=1e-5)
     # row 0 of a window depends on row 0 only; windows in a batch never mix
-    h2 = h.clone()
-    h2[1] += 5.0
-    y2, _ = conv.prepare(h2)
     assert torch.equal(y2[0], y[0]) and torch.equal(y2[2], y[2])
     h3 = torch.cat([torch.randn(3, 1, 64), h], dim=1)       # a row before the block changes nothing in it
-    y3, _ = conv.prepare(h3[:, 1:])
+    with torch.set_grad_enabled(grad):
+        y3, _ = conv.prepare(h3[:, 1:])
     assert torch.equal(y3, y)
 
 
