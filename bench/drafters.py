@@ -2,7 +2,8 @@
 
     python bench/drafters.py [--new-tokens 128] [--repeats 3] [--max-seconds 120]
 
-For each arm and task: median decode tok/s over repeats, speed-up over target-only, tokens committed per window
+For each arm and task: median decode tok/s over repeats, speed-up over target-only (timed between the arm's own
+repeats, so that a drifting machine moves both sides alike), tokens committed per window
 (accepted + 1), draft ms and verify ms per window. The GGUF quantizations are converted from the bundled BF16
 drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped).
 Also the greedy-equality check of docs/models.md ("Speculative decoding") in BF16 on the GPU: every drafted arm's tokens against target-only
@@ -86,19 +87,34 @@ def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadl
         # are equal between runs of one width, docs/models.md "Numerics"); target-only itself runs at width 1
         kw = dict(max_new_tokens=args.new_tokens, block=block, spec_min_p=arm["min_p"], stop_ids=set(), width=block)
         eng.generate(ids, draft=draft, **{**kw, "max_new_tokens": 8})          # warm-up (graph capture)
-        runs, cpu_tok_s = [], []
+        # a drafted arm also times the target alone (width 1, as the target-only arm runs) between its own
+        # repeats: the speed-up is against that, so a machine whose speed drifts during the run (a shared VM)
+        # moves both sides alike
+        alone = dict(kw, block=1, width=1)
+        if draft:
+            eng.generate(ids, draft=False, **{**alone, "max_new_tokens": 8})
+        runs, cpu_tok_s, ref_tok_s = [], [], []
         for _ in range(args.repeats):
-            c0 = time.process_time()
-            runs.append(eng.generate(ids, draft=draft, **kw))
-            c1 = time.process_time()
-            eng.generate(ids, draft=draft, **{**kw, "max_new_tokens": 1})      # the prompt alone
-            c2 = time.process_time()
-            cpu_tok_s.append((len(runs[-1].token_ids) - 1) / max((c1 - c0) - (c2 - c1), 1e-9))
+            for arm_run in ((True, False) if draft else (False,)):
+                akw = kw if arm_run else alone
+                c0 = time.process_time()
+                r = eng.generate(ids, draft=arm_run, **akw)
+                c1 = time.process_time()
+                eng.generate(ids, draft=arm_run, **{**akw, "max_new_tokens": 1})      # the prompt alone
+                c2 = time.process_time()
+                rate = (len(r.token_ids) - 1) / max((c1 - c0) - (c2 - c1), 1e-9)
+                if args.clock != "process":
+                    rate = r.stats["decode_tok_s"]
+                if arm_run or not draft:
+                    runs.append(r)
+                    cpu_tok_s.append(rate)
+                else:
+                    ref_tok_s.append(rate)
         st = [r.stats for r in runs]
         rec: dict[str, Any] = {
             # --clock process: decode tokens per second of this process's CPU time (the whole generation minus a
             # prompt-only one): on a shared machine the wall clock also counts time the scheduler gave others
-            "tok_s": median(cpu_tok_s) if args.clock == "process" else median([s["decode_tok_s"] for s in st]),
+            "tok_s": median(cpu_tok_s),
             "wall_tok_s": median([s["decode_tok_s"] for s in st]),
             "tok_per_window": median([(s["generated_tokens"] - 1) / max(s["windows"], 1) for s in st]),
             # the drafter's time in the windows (its share of the prompt, `observe_prompt_s`, is the prompt's)
@@ -108,6 +124,8 @@ def run_arm(eng, arm: dict, prompts: dict[str, list[int]], args, deadline: Deadl
             "accept_rate": median([s["accepted"] / max(s["proposed"], 1) for s in st]),
             "tokens": runs[0].token_ids,
         }
+        if ref_tok_s:
+            rec["target_tok_s_interleaved"] = median(ref_tok_s)
         if draft:
             ref = eng.generate(ids, draft=False, **kw).token_ids               # target-only, same engine
             rec["equal_to_target_only"] = runs[0].token_ids == ref
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, r in res["arms"].items():
         for task, v in r["tasks"].items():
             b = base.get(task, {}).get("tok_s")
+            b = v.get("target_tok_s_interleaved", b)      # the target alone timed between this arm's repeats
             v["speedup"] = v["tok_s"] / b if b else None
             same_tgt = (v["tokens"] == base.get(task, {}).get("tokens")) if base.get(task) else None
             rows.append([name, task, v["tok_s"], v["speedup"], v["tok_per_window"], v["draft_ms_per_window"],
