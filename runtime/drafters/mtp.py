@@ -13,32 +13,13 @@ from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
-from runtime.models.layers import SparseMoe, _rotate_half, cached_attention, ln_weight, project_qkv, rms_ln
+from runtime.models import cpu_rows
+from runtime.models.layers import SparseMoe, cached_attention, project_qkv
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
-def _mm(lin: torch.nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
-    """lin(x) (+ add), as one BLAS call for a float nn.Linear without bias (its weight's transpose is the
-    input-major matrix runtime/cpu_layout.py makes), else through the module."""
-    w = getattr(lin, "weight", None)
-    if type(lin) is not torch.nn.Linear or lin.bias is not None or w.dtype != x.dtype:
-        return lin(x) if add is None else add + lin(x)
-    return torch.mm(x, w.t()) if add is None else torch.addmm(add, x, w.t())
-
-
-class _CpuConsts:
-    """`MTPDrafter._rows_cpu`'s norm weights: the input norms' stacked [2, H], the layer's and the final norm's
-    for `rms_ln`, and the q/k-norm weight per q and k head, q's times the attention scale."""
-
-    def __init__(self, mtp) -> None:
-        layer = mtp.layers[0]
-        a = layer.self_attn
-        with torch.no_grad():
-            self.qk_norm = torch.cat((a.q_norm.weight.expand(a.nh, a.hd) * a.scale,
-                                      a.k_norm.weight.expand(a.nkv, a.hd)))
-            self.in_norms = torch.stack((mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight))
-        self.attn_norm, self.post_norm = ln_weight(layer.input_layernorm), ln_weight(layer.post_attention_layernorm)
-        self.final_norm = ln_weight(mtp.norm)
+def _norm(norm, x: Tensor) -> Tensor:
+    return cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps)
 
 
 class MTPDrafter:
@@ -74,7 +55,6 @@ class MTPDrafter:
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
         self._rot_table: tuple[int, Tensor, torch.dtype] | None = None    # (first position, RoPE matrices, dtype)
-        self._consts: _CpuConsts | None = None    # `_rows_cpu`'s norm weights, made at its first call
 
     def reset(self) -> None:
         self.kv.reset()
@@ -107,13 +87,12 @@ class MTPDrafter:
         return h
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int) -> Tensor:
-        """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, with fewer ops: every RMSNorm as
-        one layer_norm (`layers.rms_ln`), the two input norms as one, q/k/v as one product, q- and k-norm as one (the
-        attention scale folded into q's weight) and RoPE as one product over both (`_rot`), the cache written and read in place, the residual adds inside the products (addmm), and a small layer's experts
-        all at once with the router's top-k softmaxed directly. Why: a CPU step is paid per op, and the chain runs
-        one row at a time (docs/models.md, "MTP head"). Drafts need no particular bits."""
+        """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through runtime/models/cpu_rows.py
+        (norms as layer_norms, the two input norms as one, q/k/v with the scale in q and RoPE as one product, the
+        residual adds inside the products, routing by the top-k's softmax), the cache written and read in place,
+        a window's rows attending by batched products, and a small layer's experts all at once. Why: a CPU step
+        is paid per op, and the chain runs one row at a time (docs/models.md, "MTP head"). Drafts need no bits."""
         mtp, m = self.mtp, self.model
-        c = self._cpu_consts()
         eps = m.cfg.rms_norm_eps
         layer = mtp.layers[0]
         a = layer.self_attn
@@ -121,16 +100,15 @@ class MTPDrafter:
         n = int(tok.shape[0])
         emb = m.model.embed_tokens(tok)
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
-        x = _mm(mtp.fc, (rms_ln(e_g, None, eps) * c.in_norms).view(n, -1))
-        h = rms_ln(x, c.attn_norm, eps)
-        qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
-        qk = rms_ln(qkv[:, :(nh + nkv) * hd].view(n, nh + nkv, hd), None, eps) * c.qk_norm     # q carries the scale
+        w_e, w_g = mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight
+        ins = cpu_rows.derived(mtp, "_in_norms", (w_e, w_g), lambda: torch.stack((w_e, w_g)))   # [2, H]
+        x = cpu_rows.linear(mtp.fc, (cpu_rows.rms_ln(e_g, None, eps) * ins).view(n, -1))
         if n <= self.max_block:
-            qk = torch.bmm(qk, self._rot(first, n, x.dtype))
+            rot = self._rot(first, n, x.dtype)
         else:
             cos, sin = m.rotary(torch.arange(first, first + n, device=x.device)[None], x.dtype)
-            qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(n, nkv, hd)
+            rot = cpu_rows.rope_matrices(cos[0], sin[0])
+        q, k, v = cpu_rows.qkv(a, _norm(layer.input_layernorm, x), rot)           # q carries the scale
         s0 = self.kv.length
         kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
         kc[:, s0:s0 + n] = k.transpose(0, 1)
@@ -149,46 +127,33 @@ class MTPDrafter:
                 mask = torch.full((n, n), float("-inf"), device=sc.device).triu_(1)
                 sc[..., s0:] += mask.repeat_interleave(grp, 0)
             o = torch.bmm(torch.softmax(sc, -1), vals).view(nkv, n, grp, hd).transpose(0, 1).reshape(n, -1)
-        else:           # committed rows in prefill-sized chunks (the scale is in q already)
+        else:           # committed rows in prefill-sized chunks (the scale is in q)
             qh = q.reshape(n, nh, hd).transpose(0, 1)[None]
             o = cached_attention(qh, keys[None], vals[None], 1.0)[0].transpose(0, 1).reshape(n, nh * hd)
-        x = _mm(a.o_proj, o, x)
-        y = rms_ln(x, c.post_norm, eps)
+        x = cpu_rows.linear(a.o_proj, o, x)
+        y = _norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
             E, inter = mlp.n_exp, mlp.inter
-            r = _mm(mlp.gate, y)
-            if mlp.norm_topk:        # the top-k's own softmax: their full-softmax weights renormalised
-                lw, idx = torch.topk(r, mlp.top_k, dim=-1)
-                w = torch.softmax(lw.float(), -1)
-            else:
-                w, idx = torch.topk(torch.softmax(r.float(), -1), mlp.top_k, dim=-1)
+            w, idx = cpu_rows.route(mlp, y)
             gu = torch.mm(y, mlp.dense_gu.t()).view(n, E, 2, inter)
-            wd = torch.zeros(n, E, dtype=gu.dtype, device=x.device).scatter_(1, idx, w.to(gu.dtype))
+            wd = torch.zeros(n, E, dtype=gu.dtype, device=x.device).scatter_(1, idx, w)
             act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * wd[:, :, None]
             x = torch.addmm(x, act.view(n, E * inter), mlp.dense_down.t())
             if mlp.counter is not None:
                 mlp.counter(mlp.layer_idx, n)
         else:
             x = x + mlp(y)
-        return rms_ln(x, c.final_norm, eps)
-
-    def _cpu_consts(self) -> _CpuConsts:
-        if self._consts is None:
-            self._consts = _CpuConsts(self.mtp)
-        return self._consts
+        return _norm(mtp.norm, x)
 
     def _rot(self, first: int, n: int, dtype: torch.dtype) -> Tensor:
-        """RoPE at positions first.. as matrices [n, hd, hd] (x * cos + rotate_half(x) * sin = x @ (diag(cos) +
-        P * sin), P the rotate-half permutation), sliced from a table made for max_block positions at once: the
-        chain asks for one position a step, and one product costs a CPU less than the five ops of the formula."""
+        """RoPE at positions first.. as matrices [n, hd, hd] (`cpu_rows.rope_matrices`), sliced from a table made
+        for max_block positions at once: the chain asks for one position a step."""
         t = self._rot_table
         if t is None or t[2] != dtype or not t[0] <= first <= first + n <= t[0] + t[1].shape[0]:
             pos = torch.arange(first, first + max(n, self.max_block), device=self.kv.k.device)[None]
             cos, sin = self.model.rotary(pos, torch.float32)
-            hd = cos.shape[-1]
-            perm = _rotate_half(torch.eye(hd, device=cos.device))
-            t = self._rot_table = (first, (torch.diag_embed(cos[0]) + perm * sin[0, :, None, :]).to(dtype), dtype)
+            t = self._rot_table = (first, cpu_rows.rope_matrices(cos[0], sin[0]).to(dtype), dtype)
         o = first - t[0]
         return t[1][o:o + n]
 

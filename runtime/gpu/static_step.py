@@ -32,7 +32,8 @@ from torch import Tensor
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
-from runtime.models.layers import SparseMoe, ln_weight, project_qkv, qkv_rows, rms_ln
+from runtime.models import cpu_rows
+from runtime.models.layers import SparseMoe, project_qkv, qkv_rows
 from runtime.models.qwen3_moe import TargetOutput
 
 
@@ -119,15 +120,10 @@ def _expert(ex, h: Tensor) -> Tensor:
 CPU_QK_MERGED = True
 
 
-# CPU: every RMSNorm of the step as one layer_norm (`layers.rms_ln`): row by row like RMSNorm, in fewer ops
-CPU_LN_NORMS = True
-
-
-def _norm(norm, x: Tensor) -> Tensor:
-    """An RMSNorm module on x: through `rms_ln` on the CPU step when CPU_LN_NORMS says so."""
-    if CPU_LN_NORMS:
-        return rms_ln(x, ln_weight(norm), norm.eps)
-    return norm(x)
+# CPU: the step through runtime/models/cpu_rows.py (norms as layer_norms, q/k/v with RoPE as one product and the
+# scale in q, routing by the top-k's softmax, residual adds inside the products): each row from that row alone, in
+# fewer ops, not the modules' bits (False: the module path's ops, `_forward_layers`)
+CPU_FEWER_OPS = True
 
 
 # CPU: a row attends through two batched products and a softmax (scores, weights, values by KV head) rather than
@@ -202,9 +198,10 @@ class StaticStep:
         return o[0].transpose(0, 1)
 
     def _attend_rows(self, a, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, ks: Tensor | None = None,
-                     vs: Tensor | None = None) -> Tensor:
+                     vs: Tensor | None = None, scaled: bool = False) -> Tensor:
         """CPU: write the real rows' K/V (8-bit blocks for a q8_0 cache), then each real row attends alone to keys
-        0..its position, so its result does not depend on the window it came in (padded rows give zeros)."""
+        0..its position, so its result does not depend on the window it came in (padded rows give zeros).
+        `scaled`: q carries the attention scale already (`cpu_rows.qkv`)."""
         start, n = self.window
         end = start + n
         kn, vn = k[:n].transpose(0, 1), v[:n].transpose(0, 1)
@@ -223,7 +220,7 @@ class StaticStep:
             o[n:].zero_()
         grp = nh // a.nkv
         if CPU_ROW_BMM:     # the scale on q once for the window (every row's q gets the same op), not on each row's scores
-            qg = (q[:n] * a.scale).view(n, a.nkv, grp, hd)          # a row's query heads by KV head (GQA groups)
+            qg = (q[:n] if scaled else q[:n] * a.scale).reshape(n, a.nkv, grp, hd)   # query heads by KV head
             og = o.view(W, a.nkv, grp, hd)
         for j in range(n):
             stop = start + j + 1
@@ -232,15 +229,18 @@ class StaticStep:
                 torch.bmm(torch.softmax(s, -1), vals[:, :stop], out=og[j])
             else:
                 oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], keys[None, :, :stop],
-                                                    vals[None, :, :stop], scale=a.scale, enable_gqa=a.nkv != a.nh)
+                                                    vals[None, :, :stop], scale=1.0 if scaled else a.scale,
+                                                    enable_gqa=a.nkv != a.nh)
                 o[j] = oj[0, :, 0]
         return o
 
-    def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int) -> Tensor:
+    def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int, fast: bool = False) -> Tensor:
         """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows
-        are added in, in expert order: a row's result does not depend on the other rows. h [W, H]."""
+        are added in, in expert order: a row's result does not depend on the other rows. h [W, H]. `fast`: the
+        router through `cpu_rows.route`."""
         n = self.window[1]
-        w, idx = mlp.route(h)               # the router at the fixed shape too, then the real rows
+        # the router at the fixed shape too, then the real rows
+        w, idx = cpu_rows.route(mlp, h) if fast else mlp.route(h)
         if mlp.recorder is not None:
             mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
         if mlp.offload is not None:         # an expert pool emulated on the CPU (tests): its own paths
@@ -299,7 +299,40 @@ class StaticStep:
     def _forward(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.fused:
             return self._forward_fused(taps)
+        if self.cpu and CPU_FEWER_OPS:
+            return self._forward_cpu(taps)
         return self._forward_layers(taps)
+
+    def _forward_cpu(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`_forward_layers` on the CPU through runtime/models/cpu_rows.py: about 30 ops a layer instead of about
+        45 (a CPU step is paid per op); every row from that row alone, as the fixed-width step needs."""
+        m = self.model
+        x = m.model.embed_tokens(self.ids)[0]                    # [W, H]
+        cos, sin = m.rotary(self.pos.clamp(min=0).long()[None], x.dtype)
+        rot = cpu_rows.rope_matrices(cos[0], sin[0])             # once a step, one product a layer
+        wanted = {t: j for j, t in enumerate(taps)}
+        tap_out: list[Tensor | None] = [None] * len(taps)
+        for i, layer in enumerate(m.model.layers):
+            a = layer.self_attn
+            norm = layer.input_layernorm
+            q, k, v = cpu_rows.qkv(a, cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps), rot)
+            kc, vc, ks, vs = self.kv.layer(i).kernel_args()
+            o = self._attend_rows(a, q, k, v, kc, vc, ks, vs, scaled=True)
+            x = cpu_rows.linear(a.o_proj, o.view(self.width, a.nh * a.hd), x)
+            norm = layer.post_attention_layernorm
+            h = cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps)
+            mlp = layer.mlp
+            y = self._moe_rows(mlp, h, i, fast=True) if isinstance(mlp, SparseMoe) else mlp(h)
+            x = x + y
+            if i in wanted:
+                tap_out[wanted[i]] = x
+        norm = m.model.norm
+        hidden = cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps).contiguous()
+        # one product of the fixed shape (a row gets the same bits at any row of it): it reads the head's weights
+        # once, W one-row products would read them W times
+        logits = m.lm_head(hidden).float()
+        tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
+        return logits, hidden, tap_t
 
     def _forward_layers(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         m = self.model
@@ -311,13 +344,13 @@ class StaticStep:
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
             if self.cpu and CPU_QK_MERGED and a.has_qkv:
-                q, k, v = qkv_rows(a, _norm(layer.input_layernorm, x)[0], cos, sin, ln=CPU_LN_NORMS)
+                q, k, v = qkv_rows(a, layer.input_layernorm(x)[0], cos, sin)
             else:
                 q, k, v = project_qkv(a, layer.input_layernorm(x), cos, sin)
                 q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
             o = self._attend(a, q, k, v, i)
             x = x + a.o_proj(o.reshape(1, W, a.nh * a.hd))
-            h = _norm(layer.post_attention_layernorm, x) if self.cpu else layer.post_attention_layernorm(x)
+            h = layer.post_attention_layernorm(x)
             mlp = layer.mlp
             if isinstance(mlp, SparseMoe) and self.use_kernels:
                 w, idx = mlp.route(h[0])
@@ -336,7 +369,7 @@ class StaticStep:
             x = x + y
             if i in wanted:
                 tap_out[wanted[i]] = x
-        hidden = _norm(m.model.norm, x).contiguous() if self.cpu else m.model.norm(x)
+        hidden = m.model.norm(x)
         # on the CPU too one product of the fixed shape (a row gets the same bits at any row of it): it reads the
         # head's weights once, W one-row products would read them W times
         logits = m.lm_head(hidden).float()

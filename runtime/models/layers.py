@@ -31,31 +31,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rms_ln(x: Tensor, w2: Tensor | None, eps: float) -> Tensor:
-    """RMSNorm of x over its last dimension as one layer_norm over [x, -x], whose mean is 0 and whose variance is
-    the mean of x^2. Why: on a CPU layer_norm is one kernel and RMSNorm about eight ops (docs/models.md,
-    "Numerics", CPU). w2: the weight then as many zeros ([2 * H], `ln_weight`), or None for no weight. Each row
-    is computed from that row alone; the bits are not RMSNorm's (within a few ulps of them). The result is a view
-    of the first half."""
-    h = x.shape[-1]
-    return F.layer_norm(torch.cat((x, -x), -1), (2 * h,), w2, None, eps)[..., :h]
-
-
-def ln_weight(norm: nn.Module, dtype: torch.dtype | None = None) -> Tensor:
-    """An RMSNorm's weight (in `dtype`, default its own) followed by as many zeros, for `rms_ln` (made once, kept
-    on the module)."""
-    p = norm.weight
-    # remade when the weight is replaced or changed in place (a training step between evaluations)
-    key = (p.data_ptr(), p._version, dtype or p.dtype)
-    have = getattr(norm, "_ln_weight", None)
-    if have is None or have[0] != key:
-        with torch.no_grad():
-            v = p.detach().to(key[2])
-            have = (key, torch.cat((v, torch.zeros_like(v))))
-        object.__setattr__(norm, "_ln_weight", have)   # not registered: state_dict and the weight count unchanged
-    return have[1]
-
-
 def rope_inv_freq(cfg: Qwen3MoeConfig) -> tuple[Tensor, float]:
     """Inverse frequencies and cos/sin scale, as transformers' ROPE_INIT_FUNCTIONS compute them."""
     dim, base, rp = cfg.head_dim, cfg.rope_theta, cfg.rope_params
@@ -155,21 +130,18 @@ def project_qkv(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor,
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def qkv_rows(a, h: Tensor, cos: Tensor, sin: Tensor, ln: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def qkv_rows(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`project_qkv` for rows h [W, H] (cos/sin [1, W, hd]) with the q- and k-norm as one RMSNorm over the rows' q
     and k heads and RoPE once over both: the same ops on each head vector, so the same bits, in half the ops (a
-    CPU step is paid per op); `ln`: that norm as `rms_ln` (fewer ops, not the same bits). -> q [W, nh, hd], k
-    and v [W, nkv, hd]."""
+    CPU step is paid per op). -> q [W, nh, hd], k and v [W, nkv, hd]."""
     nh, nkv, hd = a.nh, a.nkv, a.hd
     W = h.shape[0]
     if a.qk_heads_weight is None:        # q-norm's weight for each q head, then k-norm's for each k head
         a.qk_heads_weight = torch.cat((a.q_norm.weight.expand(nh, hd), a.k_norm.weight.expand(nkv, hd)))
     qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
     qk = qkv[:, :(nh + nkv) * hd].view(W, nh + nkv, hd)
-    if ln:
-        qk = rms_ln(qk, None, a.q_norm.eps) * a.qk_heads_weight
-    else:   # RMSNorm's order (normalised in fp32, rounded to the dtype, scaled; in fp32 the bits of the fused op)
-        qk = a.qk_heads_weight * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
+    # RMSNorm's order (normalised in fp32, rounded to the dtype, scaled; in fp32 the bits of the fused op)
+    qk = a.qk_heads_weight * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
     qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
     return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(W, nkv, hd)
 

@@ -5,7 +5,8 @@ rounds it."""
 import torch
 import torch.nn.functional as F
 
-from runtime.models.layers import RMSNorm, ln_weight, rms_ln
+from runtime.models.cpu_rows import ln_weight, rms_ln
+from runtime.models.layers import RMSNorm
 
 
 def _transformers_order(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -180,12 +180,12 @@ def test_cpu_engine_runs_every_window_through_the_step(tmp_path, monkeypatch):
 def test_cpu_merged_qk_norm_and_rope_give_the_modules_bits(model, monkeypatch, width):
     """The CPU step's q/k post-processing as one RMSNorm and one RoPE over a window's q and k heads
     (`layers.qkv_rows`) gives the bits of the separate q-norm, k-norm and RoPE (`project_qkv`), with the norms as
-    RMSNorm computes them (static_step.CPU_LN_NORMS off; on, the step's bits are its own: the tests above)."""
+    RMSNorm computes them (static_step.CPU_FEWER_OPS off; on, the step's bits are its own: the tests above)."""
     from runtime.gpu import static_step
 
     for layer in model.model.layers:
         layer.self_attn.stack_qkv()          # as the engine holds them on a CPU (runtime/experts.py)
-    monkeypatch.setattr(static_step, "CPU_LN_NORMS", False)
+    monkeypatch.setattr(static_step, "CPU_FEWER_OPS", False)
     calls = []
     real = static_step.qkv_rows
     monkeypatch.setattr(static_step, "qkv_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))

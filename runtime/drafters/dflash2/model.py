@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from runtime.drafters.base import floor_keep
 from runtime.drafters.dflash2.contract import DFlash2Geometry
-from runtime.models.layers import MLP, apply_rope, ln_weight, rms_ln  # the target's MLP, RoPE and CPU norm
+from runtime.models.cpu_rows import ln_weight, rms_ln
+from runtime.models.layers import MLP, apply_rope  # the target's SiLU MLP and RoPE, one definition
 from runtime.sampling import SamplingParams, probs
 
 # ----------------------------------------------------------------------------------------------- building blocks
@@ -44,7 +45,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         dt = x.dtype
         if dt == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
-            # inference on a CPU: one layer_norm (layers.rms_ln) instead of about nine ops; drafts need no bits
+            # inference on a CPU: one layer_norm (cpu_rows.rms_ln) instead of about nine ops; drafts need no bits
             return rms_ln(x, ln_weight(self, dt), self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

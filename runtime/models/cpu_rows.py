@@ -1,0 +1,97 @@
+"""A decoder layer's pieces for rows on a CPU in fewer ops than the module path: the CPU step
+(runtime/gpu/static_step.py), the MTP head's CPU rows (runtime/drafters/mtp.py) and the DFlash2 drafter's norms.
+
+Why: on a CPU a small model's step is paid per op (a few microseconds each), not per byte (docs/models.md,
+"Numerics", CPU). Every function here computes each row from that row alone, with one fixed shape per window
+width, so the CPU step's row invariance holds; the bits are not the module path's (within fp32 rounding of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def derived(mod: nn.Module, name: str, sources: tuple[Tensor, ...], make: Callable[[], Tensor],
+            extra: object = None) -> Tensor:
+    """A tensor made from `sources` (module weights) once and kept on `mod` as an unregistered attribute (the
+    state_dict and the weight count stay as they were); remade when a source is replaced or changed in place
+    (a training step between evaluations) or `extra` changes."""
+    key = (tuple((t.data_ptr(), t._version) for t in sources), extra)
+    have = getattr(mod, name, None)
+    if have is None or have[0] != key:
+        with torch.no_grad():
+            have = (key, make())
+        object.__setattr__(mod, name, have)
+    return have[1]
+
+
+def rms_ln(x: Tensor, w2: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm of x over its last dimension as one layer_norm over [x, -x], whose mean is 0 and whose variance is
+    the mean of x^2: on a CPU layer_norm is one kernel and RMSNorm about eight ops. w2: the weight then as many
+    zeros ([2 * H], `ln_weight`), or None for no weight. The result is a view of the first half."""
+    h = x.shape[-1]
+    return F.layer_norm(torch.cat((x, -x), -1), (2 * h,), w2, None, eps)[..., :h]
+
+
+def ln_weight(norm: nn.Module, dtype: torch.dtype | None = None) -> Tensor:
+    """An RMSNorm's weight (in `dtype`, default its own) followed by as many zeros, for `rms_ln`."""
+    w = norm.weight
+    dt = dtype or w.dtype
+
+    def make() -> Tensor:
+        v = w.detach().to(dt)
+        return torch.cat((v, torch.zeros_like(v)))
+
+    return derived(norm, "_ln_weight", (w,), make, dt)
+
+
+def linear(lin: nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
+    """lin(x) (+ add) as one BLAS call for a float nn.Linear without bias (its weight's transpose is the
+    input-major matrix runtime/cpu_layout.py makes), else through the module."""
+    w = getattr(lin, "weight", None)
+    if type(lin) is not nn.Linear or lin.bias is not None or w.dtype != x.dtype:
+        return lin(x) if add is None else add + lin(x)
+    return torch.mm(x, w.t()) if add is None else torch.addmm(add, x, w.t())
+
+
+def rope_matrices(cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE at each row's position as a matrix: x * cos + rotate_half(x) * sin = x @ (diag(cos) + P * sin), P the
+    rotate-half permutation. cos/sin [W, hd] -> [W, hd, hd] (one batched product a layer instead of five ops)."""
+    hd = cos.shape[-1]
+    eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
+    perm = torch.cat((-eye[:, hd // 2:], eye[:, :hd // 2]), -1)        # rotate_half(x) = x @ perm
+    return torch.diag_embed(cos) + perm * sin[:, None, :]
+
+
+def qk_norm_weight(a: nn.Module) -> Tensor:
+    """The q-norm weight for each q head times the attention scale, then the k-norm weight for each k head [nh +
+    nkv, hd]: one product after one norm over the rows' q and k heads, the scores then need no scaling."""
+    return derived(a, "_qk_norm_scaled", (a.q_norm.weight, a.k_norm.weight),
+                   lambda: torch.cat((a.q_norm.weight.detach().expand(a.nh, a.hd) * a.scale,
+                                      a.k_norm.weight.detach().expand(a.nkv, a.hd))))
+
+
+def qkv(a: nn.Module, h: Tensor, rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q (times the attention scale), k and v for the normed rows h [W, H] of attention module `a`, with RoPE as
+    `rot` [W, hd, hd] (`rope_matrices`): -> q [W, nh, hd], k and v [W, nkv, hd]."""
+    nh, nkv, hd = a.nh, a.nkv, a.hd
+    W = h.shape[0]
+    p = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
+    qk = rms_ln(p[:, :(nh + nkv) * hd].view(W, nh + nkv, hd), None, a.q_norm.eps) * qk_norm_weight(a)
+    qk = torch.bmm(qk, rot)
+    return qk[:, :nh], qk[:, nh:], p[:, (nh + nkv) * hd:].view(W, nkv, hd)
+
+
+def route(mlp: nn.Module, h: Tensor) -> tuple[Tensor, Tensor]:
+    """`SparseMoe.route` for rows h [W, H] in fewer ops: with renormalisation, the softmax of the top-k logits
+    (the same weights as the full softmax's top-k renormalised). -> weights [W, k] (h's dtype), expert ids."""
+    r = linear(mlp.gate, h)
+    if mlp.norm_topk:
+        lw, idx = torch.topk(r, mlp.top_k, dim=-1)
+        return torch.softmax(lw.float(), -1).to(h.dtype), idx
+    w, idx = torch.topk(torch.softmax(r.float(), -1), mlp.top_k, dim=-1)
+    return w.to(h.dtype), idx
