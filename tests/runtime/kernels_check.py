@@ -922,7 +922,8 @@ def check_mtp_graphs() -> None:
 
 
 def check_dyn_conv(dt: torch.dtype) -> None:
-    """The one-launch dynamic convolution equals GroupedDynamicCausalConv's prepare/finish bit for bit."""
+    """The one-launch dynamic convolution equals GroupedDynamicCausalConv's prepare/finish bit for bit (its loop,
+    as on a GPU: on a CPU without autograd the module takes its taps at once, in another order)."""
     from runtime.drafters.dflash2.model import GroupedDynamicCausalConv
 
     g = torch.Generator().manual_seed(3)
@@ -932,9 +933,11 @@ def check_dyn_conv(dt: torch.dtype) -> None:
         conv.kernel_projection.weight.copy_(torch.randn(conv.kernel_projection.weight.shape, generator=g) * 0.2)
     conv = conv.to(dt)
     h, h2 = torch.randn(2, 7, 64, generator=g).to(dt).unbind(0)
-    with torch.no_grad():
+    with torch.enable_grad():
         ref0, d1 = conv.prepare(h[None])
         ref1 = conv.finish(h2[None], d1)
+    ref0, d1, ref1 = ref0.detach(), d1.detach(), ref1.detach()
+    with torch.no_grad():
         dyn = conv.kernel_projection(h)
         got0 = dflash2_kernels.dyn_conv(h, dyn, 0, conv.base_kernel[0], 2, 16)
         got1 = dflash2_kernels.dyn_conv(h2, dyn, 1, conv.base_kernel[1], 2, 16)

@@ -86,9 +86,10 @@ class GroupedDynamicCausalConv(nn.Module):
         """h [B, W, H]; dyn [B, W, K, H/G]; base [K, H] -> [B, W, H]."""
         B, W, H = h.shape
         blocks = h.reshape(B, W, self.groups, self.group_size)
-        if not torch.is_grad_enabled():
-            # inference: each tap's kernel (base + dynamic) made at once, then one product a tap, the shifted ones
-            # added in place (1 + K ops, not about 5 K: a CPU pays per op); the same sum in another order
+        if not torch.is_grad_enabled() and h.device.type == "cpu":
+            # CPU inference: each tap's kernel (base + dynamic) made at once, then one product a tap, the shifted
+            # ones added in place (1 + K ops, not about 5 K: a CPU pays per op); the same sum in another order (the
+            # GPU's eager path keeps the loop, whose bits its one-launch kernel reproduces)
             w = base.to(h.dtype).view(1, 1, self.kernel_size, self.groups, self.group_size) + dyn[..., None]
             out = w[:, :, 0] * blocks
             for o in range(1, min(self.kernel_size, W)):
