@@ -126,6 +126,11 @@ CPU_QK_MERGED = True
 CPU_FEWER_OPS = True
 
 
+# CPU, a window of several rows: a row at a position >= CPU_SHARED_FROM reads the keys before its position rounded
+# down to CPU_SHARED_CHUNK in one product with the window's other rows (`StaticStep._attend_bmm`)
+CPU_SHARED_FROM = 2048
+CPU_SHARED_CHUNK = 256
+
 # CPU: a row attends through two batched products and a softmax (scores, weights, values by KV head) rather than
 # SDPA, whose CPU kernel costs about twice that for one query row (False: SDPA)
 CPU_ROW_BMM = True
@@ -218,21 +223,47 @@ class StaticStep:
         o = torch.empty_like(q)
         if n < W:
             o[n:].zero_()
-        grp = nh // a.nkv
-        if CPU_ROW_BMM:     # the scale on q once for the window (every row's q gets the same op), not on each row's scores
-            qg = (q[:n] if scaled else q[:n] * a.scale).reshape(n, a.nkv, grp, hd)   # query heads by KV head
-            og = o.view(W, a.nkv, grp, hd)
+        if CPU_ROW_BMM:
+            self._attend_bmm(q if scaled else q * a.scale, keys, vals, o, a.nkv)
+            return o
         for j in range(n):
             stop = start + j + 1
-            if CPU_ROW_BMM:
-                s = torch.bmm(qg[j], keys[:, :stop].transpose(1, 2))                   # [nkv, group, stop]
-                torch.bmm(torch.softmax(s, -1), vals[:, :stop], out=og[j])
-            else:
-                oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], keys[None, :, :stop],
-                                                    vals[None, :, :stop], scale=1.0 if scaled else a.scale,
-                                                    enable_gqa=a.nkv != a.nh)
-                o[j] = oj[0, :, 0]
+            oj = F.scaled_dot_product_attention(q[j:j + 1].transpose(0, 1)[None], keys[None, :, :stop],
+                                                vals[None, :, :stop], scale=1.0 if scaled else a.scale,
+                                                enable_gqa=a.nkv != a.nh)
+            o[j] = oj[0, :, 0]
         return o
+
+    def _attend_bmm(self, q: Tensor, keys: Tensor, vals: Tensor, o: Tensor, nkv: int) -> None:
+        """`_attend_rows` by batched products: q [W, nh, hd] (scaled), keys/vals [nkv, >= end, hd] -> o's real rows.
+        A row attends alone to keys 0..its position p (its query heads grouped by KV head, scores, softmax,
+        values). In a window of several rows, a row at p >= CPU_SHARED_FROM splits its keys at b = p rounded down
+        to CPU_SHARED_CHUNK: keys 0..b-1 in one product for all W rows of the window (read once, not once a row),
+        its own tail b..p alone with the shared part as one more key (score: its log-sum-exp; value: its output).
+        Every shape depends on W and the row's own position only, so a row gets the same bits in
+        any window of this width (docs/models.md, "Numerics", CPU)."""
+        start, n = self.window
+        W, nh, hd = q.shape
+        grp = nh // nkv
+        qg = q.reshape(W, nkv, grp, hd)                          # a row's query heads by KV head (GQA groups)
+        og = o.view(W, nkv, grp, hd)
+        shared: dict[int, tuple[Tensor, Tensor]] = {}
+        for j in range(n):
+            p = start + j
+            b = p // CPU_SHARED_CHUNK * CPU_SHARED_CHUNK if W > 1 and p >= CPU_SHARED_FROM else 0
+            if b == 0:
+                s = torch.bmm(qg[j], keys[:, :p + 1].transpose(1, 2))                  # [nkv, group, p + 1]
+                torch.bmm(torch.softmax(s, -1), vals[:, :p + 1], out=og[j])
+                continue
+            if b not in shared:          # keys 0..b-1 for every row of the window at once
+                sb = torch.bmm(qg.transpose(0, 1).reshape(nkv, W * grp, hd), keys[:, :b].transpose(1, 2))
+                shared[b] = (torch.bmm(torch.softmax(sb, -1), vals[:, :b]).view(nkv, W, grp, hd),
+                             torch.logsumexp(sb, -1, keepdim=True).view(nkv, W, grp, 1))
+            ob, lb = shared[b]
+            # the row's own tail, with keys 0..b-1 as one more key: score lse_b, value o_b
+            s = torch.cat((lb[:, j], torch.bmm(qg[j], keys[:, b:p + 1].transpose(1, 2))), -1)
+            pr = torch.softmax(s, -1)
+            torch.baddbmm(pr[:, :, :1] * ob[:, j], pr[:, :, 1:], vals[:, b:p + 1], out=og[j])
 
     def _moe_rows(self, mlp: SparseMoe, h: Tensor, i: int, fast: bool = False) -> Tensor:
         """CPU: every expert a real row routes to runs on all W rows (one fixed shape), and only the routed rows

@@ -31,7 +31,15 @@ def _kv(m, cap=64):
     return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap)
 
 
-def test_step_matches_plain_forward(model):
+@pytest.mark.parametrize("shared", [False, True])
+def test_step_matches_plain_forward(model, shared, monkeypatch):
+    """The step's rows equal the plain forward's within fp32 rounding; `shared`: with the window's rows reading
+    the keys before their 2-position chunk in one product (static_step.CPU_SHARED_FROM, small here)."""
+    from runtime.gpu import static_step
+
+    if shared:
+        monkeypatch.setattr(static_step, "CPU_SHARED_FROM", 6)
+        monkeypatch.setattr(static_step, "CPU_SHARED_CHUNK", 2)
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
     kv_a, kv_b = _kv(model), _kv(model)
     with torch.no_grad():
@@ -90,12 +98,20 @@ def model32(tmp_path_factory):
     return load_target(make_tiny_target(tmp_path_factory.mktemp("static32"), seed=3, scale=2.0, head_dim=32))
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("quant", [None, "q8_0"])
-def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, model32, quant):
+def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, model32, quant, shared, monkeypatch):
     """On the CPU the engine's step is row-invariant: a token's logits, hidden row and taps are bitwise the same
     whether it is decoded alone or verified at any row of a wider window (what greedy equality needs: a 1e-7
     difference can flip a near-tie), with a float or a q8_0 KV cache. The plain forward gives no such promise
-    (1-row and k-row products differ)."""
+    (1-row and k-row products differ). `shared`: rows from position 8 read the keys before their 4-position
+    chunk in one product with the window's other rows (static_step.CPU_SHARED_FROM, small here): windows that
+    straddle a chunk, or start past it, give every row its own bits still."""
+    from runtime.gpu import static_step
+
+    if shared:
+        monkeypatch.setattr(static_step, "CPU_SHARED_FROM", 8)
+        monkeypatch.setattr(static_step, "CPU_SHARED_CHUNK", 4)
     if quant is not None:
         model = model32              # q8_0 blocks need a head_dim that is a multiple of 32
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
