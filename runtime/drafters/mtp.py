@@ -4,7 +4,6 @@ graphs for greedy windows (runtime/gpu/capture.py says how graphs work here)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.drafters import head8 as _head8
@@ -134,12 +133,8 @@ class MTPDrafter:
         y = _norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
-            E, inter = mlp.n_exp, mlp.inter
             w, idx = cpu_rows.route(mlp, y)
-            gu = torch.mm(y, mlp.dense_gu.t()).view(n, E, 2, inter)
-            wd = torch.zeros(n, E, dtype=gu.dtype, device=x.device).scatter_(1, idx, w)
-            act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * wd[:, :, None]
-            x = torch.addmm(x, act.view(n, E * inter), mlp.dense_down.t())
+            x = cpu_rows.dense_experts(mlp, y, w, idx, x)
             if mlp.counter is not None:
                 mlp.counter(mlp.layer_idx, n)
         else:

@@ -95,3 +95,14 @@ def route(mlp: nn.Module, h: Tensor) -> tuple[Tensor, Tensor]:
         return torch.softmax(lw.float(), -1).to(h.dtype), idx
     w, idx = torch.topk(torch.softmax(r.float(), -1), mlp.top_k, dim=-1)
     return w.to(h.dtype), idx
+
+
+def dense_experts(mlp: nn.Module, y: Tensor, w: Tensor, idx: Tensor, add: Tensor) -> Tensor:
+    """add + `SparseMoe.dense` for rows y [W, H] routed (w, idx) with real expert ids: every expert of a small
+    packed layer on every row in one product, each row's routing weights picking its experts, the residual added
+    inside the down product (a padded row gets whatever its own routing gives; no real row reads it)."""
+    T, E, inter = y.shape[0], mlp.n_exp, mlp.inter
+    gu = torch.mm(y, mlp.dense_gu.t()).view(T, E, 2, inter)
+    wd = torch.zeros(T, E, dtype=gu.dtype, device=y.device).scatter_(1, idx, w.to(gu.dtype))
+    act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * wd[:, :, None]
+    return torch.addmm(add, act.view(T, E * inter), mlp.dense_down.t())
