@@ -134,7 +134,8 @@ class MTPDrafter:
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
             w, idx = cpu_rows.route(mlp, y)
-            x = cpu_rows.dense_experts(mlp, y, w, idx, x)
+            # a chained step's one row reads its k experts; a window's rows every expert at once
+            x = (cpu_rows.routed_experts if n == 1 else cpu_rows.dense_experts)(mlp, y, w, idx, x)
             if mlp.counter is not None:
                 mlp.counter(mlp.layer_idx, n)
         else:

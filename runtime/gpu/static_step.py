@@ -353,11 +353,13 @@ class StaticStep:
             norm = layer.post_attention_layernorm
             h = cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps)
             mlp = layer.mlp
-            if isinstance(mlp, SparseMoe) and mlp.dense_for(self.width) and mlp.offload is None:
-                w, idx = cpu_rows.route(mlp, h)       # a small packed layer: every expert on every row at once
+            one = self.width == 1 and mlp.dense_gu is not None if isinstance(mlp, SparseMoe) else False
+            if isinstance(mlp, SparseMoe) and (one or mlp.dense_for(self.width)) and mlp.offload is None:
+                # a small packed layer: one row's k experts, or every expert on every row of a window at once
+                w, idx = cpu_rows.route(mlp, h)
                 if mlp.recorder is not None:
                     mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
-                x = cpu_rows.dense_experts(mlp, h, w, idx, x)
+                x = (cpu_rows.routed_experts if one else cpu_rows.dense_experts)(mlp, h, w, idx, x)
             else:
                 x = x + (self._moe_rows(mlp, h, i, fast=True) if isinstance(mlp, SparseMoe) else mlp(h))
             if i in wanted:

@@ -106,3 +106,16 @@ def dense_experts(mlp: nn.Module, y: Tensor, w: Tensor, idx: Tensor, add: Tensor
     wd = torch.zeros(T, E, dtype=gu.dtype, device=y.device).scatter_(1, idx, w.to(gu.dtype))
     act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * wd[:, :, None]
     return torch.addmm(add, act.view(T, E * inter), mlp.dense_down.t())
+
+
+def routed_experts(mlp: nn.Module, y: Tensor, w: Tensor, idx: Tensor, add: Tensor) -> Tensor:
+    """add + the routed experts of one row y [1, H] of a small packed layer (`SparseMoe.pack_dense`): each expert
+    as one gate-and-up product (its rows are adjacent in the packed matrix), SiLU, and its down product with the
+    routing weight and the running sum inside (addmm), in expert order. It reads k of the E experts where
+    `dense_experts` reads them all, in about as many ops."""
+    inter = mlp.inter
+    for e, we in sorted(zip(idx[0].tolist(), w[0].tolist(), strict=True)):
+        gu = torch.mm(y, mlp.dense_gu[2 * inter * e:2 * inter * (e + 1)].t())
+        add = torch.addmm(add, F.silu(gu[:, :inter]) * gu[:, inter:], mlp.dense_down[:, inter * e:inter * (e + 1)].t(),
+                          alpha=we)
+    return add
