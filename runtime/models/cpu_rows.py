@@ -58,13 +58,21 @@ def linear(lin: nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
     return torch.mm(x, w.t()) if add is None else torch.addmm(add, x, w.t())
 
 
+_PERMS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
 def rope_matrices(cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE at each row's position as a matrix: x * cos + rotate_half(x) * sin = x @ (diag(cos) + P * sin), P the
     rotate-half permutation. cos/sin [W, hd] -> [W, hd, hd] (one batched product a layer instead of five ops)."""
     hd = cos.shape[-1]
-    eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
-    perm = torch.cat((-eye[:, hd // 2:], eye[:, :hd // 2]), -1)        # rotate_half(x) = x @ perm
-    return torch.diag_embed(cos) + perm * sin[:, None, :]
+    key = (hd, cos.dtype, cos.device)
+    perm = _PERMS.get(key)
+    if perm is None:
+        eye = torch.eye(hd, dtype=cos.dtype, device=cos.device)
+        perm = _PERMS[key] = torch.cat((-eye[:, hd // 2:], eye[:, :hd // 2]), -1)   # rotate_half(x) = x @ perm
+    r = perm * sin[:, None, :]
+    r.diagonal(dim1=1, dim2=2).add_(cos)
+    return r
 
 
 def qk_norm_weight(a: nn.Module) -> Tensor:
