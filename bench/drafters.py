@@ -42,6 +42,7 @@ EAGER_ARMS = ("MTP b4", "DFlash2 bf16")
 def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
            {"arm": "MTP b4", "kind": "mtp", "path": None, "block": 4, "min_p": 0.0},
+           {"arm": "MTP b3", "kind": "mtp", "path": None, "block": 3, "min_p": 0.0},
            {"arm": "MTP b6 p.5", "kind": "mtp", "path": None, "block": 6, "min_p": 0.5},
            {"arm": "DFlash2 bf16", "kind": "dflash2", "path": NANO_DFLASH2, "block": None, "min_p": 0.0}]
     out += [{"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "path": NANO_DFLASH2, "block": b, "min_p": 0.0}

@@ -33,7 +33,7 @@ from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
 from runtime.models import cpu_rows
-from runtime.models.layers import SparseMoe, project_qkv, qkv_rows
+from runtime.models.layers import DENSE_ROWS, SparseMoe, project_qkv, qkv_rows
 from runtime.models.qwen3_moe import TargetOutput
 
 
@@ -353,13 +353,20 @@ class StaticStep:
             norm = layer.post_attention_layernorm
             h = cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps)
             mlp = layer.mlp
-            one = self.width == 1 and mlp.dense_gu is not None if isinstance(mlp, SparseMoe) else False
-            if isinstance(mlp, SparseMoe) and (one or mlp.dense_for(self.width)) and mlp.offload is None:
-                # a small packed layer: one row's k experts, or every expert on every row of a window at once
+            packed = isinstance(mlp, SparseMoe) and mlp.dense_gu is not None and mlp.offload is None
+            if packed and (self.width <= DENSE_ROWS):
+                # a small packed layer: every expert on every row of a window at once, or (fewer rows than E/k)
+                # each real row's k experts alone, as a one-row step runs them
                 w, idx = cpu_rows.route(mlp, h)
                 if mlp.recorder is not None:
                     mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
-                x = (cpu_rows.routed_experts if one else cpu_rows.dense_experts)(mlp, h, w, idx, x)
+                if mlp.dense_for(self.width):
+                    x = cpu_rows.dense_experts(mlp, h, w, idx, x)
+                else:
+                    n = self.window[1]
+                    rows = [cpu_rows.routed_experts(mlp, h[j:j + 1], w[j:j + 1], idx[j:j + 1], x[j:j + 1])
+                            for j in range(n)]
+                    x = rows[0] if n == self.width == 1 else torch.cat((*rows, x[n:]))
             else:
                 x = x + (self._moe_rows(mlp, h, i, fast=True) if isinstance(mlp, SparseMoe) else mlp(h))
             if i in wanted:

@@ -219,11 +219,11 @@ def test_cpu_merged_qk_norm_and_rope_give_the_modules_bits(model, monkeypatch, w
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("width", [1, 4, 8])
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 8])
 def test_cpu_step_on_a_placed_model_matches_the_plain_forward_and_keeps_its_bits(tmp_path, width):
-    """As a CPU engine holds a small model (experts packed, q/k/v stacked, weights input-major: one row's experts
-    routed through their packed rows, a window's all at once, `cpu_rows`): each row within fp32 rounding of the
-    plain forward, and a token's bits the same alone or anywhere in a window."""
+    """As a CPU engine holds a small model (experts packed, q/k/v stacked, weights input-major: a row's experts
+    routed through their packed rows below E/k rows, a window's all at once from there, `cpu_rows`): each row
+    within fp32 rounding of the plain forward, and a token's bits the same alone or anywhere in a window."""
     from runtime.cpu_layout import relayout
 
     m = load_target(make_tiny_target(tmp_path, seed=5, scale=2.0))
@@ -233,7 +233,11 @@ def test_cpu_step_on_a_placed_model_matches_the_plain_forward_and_keeps_its_bits
     assert relayout(m) > 0
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
     seq = [12, 40, 3, 8, 41, 4, 5, 9]
-    splits = [(1,) * 8] if width == 1 else [(1,) * 8, (3, 4, 1), (width, 8 - width) if width < 8 else (8,)]
+    if width == 1:
+        splits = [(1,) * 8]
+    else:
+        splits = [(1,) * 8, (width,) * (8 // width) + ((8 % width,) if 8 % width else ()),
+                  (1,) + (width,) * (7 // width) + ((7 % width,) if 7 % width else ())]
     rows_by_split = []
     with torch.no_grad():
         kv_ref = _kv(m)
