@@ -85,14 +85,18 @@ def summary_lines(result: Any) -> list[str]:
         return [result.reason]
     lines = [f"block={result.block} spec_min_p={result.spec_min_p:g} ({result.decision}): {result.reason}"]
     sec = result.record.get("seconds")
-    tgt = result.record.get("target_only_geomean_tok_s")
-    geo = result.record.get("geomean_tok_s")
+    h2h = result.record.get("head_to_head")
+    if h2h:             # the chosen setting and the target alone timed alternately (calibrate/search.py, stage 7)
+        tgt, geo, how = h2h["target_only_geomean_tok_s"], h2h["geomean_tok_s"], "timed alternately"
+    else:               # stage 7 did not run: the target's reference runs, timed before the sweep
+        tgt, geo = result.record.get("target_only_geomean_tok_s"), result.record.get("geomean_tok_s")
+        how = "the target alone timed before the sweep"
     if tgt and geo and geo < tgt:
-        lines.append(f"note: the target alone decoded faster ({tgt:.1f} vs {geo:.1f} tok/s geomean); this drafter "
-                     f"does not pay off here (try --no-draft or another drafter)")
+        lines.append(f"note: the target alone decoded faster ({tgt:.1f} vs {geo:.1f} tok/s geomean, {how}); this "
+                     f"drafter does not pay off here (try --no-draft or another drafter)")
     elif tgt and geo:
         lines.append(f"speculation pays here: {geo / tgt:.2f}x the target alone ({geo:.1f} vs {tgt:.1f} tok/s "
-                     f"geomean)")
+                     f"geomean, {how})")
     if result.reused:
         lines.append(f"reused the stored calibration from {result.record.get('date', '?')} ({result.path}); "
                      f"pass --force to measure again")

@@ -20,7 +20,9 @@ across tasks):
      at that width, below the best measured);
   5. halving: the best arms get more repeats, keep the top half, again;
   6. confirm: the winner against the default head to head (alternating order); the default is kept unless the
-     winner is faster by more than `min_gain` (3%).
+     winner is faster by more than `min_gain` (3%);
+  7. pays: the chosen arm against the target alone head to head (alternating order), for the speed-up the
+     report states: the references of stage 1 ran first, on a machine whose speed may drift since.
 Before every run the remaining budget is checked against a conservative estimate of that run; time for the
 confirmation is reserved up front, so the whole search honours `max_seconds`.
 """
@@ -172,6 +174,7 @@ class Plan:
     halving: tuple[int, ...] = (4, 2)   # survivors entering each halving round
     halving_repeats: int = 2       # extra repeats per task per halving round
     confirm_repeats: int = 3       # head-to-head repeats per task (winner vs default)
+    pays_repeats: int = 1          # head-to-head repeats per task (the chosen arm vs the target alone); 0: none
     min_gain: float = MIN_GAIN
     warmup: bool = True
     safety: float = 1.15           # run-time estimates are inflated by this factor
@@ -198,6 +201,7 @@ class SearchResult:
     grid_size: int
     step_cost: dict[int, float] = field(default_factory=dict)   # target step time by width, width 1 = 1.0
     pruned: list[Arm] = field(default_factory=list)              # refine arms the cost bound ruled out
+    pays: dict[Arm | None, ArmStats] = field(default_factory=dict)   # stage 7: the chosen arm and None (the target)
 
     @property
     def gain(self) -> float | None:
@@ -207,6 +211,18 @@ class SearchResult:
         w = self.confirm[self.winner].geomean(self.tasks)
         d = self.confirm[self.default].geomean(self.tasks)
         return None if w is None or d is None else w / d - 1.0
+
+    def _head_to_head(self) -> dict[str, Any] | None:
+        """Stage 7's figures: the chosen arm and the target alone, timed alternately (None if it did not run)."""
+        a, t = self.pays.get(self.chosen), self.pays.get(None)
+        ga = a.geomean(self.tasks) if a else None
+        gt = t.geomean(self.tasks) if t else None
+        if ga is None or gt is None:
+            return None
+        return {"repeats": min(a.repeats(), t.repeats()), "geomean_tok_s": _r(ga), "target_only_geomean_tok_s": _r(gt),
+                "per_task_tok_s": {k: _r(v) for k, v in a.medians(self.tasks).items()},
+                "target_only_per_task_tok_s": {k: _r(v) for k, v in t.medians(self.tasks).items()},
+                "speedup": _r(ga / gt, 4)}
 
     def timed_runs(self, phase: str | None = None) -> int:
         return sum(1 for s in self.samples if s.arm is not None and s.timed and (phase is None or s.phase == phase))
@@ -254,6 +270,7 @@ class SearchResult:
             "proposed": prop,
             "target_only_tok_s": {t: _r(v) for t, v in self.target_tok_s.items()},
             "target_only_geomean_tok_s": _r(geomean_of(self.target_tok_s.get(t) for t in self.tasks)),
+            "head_to_head": self._head_to_head(),
             "arms": [self.arm_row(a, self.arms[a]) for a in self.measured_arms()],
             "grid_size": self.grid_size,
             "step_cost_by_width": {str(w): _r(c) for w, c in sorted(self.step_cost.items())},
@@ -434,6 +451,22 @@ class Search:
     def confirm_cost(self, repeats: int) -> float:
         return 2 * repeats * sum(self.estimate(t) for t in self.tasks)
 
+    def pays_cost(self) -> float:
+        """Stage 7's time: the chosen arm and the target alone, `pays_repeats` runs each per task."""
+        return 2 * self.plan.pays_repeats * sum(self.estimate(t) for t in self.tasks)
+
+    def _pays(self, arm: Arm) -> dict[Arm | None, ArmStats]:
+        """Stage 7: `arm` and the target alone head to head, alternating which runs first, as many repeats as the
+        budget leaves (none: the report falls back on stage 1's references)."""
+        store: dict[Arm | None, ArmStats] = {}
+        if not self.fits(self.pays_cost()):
+            return store
+        try:
+            self._measure([arm, None], self.plan.pays_repeats, "pays", store=store)  # type: ignore[list-item]
+        except TimeBudgetSpent:
+            pass
+        return store
+
     def run(self) -> SearchResult:
         self._t0 = self.clock()
         hook = hasattr(self.runner, "should_stop")
@@ -441,7 +474,11 @@ class Search:
             self.runner.should_stop = (None if self.max_seconds is None else   # type: ignore[attr-defined]
                                        (lambda: self.elapsed() > self.max_seconds))
         try:
-            return self._run_stages()
+            res = self._run_stages()
+            if res.decision != "budget" and self.plan.pays_repeats > 0:
+                res.pays = self._pays(res.chosen)
+                res.seconds, res.budget_hit = self.elapsed(), self.budget_hit
+            return res
         finally:
             if hook:
                 self.runner.should_stop = None   # type: ignore[attr-defined]
@@ -488,7 +525,7 @@ class Search:
             return self._result(self.default, winner, "default_is_best", reason)
         # head to head: winner vs default, alternating order, as many repeats as fit (at least one)
         reps = p.confirm_repeats
-        while reps > 1 and not self.fits(self.confirm_cost(reps)):
+        while reps > 1 and not self.fits(self.confirm_cost(reps), self.pays_cost()):
             reps -= 1
         try:
             self._measure([winner, self.default], reps, "confirm", store=self.confirm)
@@ -579,7 +616,7 @@ class Search:
         reps = p.confirm_repeats
         while reps > 1 and not self.fits(coarse_cost, self.confirm_cost(reps)):
             reps -= 1
-        self._reserve = self.confirm_cost(reps)
+        self._reserve = self.confirm_cost(reps) + self.pays_cost()
         todo = self._affordable(coarse, p.coarse_repeats, self._reserve)
         self._measure_chunked(todo, p.coarse_repeats, "coarse")
         if len(todo) < len(coarse):

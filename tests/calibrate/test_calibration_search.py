@@ -176,10 +176,10 @@ def test_overshoot_stays_within_a_tenth_of_the_budget_when_runs_get_slower(slow_
 
 def test_budget_spent_in_the_head_to_head_says_what_it_measured():
     """The budget can also run out between the sweep and the head-to-head confirmation (here the machine turns 30x
-    slower after the 29th run): the default is kept, and the reason names the arm left unconfirmed and what was
+    slower after the 20th run): the default is kept, and the reason names the arm left unconfirmed and what was
     measured, as every other way of running out does."""
     clock = FakeClock()
-    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, slow_after=29, slowdown=30.0)
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, slow_after=20, slowdown=30.0)
     sr = run(eng, clock, max_seconds=30.0)
     assert sr.decision == "budget" and sr.chosen == sr.default == Arm(4, 0.5) and sr.budget_hit
     assert f"before {sr.winner.label} could be confirmed" in sr.reason
@@ -347,3 +347,39 @@ def test_blocks_that_cannot_pay_for_their_width_are_not_refined():
     assert sr.pruned and all(a.block not in block_ladder(2, 16) for a in sr.pruned)
     assert not any(s.phase == "refine" for s in sr.samples)
     assert sr.to_dict()["pruned_by_cost_bound"]
+
+
+def _summary(sr) -> list[str]:
+    from types import SimpleNamespace
+
+    from calibrate.report import summary_lines
+
+    rec = {**sr.to_dict(), "seconds": None}
+    return summary_lines(SimpleNamespace(block=sr.chosen.block, spec_min_p=sr.chosen.spec_min_p,
+                                         decision=sr.decision, reason=sr.reason, record=rec, reused=False, path=None))
+
+
+def test_the_reported_speedup_is_head_to_head_with_the_target_alone():
+    """Stage 7 times the chosen arm and the target alone alternately: on a machine that turns 2x slower after the
+    8 reference runs, the report states the true speed-up, not the half of it the early references would give."""
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3), clock, max_block=8, slow_after=8, slowdown=2.0)
+    sr = run(eng, clock)
+    pays = [s for s in sr.samples if s.phase == "pays"]
+    assert {s.arm for s in pays} == {sr.chosen, None} and len(pays) == 2 * len(TASKS)
+    assert len({pays[i].arm for i in range(0, len(pays), 2)}) == 2          # which one runs first alternates
+    d = sr.to_dict()
+    true = bowl_speed(5, 0.3)(sr.chosen.block, sr.chosen.spec_min_p, "code") / eng.target_speed
+    assert d["head_to_head"]["speedup"] == pytest.approx(true, rel=1e-3)
+    assert d["geomean_tok_s"] / d["target_only_geomean_tok_s"] == pytest.approx(true / 2, rel=1e-3)
+    assert f"speculation pays here: {true:.2f}x the target alone" in "\n".join(_summary(sr))
+    assert "timed alternately" in "\n".join(_summary(sr))
+
+
+def test_without_the_head_to_head_the_report_says_what_it_compared():
+    clock = FakeClock()
+    eng = FakeEngine(bowl_speed(5, 0.3, peak=30.0), clock, max_block=8)      # slower than the target alone
+    sr = run(eng, clock, plan=Plan(pays_repeats=0))
+    assert not [s for s in sr.samples if s.phase == "pays"] and sr.to_dict()["head_to_head"] is None
+    text = "\n".join(_summary(sr))
+    assert "the target alone decoded faster" in text and "timed before the sweep" in text
