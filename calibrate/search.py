@@ -174,7 +174,7 @@ class Plan:
     halving: tuple[int, ...] = (4, 2)   # survivors entering each halving round
     halving_repeats: int = 2       # extra repeats per task per halving round
     confirm_repeats: int = 3       # head-to-head repeats per task (winner vs default)
-    pays_repeats: int = 1          # head-to-head repeats per task (the chosen arm vs the target alone); 0: none
+    pays_repeats: int = 2          # head-to-head repeats per task (the chosen arm vs the target alone); 0: none
     min_gain: float = MIN_GAIN
     warmup: bool = True
     safety: float = 1.15           # run-time estimates are inflated by this factor
@@ -451,18 +451,22 @@ class Search:
     def confirm_cost(self, repeats: int) -> float:
         return 2 * repeats * sum(self.estimate(t) for t in self.tasks)
 
-    def pays_cost(self) -> float:
-        """Stage 7's time: the chosen arm and the target alone, `pays_repeats` runs each per task."""
-        return 2 * self.plan.pays_repeats * sum(self.estimate(t) for t in self.tasks)
+    def pays_cost(self, repeats: int = 1) -> float:
+        """Stage 7's time: the chosen arm and the target alone, `repeats` runs each per task (the search keeps one
+        repeat's worth back; more run when the budget leaves them)."""
+        return 2 * min(repeats, self.plan.pays_repeats) * sum(self.estimate(t) for t in self.tasks)
 
     def _pays(self, arm: Arm) -> dict[Arm | None, ArmStats]:
         """Stage 7: `arm` and the target alone head to head, alternating which runs first, as many repeats as the
         budget leaves (none: the report falls back on stage 1's references)."""
         store: dict[Arm | None, ArmStats] = {}
-        if not self.fits(self.pays_cost()):
+        reps = self.plan.pays_repeats
+        while reps > 0 and not self.fits(self.pays_cost(reps)):
+            reps -= 1
+        if reps == 0:
             return store
         try:
-            self._measure([arm, None], self.plan.pays_repeats, "pays", store=store)  # type: ignore[list-item]
+            self._measure([arm, None], reps, "pays", store=store)  # type: ignore[list-item]
         except TimeBudgetSpent:
             pass
         return store
