@@ -24,7 +24,8 @@ across tasks):
   7. pays: the chosen arm against the target alone head to head (alternating order), for the speed-up the
      report states: the references of stage 1 ran first, on a machine whose speed may drift since.
 Before every run the remaining budget is checked against a conservative estimate of that run; time for the
-confirmation is reserved up front, so the whole search honours `max_seconds`.
+confirmation and for one head-to-head run with the target alone is reserved up front, so the whole search honours
+`max_seconds`.
 """
 
 from __future__ import annotations
