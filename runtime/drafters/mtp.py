@@ -17,10 +17,6 @@ from runtime.models.layers import SparseMoe, cached_attention, project_qkv
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
-def _norm(norm, x: Tensor) -> Tensor:
-    return cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps)
-
-
 class MTPDrafter:
     """Chained MTP drafting over the target's `mtp` head with a private one-layer KV cache.
 
@@ -107,7 +103,7 @@ class MTPDrafter:
         else:
             cos, sin = m.rotary(torch.arange(first, first + n, device=x.device)[None], x.dtype)
             rot = cpu_rows.rope_matrices(cos[0], sin[0])
-        q, k, v = cpu_rows.qkv(a, _norm(layer.input_layernorm, x), rot)           # q carries the scale
+        q, k, v = cpu_rows.qkv(a, cpu_rows.norm(layer.input_layernorm, x), rot)           # q carries the scale
         s0 = self.kv.length
         kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
         kc[:, s0:s0 + n] = k.transpose(0, 1)
@@ -130,7 +126,7 @@ class MTPDrafter:
             qh = q.reshape(n, nh, hd).transpose(0, 1)[None]
             o = cached_attention(qh, keys[None], vals[None], 1.0)[0].transpose(0, 1).reshape(n, nh * hd)
         x = cpu_rows.linear(a.o_proj, o, x)
-        y = _norm(layer.post_attention_layernorm, x)
+        y = cpu_rows.norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
             w, idx = cpu_rows.route(mlp, y)
@@ -140,7 +136,7 @@ class MTPDrafter:
                 mlp.counter(mlp.layer_idx, n)
         else:
             x = x + mlp(y)
-        return _norm(mtp.norm, x)
+        return cpu_rows.norm(mtp.norm, x)
 
     def _rot(self, first: int, n: int, dtype: torch.dtype) -> Tensor:
         """RoPE at positions first.. as matrices [n, hd, hd] (`cpu_rows.rope_matrices`), sliced from a table made

@@ -346,13 +346,11 @@ class StaticStep:
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
             a = layer.self_attn
-            norm = layer.input_layernorm
-            q, k, v = cpu_rows.qkv(a, cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps), rot)
+            q, k, v = cpu_rows.qkv(a, cpu_rows.norm(layer.input_layernorm, x), rot)
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
             o = self._attend_rows(a, q, k, v, kc, vc, ks, vs, scaled=True)
             x = cpu_rows.linear(a.o_proj, o.view(self.width, a.nh * a.hd), x)
-            norm = layer.post_attention_layernorm
-            h = cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps)
+            h = cpu_rows.norm(layer.post_attention_layernorm, x)
             mlp = layer.mlp
             packed = isinstance(mlp, SparseMoe) and mlp.dense_gu is not None and mlp.offload is None
             if packed and self.width <= DENSE_ROWS:
@@ -372,8 +370,7 @@ class StaticStep:
                 x = x + (self._moe_rows(mlp, h, i, fast=True) if isinstance(mlp, SparseMoe) else mlp(h))
             if i in wanted:
                 tap_out[wanted[i]] = x
-        norm = m.model.norm
-        hidden = cpu_rows.rms_ln(x, cpu_rows.ln_weight(norm), norm.eps).contiguous()
+        hidden = cpu_rows.norm(m.model.norm, x).contiguous()
         # one product of the fixed shape (a row gets the same bits at any row of it): it reads the head's weights
         # once, W one-row products would read them W times
         logits = m.lm_head(hidden).float()

@@ -49,6 +49,11 @@ def ln_weight(norm: nn.Module, dtype: torch.dtype | None = None) -> Tensor:
     return derived(norm, "_ln_weight", (w,), make, dt)
 
 
+def norm(mod: nn.Module, x: Tensor) -> Tensor:
+    """An RMSNorm module (`weight`, `eps`) applied to x through `rms_ln`."""
+    return rms_ln(x, ln_weight(mod), mod.eps)
+
+
 def linear(lin: nn.Module, x: Tensor, add: Tensor | None = None) -> Tensor:
     """lin(x) (+ add) as one BLAS call for a float nn.Linear without bias (its weight's transpose is the
     input-major matrix runtime/cpu_layout.py makes), else through the module."""

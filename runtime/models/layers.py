@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.kv import LayerKV
+from runtime.models.cpu_rows import derived
 from runtime.models.target_config import Qwen3MoeConfig
 
 
@@ -136,12 +137,12 @@ def qkv_rows(a, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Te
     CPU step is paid per op). -> q [W, nh, hd], k and v [W, nkv, hd]."""
     nh, nkv, hd = a.nh, a.nkv, a.hd
     W = h.shape[0]
-    if a.qk_heads_weight is None:        # q-norm's weight for each q head, then k-norm's for each k head
-        a.qk_heads_weight = torch.cat((a.q_norm.weight.expand(nh, hd), a.k_norm.weight.expand(nkv, hd)))
+    qn, kn = a.q_norm.weight, a.k_norm.weight       # q-norm's weight for each q head, then k-norm's for each k head
+    heads_w = derived(a, "_qk_heads_weight", (qn, kn), lambda: torch.cat((qn.expand(nh, hd), kn.expand(nkv, hd))))
     qkv = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
     qk = qkv[:, :(nh + nkv) * hd].view(W, nh + nkv, hd)
     # RMSNorm's order (normalised in fp32, rounded to the dtype, scaled; in fp32 the bits of the fused op)
-    qk = a.qk_heads_weight * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
+    qk = heads_w * F.rms_norm(qk.float(), (hd,), eps=a.q_norm.eps).to(qk.dtype)
     qk = qk * cos[0, :, None] + _rotate_half(qk) * sin[0, :, None]
     return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(W, nkv, hd)
 
@@ -160,7 +161,6 @@ class Attention(nn.Module):
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
         self.qkv_blocks = None                  # the same for block-format q/k/v (a `QuantLinear` over their rows)
-        self.qk_heads_weight: Tensor | None = None   # inference only (`qkv_rows`): q/k-norm weights per head
 
     def qkv(self, h: Tensor) -> Tensor:
         """q, k and v projections in one matmul (after `stack_qkv`; `has_qkv` says whether it stacked)."""
