@@ -8,6 +8,8 @@ on a window of `width` real rows at the prompt's end, timed `steps` times in a r
 `rounds` rounds; median ms of process time per step (a shared VM's other tenants do not count). Also whether the
 two settings give the same logits. Switches (module flags of runtime/gpu/static_step.py, docs/models.md "Numerics"):
 
+- plan: `CPU_PLAN` (runtime/models/cpu_plan.py: each layer's weights gathered once, the same ops) against
+  cpu_rows.py's lookups per op;
 - fewer_ops: `CPU_FEWER_OPS` (runtime/models/cpu_rows.py) against the module path's ops;
 - row_bmm: `CPU_ROW_BMM` (a row's attention by batched products) against SDPA per row;
 - shared_keys: `CPU_SHARED_FROM` as set (a window's rows read the keys before their chunk once) against never.
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 from bench.common import NANO, machine, median, print_table, task_prompts, write_json  # noqa: E402
 
 SWITCHES = {          # name -> (flag, value off, value on)
+    "plan": ("CPU_PLAN", False, True),
     "fewer_ops": ("CPU_FEWER_OPS", False, True),
     "row_bmm": ("CPU_ROW_BMM", False, True),
     "shared_keys": ("CPU_SHARED_FROM", 1 << 30, None),      # None: the module's own value

@@ -12,9 +12,12 @@ from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
 from runtime.gpu.static_step import fusable, fused_layer
 from runtime.kv import KVCache
-from runtime.models import cpu_rows
-from runtime.models.layers import SparseMoe, cached_attention, project_qkv
+from runtime.models import cpu_plan, cpu_rows
+from runtime.models.layers import DENSE_ROWS, SparseMoe, cached_attention, project_qkv
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
+
+# CPU rows through the layer's `cpu_plan.LayerPlan` (its weights gathered once; False: through cpu_rows.py)
+_PLAN = True
 
 
 class MTPDrafter:
@@ -50,6 +53,7 @@ class MTPDrafter:
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
         self._rot_table: tuple[int, Tensor, torch.dtype] | None = None    # (first position, RoPE matrices, dtype)
+        self.plan = cpu_plan.ModelPlan(self.mtp.layers)                   # the CPU rows' layer plan (`_rows_cpu`)
 
     def reset(self) -> None:
         self.kv.reset()
@@ -82,8 +86,8 @@ class MTPDrafter:
         return h
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int) -> Tensor:
-        """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through runtime/models/cpu_rows.py
-        (norms as layer_norms, the two input norms as one, q/k/v with the scale in q and RoPE as one product, the
+        """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through the layer's plan
+        (runtime/models/cpu_plan.py) or runtime/models/cpu_rows.py (norms as layer_norms, the two input norms as one, q/k/v with the scale in q and RoPE as one product, the
         residual adds inside the products, routing by the top-k's softmax), the cache written and read in place,
         a window's rows attending by batched products, and a small layer's experts all at once. Why: a CPU step
         is paid per op, and the chain runs one row at a time (docs/models.md, "MTP head"). Drafts need no bits."""
@@ -93,6 +97,7 @@ class MTPDrafter:
         a = layer.self_attn
         nh, nkv, hd = a.nh, a.nkv, a.hd
         n = int(tok.shape[0])
+        plans = self.plan.get() if _PLAN and n <= DENSE_ROWS else None
         emb = m.model.embed_tokens(tok)
         e_g = torch.stack((emb, g.to(emb.dtype)), 1)                               # [n, 2, H]
         w_e, w_g = mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight
@@ -103,7 +108,11 @@ class MTPDrafter:
         else:
             cos, sin = m.rotary(torch.arange(first, first + n, device=x.device)[None], x.dtype)
             rot = cpu_rows.rope_matrices(cos[0], sin[0])
-        q, k, v = cpu_rows.qkv(a, cpu_rows.norm(layer.input_layernorm, x), rot)           # q carries the scale
+        L = plans[0] if plans is not None else None
+        if L is not None:
+            q, k, v = cpu_plan.qkv(L, x, rot)                                      # q carries the scale
+        else:
+            q, k, v = cpu_rows.qkv(a, cpu_rows.norm(layer.input_layernorm, x), rot)
         s0 = self.kv.length
         kc, vc = self.kv.k[0, 0], self.kv.v[0, 0]                                  # [nkv, S, hd]
         kc[:, s0:s0 + n] = k.transpose(0, 1)
@@ -125,9 +134,19 @@ class MTPDrafter:
         else:           # committed rows in prefill-sized chunks (the scale is in q)
             qh = q.reshape(n, nh, hd).transpose(0, 1)[None]
             o = cached_attention(qh, keys[None], vals[None], 1.0)[0].transpose(0, 1).reshape(n, nh * hd)
+        mlp = layer.mlp
+        if L is not None:
+            x = torch.addmm(x, o, L.wo)
+            y = cpu_plan.rms(x, L.ln2, L.eps2)
+            w, idx = cpu_plan.route(L, y)
+            if mlp.recorder is not None:
+                mlp.recorder(mlp.layer_idx, idx)
+            x = cpu_plan.routed(L, y, w, idx, x) if n == 1 else cpu_rows.dense_experts(mlp, y, w, idx, x)
+            if mlp.counter is not None:
+                mlp.counter(mlp.layer_idx, n)
+            return cpu_rows.norm(mtp.norm, x)
         x = cpu_rows.linear(a.o_proj, o, x)
         y = cpu_rows.norm(layer.post_attention_layernorm, x)
-        mlp = layer.mlp
         if isinstance(mlp, SparseMoe) and mlp.dense_for(n) and mlp.offload is None and mlp.recorder is None:
             w, idx = cpu_rows.route(mlp, y)
             # a chained step's one row reads its k experts; a window's rows every expert at once

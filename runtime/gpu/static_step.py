@@ -32,7 +32,7 @@ from torch import Tensor
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
-from runtime.models import cpu_rows
+from runtime.models import cpu_plan, cpu_rows
 from runtime.models.layers import DENSE_ROWS, SparseMoe, project_qkv, qkv_rows
 from runtime.models.qwen3_moe import TargetOutput
 
@@ -131,6 +131,10 @@ CPU_FEWER_OPS = True
 CPU_SHARED_FROM = 2048
 CPU_SHARED_CHUNK = 256
 
+# CPU: the step through runtime/models/cpu_plan.py where every layer allows it (the same ops on the same tensors
+# as CPU_FEWER_OPS's, so the same bits, with each layer's weights gathered once; False: through cpu_rows.py)
+CPU_PLAN = True
+
 # CPU: a row attends through two batched products and a softmax (scores, weights, values by KV head) rather than
 # SDPA, whose CPU kernel costs about twice that for one query row (False: SDPA)
 CPU_ROW_BMM = True
@@ -173,6 +177,8 @@ class StaticStep:
         self.window = (0, 0)              # (start, real rows) of the window being run, for those paths
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph | None, tuple]] = {}
         self.replays = 0
+        self.rope = cpu_plan.RopeTable(model.rotary)        # CPU_PLAN's RoPE matrices and layer plans
+        self.plan = cpu_plan.ModelPlan(model.model.layers)
         self.errors: list[str] = []      # fallbacks taken (a kernel or a capture that failed), for the benchmarks
 
     # ----------------------------------------------------------------------------------------------- the forward
@@ -331,8 +337,53 @@ class StaticStep:
         if self.fused:
             return self._forward_fused(taps)
         if self.cpu and CPU_FEWER_OPS:
+            plans = self.plan.get() if CPU_PLAN and self.width <= DENSE_ROWS else None
+            if plans is not None:
+                return self._forward_plan(plans, taps)
             return self._forward_cpu(taps)
         return self._forward_layers(taps)
+
+    def _forward_plan(self, plans: list[cpu_plan.LayerPlan], taps: tuple[int, ...]
+                      ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`_forward_cpu` through each layer's `cpu_plan.LayerPlan`: the same ops on the same tensors (the same
+        bits) without the per-op lookups around them; a one-row window with a float cache attends inline."""
+        m = self.model
+        W = self.width
+        start, n = self.window
+        x = m.model.embed_tokens(self.ids)[0]                    # [W, H]
+        rot = self.rope.get(start, W, x.dtype, x.device)         # rows past the window: any rotation (unread)
+        wanted = {t: j for j, t in enumerate(taps)}
+        tap_out: list[Tensor | None] = [None] * len(taps)
+        for i, (layer, L) in enumerate(zip(m.model.layers, plans, strict=True)):
+            q, k, v = cpu_plan.qkv(L, x, rot)
+            kc, vc, ks, vs = self.kv.layer(i).kernel_args()
+            if W == 1 and ks is None and kc.dtype == q.dtype:
+                kc[:, start] = k[0]
+                vc[:, start] = v[0]
+                s = torch.bmm(q[0].view(L.nkv, L.nh // L.nkv, L.hd), kc[:, :start + 1].transpose(1, 2))
+                o = torch.bmm(torch.softmax(s, -1), vc[:, :start + 1])
+            else:
+                o = self._attend_rows(layer.self_attn, q, k, v, kc, vc, ks, vs, scaled=True)
+            x = torch.addmm(x, o.view(W, L.nh * L.hd), L.wo)
+            h = cpu_plan.rms(x, L.ln2, L.eps2)
+            mlp = L.mlp
+            w, idx = cpu_plan.route(L, h)
+            if mlp.recorder is not None:
+                mlp.recorder(i, torch.where((self.pos >= 0)[:, None], idx, mlp.n_exp))
+            if mlp.dense_for(W):
+                x = cpu_rows.dense_experts(mlp, h, w, idx, x)
+            elif W == 1:
+                x = cpu_plan.routed(L, h, w, idx, x)
+            else:       # fewer rows than E/k: each real row's k experts alone, as a one-row step runs them
+                rows = [cpu_plan.routed(L, h[j:j + 1], w[j:j + 1], idx[j:j + 1], x[j:j + 1]) for j in range(n)]
+                x = torch.cat((*rows, x[n:]))
+            if i in wanted:
+                tap_out[wanted[i]] = x
+        fin = m.model.norm
+        hidden = cpu_plan.rms(x, cpu_rows.ln_weight(fin), fin.eps).contiguous()
+        logits = m.lm_head(hidden).float()
+        tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
+        return logits, hidden, tap_t
 
     def _forward_cpu(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         """`_forward_layers` on the CPU through runtime/models/cpu_rows.py: about 36 ops a layer instead of 44 for
