@@ -346,22 +346,37 @@ class StaticStep:
     def _forward_plan(self, plans: list[cpu_plan.LayerPlan], taps: tuple[int, ...]
                       ) -> tuple[Tensor, Tensor, Tensor | None]:
         """`_forward_cpu` through each layer's `cpu_plan.LayerPlan`: the same ops on the same tensors (the same
-        bits) without the per-op lookups around them; a one-row window with a float cache attends inline."""
+        bits) without the per-op lookups around them; with a float cache a window's rows attend inline."""
         m = self.model
         W = self.width
         start, n = self.window
         x = m.model.embed_tokens(self.ids)[0]                    # [W, H]
         rot = self.rope.get(start, W, x.dtype, x.device)         # rows past the window: any rotation (unread)
+        # a float cache in the compute dtype, no row reading keys in common with the others: attention inline
+        kdt = self.kv.k.dtype
+        inline = (CPU_ROW_BMM and self.kv.quant is None and kdt == x.dtype
+                  and (W == 1 or start + n <= CPU_SHARED_FROM))
         wanted = {t: j for j, t in enumerate(taps)}
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, (layer, L) in enumerate(zip(m.model.layers, plans, strict=True)):
             q, k, v = cpu_plan.qkv(L, x, rot)
             kc, vc, ks, vs = self.kv.layer(i).kernel_args()
-            if W == 1 and ks is None and kc.dtype == q.dtype:
+            if inline and W == 1:
                 kc[:, start] = k[0]
                 vc[:, start] = v[0]
                 s = torch.bmm(q[0].view(L.nkv, L.nh // L.nkv, L.hd), kc[:, :start + 1].transpose(1, 2))
                 o = torch.bmm(torch.softmax(s, -1), vc[:, :start + 1])
+            elif inline:        # `_attend_bmm`'s rows with no shared part, without its bookkeeping
+                kc[:, start:start + n] = k[:n].transpose(0, 1)
+                vc[:, start:start + n] = v[:n].transpose(0, 1)
+                qg = q.reshape(W, L.nkv, L.nh // L.nkv, L.hd)
+                o = torch.empty_like(qg)
+                if n < W:
+                    o[n:].zero_()
+                for j in range(n):
+                    p = start + j + 1
+                    s = torch.bmm(qg[j], kc[:, :p].transpose(1, 2))
+                    torch.bmm(torch.softmax(s, -1), vc[:, :p], out=o[j])
             else:
                 o = self._attend_rows(layer.self_attn, q, k, v, kc, vc, ks, vs, scaled=True)
             x = torch.addmm(x, o.view(W, L.nh * L.hd), L.wo)

@@ -60,11 +60,16 @@ def _run(m, width, split, taps=(0, 2)):
     return out, rec, (k.clone(), v.clone())
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("width,split", [(1, (1,) * 8), (3, (1, 3, 3, 1)), (4, (4, 2, 1, 1))])
-def test_plan_step_gives_the_cpu_rows_bits(placed, width, split, monkeypatch):
+def test_plan_step_gives_the_cpu_rows_bits(placed, width, split, shared, monkeypatch):
     """The step through the plans (static_step.CPU_PLAN) against the same step through cpu_rows.py: the same
-    logits, hidden rows, taps, recorded routing and cache, bit for bit (the same ops on the same tensors)."""
+    logits, hidden rows, taps, recorded routing and cache, bit for bit (the same ops on the same tensors).
+    `shared`: rows from position 8 read the keys before their 4-position chunk with the window's other rows."""
     assert static_step.CPU_PLAN and static_step.CPU_FEWER_OPS
+    if shared:
+        monkeypatch.setattr(static_step, "CPU_SHARED_FROM", 8)
+        monkeypatch.setattr(static_step, "CPU_SHARED_CHUNK", 4)
     on = _run(placed, width, split)
     monkeypatch.setattr(static_step, "CPU_PLAN", False)
     off = _run(placed, width, split)
