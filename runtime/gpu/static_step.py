@@ -263,8 +263,12 @@ class StaticStep:
                 continue
             if b not in shared:          # keys 0..b-1 for every row of the window at once
                 sb = torch.bmm(qg.transpose(0, 1).reshape(nkv, W * grp, hd), keys[:, :b].transpose(1, 2))
-                shared[b] = (torch.bmm(torch.softmax(sb, -1), vals[:, :b]).view(nkv, W, grp, hd),
-                             torch.logsumexp(sb, -1, keepdim=True).view(nkv, W, grp, 1))
+                # softmax and log-sum-exp from one exp pass (the two ops took two each, over W rows' scores)
+                mx = sb.amax(-1, keepdim=True)
+                e = sb.sub_(mx).exp_()
+                tot = e.sum(-1, keepdim=True)
+                shared[b] = (torch.bmm(e, vals[:, :b]).div_(tot).view(nkv, W, grp, hd),
+                             mx.add_(tot.log_()).view(nkv, W, grp, 1))
             ob, lb = shared[b]
             # the row's own tail, with keys 0..b-1 as one more key: score lse_b, value o_b
             s = torch.cat((lb[:, j], torch.bmm(qg[j], keys[:, b:p + 1].transpose(1, 2))), -1)
