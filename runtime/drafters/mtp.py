@@ -87,10 +87,11 @@ class MTPDrafter:
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int) -> Tensor:
         """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through the layer's plan
-        (runtime/models/cpu_plan.py) or runtime/models/cpu_rows.py (norms as layer_norms, the two input norms as one, q/k/v with the scale in q and RoPE as one product, the
-        residual adds inside the products, routing by the top-k's softmax), the cache written and read in place,
-        a window's rows attending by batched products, and a small layer's experts all at once. Why: a CPU step
-        is paid per op, and the chain runs one row at a time (docs/models.md, "MTP head"). Drafts need no bits."""
+        (runtime/models/cpu_plan.py) or runtime/models/cpu_rows.py (norms as layer_norms, the two input norms as
+        one, q/k/v with the scale in q and RoPE as one product, the residual adds inside the products, routing by
+        the top-k's softmax), the cache written and read in place, a window's rows attending by batched products,
+        and a small layer's experts all at once. Why: a CPU step is paid per op, and the chain runs one row at a
+        time (docs/models.md, "MTP head"). Drafts need no bits."""
         mtp, m = self.mtp, self.model
         eps = m.cfg.rms_norm_eps
         layer = mtp.layers[0]

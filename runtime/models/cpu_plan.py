@@ -3,9 +3,9 @@ runtime/models/cpu_rows.py (so the same bits), without the per-op Python around 
 
 Why: on a CPU a small model's step is paid per call (docs/models.md, "Numerics", CPU). The functions of cpu_rows.py
 find their weights through modules, check their caches and slice the packed experts on every call; for the bundled
-pack that bookkeeping cost about as much as the arithmetic (a one-row step 2.2 ms, 1.3 ms with it gone). A
-`LayerPlan` holds every tensor a layer's rows read (views and the few made ones, no copy of a weight), made once and
-remade when a weight is replaced or changed in place (`cpu_rows.derived`). Used by the CPU step
+pack that bookkeeping cost nearly half the one-row step (2.28 -> 1.74 ms without it, docs/models.md). A `LayerPlan`
+holds every tensor a layer's rows read (views and the few made ones, no copy of a weight), made once and remade
+when a weight is replaced or changed in place (`ModelPlan`). Used by the CPU step
 (runtime/gpu/static_step.py) and the MTP head's CPU rows (runtime/drafters/mtp.py).
 """
 
@@ -35,7 +35,6 @@ class LayerPlan(NamedTuple):
     """What a planned layer's rows read: norms as `cpu_rows.rms_ln` weights ([2H], weight then zeros), every
     product's matrix input-major (the transpose of the module's weight, a view), and each expert's gate+up and down
     matrices as views of the packed ones (`SparseMoe.pack_dense`)."""
-    hidden: int
     ln1: Tensor
     eps1: float
     qkv: tuple[Tensor, ...]          # one stacked [H, (nh + 2 nkv) hd] matrix, or q's, k's and v's
@@ -89,7 +88,7 @@ def layer_plan(layer: nn.Module) -> LayerPlan:
         inter = mlp.inter
         experts = tuple((mlp.dense_gu[2 * inter * e:2 * inter * (e + 1)].t(),
                          mlp.dense_down[:, inter * e:inter * (e + 1)].t()) for e in range(mlp.n_exp))
-        return LayerPlan(hidden=n1.weight.shape[0], ln1=cpu_rows.ln_weight(n1), eps1=n1.eps,
+        return LayerPlan(ln1=cpu_rows.ln_weight(n1), eps1=n1.eps,
                          qkv=tuple(w.t() for w in lins), qkn=cpu_rows.qk_norm_weight(a), qk_eps=a.q_norm.eps,
                          nh=a.nh, nkv=a.nkv, hd=a.hd, wo=a.o_proj.weight.t(), ln2=cpu_rows.ln_weight(n2),
                          eps2=n2.eps, mlp=mlp, router=mlp.gate.weight.t(), top_k=mlp.top_k,
