@@ -374,7 +374,7 @@ class StaticStep:
                 kc[:, start:start + n] = k[:n].transpose(0, 1)
                 vc[:, start:start + n] = v[:n].transpose(0, 1)
                 qg = q.reshape(W, L.nkv, L.nh // L.nkv, L.hd)
-                o = torch.empty_like(qg)
+                o = torch.empty(qg.shape, dtype=q.dtype, device=q.device)      # contiguous: viewed below
                 if n < W:
                     o[n:].zero_()
                 for j in range(n):
