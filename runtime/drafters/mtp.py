@@ -138,7 +138,7 @@ class MTPDrafter:
         mlp = layer.mlp
         if L is not None:
             x = torch.addmm(x, o, L.wo)
-            y = cpu_plan.rms(x, L.ln2, L.eps2)
+            y = cpu_rows.rms_ln(x, L.ln2, L.eps2)
             w, idx = cpu_plan.route(L, y)
             if mlp.recorder is not None:
                 mlp.recorder(mlp.layer_idx, idx)

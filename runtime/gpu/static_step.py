@@ -384,7 +384,7 @@ class StaticStep:
             else:
                 o = self._attend_rows(layer.self_attn, q, k, v, kc, vc, ks, vs, scaled=True)
             x = torch.addmm(x, o.view(W, L.nh * L.hd), L.wo)
-            h = cpu_plan.rms(x, L.ln2, L.eps2)
+            h = cpu_rows.rms_ln(x, L.ln2, L.eps2)
             mlp = L.mlp
             w, idx = cpu_plan.route(L, h)
             if mlp.recorder is not None:
@@ -399,7 +399,7 @@ class StaticStep:
             if i in wanted:
                 tap_out[wanted[i]] = x
         fin = m.model.norm
-        hidden = cpu_plan.rms(x, cpu_rows.ln_weight(fin), fin.eps).contiguous()
+        hidden = cpu_rows.rms_ln(x, cpu_rows.ln_weight(fin), fin.eps).contiguous()
         logits = m.lm_head(hidden).float()
         tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
         return logits, hidden, tap_t

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.models import cpu_rows
@@ -97,42 +96,21 @@ def layer_plan(layer: nn.Module) -> LayerPlan:
     return cpu_rows.derived(layer, "_cpu_plan", sources, make)
 
 
-def rms(x: Tensor, w2: Tensor, eps: float) -> Tensor:
-    """`cpu_rows.rms_ln` for rows x [W, H] with its [2H] weight."""
-    h = x.shape[-1]
-    return F.layer_norm(torch.cat((x, -x), -1), (2 * h,), w2, None, eps)[:, :h]
-
-
 def qkv(L: LayerPlan, x: Tensor, rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`cpu_rows.qkv` of the input-normed rows of x [W, H]: q (times the scale) [W, nh, hd], k and v [W, nkv, hd]."""
-    W = x.shape[0]
-    h = rms(x, L.ln1, L.eps1)
+    h = cpu_rows.rms_ln(x, L.ln1, L.eps1)
     p = torch.mm(h, L.qkv[0]) if len(L.qkv) == 1 else torch.cat([torch.mm(h, w) for w in L.qkv], -1)
-    nq = (L.nh + L.nkv) * L.hd
-    qk = p[:, :nq].view(W, L.nh + L.nkv, L.hd)
-    qk = torch.bmm(F.layer_norm(torch.cat((qk, -qk), -1), (2 * L.hd,), None, None, L.qk_eps)[..., :L.hd] * L.qkn,
-                   rot)
-    return qk[:, :L.nh], qk[:, L.nh:], p[:, nq:].view(W, L.nkv, L.hd)
+    return cpu_rows.split_qkv(p, L.nh, L.nkv, L.hd, L.qk_eps, L.qkn, rot)
 
 
 def route(L: LayerPlan, h: Tensor) -> tuple[Tensor, Tensor]:
     """`cpu_rows.route`: routing weights [W, k] in h's dtype and expert ids."""
-    r = torch.mm(h, L.router)
-    if L.norm_topk:
-        lw, idx = torch.topk(r, L.top_k, dim=-1)
-        return torch.softmax(lw.float(), -1).to(h.dtype), idx
-    w, idx = torch.topk(torch.softmax(r.float(), -1), L.top_k, dim=-1)
-    return w.to(h.dtype), idx
+    return cpu_rows.top_weights(torch.mm(h, L.router), L.top_k, L.norm_topk, h.dtype)
 
 
 def routed(L: LayerPlan, y: Tensor, w: Tensor, idx: Tensor, add: Tensor) -> Tensor:
     """`cpu_rows.routed_experts`: add + one row y [1, H]'s k experts, in expert order."""
-    inter = L.inter
-    for e, we in sorted(zip(idx[0].tolist(), w[0].tolist(), strict=True)):
-        gu_t, dn_t = L.experts[e]
-        gu = torch.mm(y, gu_t)
-        add = torch.addmm(add, F.silu(gu[:, :inter]) * gu[:, inter:], dn_t, alpha=we)
-    return add
+    return cpu_rows.routed_rows(L.experts.__getitem__, L.inter, y, w, idx, add)
 
 
 class ModelPlan:

@@ -91,10 +91,16 @@ def qk_norm_weight(a: nn.Module) -> Tensor:
 def qkv(a: nn.Module, h: Tensor, rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q (times the attention scale), k and v for the normed rows h [W, H] of attention module `a`, with RoPE as
     `rot` [W, hd, hd] (`rope_matrices`): -> q [W, nh, hd], k and v [W, nkv, hd]."""
-    nh, nkv, hd = a.nh, a.nkv, a.hd
-    W = h.shape[0]
     p = a.qkv(h) if a.has_qkv else torch.cat((a.q_proj(h), a.k_proj(h), a.v_proj(h)), -1)
-    qk = rms_ln(p[:, :(nh + nkv) * hd].view(W, nh + nkv, hd), None, a.q_norm.eps) * qk_norm_weight(a)
+    return split_qkv(p, a.nh, a.nkv, a.hd, a.q_norm.eps, qk_norm_weight(a), rot)
+
+
+def split_qkv(p: Tensor, nh: int, nkv: int, hd: int, eps: float, qkn: Tensor, rot: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows' q/k/v projection p [W, (nh + 2 nkv) hd] -> q and k normed (weights `qkn`, `qk_norm_weight`) and
+    rotated by `rot`, and v (`qkv`'s second half; runtime/models/cpu_plan.py calls it with its own tensors)."""
+    W = p.shape[0]
+    qk = rms_ln(p[:, :(nh + nkv) * hd].view(W, nh + nkv, hd), None, eps) * qkn
     qk = torch.bmm(qk, rot)
     return qk[:, :nh], qk[:, nh:], p[:, (nh + nkv) * hd:].view(W, nkv, hd)
 
@@ -102,12 +108,16 @@ def qkv(a: nn.Module, h: Tensor, rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def route(mlp: nn.Module, h: Tensor) -> tuple[Tensor, Tensor]:
     """`SparseMoe.route` for rows h [W, H] in fewer ops: with renormalisation, the softmax of the top-k logits
     (the same weights as the full softmax's top-k renormalised). -> weights [W, k] (h's dtype), expert ids."""
-    r = linear(mlp.gate, h)
-    if mlp.norm_topk:
-        lw, idx = torch.topk(r, mlp.top_k, dim=-1)
-        return torch.softmax(lw.float(), -1).to(h.dtype), idx
-    w, idx = torch.topk(torch.softmax(r.float(), -1), mlp.top_k, dim=-1)
-    return w.to(h.dtype), idx
+    return top_weights(linear(mlp.gate, h), mlp.top_k, mlp.norm_topk, h.dtype)
+
+
+def top_weights(r: Tensor, top_k: int, norm_topk: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Router logits r [W, E] -> the top-k's weights (in `dtype`) and expert ids (`route`'s second half)."""
+    if norm_topk:
+        lw, idx = torch.topk(r, top_k, dim=-1)
+        return torch.softmax(lw.float(), -1).to(dtype), idx
+    w, idx = torch.topk(torch.softmax(r.float(), -1), top_k, dim=-1)
+    return w.to(dtype), idx
 
 
 def dense_experts(mlp: nn.Module, y: Tensor, w: Tensor, idx: Tensor, add: Tensor) -> Tensor:
@@ -127,8 +137,15 @@ def routed_experts(mlp: nn.Module, y: Tensor, w: Tensor, idx: Tensor, add: Tenso
     routing weight and the running sum inside (addmm), in expert order. It reads k of the E experts where
     `dense_experts` reads them all, in about as many ops."""
     inter = mlp.inter
+    return routed_rows(lambda e: (mlp.dense_gu[2 * inter * e:2 * inter * (e + 1)].t(),
+                                  mlp.dense_down[:, inter * e:inter * (e + 1)].t()), inter, y, w, idx, add)
+
+
+def routed_rows(expert: Callable[[int], tuple[Tensor, Tensor]], inter: int, y: Tensor, w: Tensor, idx: Tensor,
+                add: Tensor) -> Tensor:
+    """`routed_experts` with expert e's (gate+up [H, 2I], down [I, H]) matrices from `expert(e)`."""
     for e, we in sorted(zip(idx[0].tolist(), w[0].tolist(), strict=True)):
-        gu = torch.mm(y, mlp.dense_gu[2 * inter * e:2 * inter * (e + 1)].t())
-        add = torch.addmm(add, F.silu(gu[:, :inter]) * gu[:, inter:], mlp.dense_down[:, inter * e:inter * (e + 1)].t(),
-                          alpha=we)
+        gu_t, dn_t = expert(e)
+        gu = torch.mm(y, gu_t)
+        add = torch.addmm(add, F.silu(gu[:, :inter]) * gu[:, inter:], dn_t, alpha=we)
     return add
