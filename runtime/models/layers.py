@@ -414,13 +414,13 @@ class SparseMoe(nn.Module):
         if self.gate_up is not None and (not torch.is_grad_enabled() or self.fmt is not None):
             from runtime.gpu import kernels, moe_kernels
 
-            kw = {"fmt": self.fmt, "slot": self.slot, "miss_fn": self.miss_fn, "apart": self.apart}
+            kw = {"fmt": self.fmt, "slot": self.slot, "miss_fn": self.miss_fn}
             T = x.shape[0]
             # experts grouped: each touched expert's weights read once (decode windows; prefill chunks on CUDA)
             if kernels.available(x) and (T <= moe_kernels.DECODE_ROWS or x.is_cuda):
                 if self.counter is not None:
                     self.counter(self.layer_idx, T)
-                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, **kw).view(shape)
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, apart=self.apart, **kw).view(shape)
             if self.quantized or self.slot is not None or self.miss_fn is not None:
                 return moe_kernels.moe_torch(x, idx, w, self.gate_up, self.down, **kw).view(shape)
         out = torch.zeros_like(x)
