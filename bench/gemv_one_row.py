@@ -146,12 +146,8 @@ class ExpertSetup:
     products take, the stacked weights, and the float32 references of the first routing (sorted pair order for
     h, each pair's own row for y)."""
 
-    def __init__(self, x, routes, hs, gu, dn, h_ref, y_ref, gu_apart=None, dn_apart=None) -> None:
+    def __init__(self, x, routes, hs, gu, dn, h_ref, y_ref) -> None:
         self.x, self.routes, self.hs, self.gu, self.dn, self.h_ref, self.y_ref = x, routes, hs, gu, dn, h_ref, y_ref
-        self.gu_apart, self.dn_apart = gu_apart, dn_apart      # the same blocks with their codes apart (APART)
-
-    def weights(self, c: dict[str, int]):
-        return (self.gu_apart, self.dn_apart) if c.get("APART") else (self.gu, self.dn)
 
 
 def time_experts(st: ExpertSetup, fmt: str, parts, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
@@ -168,16 +164,16 @@ def time_experts(st: ExpertSetup, fmt: str, parts, bw: float, deadline: Deadline
                 if part == "up":
                     outs = [torch.empty(TOPK, NI, dtype=torch.bfloat16, device="cuda") for _ in st.routes]
 
-                    def call(r, o, c=c, gu=st.weights(c)[0]):
-                        moe_gemv.up(st.x, r.tok, r.se, r.se, gu, o, fmt, E, NI, False, 1, c)
+                    def call(r, o, c=c):
+                        moe_gemv.up(st.x, r.tok, r.se, r.se, st.gu, o, fmt, E, NI, False, 1, c)
                     pairs = list(zip(st.routes, outs, strict=True))
                     call(*pairs[0])
                     err = (outs[0].float() - st.h_ref).abs().max().item() / st.h_ref.abs().max().item()
                 else:
                     outs = [torch.empty(TOPK, H, dtype=torch.float32, device="cuda") for _ in st.routes]
 
-                    def call(r, o, h, c=c, dn=st.weights(c)[1]):
-                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), dn, o, fmt, E, False, True, 1, c,
+                    def call(r, o, h, c=c):
+                        moe_gemv.down(h, r.se, r.se, r.order, r.w.reshape(-1), st.dn, o, fmt, E, False, True, 1, c,
                                       early=True)
                     pairs = list(zip(st.routes, outs, st.hs, strict=True))
                     call(*pairs[0])
@@ -214,12 +210,7 @@ def quant_experts(fmt: str, gen: torch.Generator):
     return gu, dn, x, routes, hs, guf, dnf
 
 
-# --apart: these tiles also on rows whose codes are apart from their scales (moe_gemv.codes_apart), with 1 and 2
-# code words of a block a thread
-APART_BASES = ("n8j2np", "n4j2k2np", "n8j2k2np", "n8j2k4np", "u4d8k2np", "qone4j2", "qone8j2")
-
-
-def quant_rows(fmt: str, bw: float, deadline: Deadline, apart: bool = False) -> list[dict[str, Any]]:
+def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     """The one-row products of a target whose matrices and experts are `fmt` blocks (bench/quant_target.py's random
     blocks): the shipped variant against the candidates (`QUANT_CANDIDATES`),
     against float32 math on the dequantized values."""
@@ -229,23 +220,17 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline, apart: bool = False) -> 
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
-    if apart and fmt in moe_gemv.APART_WORDS:       # the bases as they are, then on rows with their codes apart
-        cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in APART_BASES}
-        cands |= {f"{v} j{j} apart": {**moe_gemv.GEMV_VARIANTS[v], "J": j, "APART": 1} for v in APART_BASES
-                  for j in (1, 2)}
     rows: list[dict[str, Any]] = []
     for name, (N, K) in (("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])):
         ws = [random_blocks(N, K, fmt, gen) for _ in range(LAYERS)]
-        wa = [moe_gemv.codes_apart(w, fmt) for w in ws] if apart and fmt in moe_gemv.APART_WORDS else ws
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = x.float() @ dequantize_torch(ws[0], fmt).float().T
         for label, c in cands.items():
             if deadline.left() < 5:
                 break
             try:
-                wl = wa if c.get("APART") else ws
-                y = dense_kernels.gemv(x, wl[0], fmt, c).float()
-                us = graph_us([lambda w=w, c=c, x=x: dense_kernels.gemv(x, w, fmt, c) for w in wl])
+                y = dense_kernels.gemv(x, ws[0], fmt, c).float()
+                us = graph_us([lambda w=w, c=c, x=x: dense_kernels.gemv(x, w, fmt, c) for w in ws])
             except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
                 rows.append({"fmt": fmt, "matrix": name, "method": label, "error": f"{type(e).__name__}: {e!s:.160}"})
                 continue
@@ -253,16 +238,14 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline, apart: bool = False) -> 
             rows.append({"fmt": fmt, "matrix": name, "method": label, "cfg": c, "us": us, "GBs": nbytes / us / 1e3,
                          "frac_copy": nbytes / us / 1e-6 / bw,
                          "rel_err": (y - ref).abs().max().item() / ref.abs().max().item()})
-        del ws, wa
+        del ws
     gu, dn, x, routes, hs, guf, dnf = quant_experts(fmt, gen)
     r0 = routes[0]
     guf, dnf = guf.float(), dnf.float()
     h_ref = (torch.nn.functional.silu(guf[:, :NI] @ x.float()[0]) * (guf[:, NI:] @ x.float()[0]))
     y_ref = torch.einsum("pk,pnk->pn", hs[0].float(), dnf) * r0.w.reshape(-1)[r0.order.long()][:, None]
     y_ref = torch.zeros_like(y_ref).index_copy_(0, r0.order.long(), y_ref)
-    ap = apart and fmt in moe_gemv.APART_WORDS
-    setup = ExpertSetup(x, routes, hs, gu, dn, h_ref, y_ref, moe_gemv.codes_apart(gu, fmt) if ap else None,
-                        moe_gemv.codes_apart(dn, fmt) if ap else None)
+    setup = ExpertSetup(x, routes, hs, gu, dn, h_ref, y_ref)
     return rows + time_experts(setup, fmt, (("up", cands, TOPK * gu[0].numel()), ("down", cands, TOPK * dn[0].numel())),
                                bw, deadline)
 
@@ -271,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--quant", default="", help="block formats (q4_0,q8_0): time their one-row products instead")
-    ap.add_argument("--apart", action="store_true", help="with --quant: also tiles on rows whose codes are apart "
-                    "from their scales (APART_BASES)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gemv_one_row.py needs a CUDA GPU; run it on one.", file=sys.stderr)
@@ -285,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                            device="cuda")).get("GDC", False)}
     quants = [q for q in args.quant.split(",") if q]
     if quants:
-        rows = [r for q in quants for r in quant_rows(q, bw, deadline, args.apart)]
+        rows = [r for q in quants for r in quant_rows(q, bw, deadline)]
     else:
         rows = expert_rows(bw, deadline) + dense_rows(bw, deadline)
     for r in rows:

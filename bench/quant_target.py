@@ -169,9 +169,8 @@ def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") 
             val = torch.ones(p.shape, dtype=torch.bfloat16, device=dev) if "norm" in name else rand(*p.shape)
             setattr(model.get_submodule(owner), attr, nn.Parameter(val, requires_grad=False))
     model.rotary = Rotary(cfg).to(dev)
-    for layer in model.model.layers:      # as ExpertCache.place does on CUDA: q/k/v stacked before the first step,
-        layer.self_attn.stack_qkv()       # the experts' block rows with their codes apart (SparseMoe.codes_apart)
-        layer.mlp.codes_apart()
+    for layer in model.model.layers:      # as ExpertCache.place does on CUDA: q/k/v stacked before the first step
+        layer.self_attn.stack_qkv()
     return model.eval()
 
 

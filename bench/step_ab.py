@@ -162,10 +162,6 @@ QUANT_FORMATS = ("q8_0", "q5_0", "q4_0")
 # verify windows of a quantized target (with --widths 4,8): the default, and the experts of every width on other
 # looped tiles (moe_gemv.DECODE_GEMV of the block formats; Q4_0's is u4d8k2np since h200_session13)
 ARMS["q-wide-default"] = {**_DEFAULT, "wide": True}
-# a quantized target's experts in ggml's own block rows (the runtime before SparseMoe.codes_apart; a copy of the
-# stacks, so both layouts' graphs stay valid side by side)
-ARMS["codes-inline"] = {**_DEFAULT, "wide": True, "inline": True}
-ARMS["codes-apart"] = {**_DEFAULT, "wide": True}
 for _v in ("n8j2np", "u4d8k2np", "n4j2k2np", "n8j2k2np"):
     ARMS[f"q-wide-{_v}"] = {**_DEFAULT, "wide": True, "qdecode": dict.fromkeys(QUANT_FORMATS, _v)}
 
@@ -215,25 +211,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         moe_gemv.DECODE_GEMV_ONE_ROW["bf16"] = arm["moe1"]
 
 
-_LAYOUTS: dict[int, dict[bool, tuple]] = {}
-
-
-def use_layout(model, inline: bool) -> None:
-    """Point every expert stack held with its codes apart at that layout or at a copy in ggml's own rows (made
-    once): a graph captured after this reads those weights."""
-    from runtime.gpu import moe_gemv
-    from runtime.models.layers import SparseMoe
-
-    for m in model.modules():
-        if not isinstance(m, SparseMoe) or not (m.apart or id(m) in _LAYOUTS):
-            continue
-        lay = _LAYOUTS.setdefault(id(m), {False: (m.gate_up, m.down)})
-        if inline not in lay:
-            fg, fd = (m.fmt, m.fmt) if isinstance(m.fmt, str) else m.fmt
-            lay[True] = (moe_gemv.codes_inline(m.gate_up, fg), moe_gemv.codes_inline(m.down, fd))
-        (m.gate_up, m.down), m.apart = lay[inline], not inline
-
-
 def one_step(step, kv, win) -> torch.Tensor:
     """The logits of one step at the cache's length (rolled back after)."""
     ctx = kv.length
@@ -280,7 +257,6 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
     errors: dict[str, list[str]] = {}
     for a in arms:
         set_arm(ARMS[a], one_row)
-        use_layout(model, bool(ARMS[a].get("inline")))
         for c in contexts:
             for w in widths:
                 if w > 1 and not ARMS[a].get("wide"):
@@ -291,7 +267,6 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
                 errors[f"{a}/{c}/{w}"] = list(st.errors)
                 steps_by[(a, c, w)] = st
     set_arm(ARMS["before"] if "before" in arms else ARMS[arms[0]], one_row)
-    use_layout(model, False)
     times = interleaved_times(steps_by, kvs, wins, rounds, steps)
     rows = []
     for (a, c, w), ts in times.items():
@@ -317,7 +292,6 @@ def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: 
             checks.append({"build": tag, "check": f"{a} == before (context {contexts[0]}, width 1)", "ok": ok})
     for st in steps_by.values():
         st.graphs.clear()
-    _LAYOUTS.clear()                  # the graphs that read the copies are gone
     del steps_by, kvs
     torch.cuda.empty_cache()
     return rows, checks

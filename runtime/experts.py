@@ -146,7 +146,6 @@ class ExpertCache:
         for m in model.modules():     # experts held as ggml blocks (target and MTP layer): their two stacks move
             if isinstance(m, SparseMoe) and m.fmt is not None and id(m) not in pooled:
                 m.gate_up, m.down = m.gate_up.to(self.device), m.down.to(self.device)
-                m.codes_apart()       # resident on a GPU: each row's codes in whole vectors (layers.CODES_APART)
         if cuda:
             if stacked is not None:
                 for li, blk in self.blocks.items():    # the grouped Triton kernel reads them stacked (same bytes)

@@ -353,7 +353,7 @@ class MTPGraphs(GraphSet):
             w, idx = mlp.route(h[0])
             idx = torch.where((slot >= 0)[:, None], idx, mlp.n_exp)
             y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
-                                        miss_fn=mlp.miss_fn, apart=mlp.apart)[None]
+                                        miss_fn=mlp.miss_fn)[None]
         else:
             y = mlp(h)
         return mtp.norm(x + y)[0]

@@ -300,18 +300,12 @@ if HAVE_TRITON:
         return tl.permute(tl.load(xr + tl.permute(xo, (2, 0, 1))), (1, 2, 0))
 
     @triton.jit
-    def _ld32(w, blk, mg, QT: tl.constexpr, J: tl.constexpr, QS: tl.constexpr = 0):
+    def _ld32(w, blk, mg, QT: tl.constexpr, J: tl.constexpr):
         """Words of blocks blk [NBC] of the rows w: codes or-ed with mg [NBC, BN, J, L] (Q8_0's with their sign bits
         flipped, c ^ 128), the scale d as float32 [NBC, BN, L] and q5_0's two qh words (repeated along l)."""
         L: tl.constexpr = (16 if QT == 1 else 8) // J
         i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
-        if QT == 1 and QS > 0:                       # q8_0, codes apart: 16 words a block, the scales from QS
-            h = _words4(w, (blk * 16)[:, None, None] + i[None, :, :], mg, 0x8080)
-            return h, _rep_scale(w, QS + blk, L), h, h
-        elif QT == 3 and QS > 0:                     # q4_0, codes apart: 8 words a block, the scales from QS
-            h = _words4(w, (blk * 8)[:, None, None] + i[None, :, :], mg)
-            return h, _rep_scale(w, QS + blk, L), h, h
-        elif QT == 1:                                # q8_0: 17 words (d, 16 words of two int8 codes)
+        if QT == 1:                                  # q8_0: 17 words (d, 16 words of two int8 codes)
             do = blk * 17
             h = _words4(w, do[:, None, None] + 1 + i[None, :, :], mg, 0x8080)
             d = _rep_scale(w, do, L)
@@ -384,8 +378,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
-                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr,
-                QS: tl.constexpr = 0):
+                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
         """Q8_0 / Q5_0 / Q4_0 rows. PF: the next step's words are loaded before this step's arithmetic. NORM (one
         row, MB 1): the activations are RMSNorm(row) * nw, made as they are loaded."""
         b = tl.arange(0, NBC)
@@ -395,20 +388,20 @@ if HAVE_TRITON:
         acca1 = tl.zeros((NBC, BN, L), dtype=tl.float32)
         accb1 = tl.zeros((NBC, BN, L), dtype=tl.float32)
         if PF:
-            ha, da, qaa, qba = _ld32(wa, b, mg, QT, J, QS)
+            ha, da, qaa, qba = _ld32(wa, b, mg, QT, J)
             if TWO:
-                hb, db, qab, qbb = _ld32(wb, b, mg, QT, J, QS)
+                hb, db, qab, qbb = _ld32(wb, b, mg, QT, J)
         for b0 in range(0, nblk, NBC):
             blk = b0 + b
             if PF:                                   # the next step's words (the first again after the last)
                 nxt = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + b
-                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, mg, QT, J, QS)
+                ha_, da_, qaa_, qba_ = _ld32(wa, nxt, mg, QT, J)
                 if TWO:
-                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, mg, QT, J, QS)
+                    hb_, db_, qab_, qbb_ = _ld32(wb, nxt, mg, QT, J)
             else:
-                ha, da, qaa, qba = _ld32(wa, blk, mg, QT, J, QS)
+                ha, da, qaa, qba = _ld32(wa, blk, mg, QT, J)
                 if TWO:
-                    hb, db, qab, qbb = _ld32(wb, blk, mg, QT, J, QS)
+                    hb, db, qab, qbb = _ld32(wb, blk, mg, QT, J)
             f0, f1, f2, f3 = _x32(xr0, blk, nw, rstd, QT, J, NORM)
             acca0 = _dot32(acca0, ha, da, qaa, qba, f0, f1, f2, f3, QT, J)
             if TWO:
@@ -426,10 +419,10 @@ if HAVE_TRITON:
                 tl.sum(tl.sum(accb1, 2), 0))
 
     @triton.jit
-    def _tile32(w, b, bc, nk, mg, QT: tl.constexpr, J: tl.constexpr, QS: tl.constexpr = 0):
+    def _tile32(w, b, bc, nk, mg, QT: tl.constexpr, J: tl.constexpr):
         """A one-step tile of 32-value block rows: blocks bc (b clamped to the row's), the scale of each block
         b >= nk zero, so the tail adds nothing."""
-        h, d, qa, qb = _ld32(w, bc, mg, QT, J, QS)
+        h, d, qa, qb = _ld32(w, bc, mg, QT, J)
         return h, tl.where((b < nk)[:, None, None], d, 0.0), qa, qb
 
     @triton.jit
@@ -567,11 +560,11 @@ if HAVE_TRITON:
     @triton.jit
     def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw, rstd, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
               BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr, J: tl.constexpr,
-              NORM: tl.constexpr, QS: tl.constexpr = 0):
+              NORM: tl.constexpr):
         if QT == 0:
             ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
         elif QT <= 3:
-            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM, QS)
+            ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM)
         else:
             ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         return ra0, rb0, ra1, rb1
@@ -631,7 +624,7 @@ if HAVE_TRITON:
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
                      KMASK: tl.constexpr, J: tl.constexpr, ONE: tl.constexpr = False, EARLY: tl.constexpr = False,
                      NORM: tl.constexpr = False, HAS_D: tl.constexpr = False, KN: tl.constexpr = 1,
-                     GDC: tl.constexpr = False, QS: tl.constexpr = 0):
+                     GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
         all the expert's rows of the window, MB at a time. UP: x [T, H] -> h [pairs, I] (SiLU(gate) * up, sorted
         order); else h -> y [pairs, H] (times the routing weight, pair order; a missed expert's rows are zeros when
@@ -677,9 +670,9 @@ if HAVE_TRITON:
             b = tl.arange(0, NBC)
             nk = tl.where(rows > 0, nblk, 0)
             bc = tl.minimum(b, tl.maximum(nk, 1) - 1)
-            ha, da, qaa, qba = _tile32(wa, b, bc, nk, mg, QT, J, QS)
+            ha, da, qaa, qba = _tile32(wa, b, bc, nk, mg, QT, J)
             if UP:
-                hb, db, qab, qbb = _tile32(wb, b, bc, nk, mg, QT, J, QS)
+                hb, db, qab, qbb = _tile32(wb, b, bc, nk, mg, QT, J)
             if EARLY:
                 pdl.start(GDC)
             for m in range(0, rows):
@@ -731,7 +724,7 @@ if HAVE_TRITON:
                     xr0 = x_ptr + p0.to(tl.int64) * stride_xm
                     xr1 = x_ptr + p1.to(tl.int64) * stride_xm
                 ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw_ptr, rstd, UP, QT, MB, BN, NBC, PF,
-                                           KMASK, J, NORM, QS)
+                                           KMASK, J, NORM)
                 _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
                 if MB == 2:
                     _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
@@ -779,41 +772,6 @@ def _weights(w: Tensor, fmt: str) -> Tensor:
     return w if fmt == "bf16" else w.view(torch.int16)
 
 
-# words a block, and its code words, of the formats whose rows may hold their codes apart (`codes_apart`)
-APART_WORDS = {"q4_0": (9, 8), "q8_0": (17, 16)}
-
-
-def _qs(fmt: str, cfg: dict[str, int], swn: int) -> int:
-    """The kernels' QS: where a row's scales start (in 16-bit words) when cfg reads rows whose codes are apart
-    (cfg["APART"]), else 0."""
-    if not cfg.get("APART"):
-        return 0
-    if fmt not in APART_WORDS:
-        raise ValueError(f"rows with their codes apart exist for {', '.join(APART_WORDS)}, not {fmt}.")
-    wpb, cw = APART_WORDS[fmt]
-    return swn // wpb * cw
-
-
-def codes_apart(w: Tensor, fmt: str) -> Tensor:
-    """Rows of ggml blocks [..., row bytes] with each row's codes first (block by block, 16-byte aligned) and its
-    float16 scales after them: the same bytes, moved within the row, so the kernels load a block's codes in whole
-    vectors (a block of 18 or 34 bytes leaves them 2-byte aligned)."""
-    wpb, cw = APART_WORDS[fmt]
-    v = w.view(torch.int16)
-    blocks = v.reshape(*v.shape[:-1], v.shape[-1] // wpb, wpb)
-    out = torch.cat((blocks[..., 1:].reshape(*v.shape[:-1], -1), blocks[..., 0]), -1)
-    return out.view(torch.uint8).reshape(w.shape)
-
-
-def codes_inline(w: Tensor, fmt: str) -> Tensor:
-    """`codes_apart` undone: ggml's own block rows."""
-    wpb, cw = APART_WORDS[fmt]
-    v = w.view(torch.int16)
-    nb = v.shape[-1] // wpb
-    codes, d = v[..., :nb * cw].reshape(*v.shape[:-1], nb, cw), v[..., nb * cw:]
-    return torch.cat((d[..., None], codes), -1).reshape(v.shape).view(torch.uint8).reshape(w.shape)
-
-
 def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tensor, fmt: str, n_exp: int,
        inter: int, has_slot: bool, bm: int, cfg: dict[str, int]) -> None:
     """h[p] = SiLU(gate(x[tok[p]])) * up(x[tok[p]]) for the sorted pairs p of resident experts."""
@@ -828,8 +786,7 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), QS=_qs(fmt, cfg, w.stride(1)),
-                       **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -858,8 +815,7 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
                        ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
                        num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
                        EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one),
-                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, QS=_qs(fmt, cfg, w.stride(1)),
-                       **pdl.launch(w))
+                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, **pdl.launch(w))
 
 
 def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:

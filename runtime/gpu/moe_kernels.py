@@ -125,21 +125,12 @@ if HAVE_TRITON:
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _dq16(row, g, m, QT: tl.constexpr, APART: tl.constexpr = False, sb=0):
+    def _dq16(row, g, m, QT: tl.constexpr):
         """Values 16g..16g+15 of the ggml-block rows starting at byte pointers `row` ([N]; m masks rows) as float32
-        [N, 16], the values gguf-py's dequantize gives. APART (q8_0, q4_0): rows with their codes apart
-        (runtime/gpu/moe_gemv.py `codes_apart`), the scales from byte sb of the row."""
+        [N, 16], the values gguf-py's dequantize gives."""
         j = tl.arange(0, 16)
         mm = m[:, None]
-        if APART and QT == 1:
-            d = _f16(row + sb + (g // 2) * 2, m)
-            q = tl.load(row[:, None] + g * 16 + j[None, :], mask=mm, other=0).to(tl.int8, bitcast=True)
-            w = d[:, None] * q.to(tl.float32)
-        elif APART and QT == 3:
-            d = _f16(row + sb + (g // 2) * 2, m)
-            qs = tl.load(row[:, None] + (g // 2) * 16 + j[None, :], mask=mm, other=0).to(tl.int32)
-            w = d[:, None] * (((qs >> ((g % 2) * 4)) & 15) - 8).to(tl.float32)
-        elif QT == 1:     # q8_0: d, 32 x int8
+        if QT == 1:       # q8_0: d, 32 x int8
             blk = row + (g // 2) * 34
             d = _f16(blk, m)
             q = tl.load(blk[:, None] + 2 + (g % 2) * 16 + j[None, :], mask=mm, other=0).to(tl.int8, bitcast=True)
@@ -247,7 +238,7 @@ if HAVE_TRITON:
                        stride_xm, stride_we, stride_wn, stride_hm,
                        TABLE: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr,
-                       GDC: tl.constexpr = False, APART: tl.constexpr = False):
+                       GDC: tl.constexpr = False):
         pdl.start(GDC)
         nb, e, r, rm = _tile(tl.program_id(0), se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN, TABLE, BM, GM)
         s = _slot_of(e, slot_ptr, E, HAS_SLOT)
@@ -280,8 +271,8 @@ if HAVE_TRITON:
                 for u in tl.static_range(GPI):
                     g = g0 + u
                     a = tl.load(xrow[:, None] + g * 16 + j[None, :], mask=rr[:, None], other=0.0)
-                    wg = _dq16(rg, g, nm, QT, APART, (K // 32) * (32 if QT == 1 else 16)).to(dt)
-                    wu = _dq16(ru, g, nm, QT, APART, (K // 32) * (32 if QT == 1 else 16)).to(dt)
+                    wg = _dq16(rg, g, nm, QT).to(dt)
+                    wu = _dq16(ru, g, nm, QT).to(dt)
                     accg += tl.dot(a, tl.trans(wg))
                     accu += tl.dot(a, tl.trans(wu))
         act = accg * tl.sigmoid(accg) * accu
@@ -293,7 +284,7 @@ if HAVE_TRITON:
                          stride_hm, stride_we, stride_wn, stride_ym,
                          TABLE: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZBM: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, GPI: tl.constexpr,
-                         GDC: tl.constexpr = False, APART: tl.constexpr = False):
+                         GDC: tl.constexpr = False):
         pdl.start(GDC)
         nb, e, r, rm = _tile(tl.program_id(0), se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN, TABLE, BM, GM)
         s = _slot_of(e, slot_ptr, E, HAS_SLOT)
@@ -323,7 +314,7 @@ if HAVE_TRITON:
                 for u in tl.static_range(GPI):
                     g = g0 + u
                     a = tl.load(hrow[:, None] + g * 16 + j[None, :], mask=rr[:, None], other=0.0)
-                    acc += tl.dot(a, tl.trans(_dq16(rw, g, nm, QT, APART, (K // 32) * (32 if QT == 1 else 16)).to(dt)))
+                    acc += tl.dot(a, tl.trans(_dq16(rw, g, nm, QT).to(dt)))
         out = acc * wt[:, None]
         tl.store(y_ptr + dst[:, None].to(tl.int64) * stride_ym + n[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=sm[:, None] & nm[None, :])
@@ -500,12 +491,11 @@ def block_table(se: Tensor, n_exp: int, bm: int) -> tuple[Tensor, Tensor, int]:
 # ------------------------------------------------------------------------------------------------------ experts
 
 def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, slot: Tensor | None = None,
-            y: Tensor | None = None, zero_missing: bool = True, apart: bool = False) -> Tensor:
+            y: Tensor | None = None, zero_missing: bool = True) -> Tensor:
     """y [T*k, H]: row p = w_p * expert_e(x_t) for every pair whose expert has a slot; a missed pair's row is zeros
     (zero_missing) or left as it is; padded pairs' rows are not touched. Windows of up to DECODE_ROWS rows take the
     row-invariant tiling (y float32), larger ones the prefill tiles (y in x's dtype). Passing `y` (and a staging
-    `slot` table / weights) fills only the rows of the pairs resident there, with the same bits as a resident run.
-    apart: the block rows hold their codes apart from their scales (runtime/gpu/moe_gemv.py `codes_apart`)."""
+    `slot` table / weights) fills only the rows of the pairs resident there, with the same bits as a resident run."""
     T, H = x.shape
     NP = r.se.numel()
     fg, fd = _fmt_pair(fmt)
@@ -528,8 +518,6 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
     tables: dict[int, tuple[Tensor, Tensor, int]] = {}
     for part, cfg in (("up", up_cfg), ("down", down_cfg)):
         gv = None if tiles else moe_gemv.variant(fg if part == "up" else fd, T)
-        if gv is not None and apart:
-            gv = {**gv, "APART": 1}
         if gv is not None:        # decode window: the matrix-vector kernels (runtime/gpu/moe_gemv.py)
             if part == "up":
                 moe_gemv.up(x, r.tok, r.se, sl, gate_up, h, fg, n_exp, inter, slot is not None, pow2(T), gv)
@@ -555,12 +543,11 @@ def experts(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None, s
                 "GPI": _groups_per_step(K, cfg["BK"]), "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         if part == "up":
             _moe_up_kernel[grid](x, r.tok, r.se, bs, bc, sl, gate_up, h, NP, n_exp, inter, H, G, nn, x.stride(0),
-                                 gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], APART=apart, **meta,
-                                 **launch)
+                                 gate_up.stride(0), gate_up.stride(1), h.stride(0), QT=QCODE[fg], **meta, **launch)
         else:
             _moe_down_kernel[grid](h, r.se, bs, bc, sl, r.order, wf, down, y, NP, n_exp, H, inter, G, nn, h.stride(0),
                                    down.stride(0), down.stride(1), y.stride(0), QT=QCODE[fd],
-                                   ZBM=bm if zero_missing else 0, APART=apart, **meta, **launch)
+                                   ZBM=bm if zero_missing else 0, **meta, **launch)
     return y
 
 
@@ -580,7 +567,7 @@ def combine(y: Tensor, idx: Tensor, n_exp: int, residual: Tensor | None = None, 
 
 
 def moe_routed(x: Tensor, residual: Tensor | None, r: Routing, gate_up: Tensor, down: Tensor, *, fmt=None,
-               slot: Tensor | None = None, miss_fn: MissFn | None = None, apart: bool = False) -> Tensor:
+               slot: Tensor | None = None, miss_fn: MissFn | None = None) -> Tensor:
     """(residual +) experts(x) with routing `r`: experts, then `miss_fn(x, r, y)` (fills the missed pairs' rows of
     y), then the per-token sum. Device work only: a CUDA graph captures it (with a graphable miss_fn)."""
     n_exp = slot.numel() if slot is not None else gate_up.shape[0]
@@ -593,22 +580,21 @@ def moe_routed(x: Tensor, residual: Tensor | None, r: Routing, gate_up: Tensor, 
         moe_gemv.up(x.contiguous(), r.tok, r.se, r.se, gate_up, h, "bf16", n_exp, inter, False, 1,
                     moe_gemv.variant("bf16", 1))
         return moe_gemv.down_sum(h, r.se, r.order, r.w.reshape(-1), down, residual, r.idx.shape[1], ds, True)
-    y = experts(x, r, gate_up, down, fmt=fmt, slot=slot, apart=apart)
+    y = experts(x, r, gate_up, down, fmt=fmt, slot=slot)
     if miss_fn is not None:
         miss_fn(x, r, y)
     return combine(y, r.idx, n_exp, residual, x.dtype)
 
 
 def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, *, fmt=None,
-                slot: Tensor | None = None, miss_fn: MissFn | None = None, apart: bool = False) -> Tensor:
+                slot: Tensor | None = None, miss_fn: MissFn | None = None) -> Tensor:
     """x [T, H]; idx [T, k] expert ids (an id >= E marks a padded row: it uses no expert and gets 0); w [T, k]
     routing weights; gate_up [S, 2I, H], down [S, H, I] (module docstring) -> [T, H]. Triton (CUDA, or the CPU
     interpreter in tests)."""
     T = x.shape[0]
     if T > PREFILL_ROWS:
         return torch.cat([moe_grouped(x[s:s + PREFILL_ROWS], idx[s:s + PREFILL_ROWS], w[s:s + PREFILL_ROWS], gate_up,
-                                      down, fmt=fmt, slot=slot, miss_fn=miss_fn, apart=apart)
-                          for s in range(0, T, PREFILL_ROWS)])
+                                      down, fmt=fmt, slot=slot, miss_fn=miss_fn) for s in range(0, T, PREFILL_ROWS)])
     n_exp = slot.numel() if slot is not None else gate_up.shape[0]
     r = group(idx, w, n_exp, slot)
     if T > DECODE_ROWS and PREFILL_IMPL == "grouped_mm" and slot is None and fmt in (None, "bf16") \
@@ -617,7 +603,7 @@ def moe_grouped(x: Tensor, idx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor
             return combine(experts_grouped_mm(x, r, gate_up, down), r.idx, n_exp, None, x.dtype)
         except RuntimeError:       # a shape or dtype this torch build's grouped matmul refuses: the Triton tiles
             pass
-    return moe_routed(x, None, r, gate_up, down, fmt=fmt, slot=slot, miss_fn=miss_fn, apart=apart)
+    return moe_routed(x, None, r, gate_up, down, fmt=fmt, slot=slot, miss_fn=miss_fn)
 
 
 def experts_grouped_mm(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor) -> Tensor:

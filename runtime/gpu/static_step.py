@@ -90,8 +90,7 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
         mlp.recorder(i, r.idx)
     if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual
         return x + mlp.offload(i, h, r.idx, r.w)
-    return moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn,
-                                  apart=mlp.apart)
+    return moe_kernels.moe_routed(h, x, r, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot, miss_fn=mlp.miss_fn)
 
 
 # CPU, a one-row step (a target decoding alone): the row's k experts called directly (`_one_row_experts`) instead
@@ -475,7 +474,7 @@ class StaticStep:
                     y = mlp.offload(i, h[0], idx, w)[None]
                 else:
                     y = moe_kernels.moe_grouped(h[0], idx, w, mlp.gate_up, mlp.down, fmt=mlp.fmt, slot=mlp.slot,
-                                                miss_fn=mlp.miss_fn, apart=mlp.apart)[None]
+                                                miss_fn=mlp.miss_fn)[None]
             elif isinstance(mlp, SparseMoe) and self.cpu:
                 y = self._moe_rows(mlp, h[0], i)[None]
             else:

@@ -246,9 +246,6 @@ class MLP(nn.Module):
 # there E/k times the arithmetic would cost more than the ops it saves)
 DENSE_EXPERT_BYTES = 8 << 20
 DENSE_ROWS = 64
-# Q4_0 / Q8_0 expert stacks resident on a GPU hold each row's codes apart from its scales (`SparseMoe.codes_apart`);
-# False: ggml's own block rows there too
-CODES_APART = True
 
 
 class SparseMoe(nn.Module):
@@ -279,7 +276,6 @@ class SparseMoe(nn.Module):
         self.fmt: str | tuple[str, str] | None = None   # ggml block format of gate_up/down (None: floats)
         self.slot: Tensor | None = None     # int32 [E]: expert id -> index into gate_up/down's first dim, -1: none
         self.miss_fn = None                 # callable(x, routing, y): fills the rows of the pairs without a slot
-        self.apart = False                  # block rows with their codes apart from their scales (`codes_apart`)
         # CPU, small experts (`pack_dense`): every expert's gate/up rows as one [E * 2I, H] matrix and every down
         # projection as one [H, E * I] matrix, for `dense`
         self.dense_gu: Tensor | None = None
@@ -328,24 +324,6 @@ class SparseMoe(nn.Module):
                                    f"{want_gu} / {fd} {want_dn} (uint8) for hidden {hidden}, expert width {inter}.")
         self.experts = nn.ModuleList()
         self.gate_up, self.down, self.fmt = gate_up, down, (fg, fd) if fg != fd else fg
-
-    def codes_apart(self) -> bool:
-        """Move each block row's codes ahead of its scales, in place (runtime/gpu/moe_gemv.py `codes_apart`: the
-        same bytes, which the kernels then load in whole vectors). Only for stacks every expert of which is resident
-        on a GPU (no slot table, no offload): a pool, a CPU path or a file never sees this layout. False when the
-        formats have no such layout or the switch `CODES_APART` is off."""
-        from runtime.gpu import moe_gemv
-
-        fg, fd = (self.fmt, self.fmt) if isinstance(self.fmt, str) else (self.fmt or (None, None))
-        if self.apart or not CODES_APART or fg not in moe_gemv.APART_WORDS or fd not in moe_gemv.APART_WORDS \
-                or self.slot is not None or self.offload is not None or not self.gate_up.is_cuda:
-            return self.apart
-        with torch.no_grad():
-            for stack, f in ((self.gate_up, fg), (self.down, fd)):
-                for e in range(0, stack.shape[0], 16):       # 16 experts at a time: little scratch
-                    stack[e:e + 16] = moe_gemv.codes_apart(stack[e:e + 16], f)
-        self.apart = True
-        return True
 
     def pack_dense(self, limit: int = DENSE_EXPERT_BYTES, hot: bool = False) -> bool:
         """CPU: hold a small layer's float experts for `dense` (False, and nothing kept, when the layer's experts
@@ -420,7 +398,7 @@ class SparseMoe(nn.Module):
             if kernels.available(x) and (T <= moe_kernels.DECODE_ROWS or x.is_cuda):
                 if self.counter is not None:
                     self.counter(self.layer_idx, T)
-                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, apart=self.apart, **kw).view(shape)
+                return moe_kernels.moe_grouped(x, idx, w, self.gate_up, self.down, **kw).view(shape)
             if self.quantized or self.slot is not None or self.miss_fn is not None:
                 return moe_kernels.moe_torch(x, idx, w, self.gate_up, self.down, **kw).view(shape)
         out = torch.zeros_like(x)
