@@ -125,10 +125,66 @@ def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: st
     f = FORMATS[fmt]
     nb = cols // f.block_values
     b = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, device=device, generator=g)
+    if fmt == "q4_k":     # d, dmin, 6-bit scales and minimums (mean 31.5), nibbles (std 4.6): d * sc * q - dmin * m
+        d = torch.full((rows, nb, 2), std / (31.5 * 4.6), dtype=torch.float16, device=device)
+        d[..., 1] *= 7.5                                       # dmin * m about d * sc * 7.5: values centred
+        b[..., :4] = d.view(torch.uint8).reshape(rows, nb, 4)
+        return b.reshape(rows, nb * f.block_bytes)
+    if fmt == "q6_k":     # codes q - 32 (std 18.5), int8 scales (mean |sc| 64), d last: d * sc * (q - 32)
+        d = torch.full((rows, nb, 1), std / (64 * 18.5), dtype=torch.float16, device=device)
+        b[..., 208:210] = d.view(torch.uint8).reshape(rows, nb, 2)
+        return b.reshape(rows, nb * f.block_bytes)
     code_std = 74.0 if fmt == "q8_0" else 4.6 if fmt == "q4_0" else 9.2     # uniform int8 / nibble / 5-bit codes
     d = torch.full((rows, nb, 1), std / code_std, dtype=torch.float16, device=device)
     b[..., :2] = d.view(torch.uint8).reshape(rows, nb, 2)
     return b.reshape(rows, nb * f.block_bytes)
+
+
+# llama-quantize's Q4_K_M (its use_more_bits rule): Q4_K everywhere except attn_v and ffn_down(_exps) of the layers
+# in the first and last eighth and every third layer between (Q6_K), and the output head (Q6_K); token_embd Q4_K
+MIXES = ("q4_k_m",)
+
+
+def _more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_format(fmt: str, role: str, layer: int = 0, n_layers: int = 1) -> str:
+    """The block format of one tensor of a target built as `fmt` (a format name, or a mix of `MIXES`). role: one of
+    gate_up, down, q_proj, k_proj, v_proj, o_proj, embed, lm_head."""
+    if fmt != "q4_k_m":
+        return fmt
+    if role == "lm_head" or (role in ("down", "v_proj") and _more_bits(layer, n_layers)):
+        return "q6_k"
+    return "q4_k"
+
+
+def model_active_bytes(model, mean_len: float) -> int:
+    """Bytes one decode token reads from a built model: every dense matrix and norm as held (the embedding one
+    row), the top-k experts of every layer as held, the BF16 KV cache at `mean_len` positions. For a mix of formats,
+    where `active_bytes` takes one format for every tensor."""
+    cfg = model.cfg
+    emb = model.model.embed_tokens
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, SparseMoe):
+            total += cfg.num_experts_per_tok * (m.gate_up[0].numel() * m.gate_up.element_size()
+                                                + m.down[0].numel() * m.down.element_size())
+            total += sum(p.numel() * p.element_size() for p in m.gate.parameters())
+            seen.update(id(p) for p in m.gate.parameters())
+            continue
+        if m is emb:
+            t = emb.blocks if isinstance(emb, QuantEmbedding) else emb.weight
+            total += t[0].numel() * t.element_size()
+            seen.add(id(t))
+            continue
+        for t in [*m.parameters(recurse=False), *([m.blocks] if isinstance(m, QuantLinear) else [])]:
+            if id(t) not in seen and t.data_ptr() != 0:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    kv = int(cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * mean_len)
+    return total + kv
 
 
 def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") -> Qwen3MoeModel:
@@ -149,20 +205,24 @@ def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") 
         return torch.empty(*shape, dtype=torch.bfloat16, device=dev).normal_(0.0, STD, generator=g)
 
     h, mi = cfg.hidden_size, cfg.moe_intermediate_size
-    for layer in model.model.layers:
+    n = cfg.num_hidden_layers
+    for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
-        gu = random_blocks(mlp.n_exp * 2 * mi, h, fmt, g, device).reshape(mlp.n_exp, 2 * mi, -1)
-        dn = random_blocks(mlp.n_exp * h, mi, fmt, g, device, STD * res).reshape(mlp.n_exp, h, -1)
-        mlp.bind_blocks(gu, dn, fmt)
+        fg, fd = tensor_format(fmt, "gate_up", i, n), tensor_format(fmt, "down", i, n)
+        gu = random_blocks(mlp.n_exp * 2 * mi, h, fg, g, device).reshape(mlp.n_exp, 2 * mi, -1)
+        dn = random_blocks(mlp.n_exp * h, mi, fd, g, device, STD * res).reshape(mlp.n_exp, h, -1)
+        mlp.bind_blocks(gu, dn, fg if fg == fd else (fg, fd))
         a = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(a, name)
             std = STD * (res if name == "o_proj" else 1.0)
-            blocks = random_blocks(lin.out_features, lin.in_features, fmt, g, device, std)
-            setattr(a, name, QuantLinear.from_blocks(blocks, fmt, lin.in_features))
+            f = tensor_format(fmt, name, i, n)
+            blocks = random_blocks(lin.out_features, lin.in_features, f, g, device, std)
+            setattr(a, name, QuantLinear.from_blocks(blocks, f, lin.in_features))
+    fe, fh = tensor_format(fmt, "embed"), tensor_format(fmt, "lm_head")
     model.model.embed_tokens = QuantEmbedding.from_blocks(
-        random_blocks(cfg.vocab_size, h, fmt, g, device, HONEST["embed_std"]), fmt, h, torch.bfloat16)
-    model.lm_head = QuantLinear.from_blocks(random_blocks(cfg.vocab_size, h, fmt, g, device), fmt, h)
+        random_blocks(cfg.vocab_size, h, fe, g, device, HONEST["embed_std"]), fe, h, torch.bfloat16)
+    model.lm_head = QuantLinear.from_blocks(random_blocks(cfg.vocab_size, h, fh, g, device), fh, h)
     for name, p in list(model.named_parameters()):
         if p.is_meta:
             owner, _, attr = name.rpartition(".")
@@ -241,7 +301,8 @@ def speed(args, bw: float, deadline: Deadline) -> dict[str, Any]:
         build_s = time.perf_counter() - t0
         n_new = args.new_tokens
         rec = run_decode(model, prompt, n_new, len(prompt) + n_new + 16)
-        ab = active_bytes(A3B, q, len(prompt) + n_new / 2)
+        ab = active_bytes(A3B, q, len(prompt) + n_new / 2) if q not in MIXES else \
+            model_active_bytes(model, len(prompt) + n_new / 2)
         rec.update(build_s=build_s, active_bytes=ab, bound_tok_s=bw / ab, frac_of_bound=rec["tok_s"] * ab / bw)
         rec.pop("tokens")
         res[q] = rec
@@ -254,7 +315,7 @@ def speed(args, bw: float, deadline: Deadline) -> dict[str, Any]:
                 break
             long_prompt = torch.randint(0, A3B["vocab_size"], (depth,), generator=g).tolist()
             d = run_decode(model, long_prompt, 128, depth + 128 + 16)
-            ab = active_bytes(A3B, q, depth + 64)
+            ab = active_bytes(A3B, q, depth + 64) if q not in MIXES else model_active_bytes(model, depth + 64)
             d.pop("tokens")
             d.update(depth=depth, bound_tok_s=bw / ab, frac_of_bound=d["tok_s"] * ab / bw)
             res.setdefault("depths", []).append({"quant": q, **d})

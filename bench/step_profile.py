@@ -106,7 +106,7 @@ def main() -> int:
 
     bw = copy_bandwidth()
     if args.quant:
-        from bench.quant_target import A3B, active_bytes, build_on_gpu
+        from bench.quant_target import A3B, MIXES, active_bytes, build_on_gpu, model_active_bytes
 
         model = build_on_gpu(A3B, args.quant)
         dense, expert, n_moe = 0, 0, model.cfg.num_hidden_layers
@@ -134,7 +134,8 @@ def main() -> int:
     res: dict[str, Any] = {"machine": machine(), "context": args.context, "copy_GBs": bw / 1e9, "widths": {},
                            "quant": args.quant or "bf16"}
     if args.quant:      # the bytes one token reads in this format (without the KV cache: 0 positions)
-        res["token_bytes_without_kv"] = active_bytes(A3B, args.quant, 0)
+        res["token_bytes_without_kv"] = active_bytes(A3B, args.quant, 0) if args.quant not in MIXES else \
+            model_active_bytes(model, 0)
     for w in (int(x) for x in args.widths.split(",")):
         kv = make_kv(model, args.context, "bf16", capacity=args.context + 64)
         graph_ms = time_decode(model, kv, w, 50)["step_ms"]
