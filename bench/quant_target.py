@@ -187,7 +187,8 @@ def model_active_bytes(model, mean_len: float) -> int:
     return total + kv
 
 
-def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") -> Qwen3MoeModel:
+def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16) -> Qwen3MoeModel:
     """The A3B-shaped model on the GPU with honest routing (bench/common.py): BF16 floats (`build_random_a3b`), or
     (Q8_0/Q4_0) every matrix and the experts as random blocks held the way runtime/loading_gguf.py holds a quantized
     file (norms and router BF16), with the same scales (embeddings std 1, residual contributions x 0.05)."""
@@ -202,7 +203,7 @@ def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") 
     g.manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=torch.bfloat16, device=dev).normal_(0.0, STD, generator=g)
+        return torch.empty(*shape, dtype=dtype, device=dev).normal_(0.0, STD, generator=g)
 
     h, mi = cfg.hidden_size, cfg.moe_intermediate_size
     n = cfg.num_hidden_layers
@@ -221,12 +222,12 @@ def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda") 
             setattr(a, name, QuantLinear.from_blocks(blocks, f, lin.in_features))
     fe, fh = tensor_format(fmt, "embed"), tensor_format(fmt, "lm_head")
     model.model.embed_tokens = QuantEmbedding.from_blocks(
-        random_blocks(cfg.vocab_size, h, fe, g, device, HONEST["embed_std"]), fe, h, torch.bfloat16)
+        random_blocks(cfg.vocab_size, h, fe, g, device, HONEST["embed_std"]), fe, h, dtype)
     model.lm_head = QuantLinear.from_blocks(random_blocks(cfg.vocab_size, h, fh, g, device), fh, h)
     for name, p in list(model.named_parameters()):
         if p.is_meta:
             owner, _, attr = name.rpartition(".")
-            val = torch.ones(p.shape, dtype=torch.bfloat16, device=dev) if "norm" in name else rand(*p.shape)
+            val = torch.ones(p.shape, dtype=dtype, device=dev) if "norm" in name else rand(*p.shape)
             setattr(model.get_submodule(owner), attr, nn.Parameter(val, requires_grad=False))
     model.rotary = Rotary(cfg).to(dev)
     for layer in model.model.layers:      # as ExpertCache.place does on CUDA: q/k/v stacked before the first step
@@ -397,8 +398,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-seconds", type=float, default=170)
+    ap.add_argument("--k-tiles-before", action="store_true", help="K-quant one-row products on DECODE_GEMV's tiles "
+                    "(the runtime before dense_kernels.QUANT_ONE_ROW and moe_gemv.DECODE_GEMV_ONE_ROW named K-quant "
+                    "tiles): an A/B in two runs of one device call")
     args = ap.parse_args(argv)
     args.quants = [q for q in args.quants.split(",") if q]
+    if args.k_tiles_before:
+        from runtime.gpu import dense_kernels, moe_gemv
+
+        for key in [k for k in dense_kernels.QUANT_ONE_ROW if k[0] in ("q4_k", "q6_k")]:
+            del dense_kernels.QUANT_ONE_ROW[key]
+        for key in ("q4_k", "q6_k"):
+            moe_gemv.DECODE_GEMV_ONE_ROW.pop(key, None)
     args.depths = [int(d) for d in args.depths.split(",") if d]
     deadline = Deadline(args.max_seconds)
     res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "rows": []}

@@ -70,7 +70,11 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
                if a.qkv_blocks is not None else None)
     if qkv is None:
         _, h = dense_kernels.rmsnorm(x, layer.input_layernorm.weight, eps)
-        qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
+        if a.qkv_weight is None and a.qkv_blocks is None:       # a K-quant mix: q and k stacked, v in its own format
+            qkv = torch.cat((_proj(h, None, "qkv", a.qk_blocks, a.qk_blocks), _proj(h, None, "qkv", a.v_proj, a.v_proj)),
+                            -1)
+        else:
+            qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
     q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
                                    a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
     wo = dense_kernels.weight_of(a.o_proj)

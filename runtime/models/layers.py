@@ -161,30 +161,41 @@ class Attention(nn.Module):
         self.scale = self.hd**-0.5
         self.qkv_weight: Tensor | None = None   # inference only (`stack_qkv`): q, k, v weights in one matrix
         self.qkv_blocks = None                  # the same for block-format q/k/v (a `QuantLinear` over their rows)
+        self.qk_blocks = None                   # q and k alone, when v has another block format (a K-quant mix)
 
     def qkv(self, h: Tensor) -> Tensor:
-        """q, k and v projections in one matmul (after `stack_qkv`; `has_qkv` says whether it stacked)."""
+        """q, k and v projections in one matmul (after `stack_qkv`; `has_qkv` says whether it stacked); a K-quant
+        mix's q and k in one product and v in its own, joined."""
         if self.qkv_weight is not None:
             return F.linear(h, self.qkv_weight)
-        return self.qkv_blocks(h)
+        if self.qkv_blocks is not None:
+            return self.qkv_blocks(h)
+        return torch.cat((self.qk_blocks(h), self.v_proj(h)), -1)
 
     @property
     def has_qkv(self) -> bool:
-        return self.qkv_weight is not None or self.qkv_blocks is not None
+        return self.qkv_weight is not None or self.qkv_blocks is not None or self.qk_blocks is not None
 
     def stack_qkv(self, device: torch.device | None = None) -> None:
         """Hold q/k/v_proj weights as views of one [(nh + 2 nkv) * hd, H] matrix (one matmul per step; same
         bytes; parameter names unchanged), on `device` when given. Stacking before the weights reach the GPU keeps
         the GPU from ever holding the three separate copies (the caching allocator would keep their segments).
-        Block-format q/k/v (a quantized GGUF target) stack their rows of blocks the same way (`qkv_blocks`)."""
+        Block-format q/k/v (a quantized GGUF target) stack their rows of blocks the same way (`qkv_blocks`); where v
+        has another format than q and k (llama-quantize's Q4_K_M gives some layers a Q6_K v), q and k stack alone
+        (`qk_blocks`) and v keeps its own matrix."""
         from runtime.formats.quant_linear import QuantLinear
 
         projs = [self.q_proj, self.k_proj, self.v_proj]
         if any(isinstance(p, QuantLinear) for p in projs):
-            if not all(isinstance(p, QuantLinear) for p in projs) or len({p.qtype for p in projs}) != 1 \
-                    or any(p.bias is not None for p in projs):
-                return                      # mixed formats (a K-quant mix): the three projections stay apart
-            have = self.qkv_blocks.blocks if self.qkv_blocks is not None else None
+            if not all(isinstance(p, QuantLinear) for p in projs) or any(p.bias is not None for p in projs) \
+                    or self.q_proj.qtype != self.k_proj.qtype:
+                return                      # nothing to stack: the three projections stay apart
+            whole = self.v_proj.qtype == self.q_proj.qtype
+            if not whole and device is not None:
+                self.v_proj.blocks = self.v_proj.blocks.to(device)
+            projs = projs if whole else projs[:2]
+            held = self.qkv_blocks if whole else self.qk_blocks
+            have = held.blocks if held is not None else None
             cat = have if have is not None else torch.cat([p.blocks for p in projs], 0)   # rows: independent blocks
             if device is not None:
                 cat = cat.to(device)
@@ -195,7 +206,8 @@ class Attention(nn.Module):
                 p.blocks = cat[o:o + p.out_features]
                 o += p.out_features
             # not registered as a submodule (like `qkv_weight`): state_dict and the weight count stay as they were
-            object.__setattr__(self, "qkv_blocks", QuantLinear.from_blocks(cat, projs[0].qtype, projs[0].in_features))
+            object.__setattr__(self, "qkv_blocks" if whole else "qk_blocks",
+                               QuantLinear.from_blocks(cat, projs[0].qtype, projs[0].in_features))
             return
         ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         cat = self.qkv_weight if self.qkv_weight is not None else torch.cat([w.data for w in ws], 0)

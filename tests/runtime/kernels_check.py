@@ -1037,6 +1037,23 @@ def check_attention_all() -> None:
     check_dense_step_q8()
 
 
+def check_fused_step_kquant_mix() -> None:
+    """A target quantized the way llama-quantize's Q4_K_M quantizes (bench/quant_target.py `tensor_format`: Q4_K,
+    with a Q6_K v and Q6_K experts' down in some layers, a Q6_K head) through the fused step, against the plain
+    forward: a layer whose v has another format than its q and k stacks q and k alone (`qk_blocks`)."""
+    from bench.quant_target import build_on_gpu
+    from tests.runtime.tiny import tiny_config
+
+    # one layer (the interpreter is slow): the rule gives it the Q6_K v and experts' down
+    cfg = tiny_config(vocab=64, hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, experts=4, top_k=2,
+                      moe_inter=256, mtp=False)
+    model = build_on_gpu(cfg, "q4_k_m", device="cpu", dtype=torch.float32)
+    a = model.model.layers[0].self_attn
+    assert a.qkv_blocks is None and a.qk_blocks is not None and a.has_qkv
+    assert a.v_proj.qtype == "q6_k" and model.model.layers[0].mlp.fmt == ("q4_k", "q6_k")
+    _fused_step_matches_forward(model, "q4_k_m")
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["attention"]:   # its own run (tests/runtime/test_static_step.py): no MoE kernel needed
         check_attention_all()
@@ -1063,6 +1080,7 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
         check_fused_step_gguf()
+        check_fused_step_kquant_mix()
         print("gguf step ok")
         sys.exit(0)
     if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow
