@@ -398,17 +398,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-seconds", type=float, default=170)
-    ap.add_argument("--k-tiles-before", action="store_true", help="K-quant one-row products on DECODE_GEMV's tiles "
-                    "(the runtime before dense_kernels.QUANT_ONE_ROW and moe_gemv.DECODE_GEMV_ONE_ROW named K-quant "
-                    "tiles): an A/B in two runs of one device call")
+    ap.add_argument("--k-tiles-before", default="", help="formats (q4_k,q6_k) whose one-row products take "
+                    "DECODE_GEMV's tiles (the runtime before dense_kernels.QUANT_ONE_ROW and "
+                    "moe_gemv.DECODE_GEMV_ONE_ROW named K-quant tiles): an A/B in two runs of one device call")
     args = ap.parse_args(argv)
     args.quants = [q for q in args.quants.split(",") if q]
-    if args.k_tiles_before:
+    before = [f for f in args.k_tiles_before.split(",") if f]
+    if before:
         from runtime.gpu import dense_kernels, moe_gemv
 
-        for key in [k for k in dense_kernels.QUANT_ONE_ROW if k[0] in ("q4_k", "q6_k")]:
+        for key in [k for k in dense_kernels.QUANT_ONE_ROW if k[0] in before]:
             del dense_kernels.QUANT_ONE_ROW[key]
-        for key in ("q4_k", "q6_k"):
+        for key in before:
             moe_gemv.DECODE_GEMV_ONE_ROW.pop(key, None)
     args.depths = [int(d) for d in args.depths.split(",") if d]
     deadline = Deadline(args.max_seconds)

@@ -1044,13 +1044,13 @@ def check_fused_step_kquant_mix() -> None:
     from bench.quant_target import build_on_gpu
     from tests.runtime.tiny import tiny_config
 
-    # one layer (the interpreter is slow): the rule gives it the Q6_K v and experts' down
-    cfg = tiny_config(vocab=64, hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, experts=4, top_k=2,
+    # two layers (the interpreter is slow): the rule gives the second the Q6_K v and experts' down
+    cfg = tiny_config(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=4, top_k=2,
                       moe_inter=256, mtp=False)
     model = build_on_gpu(cfg, "q4_k_m", device="cpu", dtype=torch.float32)
-    a = model.model.layers[0].self_attn
-    assert a.qkv_blocks is None and a.qk_blocks is not None and a.has_qkv
-    assert a.v_proj.qtype == "q6_k" and model.model.layers[0].mlp.fmt == ("q4_k", "q6_k")
+    a0, a1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    assert a0.qkv_blocks is not None and a1.qkv_blocks is None and a1.qk_blocks is not None and a1.has_qkv
+    assert a1.v_proj.qtype == "q6_k" and model.model.layers[1].mlp.fmt == ("q4_k", "q6_k")
     _fused_step_matches_forward(model, "q4_k_m")
 
 
@@ -1080,6 +1080,9 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
         check_fused_step_gguf()
+        print("gguf step ok")
+        sys.exit(0)
+    if sys.argv[1:] == ["kquant_mix"]:   # its own run (tests/runtime/test_loading_gguf.py)
         check_fused_step_kquant_mix()
         print("gguf step ok")
         sys.exit(0)

@@ -279,3 +279,13 @@ def test_quantized_fused_step_in_interpreter():
     script = Path(__file__).with_name("kernels_check.py")
     r = subprocess.run([sys.executable, str(script), "gguf"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "gguf step ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
+def test_kquant_mix_fused_step_in_interpreter():
+    """A Q4_K_M-style target (q and k Q4_K, v and the experts' down Q6_K in one layer) runs the fused step, q and k
+    stacked alone, against the plain forward (tests/runtime/kernels_check.py kquant_mix)."""
+    script = Path(__file__).with_name("kernels_check.py")
+    r = subprocess.run([sys.executable, str(script), "kquant_mix"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "gguf step ok" in r.stdout, r.stderr[-3000:]
