@@ -2,7 +2,7 @@
 the GEMV kernel's one-step tiles (runtime/gpu/moe_gemv.py: a program's whole weight tile loaded in one go), with
 and without EARLY (that load issued before the PDL wait).
 
-    python bench/gemv_one_row.py [--max-seconds 240] [--quant q4_0,q8_0]
+    python bench/gemv_one_row.py [--max-seconds 240] [--quant q4_0,q8_0 [--lm-head]]
 
 Matrices of the Qwen3-30B-A3B shape: q/k/v stacked 5120 x 2048, o_proj 2048 x 4096, router 128 x 2048 (48 copies
 of each, one per layer, so the 50 MB L2 holds no previous call's weights, as in a step), and the experts' gate/up
@@ -210,7 +210,7 @@ def quant_experts(fmt: str, gen: torch.Generator):
     return gu, dn, x, routes, hs, guf, dnf
 
 
-def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
+def quant_rows(fmt: str, bw: float, deadline: Deadline, lm_head: bool = False) -> list[dict[str, Any]]:
     """The one-row products of a target whose matrices and experts are `fmt` blocks (bench/quant_target.py's random
     blocks): the shipped variant against the candidates (`QUANT_CANDIDATES`),
     against float32 math on the dequantized values."""
@@ -221,8 +221,10 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(2)
     cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
     rows: list[dict[str, Any]] = []
-    for name, (N, K) in (("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])):
-        ws = [random_blocks(N, K, fmt, gen) for _ in range(LAYERS)]
+    mats = [("lm_head", (151936, H))] if lm_head else [("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])]
+    for name, (N, K) in mats:
+        # 48 copies (one per layer); the head is one matrix a step, far past the L2: 4 copies
+        ws = [random_blocks(N, K, fmt, gen) for _ in range(4 if name == "lm_head" else LAYERS)]
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = x.float() @ dequantize_torch(ws[0], fmt).float().T
         for label, c in cands.items():
@@ -239,6 +241,8 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline) -> list[dict[str, Any]]:
                          "frac_copy": nbytes / us / 1e-6 / bw,
                          "rel_err": (y - ref).abs().max().item() / ref.abs().max().item()})
         del ws
+    if lm_head:
+        return rows
     gu, dn, x, routes, hs, guf, dnf = quant_experts(fmt, gen)
     r0 = routes[0]
     guf, dnf = guf.float(), dnf.float()
@@ -254,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--quant", default="", help="block formats (q4_0,q8_0): time their one-row products instead")
+    ap.add_argument("--lm-head", action="store_true", help="with --quant: the A3B's output head (151,936 x 2048) "
+                    "instead of q/k/v, o_proj and the experts")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gemv_one_row.py needs a CUDA GPU; run it on one.", file=sys.stderr)
@@ -266,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                            device="cuda")).get("GDC", False)}
     quants = [q for q in args.quant.split(",") if q]
     if quants:
-        rows = [r for q in quants for r in quant_rows(q, bw, deadline)]
+        rows = [r for q in quants for r in quant_rows(q, bw, deadline, args.lm_head)]
     else:
         rows = expert_rows(bw, deadline) + dense_rows(bw, deadline)
     for r in rows:

@@ -331,7 +331,8 @@ class StaticStep:
             if i in wanted:
                 tap_out[wanted[i]] = x
         _, hidden = dense_kernels.rmsnorm(x, m.model.norm.weight, eps)
-        logits = m.lm_head(hidden).float()
+        # a block-format head on the one-row tile QUANT_ONE_ROW names for it (none: the module's path)
+        logits = _proj(hidden, dense_kernels.weight_of(m.lm_head), "lm_head", m.lm_head, m.lm_head).float()
         tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
         return logits, hidden, tap_t
 
