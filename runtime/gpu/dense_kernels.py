@@ -219,11 +219,12 @@ def dequant_linear(x2: Tensor, blocks: Tensor, qtype: str) -> Tensor:
 # (5120 x 2048) 5.3 against 5.9 (Q8_0 q/k/v: no better than DECODE_GEMV's, 6.3)
 QUANT_ONE_ROW: dict[tuple[str, str], str] = {("q4_0", "o_proj"): "n8j2k4np", ("q8_0", "o_proj"): "n4j2k2np",
                                              ("q4_0", "qkv"): "n8j2k2",
-                                             # K-quants (bench/results/h200_session17/kquant/gemv_k.log: q/k/v
-                                             # 9.00 -> 7.18 us for Q4_K, 9.41 -> 8.12 for Q6_K; o_proj 9.62 ->
-                                             # 5.84 and 9.46 -> 7.10)
-                                             ("q4_k", "qkv"): "n8j2", ("q4_k", "o_proj"): "n8j2k4np",
-                                             ("q6_k", "qkv"): "qone4j2", ("q6_k", "o_proj"): "n4j2k4np"}
+                                             # Q4_K (bench/results/h200_session17/kquant/gemv_k.log: q/k/v 9.00
+                                             # -> 7.18 us, o_proj 9.62 -> 5.84; the Q4_K step 350 -> 366 tok/s,
+                                             # qt_before.log / qt_after.log). Q6_K's faster tiles alone (q/k/v
+                                             # 9.41 -> 8.12, o_proj 9.46 -> 7.10) did not make its step faster
+                                             # (348 -> 341 tok/s with them and its experts' n8j2): not taken
+                                             ("q4_k", "qkv"): "n8j2", ("q4_k", "o_proj"): "n8j2k4np"}
 
 
 def quant_one_row(x: Tensor, mod, role: str) -> Tensor | None:

@@ -95,10 +95,7 @@ DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n
 # and 16; u1d32 with the down products in `down_sum`, bench/results/h200_session8/). The choice depends only on the
 # window's row count, and a run keeps one step width, so a row's bits never depend on the other rows
 # (runtime/gpu/static_step.py; calibration checks each width's own reference)
-DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np",
-                                              # Q6_K gate/up 16.0 -> 14.2 us, down 9.2 -> 9.1 (A3B top-8, 48 calls
-                                              # a graph: bench/results/h200_session17/kquant/gemv_k.log)
-                                              "q6_k": "n8j2"}
+DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np"}
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
 DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
