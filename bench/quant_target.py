@@ -11,8 +11,9 @@ Two parts, each written to bench/results/quant_target.json (`$OUT` on the device
   and from the first `--prefix` tokens a greedy continuation of `--gen` tokens: the number of tokens until the first
   difference from BF16's continuation.
 - `speed` (CUDA): a Qwen3-30B-A3B-shaped target (48 layers, 128 experts top-8, hidden 2048, moe_intermediate 768,
-  32 q / 4 kv heads x 128, vocab 151936) built on the GPU with random weights in each format (BF16 floats; Q8_0/Q4_0
-  random ggml blocks with a realistic scale: the speed does not depend on the values). Decode tok/s through the
+  32 q / 4 kv heads x 128, vocab 151936) built on the GPU with random weights in each format (BF16 floats; Q8_0,
+  Q4_0, Q4_K, Q6_K random ggml blocks with a realistic scale: the speed does not depend on the values; `q4_k_m`:
+  llama-quantize's Q4_K_M mix of Q4_K and Q6_K, `tensor_format`). Decode tok/s through the
   engine's step (CUDA graph when the kernels take the format) against the bound: the device-to-device copy
   bandwidth measured in the same run / the bytes one token must read in that format (dense weights with one
   embedding row, top-k experts of every layer, the KV cache at the mean length). `frac_of_bound = tok_s / bound`,
@@ -190,8 +191,9 @@ def model_active_bytes(model, mean_len: float) -> int:
 def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda",
                  dtype: torch.dtype = torch.bfloat16) -> Qwen3MoeModel:
     """The A3B-shaped model on the GPU with honest routing (bench/common.py): BF16 floats (`build_random_a3b`), or
-    (Q8_0/Q4_0) every matrix and the experts as random blocks held the way runtime/loading_gguf.py holds a quantized
-    file (norms and router BF16), with the same scales (embeddings std 1, residual contributions x 0.05)."""
+    (a block format, or the Q4_K_M mix: `tensor_format`) every matrix and the experts as random blocks held the way
+    runtime/loading_gguf.py holds a quantized file (norms and router in `dtype`), with the same scales (embeddings
+    std 1, residual contributions x 0.05). `device="cpu", dtype=torch.float32` gives the tests a tiny one."""
     if fmt == "bf16":
         return build_random_a3b(cfg_json, device=device, seed=seed)[0]
     dev = torch.device(device)
