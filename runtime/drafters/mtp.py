@@ -52,7 +52,8 @@ class MTPDrafter:
         self.host_cut = p.device.type == "cpu"
         # CPU: the chain's vocabulary head in 8 bits (runtime/drafters/head8.py); None: the target's own head
         self.head8 = _head8.int8_head(model.lm_head) if self.host_cut else None
-        self._rot_table: tuple[int, Tensor, torch.dtype] | None = None    # (first position, RoPE matrices, dtype)
+        # the CPU rows' RoPE matrices, made max_block positions at a time: the chain asks for one position a step
+        self.rope = cpu_plan.RopeTable(model.rotary, span=max_block)
         self.plan = cpu_plan.ModelPlan(self.mtp.layers)                   # the CPU rows' layer plan (`_rows_cpu`)
 
     def reset(self) -> None:
@@ -105,7 +106,7 @@ class MTPDrafter:
         ins = cpu_rows.derived(mtp, "_in_norms", (w_e, w_g), lambda: torch.stack((w_e, w_g)))   # [2, H]
         x = cpu_rows.linear(mtp.fc, (cpu_rows.rms_ln(e_g, None, eps) * ins).view(n, -1))
         if n <= self.max_block:
-            rot = self._rot(first, n, x.dtype)
+            rot = self.rope.get(first, n, x.dtype, x.device)
         else:
             cos, sin = m.rotary(torch.arange(first, first + n, device=x.device)[None], x.dtype)
             rot = cpu_rows.rope_matrices(cos[0], sin[0])
@@ -157,17 +158,6 @@ class MTPDrafter:
         else:
             x = x + mlp(y)
         return cpu_rows.norm(mtp.norm, x)
-
-    def _rot(self, first: int, n: int, dtype: torch.dtype) -> Tensor:
-        """RoPE at positions first.. as matrices [n, hd, hd] (`cpu_rows.rope_matrices`), sliced from a table made
-        for max_block positions at once: the chain asks for one position a step."""
-        t = self._rot_table
-        if t is None or t[2] != dtype or not t[0] <= first <= first + n <= t[0] + t[1].shape[0]:
-            pos = torch.arange(first, first + max(n, self.max_block), device=self.kv.k.device)[None]
-            cos, sin = self.model.rotary(pos, torch.float32)
-            t = self._rot_table = (first, cpu_rows.rope_matrices(cos[0], sin[0]).to(dtype), dtype)
-        o = first - t[0]
-        return t[1][o:o + n]
 
     @torch.no_grad()
     def observe(self, tokens: Tensor, hidden: Tensor, taps: Tensor | None, start: int) -> None:

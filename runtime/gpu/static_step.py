@@ -403,8 +403,7 @@ class StaticStep:
                 x = torch.cat((*rows, x[n:]))
             if i in wanted:
                 tap_out[wanted[i]] = x
-        fin = m.model.norm
-        hidden = cpu_rows.rms_ln(x, cpu_rows.ln_weight(fin), fin.eps).contiguous()
+        hidden = cpu_rows.norm(m.model.norm, x).contiguous()
         logits = m.lm_head(hidden).float()
         tap_t = torch.cat(tap_out, dim=-1) if taps else None  # type: ignore[arg-type]
         return logits, hidden, tap_t
