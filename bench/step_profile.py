@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from bench.common import copy_bandwidth, machine, print_table, write_json  # noqa: E402
 
 
-def profile_step(model, kv, width: int, steps: int) -> list[dict[str, Any]]:
+def profile_step(model, kv, width: int, steps: int, trace: str = "") -> list[dict[str, Any]]:
     """Kernel time per step, grouped by kernel name (eager step: the graph hides kernels from the profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,6 +48,8 @@ def profile_step(model, kv, width: int, steps: int) -> list[dict[str, Any]]:
             step(win, kv)
             kv.rollback(ctx)
         torch.cuda.synchronize()
+    if trace:       # the kernels' start and end times (chrome://tracing, Perfetto): how launches overlap under PDL
+        prof.export_chrome_trace(trace)
     return kernel_groups(prof, steps)
 
 
@@ -98,6 +100,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     ap.add_argument("--chunk", type=int, default=8192, help="the prefill's chunk")
     ap.add_argument("--quant", default="", help="profile a target in this block format (q4_0, q8_0) instead")
+    ap.add_argument("--trace", default="", help="also write each width's profile as a chrome trace, this path with "
+                    "the width before the suffix")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/step_profile.py needs a CUDA GPU.", file=sys.stderr)
@@ -139,7 +143,8 @@ def main() -> int:
     for w in (int(x) for x in args.widths.split(",")):
         kv = make_kv(model, args.context, "bf16", capacity=args.context + 64)
         graph_ms = time_decode(model, kv, w, 50)["step_ms"]
-        rows = profile_step(model, kv, w, args.steps)
+        trace = str(Path(args.trace).with_suffix(f".w{w}{Path(args.trace).suffix}")) if args.trace else ""
+        rows = profile_step(model, kv, w, args.steps, trace)
         total = sum(r["us_per_step"] for r in rows)
         launches = sum(r["launches_per_step"] for r in rows)
         res["widths"][w] = dict(graph_step_us=graph_ms * 1e3, kernel_sum_us=total, launches_per_step=launches,

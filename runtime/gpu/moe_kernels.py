@@ -183,14 +183,16 @@ if HAVE_TRITON:
         return w
 
     @triton.jit
-    def _dequant_kernel(b_ptr, o_ptr, R, stride_b, stride_o, QT: tl.constexpr, BN: tl.constexpr):
+    def _dequant_kernel(b_ptr, o_ptr, R, stride_b, stride_o, QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+        """Program (row block, column block): BN rows x G groups of 16 values, each group as `_dq16` gives it."""
         pm = tl.program_id(0)
-        g = tl.program_id(1)
         r = pm * BN + tl.arange(0, BN)
         m = r < R
-        w = _dq16(b_ptr + r.to(tl.int64) * stride_b, g, m, QT)
-        j = tl.arange(0, 16)
-        tl.store(o_ptr + r[:, None].to(tl.int64) * stride_o + g * 16 + j[None, :], w, mask=m[:, None])
+        row = b_ptr + r.to(tl.int64) * stride_b
+        out = o_ptr + r[:, None].to(tl.int64) * stride_o + tl.arange(0, 16)[None, :]
+        for gi in tl.static_range(G):
+            g = tl.program_id(1) * G + gi
+            tl.store(out + g * 16, _dq16(row, g, m, QT), mask=m[:, None])
 
     @triton.jit
     def _tile(pid, se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN,
@@ -624,17 +626,26 @@ def experts_grouped_mm(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor) -> 
 
 # ------------------------------------------------------------------------------------------ dequantization
 
-def dequantize(blocks: Tensor, fmt: str, out: Tensor | None = None) -> Tensor:
+# `dequantize`'s programs: BN rows x G groups of 16 values each (a power of two; fewer where the row has fewer)
+DEQUANT_TILE = {"BN": 32, "G": 1, "num_warps": 4}
+
+
+def dequantize(blocks: Tensor, fmt: str, out: Tensor | None = None, tile: dict[str, int] | None = None) -> Tensor:
     """ggml blocks [R, row_bytes] (uint8) -> float32 [R, cols] with the in-register dequantizer of the expert kernels
-    (bit for bit gguf-py's values); into `out` ([R, cols], its dtype: the values rounded once) when given."""
+    (bit for bit gguf-py's values); into `out` ([R, cols], its dtype: the values rounded once) when given. `tile`:
+    other than DEQUANT_TILE (the benchmarks' candidates; the values do not depend on it)."""
     name = block_format(fmt).name
     R, rb = blocks.shape
     cols = cols_from_row_bytes(rb, name)
     if out is None:
         out = torch.empty(R, cols, dtype=torch.float32, device=blocks.device)
-    BN = 32
-    _dequant_kernel[(triton.cdiv(R, BN), cols // 16)](blocks, out, R, blocks.stride(0), out.stride(0),
-                                                      QT=QCODE[name], BN=BN)
+    t = DEQUANT_TILE if tile is None else tile
+    G = t["G"]
+    while (cols // 16) % G:          # groups a program: a power of two that divides the row's
+        G //= 2
+    _dequant_kernel[(triton.cdiv(R, t["BN"]), cols // (16 * G))](blocks, out, R, blocks.stride(0), out.stride(0),
+                                                                 QT=QCODE[name], BN=t["BN"], G=G,
+                                                                 num_warps=t["num_warps"])
     return out
 
 

@@ -343,8 +343,11 @@ def check_dequant() -> None:
     for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
         g = torch.Generator().manual_seed(5)
         blocks, vals = expert_blocks(fmt, 1, 40, 512, g)
-        got = moe_kernels.dequantize(blocks[0], fmt)
-        assert torch.equal(got.view(torch.int32), vals[0].view(torch.int32)), fmt
+        # the shipped tile, and tiles of more groups a program (16 groups: a 256-value super-block; 64: more than a
+        # 512-value row has, so the kernel takes 32)
+        for tile in (None, {"BN": 16, "G": 16, "num_warps": 4}, {"BN": 64, "G": 64, "num_warps": 8}):
+            got = moe_kernels.dequantize(blocks[0], fmt, tile=tile)
+            assert torch.equal(got.view(torch.int32), vals[0].view(torch.int32)), (fmt, tile)
 
 
 def check_moe_prefill(dt: torch.dtype) -> None:
