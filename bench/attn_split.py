@@ -28,11 +28,13 @@ from bench.gemv_one_row import graph_us  # noqa: E402
 
 NH, NKV, HD, COPIES = 32, 4, 128, 16
 # label -> (Q8_PREFETCH, num_stages, num_warps) for a q8_0 cache; the first is what the runtime ships, "a tile at a
-# time, 3 stages" what it shipped before; "bf16 w8" runs on the BF16 cache (its num_warps 8)
+# time, 3 stages" what it shipped before; labels starting "bf16" run on the BF16 cache (launch settings, and "pps N":
+# `attention_kernels.PROGRAMS_PER_SM` = N, the split grid's size). None of these changes a value's bits
 CANDIDATES: dict[str, tuple[int, int, int]] = {
     "shipped": (-1, -1, -1),
     "a tile at a time, 3 stages": (0, 3, 4), "a tile at a time, 1 stage": (0, 1, 4), "prefetch, 3 stages": (1, 3, 4),
-    "prefetch, 8 warps": (1, 1, 8), "bf16 w8": (0, 3, 8),
+    "prefetch, 8 warps": (1, 1, 8), "bf16 w8": (0, 3, 8), "bf16 2 stages": (0, 2, 4), "bf16 4 stages": (0, 4, 4),
+    "bf16 pps 2": (0, 3, 4), "bf16 pps 8": (0, 3, 4), "bf16 pps 16": (0, 3, 4),
 }
 
 
@@ -65,15 +67,18 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
     part = [ak.split_scratch(width, NH, ctx + 64, HD, "cuda") for _ in range(COPIES)]
     row_bytes = HD * 2 if not q8 else HD + HD // 32 * 2
     nbytes = ctx * NKV * row_bytes * 2
-    saved = (ak.Q8_PREFETCH, dict(ak.SPLIT_TILE), dict(ak.SPLIT_TILE_Q8))
+    saved = (ak.Q8_PREFETCH, dict(ak.SPLIT_TILE), dict(ak.SPLIT_TILE_Q8), ak.PROGRAMS_PER_SM)
     rows, ref = [], None
     for label, (pf, stages, warps) in CANDIDATES.items():
-        if deadline.left() < 10 or (not q8 and label not in ("shipped", "bf16 w8")) or (q8 and label == "bf16 w8"):
+        bf = label.startswith("bf16")
+        if deadline.left() < 10 or (not q8 and label != "shipped" and not bf) or (q8 and bf):
             continue
         try:
             if pf >= 0:
                 ak.Q8_PREFETCH = bool(pf)
                 (ak.SPLIT_TILE_Q8 if q8 else ak.SPLIT_TILE).update(num_warps=warps, num_stages=stages)
+            if "pps" in label:
+                ak.PROGRAMS_PER_SM = int(label.rsplit(" ", 1)[1])
             calls = [lambda c=c, p=p: ak.attention(q, c[0], c[1], pos, HD ** -0.5, ks=c[2], vs=c[3], part=p)
                      for c, p in zip(cs, part, strict=True)]
             out = calls[0]()
@@ -84,6 +89,7 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
             ak.Q8_PREFETCH = saved[0]
             ak.SPLIT_TILE.update(saved[1])
             ak.SPLIT_TILE_Q8.update(saved[2])
+            ak.PROGRAMS_PER_SM = saved[3]
         rows.append({"context": ctx, "width": width, "kv_dtype": "q8_0" if q8 else "bf16", "candidate": label,
                      "us": us, "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
                      "same_bits_as_shipped": same, "chunks": split_chunks(ctx + 64)})
@@ -97,13 +103,14 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--widths", default="1,8")
     ap.add_argument("--max-seconds", type=float, default=240)
+    ap.add_argument("--bf16-only", action="store_true", help="the BF16 cache's candidates alone")
     a = ap.parse_args()
     deadline = Deadline(a.max_seconds)
     bw = copy_bandwidth()
     rows: list[dict[str, Any]] = []
     for ctx in (int(c) for c in a.contexts.split(",")):
         for w in (int(x) for x in a.widths.split(",")):
-            for q8 in (False, True):
+            for q8 in (False,) if a.bf16_only else (False, True):
                 if deadline.left() > 10:
                     rows += run(ctx, w, q8, bw, deadline)
     print_table(f"split attention, A3B heads (copy {bw / 1e9:,.0f} GB/s)",
