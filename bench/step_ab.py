@@ -122,6 +122,9 @@ ARMS["q-looped"] = {**_DEFAULT, "qdense": {}}
 # the quantized step with the RMSNorm before q/k/v in its own launch (dense_kernels.FUSE_NORM_QUANT off): the runtime
 # before bench/results/h200_session13/
 ARMS["q-norm-apart"] = {**_DEFAULT, "qnorm": False}
+# the quantized step's output head on DECODE_GEMV's tiles (no `lm_head` entry in dense_kernels.QUANT_ONE_ROW): the
+# runtime before bench/results/h200_session18/
+ARMS["q-head-before"] = {**_DEFAULT, "qnohead": True}
 # the quantized one-row tiles before bench/results/h200_session13/quant_tiles/: no one-row expert variant for block
 # formats, Q4_0 experts on n8j2np, o_proj on the one-step tiles, q/k/v on DECODE_GEMV's
 ARMS["q-tiles-before"] = {**_DEFAULT, "qship": False, "qdense": {"o_proj": "qone4j2"}, "qdecode": {"q4_0": "n8j2np"}}
@@ -205,6 +208,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
             for role in ("qkv", "o_proj"):
                 dense_kernels.QUANT_ONE_ROW.pop((q, role), None)
             dense_kernels.QUANT_ONE_ROW.update({(q, role): v for role, v in arm["qdense"].items()})
+        if arm.get("qnohead"):
+            dense_kernels.QUANT_ONE_ROW.pop((q, "lm_head"), None)
     if arm.get("moe1") is True:
         moe_gemv.DECODE_GEMV_ONE_ROW.update(one_row)
     elif arm.get("moe1"):

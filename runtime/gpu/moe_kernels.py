@@ -183,16 +183,52 @@ if HAVE_TRITON:
         return w
 
     @triton.jit
+    def _dq_q4k(row, sb, m, BN: tl.constexpr):
+        """Super-block sb (256 values) of the Q4_K rows at byte pointers `row` ([BN]) as float32 [BN, 256]: each
+        code byte loaded once for its two nibbles and each sub-block's scale and minimum once for its 32 values (the
+        arithmetic of `_dq16`'s q4_k branch, so the same values)."""
+        blk = row + sb * 144
+        mm = m[:, None]
+        d = _f16(blk, m)
+        dmin = _f16(blk + 2, m)
+        jj = tl.arange(0, 8)                                                # sub-blocks of 32
+        low = jj[None, :] < 4
+        # the 12 scale bytes b: j < 4: sc = b[j] & 63, mn = b[j + 4] & 63; j >= 4: sc = (b[j + 4] & 15) |
+        # (b[j - 4] >> 6) << 4, mn = (b[j + 4] >> 4) | (b[j] >> 6) << 4
+        b_j = tl.load(blk[:, None] + 4 + jj[None, :], mask=mm, other=0).to(tl.int32)
+        b_j4 = tl.load(blk[:, None] + 8 + jj[None, :], mask=mm, other=0).to(tl.int32)
+        b_jm4 = tl.load(blk[:, None] + 4 + jj[None, :] % 4, mask=mm, other=0).to(tl.int32)
+        sc = tl.where(low, b_j & 63, (b_j4 & 15) | ((b_jm4 >> 6) << 4))
+        mn = tl.where(low, b_j4 & 63, (b_j4 >> 4) | ((b_j >> 6) << 4))
+        ds = tl.reshape(d[:, None] * sc.to(tl.float32), (BN, 4, 2))         # sub-block 2i + h at [i, h]
+        dm = tl.reshape(dmin[:, None] * mn.to(tl.float32), (BN, 4, 2))
+        i = tl.arange(0, 4)
+        ll = tl.arange(0, 32)
+        qs = tl.load(blk[:, None, None] + 16 + 32 * i[None, :, None] + ll[None, None, :], mask=m[:, None, None],
+                     other=0).to(tl.int32)                                  # [BN, 4, 32]: sub-blocks 2i and 2i + 1
+        h = tl.arange(0, 2)
+        q = (qs[:, :, None, :] >> (4 * h[None, None, :, None])) & 15       # [BN, 4, 2, 32]
+        w = ds[:, :, :, None] * q.to(tl.float32) - dm[:, :, :, None]
+        return tl.reshape(w, (BN, 256))
+
+    @triton.jit
     def _dequant_kernel(b_ptr, o_ptr, R, stride_b, stride_o, QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-        """Program (row block, column block): BN rows x G groups of 16 values, each group as `_dq16` gives it."""
+        """Program (row block, column block): BN rows x G groups of 16 values, each group as `_dq16` gives it; Q4_K
+        by whole super-blocks (`_dq_q4k`) when G covers them."""
         pm = tl.program_id(0)
         r = pm * BN + tl.arange(0, BN)
         m = r < R
         row = b_ptr + r.to(tl.int64) * stride_b
-        out = o_ptr + r[:, None].to(tl.int64) * stride_o + tl.arange(0, 16)[None, :]
-        for gi in tl.static_range(G):
-            g = tl.program_id(1) * G + gi
-            tl.store(out + g * 16, _dq16(row, g, m, QT), mask=m[:, None])
+        if QT == 5 and G % 16 == 0:
+            out = o_ptr + r[:, None].to(tl.int64) * stride_o + tl.arange(0, 256)[None, :]
+            for si in tl.static_range(G // 16):
+                sb = tl.program_id(1) * (G // 16) + si
+                tl.store(out + sb * 256, _dq_q4k(row, sb, m, BN), mask=m[:, None])
+        else:
+            out = o_ptr + r[:, None].to(tl.int64) * stride_o + tl.arange(0, 16)[None, :]
+            for gi in tl.static_range(G):
+                g = tl.program_id(1) * G + gi
+                tl.store(out + g * 16, _dq16(row, g, m, QT), mask=m[:, None])
 
     @triton.jit
     def _tile(pid, se_ptr, bs_ptr, bc_ptr, NP, E, NG, NN,
