@@ -45,13 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 SUM = {"BN": 2, "num_warps": 4}
 OLD_SKIP = {"attention", "attention_reduce"}
 # each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
-# moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP) and whether it
+# moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
+# attention_kernels.ROW_TILE_ONE, off: ROW_TILE's 64 lines) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -67,9 +69,11 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True},
+                "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
+                "rt1": ROW_TILE_ONE_SHIPPED},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
-                     "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True},
+                     "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
+                     "rt1": ROW_TILE_ONE_SHIPPED},
 }
 # verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
 # and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)

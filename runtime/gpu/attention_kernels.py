@@ -31,6 +31,9 @@ REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant:
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
+# the same for a one-row window (a target decoding alone: its step is one row wide), where the other lines of a
+# 64-line tile would be padding
+ROW_TILE_ONE = 16
 # a q8_0 cache: the split kernel loads the next tile's codes and scales before this tile's dequantization and dots
 # (the same values as a tile at a time; False: a tile at a time, the benchmarks' switch), in one pipeline stage
 # (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
@@ -48,11 +51,12 @@ def _sm_count(device: str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
 
 
-def row_block(group: int) -> int:
+def row_block(group: int, rows: int = 2) -> int:
     """Window rows per program of the split kernel: ROW_TILE query-head lines in all (rows x the padded GQA
-    group), at least one row. A function of the model only, never of the window, so a row's tile (and its
-    bits) is the same at every width."""
-    return max(1, ROW_TILE // group)
+    group; ROW_TILE_ONE for a window of one row), at least one row. A function of the model and of the window's
+    row count only (a step's fixed width), never of the other rows, so at one width a row's tile (and its bits)
+    is the same whatever the other rows hold."""
+    return max(1, (ROW_TILE_ONE if rows == 1 else ROW_TILE) // group)
 
 
 def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:
@@ -424,7 +428,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     t = SPLIT_TILE_Q8 if q8 else SPLIT_TILE
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     gp = pow2(G)
-    rb = row_block(gp)
+    rb = row_block(gp, W)
     blocks = -(-W // rb)
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),

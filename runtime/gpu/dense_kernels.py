@@ -225,10 +225,10 @@ QUANT_ONE_ROW: dict[tuple[str, str], str] = {("q4_0", "o_proj"): "n8j2k4np", ("q
                                              # 9.41 -> 8.12, o_proj 9.46 -> 7.10) did not make its step faster
                                              # (348 -> 341 tok/s with them and its experts' n8j2): not taken
                                              ("q4_k", "qkv"): "n8j2", ("q4_k", "o_proj"): "n8j2k4np",
-                                             # the output head (151,936 x 2048): Q4_0 80.4 -> 68.1 us, Q8_0
-                                             # 105.1 -> 99.1 (bench/gemv_one_row.py --quant q6_k,q4_0,q8_0
-                                             # --lm-head, bench/results/h200_session18/; Q6_K's is DECODE_GEMV's)
-                                             ("q4_0", "lm_head"): "n8j2np", ("q8_0", "lm_head"): "n8j2np"}
+                                             # the output head (151,936 x 2048): Q4_0 80.4 -> 68.1 us (bench/
+                                             # gemv_one_row.py --quant q6_k,q4_0,q8_0 --lm-head, bench/results/
+                                             # h200_session18/; Q8_0's and Q6_K's fastest is DECODE_GEMV's own)
+                                             ("q4_0", "lm_head"): "n8j2np"}
 
 
 def quant_one_row(x: Tensor, mod, role: str) -> Tensor | None:
