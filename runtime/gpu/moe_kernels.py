@@ -662,8 +662,12 @@ def experts_grouped_mm(x: Tensor, r: Routing, gate_up: Tensor, down: Tensor) -> 
 
 # ------------------------------------------------------------------------------------------ dequantization
 
-# `dequantize`'s programs: BN rows x G groups of 16 values each (a power of two; fewer where the row has fewer)
-DEQUANT_TILE = {"BN": 32, "G": 1, "num_warps": 4}
+# `dequantize`'s programs: BN rows x G groups of 16 values each (a power of two; fewer where the row has fewer). H200,
+# A3B q/k/v and o_proj, 48 in a graph (bench/dequant.py, bench/results/h200_session18/): Q4_K 25.7 -> 7.8 us (with
+# whole super-blocks a program, `_dq_q4k`), Q6_K 24.0 -> 14.1, Q4_0 15.7 -> 14.1, Q8_0 16.6 -> 14.7 (q/k/v; the tile
+# before: 32 rows x 1 group); a verify window of the A3B at 1k context: Q4_K_M 8 rows 11.8 -> 10.3 ms, 4 rows 8.14 ->
+# 6.66; Q4_0 9.42 -> 9.22 and 6.32 -> 6.15 (the same logits)
+DEQUANT_TILE = {"BN": 8, "G": 16, "num_warps": 2}
 
 
 def dequantize(blocks: Tensor, fmt: str, out: Tensor | None = None, tile: dict[str, int] | None = None) -> Tensor:
