@@ -81,7 +81,7 @@ def test_quant_one_row_table(monkeypatch):
     from runtime.gpu import dense_kernels
 
     assert all(v in moe_gemv.GEMV_VARIANTS for v in dense_kernels.QUANT_ONE_ROW.values())
-    assert all(f in moe_gemv.QT and r in ("qkv", "o_proj", "router") for f, r in dense_kernels.QUANT_ONE_ROW)
+    assert all(f in moe_gemv.QT and r in ("qkv", "o_proj", "router", "lm_head") for f, r in dense_kernels.QUANT_ONE_ROW)
     lin = QuantLinear.from_float(torch.randn(8, 64), "q8_0")
     monkeypatch.setattr(dense_kernels, "QUANT_ONE_ROW", {("q8_0", "o_proj"): "nope"})
     assert dense_kernels.quant_one_row(torch.randn(1, 64), lin, "qkv") is None
