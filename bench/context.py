@@ -471,7 +471,11 @@ def checks(args) -> dict[str, Any]:
             o1 = torch.stack([att(q[r:r + 1], pos[r:r + 1])[0] for r in range(16)])
             mixed = att(torch.cat([q[3:4], torch.randn_like(q[:7])]),
                         torch.cat([pos[3:4], torch.randint(0, ctx, (7,), device=DEV, dtype=torch.int32)]))[0]
-            same = torch.equal(o16[8:], o8) and torch.equal(o16, o1) and torch.equal(mixed, o16[3])
+            # widths of 2+ rows share one tile: a row's bits are the same at 8 and 16 rows and whatever its
+            # neighbours; one row alone takes ROW_TILE_ONE's tile, the same bits only where that is ROW_TILE
+            one_same = torch.equal(o16, o1) if ak.ROW_TILE_ONE == ak.ROW_TILE else \
+                float((o1.float() - o16.float()).norm() / o16.float().norm()) < 1e-2
+            same = torch.equal(o16[8:], o8) and torch.equal(mixed, o16[3]) and one_same
             unsplit = att(q, pos, chunk=1 << max(0, (S - 1).bit_length()))
             rel_unsplit = float((o16.float() - unsplit.float()).norm() / unsplit.float().norm())
             r = 15

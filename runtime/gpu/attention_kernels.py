@@ -31,9 +31,11 @@ REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant:
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
-# the same for a one-row window (a target decoding alone: its step is one row wide), where the other lines of a
-# 64-line tile would be padding
-ROW_TILE_ONE = 16
+# the same for a one-row window (a target decoding alone: its step is one row wide), where 56 of a 64-line tile's
+# lines are padding on the A3B. Not yet measured on a GPU: `python bench/step_ab.py --contexts 1024,4096,16384,32768
+# --widths 1 --arms default,rt1-16,rt1-32` times 16 and 32 (a one-row tile other than ROW_TILE may give other bits
+# than the same row in a wider window, as the dense products of a one-row step already do)
+ROW_TILE_ONE = 64
 # a q8_0 cache: the split kernel loads the next tile's codes and scales before this tile's dequantization and dots
 # (the same values as a tile at a time; False: a tile at a time, the benchmarks' switch), in one pipeline stage
 # (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
