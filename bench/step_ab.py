@@ -138,6 +138,10 @@ ARMS["route-nopdl"] = {**_DEFAULT, "skip": {"attention", "route"}, "wide": True}
 # PDL on the split attention kernel too (pdl.SKIP empty): H200, A3B one-row step, 2.63 -> 2.60 ms at 1k, 2.70 -> 2.75
 # at 4k, 3.16 -> 3.20 at 16k, 3.61 -> 3.66 at 32k (bench/results/h200_session10/attn_pdl/); left off
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
+# a one-row window's split attention on 16 or 32 query-head lines a program instead of the 64 of wider windows
+# (attention_kernels.ROW_TILE_ONE)
+ARMS["rt1-16"] = {**_DEFAULT, "wide": True, "rt1": 16}
+ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32}
 # the runtime before pdl.TRIGGER_FIRST (bench/results/h200_session15/): the split kernel without PDL, the reduction
 # waiting first
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
@@ -180,6 +184,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
 
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
+    attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
