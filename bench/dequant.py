@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from bench.gemv_one_row import graph_us  # noqa: E402
 
 MATS = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
 LAYERS = 48
@@ -40,24 +41,6 @@ CANDIDATES = [(32, 1, 4), (32, 4, 4), (32, 8, 4), (32, 16, 4), (16, 16, 4), (64,
 
 def tile(t: tuple[int, int, int]) -> dict[str, int]:
     return {"BN": t[0], "G": t[1], "num_warps": t[2]}
-
-
-def graph_us(calls: list) -> float:
-    """Median microseconds per call of `calls` replayed as one CUDA graph (20 replays)."""
-    from runtime.gpu.capture import capture
-
-    g, _ = capture(lambda: [c() for c in calls])
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return median(ts)
 
 
 def matrix_rows(quants: list[str], bw: float) -> list[dict[str, Any]]:
