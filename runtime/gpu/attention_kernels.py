@@ -8,7 +8,8 @@ float16 scale per 32; `ks`/`vs` are the scales).
 runtime/kv.py `KV_TIERS`: short chunks early in the context, longer ones later) leaves each row's chunk output
 (unnormalised), max and sum; a second kernel combines a row's chunks in a fixed order. The rows of a block share
 each K/V tile they read, so a verify window of W rows reads the cache once, not W times. Chunk boundaries are
-absolute positions and every tile size is a constant of the model (the row block too: `row_block`), and a row never
+absolute positions and every tile size is a constant of the model (the row block too, `row_block`: one for one-row
+windows, one for wider ones, today the same), and a row never
 mixes with another row's lines, so a row's bits depend only on that row's query, its position and the cache, never
 on the window width, the other rows or the cache capacity (docs/models.md, "Numerics"). The grid is fixed by the
 capacity (programs walk every n-th chunk; those past a row's last chunk do
