@@ -343,9 +343,9 @@ def check_dequant() -> None:
     for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
         g = torch.Generator().manual_seed(5)
         blocks, vals = expert_blocks(fmt, 1, 40, 512, g)
-        # the shipped tile, and tiles of more groups a program (16 groups: a 256-value super-block; 64: more than a
-        # 512-value row has, so the kernel takes 32)
-        for tile in (None, {"BN": 16, "G": 16, "num_warps": 4}, {"BN": 64, "G": 64, "num_warps": 8}):
+        # the shipped tile (16 groups: Q4_K by whole super-blocks), one group a program (Q4_K through `_dq16`, the
+        # tile before), and 64 groups, more than a 512-value row has (the kernel takes 32)
+        for tile in (None, {"BN": 32, "G": 1, "num_warps": 4}, {"BN": 64, "G": 64, "num_warps": 8}):
             got = moe_kernels.dequantize(blocks[0], fmt, tile=tile)
             assert torch.equal(got.view(torch.int32), vals[0].view(torch.int32)), (fmt, tile)
 
