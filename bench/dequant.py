@@ -34,7 +34,8 @@ from bench.gemv_one_row import graph_us  # noqa: E402
 
 MATS = {"qkv": (5120, 2048), "o_proj": (2048, 4096)}
 LAYERS = 48
-# (BN rows, G groups of 16 values, warps) a program
+# (BN rows, G groups of 16 values, warps) a program; (32, 1, 4) is the tile before bench/results/h200_session18/
+# (`--step ... --tile 32,1,4` times the step against it)
 CANDIDATES = [(32, 1, 4), (32, 4, 4), (32, 8, 4), (32, 16, 4), (16, 16, 4), (64, 8, 4), (64, 16, 8), (16, 8, 2),
               (8, 16, 2)]
 
