@@ -1,7 +1,7 @@
 """The CPU step's switches, each off against on, interleaved in one process, on the bundled pack.
 
     OMP_NUM_THREADS=1 python bench/cpu_step_ab.py [--tasks code,long] [--widths 1,4] [--rounds 12] [--steps 40]
-        [--switches fewer_ops,row_bmm,shared_keys] [--prefix N]
+        [--switches fewer_ops,row_bmm,shared_keys,window] [--prefix N]
 
 For each task prompt (prefilled once), width and switch: the engine's fixed-width step (runtime/gpu/static_step.py)
 on a window of `width` real rows at the prompt's end, timed `steps` times in a row, alternating off and on for
@@ -12,7 +12,10 @@ two settings give the same logits. Switches (module flags of runtime/gpu/static_
   cpu_rows.py's lookups per op;
 - fewer_ops: `CPU_FEWER_OPS` (runtime/models/cpu_rows.py) against the module path's ops;
 - row_bmm: `CPU_ROW_BMM` (a row's attention by batched products) against SDPA per row;
-- shared_keys: `CPU_SHARED_FROM` as set (a window's rows read the keys before their chunk once) against never.
+- shared_keys: `CPU_SHARED_FROM` as set (a window's rows read the keys before their chunk once) against never
+  (only where a window's rows attend alone: `CPU_WINDOW_CHUNK` = 0);
+- window: `CPU_WINDOW_CHUNK` as set (a window's rows attend together: one scores product, the values in fixed
+  chunks) against each row alone (0).
 
 Writes `cpu_step_ab.json`. Why a separate script: on a 2-core VM whose speed drifts by 10-15% within minutes,
 only an interleaved A/B in one process shows a change of a few percent.
@@ -37,6 +40,7 @@ SWITCHES = {          # name -> (flag, value off, value on)
     "fewer_ops": ("CPU_FEWER_OPS", False, True),
     "row_bmm": ("CPU_ROW_BMM", False, True),
     "shared_keys": ("CPU_SHARED_FROM", 1 << 30, None),      # None: the module's own value
+    "window": ("CPU_WINDOW_CHUNK", 0, None),
 }
 
 
@@ -79,8 +83,11 @@ def _run(args: argparse.Namespace, eng, ss) -> dict[str, Any]:
             step = ss.StaticStep(eng.model, kv, width, graph=False)
             window = torch.tensor([ids[-width:]])
             for name in [s for s in args.switches.split(",") if s]:
-                if name == "shared_keys" and (width == 1 or start + width <= ss.CPU_SHARED_FROM):
-                    continue          # nothing to share: one row, or a context below the threshold
+                if name == "shared_keys" and (width == 1 or start + width <= ss.CPU_SHARED_FROM
+                                              or ss.CPU_WINDOW_CHUNK):
+                    continue          # nothing to share: one row, a context below the threshold, rows together
+                if name == "window" and width == 1:
+                    continue          # one row attends alone either way
                 flag, off, on = SWITCHES[name]
                 on = getattr(ss, flag) if on is None else on
                 keep = getattr(ss, flag)

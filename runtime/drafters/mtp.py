@@ -19,6 +19,10 @@ from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 # CPU rows through the layer's `cpu_plan.LayerPlan` (its weights gathered once; False: through cpu_rows.py)
 _PLAN = True
 
+# CPU: the committed rows that a window's first step runs with it write their cache entries only; the last row
+# alone goes on through attention, o_proj, the experts and the norm (False: every row goes through the layer)
+LAST_ONLY = True
+
 
 class MTPDrafter:
     """Chained MTP drafting over the target's `mtp` head with a private one-layer KV cache.
@@ -70,29 +74,32 @@ class MTPDrafter:
         for s in range(0, int(toks.shape[0]), self.chunk):
             self._step(toks[s:s + self.chunk], g_prev[s:s + self.chunk], first + s)
 
-    def _step(self, tok: Tensor, g: Tensor, first_pos: int) -> Tensor:
-        """Run rows (tok [n], g [n, H]) at positions first_pos.. into the cache; returns MTP hidden [n, H]."""
+    def _step(self, tok: Tensor, g: Tensor, first_pos: int, last_only: bool = False) -> Tensor:
+        """Run rows (tok [n], g [n, H]) at positions first_pos.. into the cache; returns MTP hidden [n, H] (the
+        last row's [1, H] with `last_only`: the CPU rows then finish only that row, below)."""
         n = tok.shape[0]
         if self.kv.length != first_pos - 1:
             raise RuntimeError(f"MTP cache holds {self.kv.length} entries, position {first_pos} needs {first_pos - 1}.")
         if first_pos - 1 + n > self.kv.capacity:
             raise ValueError(f"MTP cache capacity {self.kv.capacity} exceeded at position {first_pos + n - 1}.")
         if self.host_cut and self.kv.quant is None:
-            h = self._rows_cpu(tok, g, first_pos)
+            h = self._rows_cpu(tok, g, first_pos, last_only)
         else:
             pos = torch.arange(first_pos, first_pos + n, device=tok.device)[None]
             emb = self.model.model.embed_tokens(tok)[None]
             h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))[0]
         self.kv.length += n
-        return h
+        return h[-1:] if last_only else h
 
-    def _rows_cpu(self, tok: Tensor, g: Tensor, first: int) -> Tensor:
+    def _rows_cpu(self, tok: Tensor, g: Tensor, first: int, last_only: bool = False) -> Tensor:
         """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through the layer's plan
         (runtime/models/cpu_plan.py) or runtime/models/cpu_rows.py (norms as layer_norms, the two input norms as
         one, q/k/v with the scale in q and RoPE as one product, the residual adds inside the products, routing by
         the top-k's softmax), the cache written and read in place, a window's rows attending by batched products,
         and a small layer's experts all at once. Why: a CPU step is paid per op, and the chain runs one row at a
-        time (docs/models.md, "MTP head"). Drafts need no bits."""
+        time (docs/models.md, "MTP head"). Drafts need no bits. `last_only`: the rows before the last are committed
+        rows, wanted for their cache entries alone (the head has one layer: its K/V come before attention), so
+        only the last row attends and goes through o_proj, the experts (its k, not all) and the norm."""
         mtp, m = self.mtp, self.model
         eps = m.cfg.rms_norm_eps
         layer = mtp.layers[0]
@@ -123,6 +130,8 @@ class MTPDrafter:
         if keys.dtype != x.dtype:
             keys, vals = keys.to(x.dtype), vals.to(x.dtype)
         grp = nh // nkv
+        if last_only and n > 1:       # the committed rows' entries are written: the last row alone goes on
+            q, x, n = q[-1:], x[-1:], 1
         q = q.reshape(n, nkv, grp, hd)
         if n <= self.max_block:
             # a window's rows: scores, weights and values by KV head, the rows' own keys masked causally (SDPA's
@@ -212,7 +221,8 @@ class MTPDrafter:
         per_step = not cpu or min_p > 0
         for i in range(n):
             if i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
-                h = self._step(torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2])[-1:]
+                h = self._step(torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2],
+                               last_only=LAST_ONLY)[-1:]
             else:
                 h = self._step(tok, g, pos + i)
             if i == 0:

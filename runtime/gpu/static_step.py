@@ -143,6 +143,11 @@ CPU_PLAN = True
 # SDPA, whose CPU kernel costs about twice that for one query row (False: SDPA)
 CPU_ROW_BMM = True
 
+# CPU, a window of several rows: the rows attend together, the keys read once for all of them in one scores product,
+# the values product in chunks of this many positions fixed by absolute position (`StaticStep._attend_window`);
+# 0: each row alone (`_attend_bmm`)
+CPU_WINDOW_CHUNK = 512
+
 
 class StaticStep:
     def __init__(self, model, kv: KVCache, width: int, *, graph: bool = True) -> None:
@@ -219,17 +224,21 @@ class StaticStep:
         `scaled`: q carries the attention scale already (`cpu_rows.qkv`)."""
         start, n = self.window
         end = start + n
+        W, nh, hd = q.shape
+        wm = self._window_mask(kc.shape[1]) if W > 1 and CPU_WINDOW_CHUNK else None
+        read = end if wm is None else wm[0]          # the window path reads its whole chunks
         kn, vn = k[:n].transpose(0, 1), v[:n].transpose(0, 1)
         if ks is None:
             kc[:, start:end] = kn.to(kc.dtype)
             vc[:, start:end] = vn.to(vc.dtype)
-            keys, vals = kc[:, :end].to(q.dtype), vc[:, :end].to(q.dtype)
+            keys, vals = kc[:, :read].to(q.dtype), vc[:, :read].to(q.dtype)
         else:
             kc[:, start:end], ks[:, start:end] = quantize_q8_0(kn)
             vc[:, start:end], vs[:, start:end] = quantize_q8_0(vn)
-            keys = dequantize_q8_0(kc[:, :end], ks[:, :end], q.dtype)
-            vals = dequantize_q8_0(vc[:, :end], vs[:, :end], q.dtype)
-        W, nh, hd = q.shape
+            keys = dequantize_q8_0(kc[:, :read], ks[:, :read], q.dtype)
+            vals = dequantize_q8_0(vc[:, :read], vs[:, :read], q.dtype)
+        if wm is not None:
+            return self._attend_window(q if scaled else q * a.scale, keys, vals, a.nkv, wm)
         o = torch.empty_like(q)
         if n < W:
             o[n:].zero_()
@@ -243,6 +252,40 @@ class StaticStep:
                                                 enable_gqa=a.nkv != a.nh)
             o[j] = oj[0, :, 0]
         return o
+
+    def _window_mask(self, S: int) -> tuple[int, Tensor]:
+        """For `_attend_window`: the keys a window reads, N (the window's end rounded up to CPU_WINDOW_CHUNK, at most
+        the capacity S), and which of them each row may not see [W, N] (past its position; a padded row sees key 0
+        only). N depends on the window's start and width, never on its real rows."""
+        start, n = self.window
+        W, C = self.width, CPU_WINDOW_CHUNK
+        N = min(-(-(start + W) // C) * C, S)
+        pos = torch.where(self.ar < n, start + self.ar, 0)
+        return N, torch.arange(N, device=pos.device)[None, :] > pos[:, None]
+
+    def _attend_window(self, q: Tensor, keys: Tensor, vals: Tensor, nkv: int,
+                       wm: tuple[int, Tensor] | None = None) -> Tensor:
+        """A window's rows attending together: q [W, nh, hd] (scaled), keys/vals [nkv, >= N, hd] -> [W, nh, hd].
+        One scores product for every row's query heads against keys 0..N-1 (N: `_window_mask`), each row's keys
+        past its position masked, one softmax, then the values in fixed chunks of CPU_WINDOW_CHUNK positions
+        (the last one shorter where the capacity ends), each a product of one shape, added in chunk order.
+        Why it keeps a row's bits whatever the window: a score is one 64-long dot product, the same at any width
+        of the product; the softmax adds a row's exponentials lane by lane in position order, and the masked tail
+        adds exact zeros; a values chunk has a fixed shape and a chunk past a row's position adds exact zeros; so
+        a row's result depends on its query, its position and the cache only (docs/models.md, "Numerics", CPU;
+        tests/runtime/test_static_step.py). It reads the keys once a window, not once a row, in a handful of ops
+        where the rows alone took three a row."""
+        W, nh, hd = q.shape
+        grp, C = nh // nkv, CPU_WINDOW_CHUNK
+        N, mask = wm if wm is not None else self._window_mask(keys.shape[1])
+        qg = q.view(W, nkv, grp, hd).transpose(0, 1).reshape(nkv, W * grp, hd)
+        s = torch.bmm(qg, keys[:, :N].transpose(1, 2))                          # [nkv, W * grp, N]
+        s.view(nkv, W, grp, N).masked_fill_(mask[None, :, None, :], float("-inf"))
+        p = torch.softmax(s, -1)
+        o = torch.bmm(p[:, :, :C], vals[:, :C])
+        for c0 in range(C, N, C):
+            o.baddbmm_(p[:, :, c0:c0 + C], vals[:, c0:c0 + C])
+        return o.view(nkv, W, grp, hd).transpose(0, 1).reshape(W, nh, hd)
 
     def _attend_bmm(self, q: Tensor, keys: Tensor, vals: Tensor, o: Tensor, nkv: int) -> None:
         """`_attend_rows` by batched products: q [W, nh, hd] (scaled), keys/vals [nkv, >= end, hd] -> o's real rows.
@@ -364,7 +407,8 @@ class StaticStep:
         # a float cache in the compute dtype, no row reading keys in common with the others: attention inline
         kdt = self.kv.k.dtype
         inline = (CPU_ROW_BMM and self.kv.quant is None and kdt == x.dtype
-                  and (W == 1 or start + n <= CPU_SHARED_FROM))
+                  and (W == 1 or start + n <= CPU_SHARED_FROM or CPU_WINDOW_CHUNK))
+        wm = self._window_mask(self.kv.capacity) if inline and W > 1 and CPU_WINDOW_CHUNK else None
         wanted = {t: j for j, t in enumerate(taps)}
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, (layer, L) in enumerate(zip(m.model.layers, plans, strict=True)):
@@ -375,6 +419,10 @@ class StaticStep:
                 vc[:, start] = v[0]
                 s = torch.bmm(q[0].view(L.nkv, L.nh // L.nkv, L.hd), kc[:, :start + 1].transpose(1, 2))
                 o = torch.bmm(torch.softmax(s, -1), vc[:, :start + 1])
+            elif wm is not None:
+                kc[:, start:start + n] = k[:n].transpose(0, 1)
+                vc[:, start:start + n] = v[:n].transpose(0, 1)
+                o = self._attend_window(q, kc, vc, L.nkv, wm)
             elif inline:        # `_attend_bmm`'s rows with no shared part, without its bookkeeping
                 kc[:, start:start + n] = k[:n].transpose(0, 1)
                 vc[:, start:start + n] = v[:n].transpose(0, 1)

@@ -31,15 +31,24 @@ def _kv(m, cap=64):
     return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_step_matches_plain_forward(model, shared, monkeypatch):
-    """The step's rows equal the plain forward's within fp32 rounding; `shared`: with the window's rows reading
-    the keys before their 2-position chunk in one product (static_step.CPU_SHARED_FROM, small here)."""
+# how a CPU window's rows attend: together (static_step.CPU_WINDOW_CHUNK: the shipped chunk, one chunk of the
+# cache here; 16 positions, so windows straddle chunks), or each alone (0), the keys before a chunk shared from
+# position 6 (CPU_SHARED_FROM / CPU_SHARED_CHUNK, small here)
+ATTEND = {"window": {}, "window-chunks": {"CPU_WINDOW_CHUNK": 16}, "rows": {"CPU_WINDOW_CHUNK": 0},
+          "rows-shared": {"CPU_WINDOW_CHUNK": 0, "CPU_SHARED_FROM": 6, "CPU_SHARED_CHUNK": 2}}
+
+
+def _attend(monkeypatch, mode: str) -> None:
     from runtime.gpu import static_step
 
-    if shared:
-        monkeypatch.setattr(static_step, "CPU_SHARED_FROM", 6)
-        monkeypatch.setattr(static_step, "CPU_SHARED_CHUNK", 2)
+    for name, value in ATTEND[mode].items():
+        monkeypatch.setattr(static_step, name, value)
+
+
+@pytest.mark.parametrize("attend", list(ATTEND))
+def test_step_matches_plain_forward(model, attend, monkeypatch):
+    """The step's rows equal the plain forward's within fp32 rounding, however a window's rows attend (`ATTEND`)."""
+    _attend(monkeypatch, attend)
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
     kv_a, kv_b = _kv(model), _kv(model)
     with torch.no_grad():
@@ -98,29 +107,33 @@ def model32(tmp_path_factory):
     return load_target(make_tiny_target(tmp_path_factory.mktemp("static32"), seed=3, scale=2.0, head_dim=32))
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("attend", [*ATTEND, "window-tail"])
 @pytest.mark.parametrize("quant", [None, "q8_0"])
-def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, model32, quant, shared, monkeypatch):
+def test_cpu_step_gives_a_token_the_same_bits_alone_or_in_any_window(model, model32, quant, attend, monkeypatch):
     """On the CPU the engine's step is row-invariant: a token's logits, hidden row and taps are bitwise the same
     whether it is decoded alone or verified at any row of a wider window (what greedy equality needs: a 1e-7
     difference can flip a near-tie), with a float or a q8_0 KV cache. The plain forward gives no such promise
-    (1-row and k-row products differ). `shared`: rows from position 8 read the keys before their 4-position
-    chunk in one product with the window's other rows (static_step.CPU_SHARED_FROM, small here): windows that
-    straddle a chunk, or start past it, give every row its own bits still."""
-    from runtime.gpu import static_step
-
-    if shared:
-        monkeypatch.setattr(static_step, "CPU_SHARED_FROM", 8)
-        monkeypatch.setattr(static_step, "CPU_SHARED_CHUNK", 4)
+    (1-row and k-row products differ). `attend` (`ATTEND`): a window's rows attending together over chunks of
+    the cache (windows that straddle a chunk, or start past it; "window-tail": a 40-position cache, so the last
+    16-position chunk is short and windows read it), or each alone (with the keys before a chunk shared from
+    position 6): every row gets its own bits still."""
+    _attend(monkeypatch, "window-chunks" if attend == "window-tail" else attend)
+    cap = 40 if attend == "window-tail" else 64
     if quant is not None:
         model = model32              # q8_0 blocks need a head_dim that is a multiple of 32
-    prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
+    # with a 12-token prompt the rows sit at positions 12-18, across the chunk boundary at 16; with 20 at 20-26,
+    # and an 8-row window from position 25 on reads a chunk more (keys to 48, or the cache's end) than one before
+    for plen in (12, 20):
+        _same_bits_alone_or_in_windows(model, torch.tensor([([5, 9, 11, 2, 7, 30] * 4)[:plen]]), quant, cap)
+
+
+def _same_bits_alone_or_in_windows(model, prompt, quant, cap):
     seq = [12, 40, 3, 8, 41, 4, 5]
     width = 8
     outs = {}
-    for split in ((1,) * 7, (3, 4), (2, 5), (7,), (1, 6)):
+    for split in ((1,) * 7, (3, 4), (2, 5), (7,), (1, 6), (4, 1, 2)):
         c = model.cfg
-        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64, quant=quant)
+        kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, cap, quant=quant)
         with torch.no_grad():
             model(prompt, kv=kv)
             step = StaticStep(model, kv, width=width, graph=False)
@@ -254,3 +267,37 @@ def test_cpu_step_on_a_placed_model_matches_the_plain_forward_and_keeps_its_bits
     torch.testing.assert_close(rows_by_split[0], ref, rtol=0, atol=1e-4)
     for rows in rows_by_split[1:]:
         assert torch.equal(rows, rows_by_split[0])
+
+
+@pytest.mark.parametrize("width", [5, 8])
+def test_cpu_window_attention_gives_a_row_the_same_bits_at_any_slot_start_and_fill(width):
+    """`StaticStep._attend_window` at the bundled pack's attention shape (2 KV heads of 64, 2 query heads each) and
+    contexts of hundreds of positions, where one values product over the whole context would round a row
+    differently as the window's end moves (BLAS splits a long sum by its length): a row's output is bitwise the
+    same whichever slot of the window it takes, so whatever the window's start, its count of real rows and the
+    other rows' queries, across chunk boundaries and the cache's short last chunk."""
+    from types import SimpleNamespace
+
+    from runtime.gpu.static_step import CPU_WINDOW_CHUNK, StaticStep
+
+    g = torch.Generator().manual_seed(width)
+    nkv, grp, hd, S = 2, 2, 64, 2 * CPU_WINDOW_CHUNK + 100          # the last chunk holds 100 positions
+    keys, vals = torch.randn(nkv, S, hd, generator=g), torch.randn(nkv, S, hd, generator=g)
+    for p in (CPU_WINDOW_CHUNK - 3, CPU_WINDOW_CHUNK + 2, 2 * CPU_WINDOW_CHUNK - 2, S - 2):
+        row = torch.randn(nkv * grp, hd, generator=g)
+        got = []
+        for j in range(width):
+            start = p - j
+            if start + j + 1 > S:
+                continue
+            n = int(torch.randint(j + 1, width + 1, (1,), generator=g))
+            n = min(n, S - start)
+            st = SimpleNamespace(window=(start, n), width=width, ar=torch.arange(width))
+            q = torch.randn(width, nkv * grp, hd, generator=g)
+            q[j] = row
+            wm = StaticStep._window_mask(st, S)
+            got.append(StaticStep._attend_window(st, q, keys, vals, nkv, wm)[j])
+        assert len(got) == width
+        assert all(torch.equal(o, got[0]) for o in got), p
+        ref = torch.softmax(row.view(nkv, grp, hd) @ keys[:, :p + 1].transpose(1, 2), -1) @ vals[:, :p + 1]
+        assert torch.allclose(got[0], ref.reshape(nkv * grp, hd), atol=1e-5)
