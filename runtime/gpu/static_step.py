@@ -16,8 +16,8 @@ therefore runs target-only decoding at the same width as its drafted windows (ru
 Without Triton the same step runs eagerly through torch. On a GPU that is the fallback (full-capacity masked
 attention, the MoE loop). On the CPU it is the engine's step, and it keeps the GPU's promise without kernels: every
 matmul has the window's fixed shape (BLAS gives a row the same bits at any row of a fixed-shape product, but a
-1-row and a k-row product differ: a 1-row decode and a verify row could round apart and flip a near-tie), each
-real row attends on its own to the keys up to its position (one query, the same keys, the same sum), and every
+1-row and a k-row product differ: a 1-row decode and a verify row could round apart and flip a near-tie), a
+row's attention depends on its query, its position and the cache only (`_attend_window`), and every
 expert a real row uses runs on all W rows (its own fixed shape; only the routed rows are added in; a small model's
 experts all run at once, `SparseMoe.dense`, each row weighting its own). So greedy speculative output equals
 target-only output bit for bit on the CPU too.
