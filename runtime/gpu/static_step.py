@@ -269,8 +269,8 @@ class StaticStep:
         One scores product for every row's query heads against keys 0..N-1 (N: `_window_mask`), each row's keys
         past its position masked, one softmax, then the values in fixed chunks of CPU_WINDOW_CHUNK positions
         (the last one shorter where the capacity ends), each a product of one shape, added in chunk order.
-        Why it keeps a row's bits whatever the window: a score is one dot product over head_dim, the same at any
-        width of the product; the softmax adds a row's exponentials lane by lane in position order (N >= 16 unless
+        Why it keeps a row's bits whatever the window: a score is one dot product over head_dim, which BLAS gives
+        the same bits at any width of the product (observed; the tests check it); the softmax adds a row's exponentials lane by lane in position order (N >= 16 unless
         the whole cache is shorter, and then N is fixed), so the masked tail adds exact zeros; a values chunk has a
         fixed shape and a chunk past a row's position adds exact zeros; so
         a row's result depends on its query, its position and the cache only (docs/models.md, "Numerics", CPU;
