@@ -75,8 +75,8 @@ class MTPDrafter:
             self._step(toks[s:s + self.chunk], g_prev[s:s + self.chunk], first + s)
 
     def _step(self, tok: Tensor, g: Tensor, first_pos: int, last_only: bool = False) -> Tensor:
-        """Run rows (tok [n], g [n, H]) at positions first_pos.. into the cache; returns MTP hidden [n, H] (the
-        last row's [1, H] with `last_only`: the CPU rows then finish only that row, below)."""
+        """Run rows (tok [n], g [n, H]) at positions first_pos.. into the cache; returns MTP hidden [n, H] (on the
+        CPU with `last_only` the last row's alone, [1, H]: `_rows_cpu` finishes only that row)."""
         n = tok.shape[0]
         if self.kv.length != first_pos - 1:
             raise RuntimeError(f"MTP cache holds {self.kv.length} entries, position {first_pos} needs {first_pos - 1}.")
@@ -89,7 +89,7 @@ class MTPDrafter:
             emb = self.model.model.embed_tokens(tok)[None]
             h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))[0]
         self.kv.length += n
-        return h[-1:] if last_only else h
+        return h
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int, last_only: bool = False) -> Tensor:
         """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through the layer's plan

@@ -263,8 +263,7 @@ class StaticStep:
         pos = torch.where(self.ar < n, start + self.ar, 0)
         return N, torch.arange(N, device=pos.device)[None, :] > pos[:, None]
 
-    def _attend_window(self, q: Tensor, keys: Tensor, vals: Tensor, nkv: int,
-                       wm: tuple[int, Tensor] | None = None) -> Tensor:
+    def _attend_window(self, q: Tensor, keys: Tensor, vals: Tensor, nkv: int, wm: tuple[int, Tensor]) -> Tensor:
         """A window's rows attending together: q [W, nh, hd] (scaled), keys/vals [nkv, >= N, hd] -> [W, nh, hd].
         One scores product for every row's query heads against keys 0..N-1 (N: `_window_mask`), each row's keys
         past its position masked, one softmax, then the values in fixed chunks of CPU_WINDOW_CHUNK positions
@@ -278,7 +277,7 @@ class StaticStep:
         where the rows alone took three a row."""
         W, nh, hd = q.shape
         grp, C = nh // nkv, CPU_WINDOW_CHUNK
-        N, mask = wm if wm is not None else self._window_mask(keys.shape[1])
+        N, mask = wm                                   # `_window_mask`: made once a step, read by every layer
         qg = q.view(W, nkv, grp, hd).transpose(0, 1).reshape(nkv, W * grp, hd)
         s = torch.bmm(qg, keys[:, :N].transpose(1, 2))                          # [nkv, W * grp, N]
         s.view(nkv, W, grp, N).masked_fill_(mask[None, :, None, :], float("-inf"))
