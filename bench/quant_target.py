@@ -12,11 +12,12 @@ Two parts, each written to bench/results/quant_target.json (`$OUT` on the device
   difference from BF16's continuation.
 - `speed` (CUDA): a Qwen3-30B-A3B-shaped target (48 layers, 128 experts top-8, hidden 2048, moe_intermediate 768,
   32 q / 4 kv heads x 128, vocab 151936) built on the GPU with random weights in each format (BF16 floats; Q8_0,
-  Q4_0, Q4_K, Q6_K random ggml blocks with a realistic scale: the speed does not depend on the values; `q4_k_m`:
-  llama-quantize's Q4_K_M mix of Q4_K and Q6_K, `tensor_format`). Decode tok/s through the
-  engine's step (CUDA graph when the kernels take the format) against the bound: the device-to-device copy
-  bandwidth measured in the same run / the bytes one token must read in that format (dense weights with one
-  embedding row, top-k experts of every layer, the KV cache at the mean length). `frac_of_bound = tok_s / bound`,
+  Q4_0, Q4_K, Q5_K, Q6_K random ggml blocks with a realistic scale: the speed does not depend on the values;
+  `q4_k_m` / `q5_k_m`: llama-quantize's Q4_K_M / Q5_K_M mix of Q4_K / Q5_K and Q6_K, `tensor_format`). Decode
+  tok/s through the engine's step (CUDA graph when the kernels take the format) against the bound: the
+  device-to-device copy bandwidth measured in the same run / the bytes one token must read in that format (dense
+  weights with one embedding row, top-k experts of every layer, the KV cache at the mean length).
+  `frac_of_bound = tok_s / bound`,
   `vs_bf16 = tok_s / BF16's tok_s`. `tok_s` is the median of three runs with the next step queued before each
   token's read (shipped); `tok_s_after_read` the same runs, alternating, with it queued after the read; `step_tok_s`
   the graphed step alone, replayed 50 times at the prompt's length (the loop's ceiling).
@@ -126,9 +127,10 @@ def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: st
     f = FORMATS[fmt]
     nb = cols // f.block_values
     b = torch.randint(0, 256, (rows, nb, f.block_bytes), dtype=torch.uint8, device=device, generator=g)
-    if fmt == "q4_k":     # d, dmin, 6-bit scales and minimums (mean 31.5), nibbles (std 4.6): d * sc * q - dmin * m
-        d = torch.full((rows, nb, 2), std / (31.5 * 4.6), dtype=torch.float16, device=device)
-        d[..., 1] *= 7.5                                       # dmin * m about d * sc * 7.5: values centred
+    if fmt in ("q4_k", "q5_k"):   # d, dmin, 6-bit scales and minimums (mean 31.5), nibbles (std 4.6) or 5-bit codes
+        cs, mid = (4.6, 7.5) if fmt == "q4_k" else (9.2, 15.5)     # (std 9.2): d * sc * q - dmin * m
+        d = torch.full((rows, nb, 2), std / (31.5 * cs), dtype=torch.float16, device=device)
+        d[..., 1] *= mid                                       # dmin * m about d * sc * mid: values centred
         b[..., :4] = d.view(torch.uint8).reshape(rows, nb, 4)
         return b.reshape(rows, nb * f.block_bytes)
     if fmt == "q6_k":     # codes q - 32 (std 18.5), int8 scales (mean |sc| 64), d last: d * sc * (q - 32)
@@ -142,8 +144,9 @@ def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: st
 
 
 # llama-quantize's Q4_K_M (its use_more_bits rule): Q4_K everywhere except attn_v and ffn_down(_exps) of the layers
-# in the first and last eighth and every third layer between (Q6_K), and the output head (Q6_K); token_embd Q4_K
-MIXES = ("q4_k_m",)
+# in the first and last eighth and every third layer between (Q6_K), and the output head (Q6_K); token_embd Q4_K.
+# Q5_K_M: the same with Q5_K in place of Q4_K
+MIXES = ("q4_k_m", "q5_k_m")
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -153,11 +156,11 @@ def _more_bits(i: int, n: int) -> bool:
 def tensor_format(fmt: str, role: str, layer: int = 0, n_layers: int = 1) -> str:
     """The block format of one tensor of a target built as `fmt` (a format name, or a mix of `MIXES`). role: one of
     gate_up, down, q_proj, k_proj, v_proj, o_proj, embed, lm_head."""
-    if fmt != "q4_k_m":
+    if fmt not in MIXES:
         return fmt
     if role == "lm_head" or (role in ("down", "v_proj") and _more_bits(layer, n_layers)):
         return "q6_k"
-    return "q4_k"
+    return fmt[:4]
 
 
 def model_active_bytes(model, mean_len: float) -> int:
@@ -191,9 +194,9 @@ def model_active_bytes(model, mean_len: float) -> int:
 def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda",
                  dtype: torch.dtype = torch.bfloat16) -> Qwen3MoeModel:
     """The A3B-shaped model on the GPU with honest routing (bench/common.py): BF16 floats (`build_random_a3b`), or
-    (a block format, or the Q4_K_M mix: `tensor_format`) every matrix and the experts as random blocks held the way
-    runtime/loading_gguf.py holds a quantized file (norms and router in `dtype`), with the same scales (embeddings
-    std 1, residual contributions x 0.05). `device="cpu", dtype=torch.float32` gives the tests a tiny one."""
+    (a block format, or a Q4_K_M or Q5_K_M mix: `tensor_format`) every matrix and the experts as random blocks held
+    the way runtime/loading_gguf.py holds a quantized file (norms and router in `dtype`), with the same scales
+    (embeddings std 1, residual contributions x 0.05). `device="cpu", dtype=torch.float32` gives the tests a tiny one."""
     if fmt == "bf16":
         return build_random_a3b(cfg_json, device=device, seed=seed)[0]
     dev = torch.device(device)

@@ -5,7 +5,7 @@ The model is the same `Qwen3MoeModel` the Hugging Face loader builds, filled fro
 tensor (each tensor's type comes from the tensor table, never from `general.file_type`, since a llama.cpp `Q4_K_M`
 file mixes types):
 - F32, F16 and BF16 tensors become floats in the runtime dtype (BF16 on CUDA, fp32 on CPU), as from a folder;
-- block-format matrices (Q8_0, Q5_0, Q4_0, Q6_K, Q4_K) stay as ggml blocks: `QuantLinear` for dense matrices,
+- block-format matrices (Q8_0, Q5_0, Q4_0, Q6_K, Q5_K, Q4_K) stay as ggml blocks: `QuantLinear` for dense matrices,
   `QuantEmbedding` for `token_embd`, and each MoE layer's experts as two stacked uint8 tensors
   (`SparseMoe.bind_blocks`) that the grouped kernels read (dequantized in registers) and the torch fallback
   dequantizes one expert at a time. There is never a float copy of the experts.
@@ -34,12 +34,13 @@ from runtime.formats.gguf_meta import (
     open_gguf,
 )
 from runtime.formats.quant_linear import QuantEmbedding, QuantLinear
-from runtime.formats.registry import by_tensor_type
+from runtime.formats.registry import FORMATS, by_tensor_type
 from runtime.models.layers import SparseMoe, rope_inv_freq
 from runtime.models.qwen3_moe import Qwen3MoeModel
 from runtime.models.target_config import Qwen3MoeConfig
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_BLOCK_TYPES = ", ".join(f.tensor_type for f in FORMATS.values() if f.quantized)    # "Q8_0, ..., Q5_K" (the table)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -175,7 +176,7 @@ def load_target_gguf(path: str | Path, device: str | torch.device | None = None,
         kind = file.kind(g)
         if kind not in _FLOAT_TYPES and by_tensor_type(kind) is None:
             raise LoadError(f"{file.path.name}: tensor {g} is stored as {kind}, which Strata does not read "
-                            f"(it reads F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q6_K and Q4_K).")
+                            f"(it reads F32, F16, BF16, {_BLOCK_TYPES}); use a file of those types.")
 
     # routed experts: one layer at a time, stacked
     moe = [(f"model.layers.{i}.mlp", layer.mlp) for i, layer in enumerate(model.model.layers)

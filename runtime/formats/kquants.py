@@ -1,11 +1,12 @@
-"""K-quant super-blocks Q6_K and Q4_K (docs/formats.md, "Block formats"): dequantization only.
+"""K-quant super-blocks Q6_K, Q5_K and Q4_K (docs/formats.md, "Block formats"): dequantization only.
 
 Strata never writes K-quants; it reads them from the GGUF files llama.cpp's `llama-quantize` makes (the common
-`Q4_K_M` mix stores most matrices as Q4_K and some as Q6_K). A super-block holds 256 values (`QK_K`).
+`Q4_K_M` mix stores most matrices as Q4_K and some as Q6_K, `Q5_K_M` Q5_K and Q6_K, `Q4_K_S` Q4_K and some Q5_K).
+A super-block holds 256 values (`QK_K`).
 
 numpy: gguf-py's own `gguf.quants.dequantize` (the reference, so there is nothing to get wrong). torch: the same
 float32 operations in the same order, on any device, so the values are bit for bit gguf-py's (the tests compare the
-bits on random blocks, edge scales included): Q6_K `(d * scale) * q`, Q4_K `(d * sc) * q - dmin * m`.
+bits on random blocks, edge scales included): Q6_K `(d * scale) * q`, Q4_K and Q5_K `(d * sc) * q - dmin * m`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from runtime.errors import QuantFormatError
 from runtime.formats.registry import FORMATS, block_format, cols_from_row_bytes
 
-KQUANTS = ("q6_k", "q4_k")
+KQUANTS = ("q6_k", "q4_k", "q5_k")
 
 
 def _check(qtype: str) -> str:
@@ -54,17 +55,38 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _scale_min(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d, dmin [n, 1] and the eight sub-blocks' d * sc, dmin * m [n, 8, 1] of Q4_K / Q5_K super-blocks (their first
+    16 bytes: d, dmin, twelve bytes of 6-bit scales and mins, ggml's get_scale_min_k4)."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     s = b[:, 4:16].reshape(n, 3, 4)
     sd, sm, smd = s[:, 0], s[:, 1], s[:, 2]
     sc = torch.cat((sd & 0x3F, (smd & 0x0F) | ((sd >> 2) & 0x30)), dim=-1)
     mn = torch.cat((sm & 0x3F, (smd >> 4) | ((sm >> 2) & 0x30)), dim=-1)
-    scale = (d * sc.float()).reshape(n, 8, 1)
-    dm = (dmin * mn.float()).reshape(n, 8, 1)
-    qs = b[:, 16:144].reshape(n, 4, 1, 32)
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, 8, 32).float()   # sub-block 2i: low nibbles, 2i+1: high
+    return (d * sc.float()).reshape(n, 8, 1), (dmin * mn.float()).reshape(n, 8, 1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 code bytes [n, 128] -> the 256 low 4 bits [n, 8, 32]: sub-block 2i the low nibbles of bytes 32i.., 2i+1
+    their high nibbles."""
+    qs = qs.reshape(qs.shape[0], 4, 1, 32)
+    return torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(qs.shape[0], 8, 32)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    scale, dm = _scale_min(b)
+    return (scale * _nibbles(b[:, 16:144]).float() - dm).reshape(b.shape[0], 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K's layout with 32 bytes qh between the scales and the nibbles: bit j of qh[l] is the fifth bit of
+    sub-block j's value l."""
+    n = b.shape[0]
+    scale, dm = _scale_min(b)
+    qh = b[:, 16:48].reshape(n, 1, 32)
+    hi = torch.cat([(qh >> j) & 1 for j in range(8)], dim=1)                  # [n, 8, 32]: sub-block j, value l
+    q = (_nibbles(b[:, 48:176]) | (hi << 4)).float()
     return (scale * q - dm).reshape(n, 256)
 
 
@@ -76,5 +98,5 @@ def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     rows, rb = blocks.shape
     cols = cols_from_row_bytes(rb, q)
     b = blocks.reshape(-1, FORMATS[q].block_bytes)
-    out = _q6_k(b) if q == "q6_k" else _q4_k(b)
+    out = {"q6_k": _q6_k, "q4_k": _q4_k, "q5_k": _q5_k}[q](b)
     return out.reshape(rows, cols)

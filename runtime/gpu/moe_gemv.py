@@ -88,7 +88,8 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
-DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np"}
+DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
+                                         "q5_k": "n8j2np"}   # Q5_K: Q4_K's tile, not yet timed on a GPU
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
@@ -105,8 +106,8 @@ DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
 EARLY_LOADS = True
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
-QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5}
-BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256}
+QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5, "q5_k": 6}
+BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256, 6: 256}
 
 
 def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
@@ -435,21 +436,27 @@ if HAVE_TRITON:
 
     # ------------------------------------------------------------------------------------------- K-quant rows
     # Q4_K, tile [NBC * 4, BN, 16]: super-block, 32-byte group g of the nibbles (sub-blocks 2g, 2g + 1), word i.
+    # Q5_K: Q4_K's tile; word i of qh (bytes 2i, 2i + 1) holds the fifth bits of a group's codes at bits 2g, 2g + 1
+    # (byte 2i) and 8 + 2g, 9 + 2g (byte 2i + 1).
     # Q6_K, tile [NBC * 8, BN, 8]: super-block, group r = 4h + 2q + half of the low nibbles (module docstring of
     # moe_kernels), word i.
 
     @triton.jit
     def _ldk(w, sb, r, mg, QT: tl.constexpr):
-        """Raw words of one step of K-quant rows: codes (two tensors for q6_k), and the per-group scale words."""
-        if QT == 5:                                  # q4_k: 72 words (d, dmin, 6 of scales, 64 of nibbles)
-            i = tl.arange(0, 16)
-            base = sb * 72
-            h = _words(w, (base + 8 + 16 * r)[:, None] + i[None, :], mg)
+        """Raw words of one step of K-quant rows: codes (two tensors for q6_k and q5_k), and the per-group scale
+        words."""
+        if QT == 5 or QT == 6:                       # q4_k: 72 words (d, dmin, 6 of scales, 64 of nibbles)
+            i = tl.arange(0, 16)                     # q5_k: 88 (d, dmin, 6 of scales, 16 of qh, 64 of nibbles)
+            base = sb * (72 if QT == 5 else 88)
+            h = _words(w, (base + (8 if QT == 5 else 24) + 16 * r)[:, None] + i[None, :], mg)
+            hb = h
+            if QT == 6:
+                hb = _words(w, (base + 8 + 0 * r)[:, None] + i[None, :], mg)
             # scale words of sub-blocks 2r, 2r + 1: W[r], W[r + 2], W[r - 2] (r >= 2), scales starting at word 2
             sa = _word(w, base + 2 + r, mg)
             sbw = _word(w, base + 4 + r, mg)
             sc = _word(w, base + tl.where(r >= 2, r, r + 2), mg)
-            return h, h, _word(w, base, mg), _word(w, base + 1, mg), sa, sbw, sc
+            return h, hb, _word(w, base, mg), _word(w, base + 1, mg), sa, sbw, sc
         else:                                        # q6_k: 105 words (64 low nibbles, 32 high bits, 8 scales, d)
             i = tl.arange(0, 8)
             base = sb * 105
@@ -464,7 +471,7 @@ if HAVE_TRITON:
     @triton.jit
     def _xk(xr, sb, r, QT: tl.constexpr):
         """Raw activations of each word's four codes (byte 2i / 2i + 1, low / high nibble)."""
-        if QT == 5:
+        if QT == 5 or QT == 6:
             xo = (sb * 256 + 64 * r)[:, None] + 2 * tl.arange(0, 16)[None, :]
             return _xs(xr, xo), _xs(xr, xo + 32), _xs(xr, xo + 1), _xs(xr, xo + 33)
         else:
@@ -478,7 +485,7 @@ if HAVE_TRITON:
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
         f3 = x3.to(tl.float32)
-        if QT == 5:
+        if QT == 5 or QT == 6:
             d = _half(wd)
             dmin = _half(wm)
             hi = (r >= 2)[:, None]
@@ -487,10 +494,17 @@ if HAVE_TRITON:
             sco = tl.where(hi, ((s1 >> 8) & 15) | ((s2 >> 14) & 3) << 4, (s0 >> 8) & 63)
             mne = tl.where(hi, ((s1 >> 4) & 15) | ((s0 >> 6) & 3) << 4, s1 & 63)
             mno = tl.where(hi, ((s1 >> 12) & 15) | ((s0 >> 14) & 3) << 4, (s1 >> 8) & 63)
-            q0 = _code(ha, 0x000F, 8388608.0)
-            q1 = _code(ha, 0x00F0, 8388608.0)
-            q2 = _code(ha, 0x0F00, 8388608.0)
-            q3 = _code(ha, 0xF000, 8388608.0)
+            if QT == 5:
+                q0 = _code(ha, 0x000F, 8388608.0)
+                q1 = _code(ha, 0x00F0, 8388608.0)
+                q2 = _code(ha, 0x0F00, 8388608.0)
+                q3 = _code(ha, 0xF000, 8388608.0)
+            else:        # q5_k: each code's fifth bit (qh word hb, group r's bits) right above its nibble
+                t = hb >> (2 * r)[:, None, None]
+                q0 = ((ha & (0x000F - 65536)) | ((t & 1) << 4)).to(tl.float32, bitcast=True) - 8388608.0
+                q1 = ((ha & (0x00F0 - 65536)) | ((t & 2) << 7)).to(tl.float32, bitcast=True) - 8388608.0
+                q2 = ((ha & (0x0F00 - 65536)) | ((t & 0x100) << 4)).to(tl.float32, bitcast=True) - 8388608.0
+                q3 = ((ha & (0xF000 - 65536)) | ((t & 0x200) << 7)).to(tl.float32, bitcast=True) - 8388608.0
             se = q0 * f0[:, None, :] + q2 * (f2 * (1.0 / 256))[:, None, :]
             so = q1 * (f1 * (1.0 / 16))[:, None, :] + q3 * (f3 * (1.0 / 4096))[:, None, :]
             acc += (d * sce.to(tl.float32))[:, :, None] * se + (d * sco.to(tl.float32))[:, :, None] * so
@@ -515,9 +529,9 @@ if HAVE_TRITON:
     @triton.jit
     def _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
-        """Q4_K / Q6_K rows, NBC super-blocks per step."""
-        G: tl.constexpr = 4 if QT == 5 else 8
-        WB: tl.constexpr = 16 if QT == 5 else 8
+        """Q4_K / Q5_K / Q6_K rows, NBC super-blocks per step."""
+        G: tl.constexpr = 8 if QT == 4 else 4
+        WB: tl.constexpr = 8 if QT == 4 else 16
         bq = tl.arange(0, NBC * G)
         r = bq % G
         acca0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
@@ -762,8 +776,8 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
     q = QT[fmt]
     if q == 0:
         return cfg_warps
-    lanes = (16 if q in (1, 5) else 8) // (j if q in (1, 2, 3) else 1)     # threads along a group's words
-    groups = nbc * (4 if q == 5 else 8 if q == 4 else 1)
+    lanes = (16 if q in (1, 5, 6) else 8) // (j if q in (1, 2, 3) else 1)     # threads along a group's words
+    groups = nbc * (4 if q in (5, 6) else 8 if q == 4 else 1)
     return max(1, min(cfg_warps, groups // (32 // lanes)))
 
 

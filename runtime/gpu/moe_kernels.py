@@ -16,7 +16,7 @@ Two tilings share the kernels:
 
 Expert weights, stacked: gate_up [S, 2I, H] (gate rows, then up rows) and down [S, H, I] as floats, or as ggml
 blocks (uint8 [S, 2I, row_bytes(H)] and [S, H, row_bytes(I)], docs/formats.md "Block formats"; Q8_0, Q5_0, Q4_0,
-Q6_K, Q4_K) dequantized in registers, never copied as floats. S is the number of experts (E) or of slots: `slot`
+Q6_K, Q4_K, Q5_K) dequantized in registers, never copied as floats. S is the number of experts (E) or of slots: `slot`
 [E] int32 maps an expert id to its index in the first dim, -1 when it is not resident. Pairs of a non-resident
 expert are skipped: their rows of the [T*k, H] buffer `y` are zeros (or left for a miss path to fill, see
 `moe_routed`), and the pairs are listed in `Routing.miss`. The per-token sum always runs over all k rows of y in
@@ -29,6 +29,8 @@ K-quant layouts (as ggml's reference dequantizers and gguf-py's `gguf.quants` re
 - Q4_K, 144 bytes per 256 values: d (f16), dmin (f16), scales[12] (eight 6-bit scales and mins), qs[128]. Value v
   (sub-block j = v // 32): code = nibble (4 * (j % 2)) of qs[32 (j // 2) + v % 32]; value = (d * sc[j]) * code -
   dmin * m[j], with sc/m unpacked as ggml's get_scale_min_k4.
+- Q5_K, 176 bytes per 256 values: Q4_K's d, dmin and scales[12], then qh[32], then qs[128] as Q4_K's. Value v
+  (sub-block j = v // 32, l = v % 32): code = Q4_K's nibble | bit j of qh[l] << 4; value as Q4_K's.
 Every product there is exact in float32 (at most 24 significant bits), so the dequantized values are gguf-py's bit
 for bit whatever order or fusion the compiler picks.
 """
@@ -165,8 +167,8 @@ if HAVE_TRITON:
             sc = tl.load(blk + 192 + s, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             d = _f16(blk + 208, m)
             w = (d * sc)[:, None] * q.to(tl.float32)
-        else:             # q4_k (module docstring)
-            blk = row + (g // 16) * 144
+        else:             # q4_k, q5_k (module docstring)
+            blk = row + (g // 16) * (144 if QT == 5 else 176)
             s = g % 16
             jj = s // 2
             d = _f16(blk, m)
@@ -177,17 +179,22 @@ if HAVE_TRITON:
             b_jm4 = tl.load(blk + 4 + tl.where(low, jj, jj - 4), mask=m, other=0).to(tl.int32)
             sc = tl.where(low, b_j & 63, (b_j4 & 15) | ((b_jm4 >> 6) << 4))
             mn = tl.where(low, b_j4 & 63, (b_j4 >> 4) | ((b_j >> 6) << 4))
-            qs = tl.load(blk[:, None] + 16 + 32 * (jj // 2) + 16 * (s % 2) + j[None, :], mask=mm, other=0)
+            qs = tl.load(blk[:, None] + (16 if QT == 5 else 48) + 32 * (jj // 2) + 16 * (s % 2) + j[None, :], mask=mm,
+                         other=0)
             q = (qs.to(tl.int32) >> (4 * (jj % 2))) & 15
+            if QT == 6:   # q5_k: bit jj of qh[l] above the nibble
+                qh = tl.load(blk[:, None] + 16 + 16 * (s % 2) + j[None, :], mask=mm, other=0)
+                q = q | (((qh.to(tl.int32) >> jj) & 1) << 4)
             w = (d * sc.to(tl.float32))[:, None] * q.to(tl.float32) - (dmin * mn.to(tl.float32))[:, None]
         return w
 
     @triton.jit
-    def _dq_q4k(row, sb, m, BN: tl.constexpr):
-        """Super-block sb (256 values) of the Q4_K rows at byte pointers `row` ([BN]) as float32 [BN, 256]: each
-        code byte loaded once for its two nibbles and each sub-block's scale and minimum once for its 32 values (the
-        arithmetic of `_dq16`'s q4_k branch, so the same values)."""
-        blk = row + sb * 144
+    def _dq_q4k(row, sb, m, BN: tl.constexpr, QT: tl.constexpr = 5):
+        """Super-block sb (256 values) of the Q4_K (QT 5) or Q5_K (QT 6) rows at byte pointers `row` ([BN]) as
+        float32 [BN, 256]: each code byte loaded once for its two nibbles (Q5_K: each qh byte once for its eight
+        bits) and each sub-block's scale and minimum once for its 32 values (the arithmetic of `_dq16`'s branch, so
+        the same values)."""
+        blk = row + sb * (144 if QT == 5 else 176)
         mm = m[:, None]
         d = _f16(blk, m)
         dmin = _f16(blk + 2, m)
@@ -204,26 +211,30 @@ if HAVE_TRITON:
         dm = tl.reshape(dmin[:, None] * mn.to(tl.float32), (BN, 4, 2))
         i = tl.arange(0, 4)
         ll = tl.arange(0, 32)
-        qs = tl.load(blk[:, None, None] + 16 + 32 * i[None, :, None] + ll[None, None, :], mask=m[:, None, None],
-                     other=0).to(tl.int32)                                  # [BN, 4, 32]: sub-blocks 2i and 2i + 1
+        qs = tl.load(blk[:, None, None] + (16 if QT == 5 else 48) + 32 * i[None, :, None] + ll[None, None, :],
+                     mask=m[:, None, None], other=0).to(tl.int32)          # [BN, 4, 32]: sub-blocks 2i and 2i + 1
         h = tl.arange(0, 2)
         q = (qs[:, :, None, :] >> (4 * h[None, None, :, None])) & 15       # [BN, 4, 2, 32]
+        if QT == 6:                                                         # q5_k: bit 2i + h of qh[l]
+            qh = tl.load(blk[:, None] + 16 + ll[None, :], mask=mm, other=0).to(tl.int32)      # [BN, 32]
+            jb = 2 * i[:, None] + h[None, :]                                                  # [4, 2]
+            q = q | (((qh[:, None, None, :] >> jb[None, :, :, None]) & 1) << 4)
         w = ds[:, :, :, None] * q.to(tl.float32) - dm[:, :, :, None]
         return tl.reshape(w, (BN, 256))
 
     @triton.jit
     def _dequant_kernel(b_ptr, o_ptr, R, stride_b, stride_o, QT: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
         """Program (row block, column block): BN rows x G groups of 16 values, each group as `_dq16` gives it; Q4_K
-        by whole super-blocks (`_dq_q4k`) when G covers them."""
+        and Q5_K by whole super-blocks (`_dq_q4k`) when G covers them."""
         pm = tl.program_id(0)
         r = pm * BN + tl.arange(0, BN)
         m = r < R
         row = b_ptr + r.to(tl.int64) * stride_b
-        if QT == 5 and G % 16 == 0:
+        if (QT == 5 or QT == 6) and G % 16 == 0:
             out = o_ptr + r[:, None].to(tl.int64) * stride_o + tl.arange(0, 256)[None, :]
             for si in tl.static_range(G // 16):
                 sb = tl.program_id(1) * (G // 16) + si
-                tl.store(out + sb * 256, _dq_q4k(row, sb, m, BN), mask=m[:, None])
+                tl.store(out + sb * 256, _dq_q4k(row, sb, m, BN, QT), mask=m[:, None])
         else:
             out = o_ptr + r[:, None].to(tl.int64) * stride_o + tl.arange(0, 16)[None, :]
             for gi in tl.static_range(G):

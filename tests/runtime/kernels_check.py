@@ -50,6 +50,8 @@ from runtime.formats.quant_linear import QuantLinear  # noqa: E402
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
 from runtime.kv import dequantize_q8_0, quantize_q8_0  # noqa: E402
 
+KQ = ("q4_k", "q6_k", "q5_k")    # the K-quants (rows of 256 values)
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
@@ -153,7 +155,7 @@ def expert_blocks(fmt: str, E: int, rows: int, cols: int, g: torch.Generator) ->
         d = (torch.randn(E * rows, nb, 2, generator=g).numpy() * 1e-4).astype(np.float16).view(np.uint8)
         if fmt == "q6_k":
             b[..., 208:210] = d[..., 0:2]
-        else:                       # q4_k: d, dmin
+        else:                       # q4_k, q5_k: d, dmin
             b[..., 0:4] = d.reshape(E * rows, nb, 4)
         raw = b.reshape(E * rows, -1)
     vals = gguf_dequantize(raw, f.ggml).reshape(E, rows, cols)
@@ -231,16 +233,17 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
     """Experts as ggml blocks, dequantized in the kernels: every format, decode and prefill tilings, with a slot
     table, against float32 math on gguf-py's values."""
     E, k = 4, 2
-    # (gate_up's format, down's format, H, I): K-quants need rows of 256 values; Q4_K_M files mix Q4_K and Q6_K
+    # (gate_up's format, down's format, H, I): K-quants need rows of 256 values; Q4_K_M files mix Q4_K and Q6_K,
+    # Q5_K_M files Q5_K and Q6_K
     for fg, fd, H, NI in (("q8_0", "q8_0", 64, 32), ("q5_0", "q5_0", 64, 32), ("q4_0", "q4_0", 64, 32),
-                          ("q4_k", "q8_0", 256, 32), ("q8_0", "q6_k", 32, 256)):
+                          ("q4_k", "q8_0", 256, 32), ("q8_0", "q6_k", 32, 256), ("q5_k", "q6_k", 256, 256)):
         if only and fg not in only:
             continue
         fmt = (fg, fd)
         g = torch.Generator().manual_seed(3)
         gub, guf = expert_blocks(fg, E, 2 * NI, H, g)
         dnb, dnf = expert_blocks(fd, E, H, NI, g)
-        for T in ((3, 66) if fg in ("q4_0", "q4_k") else (3,)):
+        for T in ((3, 66) if fg in ("q4_0", "q4_k", "q5_k") else (3,)):
             x = torch.randn(T, H, generator=g).to(dt)
             idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
             w = torch.rand(T, k, generator=g).to(dt)
@@ -285,7 +288,8 @@ def check_moe_gemv(half: int | None = None) -> None:
         rest = [v for v in moe_gemv.GEMV_VARIANTS if not v.startswith("_") and v not in {c[0] for c in cases}
                 and not any(moe_gemv.GEMV_VARIANTS[v].get(o) for o in ("ONE", "ONE_UP", "ONE_DOWN"))]  # below
         cases += [(v, ("q4_0", "q8_0")[i % 2]) for i, v in enumerate(rest)]
-        cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k")]
+        cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k", "q5_k")]
+        cases += [("n8j2np", "q5_k")]        # Q5_K's shipped tile (DECODE_GEMV), its qh words read on every row
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
         for n, (var, fmt) in enumerate(cases):
             if half is not None and n % 2 != half:
@@ -293,7 +297,7 @@ def check_moe_gemv(half: int | None = None) -> None:
             # a variant no table ships (a tuning candidate) runs at a smaller shape, without the slot checks: the
             # interpreter runs every program in turn, and CI has two cores
             shipped = var.startswith("_") or var in saved.values()
-            H, NI = (256, 256) if fmt in ("q4_k", "q6_k") else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
+            H, NI = (256, 256) if fmt in KQ else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
             g = torch.Generator().manual_seed(20 + n)
             if fmt == "bf16":             # rows of 40 and 24 values: steps of 16 with a masked tail
                 gub, dnb = (torch.randn(E, 2 * NI, H, generator=g) * 0.1), (torch.randn(E, H, NI, generator=g) * 0.1)
@@ -309,10 +313,10 @@ def check_moe_gemv(half: int | None = None) -> None:
             moe_gemv.DECODE_GEMV[fmt] = var
             out = moe_kernels.moe_grouped(x, idx, w, gub, dnb, fmt=f)
             assert rel(out, ref_moe(x, idx, w, guf, dnf)) < 3e-3, (var, fmt, rel(out, ref_moe(x, idx, w, guf, dnf)))
-            for i in ((2,) if fmt in ("q4_k", "q6_k") else (0, 2)):
+            for i in ((2,) if fmt in KQ else (0, 2)):
                 one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gub, dnb, fmt=f)
                 assert torch.equal(one[0], out[i]), (var, fmt, i)
-            if fmt in ("q4_k", "q6_k") or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
+            if fmt in KQ or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
                 continue
             res = [2, 0, 4]                              # slot -> expert; experts 1 and 3 missed
             slot = torch.full((E,), -1, dtype=torch.int32)
@@ -340,10 +344,10 @@ def check_moe_gemv(half: int | None = None) -> None:
 
 def check_dequant() -> None:
     """The kernels' in-register dequantizer equals gguf-py bit for bit (every format, random blocks)."""
-    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
+    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k"):
         g = torch.Generator().manual_seed(5)
         blocks, vals = expert_blocks(fmt, 1, 40, 512, g)
-        # the shipped tile (16 groups: Q4_K by whole super-blocks), one group a program (Q4_K through `_dq16`, the
+        # the shipped tile (16 groups: Q4_K and Q5_K by whole super-blocks), one group a program (through `_dq16`, the
         # tile before), and 64 groups, more than a 512-value row has (the kernel takes 32)
         for tile in (None, {"BN": 32, "G": 1, "num_warps": 4}, {"BN": 64, "G": 64, "num_warps": 8}):
             got = moe_kernels.dequantize(blocks[0], fmt, tile=tile)
@@ -1040,21 +1044,22 @@ def check_attention_all() -> None:
     check_dense_step_q8()
 
 
-def check_fused_step_kquant_mix() -> None:
-    """A target quantized the way llama-quantize's Q4_K_M quantizes (bench/quant_target.py `tensor_format`: Q4_K,
-    with a Q6_K v and Q6_K experts' down in some layers, a Q6_K head) through the fused step, against the plain
-    forward: a layer whose v has another format than its q and k stacks q and k alone (`qk_blocks`)."""
+def check_fused_step_kquant_mix(mix: str = "q4_k_m") -> None:
+    """A target quantized the way llama-quantize's Q4_K_M (or Q5_K_M) quantizes (bench/quant_target.py
+    `tensor_format`: Q4_K (Q5_K), with a Q6_K v and Q6_K experts' down in some layers, a Q6_K head) through the
+    fused step, against the plain forward: a layer whose v has another format than its q and k stacks q and k alone
+    (`qk_blocks`)."""
     from bench.quant_target import build_on_gpu
     from tests.runtime.tiny import tiny_config
 
     # two layers (the interpreter is slow): the rule gives the second the Q6_K v and experts' down
     cfg = tiny_config(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=4, top_k=2,
                       moe_inter=256, mtp=False)
-    model = build_on_gpu(cfg, "q4_k_m", device="cpu", dtype=torch.float32)
+    model = build_on_gpu(cfg, mix, device="cpu", dtype=torch.float32)
     a0, a1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     assert a0.qkv_blocks is not None and a1.qkv_blocks is None and a1.qk_blocks is not None and a1.has_qkv
-    assert a1.v_proj.qtype == "q6_k" and model.model.layers[1].mlp.fmt == ("q4_k", "q6_k")
-    _fused_step_matches_forward(model, "q4_k_m")
+    assert a1.v_proj.qtype == "q6_k" and model.model.layers[1].mlp.fmt == (mix[:4], "q6_k")
+    _fused_step_matches_forward(model, mix)
 
 
 if __name__ == "__main__":
@@ -1085,8 +1090,8 @@ if __name__ == "__main__":
         check_fused_step_gguf()
         print("gguf step ok")
         sys.exit(0)
-    if sys.argv[1:] == ["kquant_mix"]:   # its own run (tests/runtime/test_loading_gguf.py)
-        check_fused_step_kquant_mix()
+    if sys.argv[1:2] == ["kquant_mix"]:  # its own runs (tests/runtime/test_loading_gguf.py): kquant_mix [q5_k_m]
+        check_fused_step_kquant_mix(*sys.argv[2:3])
         print("gguf step ok")
         sys.exit(0)
     if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow

@@ -181,27 +181,30 @@ def test_engine_memory_report_counts_blocks(files):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# K-quants: a file mixing Q4_K and Q6_K, as llama-quantize's Q4_K_M does
+# K-quants: a file mixing Q4_K (or Q5_K) and Q6_K, as llama-quantize's Q4_K_M (Q5_K_M) does
 
 def _kquant_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
-    bb = {"Q6_K": 210, "Q4_K": 144}[kind]
+    bb = {"Q6_K": 210, "Q4_K": 144, "Q5_K": 176, "Q3_K": 110}[kind]
     raw = rng.integers(0, 256, size=(rows * cols // 256, bb), dtype=np.uint8)
     small = np.array([0x1400], np.uint16).view(np.uint8)          # f16 scale 2**-10
-    if kind == "Q6_K":
-        raw[:, 208:210] = small
+    if kind in ("Q6_K", "Q3_K"):
+        raw[:, bb - 2:bb] = small                                   # d last
     else:
         raw[:, 0:2] = small
         raw[:, 2:4] = small
     return raw.reshape(rows, cols // 256 * bb)
 
 
-def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path):
+def _kquant_file(tmp_path, main: str, kind_of=None):
+    """A llama.cpp-style bf16 file of a small random target and its copy with every matrix in K-quant blocks
+    (random codes, small scales): Q6_K for the experts' down, v and the head, `main` elsewhere (`kind_of(name)`
+    instead, where given). -> (the K-quant file, the bf16 file, gguf-py's values of each block tensor)."""
     src = make_bpe_target(tmp_path, hidden=256, moe_inter=256, head_dim=128, heads=2, kv_heads=1, layers=2,
                           inter=256, mtp=False, tok_vocab=300)
     ref_path = llamacpp_style_gguf(src, tmp_path / "bf16.gguf", "bf16", pre="gpt-2")
     r = gguf.GGUFReader(ref_path)
     rng = np.random.default_rng(0)
-    out = tmp_path / "q4_k_m.gguf"
+    out = tmp_path / f"{main.lower()}_m.gguf"
     w = gguf.GGUFWriter(out, "qwen3moe")
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
@@ -215,7 +218,8 @@ def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path):
         if t.tensor_type == gguf.GGMLQuantizationType.F32:
             w.add_tensor(t.name, np.array(t.data))
             continue
-        kind = "Q6_K" if ("down" in t.name or "attn_v" in t.name or t.name == "output.weight") else "Q4_K"
+        kind = "Q6_K" if ("down" in t.name or "attn_v" in t.name or t.name == "output.weight") else main
+        kind = kind_of(t.name) if kind_of is not None else kind
         rows = int(np.prod(shape[:-1]))
         raw = _kquant_blocks(rng, rows, shape[-1], kind).reshape(*shape[:-1], -1)
         qt = gguf.GGMLQuantizationType[kind]
@@ -225,10 +229,15 @@ def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out, ref_path, deq
 
+
+@pytest.mark.parametrize("main", ["Q4_K", "Q5_K"])
+def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path, main):
+    out, ref_path, deq = _kquant_file(tmp_path, main)
     m = load_target_gguf(out)
     blk = m.model.layers[0].mlp
-    assert blk.fmt == ("q4_k", "q6_k")
+    assert blk.fmt == (main.lower(), "q6_k")
     # the same model with gguf-py's dequantized floats in place of every block tensor
     ref = load_target_gguf(ref_path)
     with torch.no_grad():
@@ -244,6 +253,16 @@ def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path):
                 ex.down_proj.weight.copy_(torch.from_numpy(deq[f"blk.{i}.ffn_down_exps.weight"][e]))
     ids = torch.tensor([list(range(3, 40))])
     torch.testing.assert_close(m(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_unread_block_type_one_sentence(tmp_path):
+    """A file with a tensor in a block type Strata does not read (Q3_K, of llama.cpp's Q3_K_M) is refused in one
+    sentence naming the tensor, its type and the types Strata reads."""
+    out, _, _ = _kquant_file(tmp_path, "Q4_K", lambda n: "Q3_K" if n == "blk.1.attn_q.weight" else "Q4_K")
+    with pytest.raises(LoadError) as e:
+        load_target_gguf(out)
+    assert str(e.value) == ("q4_k_m.gguf: tensor blk.1.attn_q.weight is stored as Q3_K, which Strata does not read (it "
+                            "reads F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q6_K, Q4_K, Q5_K); use a file of those types.")
 
 
 def test_bad_files_one_sentence(tmp_path, files):
@@ -285,7 +304,9 @@ def test_quantized_fused_step_in_interpreter():
 @pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
 def test_kquant_mix_fused_step_in_interpreter():
     """A Q4_K_M-style target (q and k Q4_K, v and the experts' down Q6_K in one layer) runs the fused step, q and k
-    stacked alone, against the plain forward (tests/runtime/kernels_check.py kquant_mix)."""
+    stacked alone, against the plain forward (tests/runtime/kernels_check.py kquant_mix). The Q5_K_M mix passes the
+    same check (`kernels_check.py kquant_mix q5_k_m`, about 3 minutes) but stays out of CI's time: its Q5_K products
+    are the kernels check_moe_gemv, check_moe_quant and check_dequant test."""
     script = Path(__file__).with_name("kernels_check.py")
     r = subprocess.run([sys.executable, str(script), "kquant_mix"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "gguf step ok" in r.stdout, r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""runtime.formats.kquants: Q6_K / Q4_K dequantization bit for bit against gguf-py's reference."""
+"""runtime.formats.kquants: Q6_K / Q4_K / Q5_K dequantization bit for bit against gguf-py's reference."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from runtime.formats import blocks, kquants
 from runtime.formats.quant_linear import QuantLinear
 from runtime.formats.registry import FORMATS, QTYPES, block_format, row_bytes
 
-KQ = ("q6_k", "q4_k")
-BB = {"q6_k": 210, "q4_k": 144}
+KQ = ("q6_k", "q4_k", "q5_k")
+BB = {"q6_k": 210, "q4_k": 144, "q5_k": 176}
 # f16 bit patterns a scale may take: zero, -0, smallest subnormal, largest subnormal, 1, max finite, inf, -inf, NaN
 EDGE_F16 = [0x0000, 0x8000, 0x0001, 0x03FF, 0x3C00, 0x7BFF, 0x7C00, 0xFC00, 0x7E00]
 
@@ -36,7 +36,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _edge_blocks(q: str, raw: np.ndarray, picks: list[int]) -> np.ndarray:
-    """Put edge f16 values into the scale fields of each block (Q6_K: d; Q4_K: d and dmin)."""
+    """Put edge f16 values into the scale fields of each block (Q6_K: d; Q4_K, Q5_K: d and dmin)."""
     raw = raw.copy()
     for i, p in enumerate(picks):
         blk = raw[i % raw.shape[0]]
