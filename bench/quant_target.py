@@ -133,9 +133,16 @@ def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: st
         d[..., 1] *= mid                                       # dmin * m about d * sc * mid: values centred
         b[..., :4] = d.view(torch.uint8).reshape(rows, nb, 4)
         return b.reshape(rows, nb * f.block_bytes)
-    if fmt == "q6_k":     # codes q - 32 (std 18.5), int8 scales (mean |sc| 64), d last: d * sc * (q - 32)
-        d = torch.full((rows, nb, 1), std / (64 * 18.5), dtype=torch.float16, device=device)
-        b[..., 208:210] = d.view(torch.uint8).reshape(rows, nb, 2)
+    if fmt in ("q6_k", "q3_k"):   # Q6_K: codes q - 32 (std 18.5), int8 scales (mean |sc| 64); Q3_K: codes -4..3
+        # (std 2.3), 6-bit scales minus 32 (rms 18.5); d last: d * sc * q
+        d = torch.full((rows, nb, 1), std / (64 * 18.5 if fmt == "q6_k" else 18.5 * 2.3), dtype=torch.float16,
+                       device=device)
+        b[..., f.block_bytes - 2:] = d.view(torch.uint8).reshape(rows, nb, 2)
+        return b.reshape(rows, nb * f.block_bytes)
+    if fmt == "q2_k":     # 4-bit scales and minimums (mean 7.5), 2-bit codes (std 1.1), d and dmin last
+        d = torch.full((rows, nb, 2), std / (7.5 * 1.1), dtype=torch.float16, device=device)
+        d[..., 1] *= 1.5                                       # dmin * m about d * sc * 1.5: values centred
+        b[..., 80:84] = d.view(torch.uint8).reshape(rows, nb, 4)
         return b.reshape(rows, nb * f.block_bytes)
     code_std = 74.0 if fmt == "q8_0" else 4.6 if fmt == "q4_0" else 9.2     # uniform int8 / nibble / 5-bit codes
     d = torch.full((rows, nb, 1), std / code_std, dtype=torch.float16, device=device)
@@ -145,8 +152,9 @@ def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: st
 
 # llama-quantize's Q4_K_M (its use_more_bits rule): Q4_K everywhere except attn_v and ffn_down(_exps) of the layers
 # in the first and last eighth and every third layer between (Q6_K), and the output head (Q6_K); token_embd Q4_K.
-# Q5_K_M: the same with Q5_K in place of Q4_K
-MIXES = ("q4_k_m", "q5_k_m")
+# Q5_K_M: the same with Q5_K in place of Q4_K. `q3_k_m`, a Q3_K_M-like mix (llama-quantize's own rule differs in
+# detail): Q3_K, with Q5_K where Q4_K_M takes Q6_K, a Q4_K o_proj and a Q6_K head
+MIXES = ("q4_k_m", "q5_k_m", "q3_k_m")
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -158,8 +166,12 @@ def tensor_format(fmt: str, role: str, layer: int = 0, n_layers: int = 1) -> str
     gate_up, down, q_proj, k_proj, v_proj, o_proj, embed, lm_head."""
     if fmt not in MIXES:
         return fmt
-    if role == "lm_head" or (role in ("down", "v_proj") and _more_bits(layer, n_layers)):
+    if role == "lm_head":
         return "q6_k"
+    if role in ("down", "v_proj") and _more_bits(layer, n_layers):
+        return "q5_k" if fmt == "q3_k_m" else "q6_k"
+    if fmt == "q3_k_m" and role == "o_proj":
+        return "q4_k"
     return fmt[:4]
 
 
@@ -352,7 +364,7 @@ def check(args, device: str = "cuda") -> list[str]:
     g.manual_seed(3)
     cfg = Qwen3MoeConfig.from_dict(A3B)
     h, mi = cfg.hidden_size, cfg.moe_intermediate_size
-    for q in [q for q in args.quants if q != "bf16"]:
+    for q in [q for q in args.quants if q != "bf16" and q not in MIXES]:     # a mix's formats: their own rows
         with torch.device("meta"):
             blk = SparseMoe(cfg)
         dt = torch.bfloat16 if device == "cuda" else torch.float32

@@ -1,12 +1,13 @@
-"""K-quant super-blocks Q6_K, Q5_K and Q4_K (docs/formats.md, "Block formats"): dequantization only.
+"""K-quant super-blocks Q6_K, Q5_K, Q4_K, Q3_K and Q2_K (docs/formats.md, "Block formats"): dequantization only.
 
 Strata never writes K-quants; it reads them from the GGUF files llama.cpp's `llama-quantize` makes (the common
-`Q4_K_M` mix stores most matrices as Q4_K and some as Q6_K, `Q5_K_M` Q5_K and Q6_K, `Q4_K_S` Q4_K and some Q5_K).
-A super-block holds 256 values (`QK_K`).
+`Q4_K_M` mix stores most matrices as Q4_K and some as Q6_K, `Q5_K_M` Q5_K and Q6_K, `Q4_K_S` Q4_K and some Q5_K;
+`Q3_K_M` Q3_K with some Q4_K, Q5_K and Q6_K). A super-block holds 256 values (`QK_K`).
 
 numpy: gguf-py's own `gguf.quants.dequantize` (the reference, so there is nothing to get wrong). torch: the same
 float32 operations in the same order, on any device, so the values are bit for bit gguf-py's (the tests compare the
-bits on random blocks, edge scales included): Q6_K `(d * scale) * q`, Q4_K and Q5_K `(d * sc) * q - dmin * m`.
+bits on random blocks, edge scales included): Q6_K and Q3_K `(d * scale) * q`, Q4_K, Q5_K and Q2_K
+`(d * sc) * q - dmin * m`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from runtime.errors import QuantFormatError
 from runtime.formats.registry import FORMATS, block_format, cols_from_row_bytes
 
-KQUANTS = ("q6_k", "q4_k", "q5_k")
+KQUANTS = ("q6_k", "q4_k", "q5_k", "q3_k", "q2_k")
 
 
 def _check(qtype: str) -> str:
@@ -90,6 +91,37 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q - dm).reshape(n, 256)
 
 
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """64 code bytes [n, 64] -> the 256 2-bit codes [n, 16, 16] in value order: value 128h + 32t + l is bits 2t, 2t+1
+    of qs[32h + l] (Q3_K's and Q2_K's low bits)."""
+    qs = qs.reshape(qs.shape[0], 2, 1, 32)
+    return torch.cat([(qs >> (2 * t)) & 3 for t in range(4)], dim=2).reshape(qs.shape[0], 16, 16)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """hmask[32], qs[64], twelve bytes of 6-bit scales, d: value v = d * (scale - 32) * (crumb - 4 * (1 - bit
+    v // 32 of hmask[v % 32]))."""
+    n = b.shape[0]
+    sc = b[:, 96:108]
+    lo = torch.cat((sc[:, 0:8] & 0x0F, sc[:, 0:8] >> 4), dim=1)                 # sub-block s: byte s % 8, nibble s // 8
+    hi = torch.cat([(sc[:, 8:12] >> (2 * t)) & 3 for t in range(4)], dim=1)    # bits 2 (s // 4) of byte 8 + s % 4
+    scale = ((lo | (hi << 4)).to(torch.int16) - 32).float()
+    dl = (_f16(b[:, 108:110]) * scale).reshape(n, 16, 1)
+    hm = b[:, 0:32].reshape(n, 1, 32)
+    hb = torch.cat([(hm >> j) & 1 for j in range(8)], dim=1).reshape(n, 16, 16)
+    q = (_crumbs(b[:, 32:96]).to(torch.int16) - ((hb ^ 1).to(torch.int16) << 2)).float()
+    return (dl * q).reshape(n, 256)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """scales[16] (a 4-bit scale and a 4-bit minimum per sub-block of 16), qs[64], d, dmin."""
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    dl = (_f16(b[:, 80:82]) * (sc & 0x0F).float()).reshape(n, 16, 1)
+    ml = (_f16(b[:, 82:84]) * (sc >> 4).float()).reshape(n, 16, 1)
+    return (dl * _crumbs(b[:, 16:80]).float() - ml).reshape(n, 256)
+
+
 def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 tensor [rows, row_bytes] -> float32 [rows, cols] on the same device (gguf-py's values, bit for bit)."""
     q = _check(qtype)
@@ -98,5 +130,5 @@ def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     rows, rb = blocks.shape
     cols = cols_from_row_bytes(rb, q)
     b = blocks.reshape(-1, FORMATS[q].block_bytes)
-    out = {"q6_k": _q6_k, "q4_k": _q4_k, "q5_k": _q5_k}[q](b)
+    out = {"q6_k": _q6_k, "q4_k": _q4_k, "q5_k": _q5_k, "q3_k": _q3_k, "q2_k": _q2_k}[q](b)
     return out.reshape(rows, cols)

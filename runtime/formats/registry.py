@@ -66,13 +66,18 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("q4_0", GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0,
                 "Q4_0 — about a quarter of the memory, leaves the most room for experts"),
     # read only: the K-quants of llama.cpp's files (a Q4_K_M file mixes Q4_K and Q6_K tensors, a Q5_K_M file Q5_K
-    # and Q6_K, a Q4_K_S file Q4_K and Q5_K)
+    # and Q6_K, a Q4_K_S file Q4_K and Q5_K; Q3_K_* and Q2_K files Q3_K or Q2_K with some of the others)
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, LlamaFileType.MOSTLY_Q6_K, "Q6_K — read from llama.cpp files",
                 offered=False, writable=False),
     BlockFormat("q4_k", GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M,
                 "Q4_K — read from llama.cpp files (Q4_K_M mixes it with Q6_K)", offered=False, writable=False),
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, LlamaFileType.MOSTLY_Q5_K_M,
                 "Q5_K — read from llama.cpp files (Q5_K_M mixes it with Q6_K)", offered=False, writable=False),
+    BlockFormat("q3_k", GGMLQuantizationType.Q3_K, LlamaFileType.MOSTLY_Q3_K_M,
+                "Q3_K — read from llama.cpp files (Q3_K_M mixes it with Q4_K, Q5_K and Q6_K)", offered=False,
+                writable=False),
+    BlockFormat("q2_k", GGMLQuantizationType.Q2_K, LlamaFileType.MOSTLY_Q2_K,
+                "Q2_K — read from llama.cpp files (mixed with Q3_K, Q4_K and Q6_K)", offered=False, writable=False),
 )}
 QTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writable)   # what Strata writes
 BLOCK = 32

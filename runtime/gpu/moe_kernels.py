@@ -16,7 +16,7 @@ Two tilings share the kernels:
 
 Expert weights, stacked: gate_up [S, 2I, H] (gate rows, then up rows) and down [S, H, I] as floats, or as ggml
 blocks (uint8 [S, 2I, row_bytes(H)] and [S, H, row_bytes(I)], docs/formats.md "Block formats"; Q8_0, Q5_0, Q4_0,
-Q6_K, Q4_K, Q5_K) dequantized in registers, never copied as floats. S is the number of experts (E) or of slots: `slot`
+Q6_K, Q4_K, Q5_K, Q3_K, Q2_K) dequantized in registers, never copied as floats. S is the number of experts (E) or of slots: `slot`
 [E] int32 maps an expert id to its index in the first dim, -1 when it is not resident. Pairs of a non-resident
 expert are skipped: their rows of the [T*k, H] buffer `y` are zeros (or left for a miss path to fill, see
 `moe_routed`), and the pairs are listed in `Routing.miss`. The per-token sum always runs over all k rows of y in
@@ -31,6 +31,12 @@ K-quant layouts (as ggml's reference dequantizers and gguf-py's `gguf.quants` re
   dmin * m[j], with sc/m unpacked as ggml's get_scale_min_k4.
 - Q5_K, 176 bytes per 256 values: Q4_K's d, dmin and scales[12], then qh[32], then qs[128] as Q4_K's. Value v
   (sub-block j = v // 32, l = v % 32): code = Q4_K's nibble | bit j of qh[l] << 4; value as Q4_K's.
+- Q3_K, 110 bytes per 256 values: hmask[32], qs[64], scales[12], d (f16). Value v (sub-block s = v // 16, h = v //
+  128, t = v % 128 // 32, l = v % 32): code = bits 2t..2t+1 of qs[32h + l] - 4 unless bit v // 32 of hmask[l] is
+  set; scale = (nibble s // 8 of scales[s % 8] | bits 2 (s // 4).. of scales[8 + s % 4] << 4) - 32; value =
+  (d * scale) * code.
+- Q2_K, 84 bytes per 256 values: scales[16] (low nibble a scale, high a minimum), qs[64] as Q3_K's, d, dmin (f16):
+  value = (d * (scales[s] & 15)) * code - dmin * (scales[s] >> 4).
 Every product there is exact in float32 (at most 24 significant bits), so the dequantized values are gguf-py's bit
 for bit whatever order or fusion the compiler picks.
 """
@@ -167,7 +173,7 @@ if HAVE_TRITON:
             sc = tl.load(blk + 192 + s, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             d = _f16(blk + 208, m)
             w = (d * sc)[:, None] * q.to(tl.float32)
-        else:             # q4_k, q5_k (module docstring)
+        elif QT == 5 or QT == 6:     # q4_k, q5_k (module docstring)
             blk = row + (g // 16) * (144 if QT == 5 else 176)
             s = g % 16
             jj = s // 2
@@ -186,6 +192,25 @@ if HAVE_TRITON:
                 qh = tl.load(blk[:, None] + 16 + 16 * (s % 2) + j[None, :], mask=mm, other=0)
                 q = q | (((qh.to(tl.int32) >> jj) & 1) << 4)
             w = (d * sc.to(tl.float32))[:, None] * q.to(tl.float32) - (dmin * mn.to(tl.float32))[:, None]
+        else:             # q3_k (QT 7), q2_k (QT 8): 2-bit codes, 16 sub-blocks of 16 (module docstring)
+            blk = row + (g // 16) * (110 if QT == 7 else 84)
+            s = g % 16
+            lq = 16 * (s % 2) + j                                      # byte l of the 32 a code row spans
+            qs = tl.load(blk[:, None] + (32 if QT == 7 else 16) + 32 * (s // 8) + lq[None, :], mask=mm, other=0)
+            q = (qs.to(tl.int32) >> (2 * ((s % 8) // 2))) & 3
+            if QT == 7:
+                hm = tl.load(blk[:, None] + lq[None, :], mask=mm, other=0).to(tl.int32)
+                q = q - 4 * (1 - ((hm >> (s // 2)) & 1))
+                lo = (tl.load(blk + 96 + s % 8, mask=m, other=0).to(tl.int32) >> (4 * (s // 8))) & 15
+                hi = (tl.load(blk + 104 + s % 4, mask=m, other=0).to(tl.int32) >> (2 * (s // 4))) & 3
+                d = _f16(blk + 108, m)
+                w = (d * ((lo | (hi << 4)) - 32).to(tl.float32))[:, None] * q.to(tl.float32)
+            else:
+                sb = tl.load(blk + s, mask=m, other=0).to(tl.int32)
+                d = _f16(blk + 80, m)
+                dmin = _f16(blk + 82, m)
+                w = (d * (sb & 15).to(tl.float32))[:, None] * q.to(tl.float32) - \
+                    (dmin * (sb >> 4).to(tl.float32))[:, None]
         return w
 
     @triton.jit

@@ -50,7 +50,7 @@ from runtime.formats.quant_linear import QuantLinear  # noqa: E402
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
 from runtime.kv import dequantize_q8_0, quantize_q8_0  # noqa: E402
 
-KQ = ("q4_k", "q6_k", "q5_k")    # the K-quants (rows of 256 values)
+KQ = ("q4_k", "q6_k", "q5_k", "q3_k", "q2_k")    # the K-quants (rows of 256 values)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -153,10 +153,9 @@ def expert_blocks(fmt: str, E: int, rows: int, cols: int, g: torch.Generator) ->
         nb = cols // f.block_values
         b = torch.randint(0, 256, (E * rows, nb, f.block_bytes), generator=g, dtype=torch.uint8).numpy()
         d = (torch.randn(E * rows, nb, 2, generator=g).numpy() * 1e-4).astype(np.float16).view(np.uint8)
-        if fmt == "q6_k":
-            b[..., 208:210] = d[..., 0:2]
-        else:                       # q4_k, q5_k: d, dmin
-            b[..., 0:4] = d.reshape(E * rows, nb, 4)
+        at = {"q6_k": 208, "q3_k": 108, "q2_k": 80}.get(fmt, 0)     # d (and dmin after it: q4_k, q5_k, q2_k)
+        n = 2 if fmt in ("q6_k", "q3_k") else 4
+        b[..., at:at + n] = d.reshape(E * rows, nb, 4)[..., :n]
         raw = b.reshape(E * rows, -1)
     vals = gguf_dequantize(raw, f.ggml).reshape(E, rows, cols)
     return torch.from_numpy(np.ascontiguousarray(raw)).view(E, rows, -1), torch.from_numpy(vals.copy())
@@ -234,16 +233,17 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
     table, against float32 math on gguf-py's values."""
     E, k = 4, 2
     # (gate_up's format, down's format, H, I): K-quants need rows of 256 values; Q4_K_M files mix Q4_K and Q6_K,
-    # Q5_K_M files Q5_K and Q6_K
+    # Q5_K_M files Q5_K and Q6_K; Q3_K and Q2_K (no GEMV tiles: the tl.dot kernels at every width)
     for fg, fd, H, NI in (("q8_0", "q8_0", 64, 32), ("q5_0", "q5_0", 64, 32), ("q4_0", "q4_0", 64, 32),
-                          ("q4_k", "q8_0", 256, 32), ("q8_0", "q6_k", 32, 256), ("q5_k", "q6_k", 256, 256)):
+                          ("q4_k", "q8_0", 256, 32), ("q8_0", "q6_k", 32, 256), ("q5_k", "q6_k", 256, 256),
+                          ("q3_k", "q2_k", 256, 256)):
         if only and fg not in only:
             continue
         fmt = (fg, fd)
         g = torch.Generator().manual_seed(3)
         gub, guf = expert_blocks(fg, E, 2 * NI, H, g)
         dnb, dnf = expert_blocks(fd, E, H, NI, g)
-        for T in ((3, 66) if fg in ("q4_0", "q4_k", "q5_k") else (3,)):
+        for T in ((3, 66) if fg in ("q4_0", "q4_k", "q5_k", "q3_k") else (3,)):
             x = torch.randn(T, H, generator=g).to(dt)
             idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
             w = torch.rand(T, k, generator=g).to(dt)
@@ -344,7 +344,7 @@ def check_moe_gemv(half: int | None = None) -> None:
 
 def check_dequant() -> None:
     """The kernels' in-register dequantizer equals gguf-py bit for bit (every format, random blocks)."""
-    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k"):
+    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k"):
         g = torch.Generator().manual_seed(5)
         blocks, vals = expert_blocks(fmt, 1, 40, 512, g)
         # the shipped tile (16 groups: Q4_K and Q5_K by whole super-blocks), one group a program (through `_dq16`, the
@@ -1058,7 +1058,8 @@ def check_fused_step_kquant_mix(mix: str = "q4_k_m") -> None:
     model = build_on_gpu(cfg, mix, device="cpu", dtype=torch.float32)
     a0, a1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     assert a0.qkv_blocks is not None and a1.qkv_blocks is None and a1.qk_blocks is not None and a1.has_qkv
-    assert a1.v_proj.qtype == "q6_k" and model.model.layers[1].mlp.fmt == (mix[:4], "q6_k")
+    more = "q5_k" if mix == "q3_k_m" else "q6_k"
+    assert a1.v_proj.qtype == more and model.model.layers[1].mlp.fmt == (mix[:4], more)
     _fused_step_matches_forward(model, mix)
 
 

@@ -184,11 +184,15 @@ def test_engine_memory_report_counts_blocks(files):
 # K-quants: a file mixing Q4_K (or Q5_K) and Q6_K, as llama-quantize's Q4_K_M (Q5_K_M) does
 
 def _kquant_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
-    bb = {"Q6_K": 210, "Q4_K": 144, "Q5_K": 176, "Q3_K": 110}[kind]
+    bb = {"Q6_K": 210, "Q4_K": 144, "Q5_K": 176, "Q3_K": 110, "Q2_K": 84, "IQ4_XS": 136}[kind]
     raw = rng.integers(0, 256, size=(rows * cols // 256, bb), dtype=np.uint8)
     small = np.array([0x1400], np.uint16).view(np.uint8)          # f16 scale 2**-10
     if kind in ("Q6_K", "Q3_K"):
         raw[:, bb - 2:bb] = small                                   # d last
+    elif kind == "Q2_K":
+        raw[:, 80:84] = np.tile(small, 2)                           # d, dmin last
+    elif kind == "IQ4_XS":
+        raw[:, 0:2] = small
     else:
         raw[:, 0:2] = small
         raw[:, 2:4] = small
@@ -232,7 +236,7 @@ def _kquant_file(tmp_path, main: str, kind_of=None):
     return out, ref_path, deq
 
 
-@pytest.mark.parametrize("main", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("main", ["Q4_K", "Q5_K", "Q3_K", "Q2_K"])
 def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path, main):
     out, ref_path, deq = _kquant_file(tmp_path, main)
     m = load_target_gguf(out)
@@ -256,13 +260,14 @@ def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path, main):
 
 
 def test_unread_block_type_one_sentence(tmp_path):
-    """A file with a tensor in a block type Strata does not read (Q3_K, of llama.cpp's Q3_K_M) is refused in one
-    sentence naming the tensor, its type and the types Strata reads."""
-    out, _, _ = _kquant_file(tmp_path, "Q4_K", lambda n: "Q3_K" if n == "blk.1.attn_q.weight" else "Q4_K")
+    """A file with a tensor in a block type Strata does not read (IQ4_XS, of llama.cpp's IQ4_XS files) is refused
+    in one sentence naming the tensor, its type and the types Strata reads."""
+    out, _, _ = _kquant_file(tmp_path, "Q4_K", lambda n: "IQ4_XS" if n == "blk.1.attn_q.weight" else "Q4_K")
     with pytest.raises(LoadError) as e:
         load_target_gguf(out)
-    assert str(e.value) == ("q4_k_m.gguf: tensor blk.1.attn_q.weight is stored as Q3_K, which Strata does not read (it "
-                            "reads F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q6_K, Q4_K, Q5_K); use a file of those types.")
+    assert str(e.value) == ("q4_k_m.gguf: tensor blk.1.attn_q.weight is stored as IQ4_XS, which Strata does not read "
+                            "(it reads F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q6_K, Q4_K, Q5_K, Q3_K, Q2_K); use a file of "
+                            "those types.")
 
 
 def test_bad_files_one_sentence(tmp_path, files):
@@ -302,11 +307,13 @@ def test_quantized_fused_step_in_interpreter():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
-def test_kquant_mix_fused_step_in_interpreter():
+@pytest.mark.parametrize("mix", ["q4_k_m", "q3_k_m"])
+def test_kquant_mix_fused_step_in_interpreter(mix):
     """A Q4_K_M-style target (q and k Q4_K, v and the experts' down Q6_K in one layer) runs the fused step, q and k
-    stacked alone, against the plain forward (tests/runtime/kernels_check.py kquant_mix). The Q5_K_M mix passes the
-    same check (`kernels_check.py kquant_mix q5_k_m`, about 3 minutes) but stays out of CI's time: its Q5_K products
-    are the kernels check_moe_gemv, check_moe_quant and check_dequant test."""
+    stacked alone, against the plain forward (tests/runtime/kernels_check.py kquant_mix); so does a Q3_K_M-like one,
+    whose Q3_K products have no matrix-vector tiles (a dequantized scratch and the tl.dot expert kernels). The Q5_K_M
+    mix passes the same check (`kernels_check.py kquant_mix q5_k_m`, about 3 minutes) but stays out of CI's time:
+    its Q5_K products are the kernels check_moe_gemv, check_moe_quant and check_dequant test."""
     script = Path(__file__).with_name("kernels_check.py")
-    r = subprocess.run([sys.executable, str(script), "kquant_mix"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(script), "kquant_mix", mix], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "gguf step ok" in r.stdout, r.stderr[-3000:]

@@ -147,7 +147,9 @@ def test_row_not_multiple_of_32_is_refused():
     with pytest.raises(QuantFormatError, match="not a multiple of 32"):
         quantize(np.zeros((2, 48), np.float32), "q4_0")
     with pytest.raises(QuantFormatError, match="unknown quantization"):
-        quantize(np.zeros((2, 32), np.float32), "q3_k")
+        quantize(np.zeros((2, 32), np.float32), "q3_x")
+    with pytest.raises(QuantFormatError, match="q3_k is read only"):
+        quantize(np.zeros((2, 256), np.float32), "q3_k")
 
 
 @pytest.mark.parametrize("q", QS + ("bf16",))

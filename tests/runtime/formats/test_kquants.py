@@ -15,8 +15,10 @@ from runtime.formats import blocks, kquants
 from runtime.formats.quant_linear import QuantLinear
 from runtime.formats.registry import FORMATS, QTYPES, block_format, row_bytes
 
-KQ = ("q6_k", "q4_k", "q5_k")
-BB = {"q6_k": 210, "q4_k": 144, "q5_k": 176}
+KQ = ("q6_k", "q4_k", "q5_k", "q3_k", "q2_k")
+BB = {"q6_k": 210, "q4_k": 144, "q5_k": 176, "q3_k": 110, "q2_k": 84}
+# byte offsets of each format's f16 scale fields: d (and dmin)
+F16_AT = {"q6_k": (208,), "q4_k": (0, 2), "q5_k": (0, 2), "q3_k": (108,), "q2_k": (80, 82)}
 # f16 bit patterns a scale may take: zero, -0, smallest subnormal, largest subnormal, 1, max finite, inf, -inf, NaN
 EDGE_F16 = [0x0000, 0x8000, 0x0001, 0x03FF, 0x3C00, 0x7BFF, 0x7C00, 0xFC00, 0x7E00]
 
@@ -36,15 +38,13 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _edge_blocks(q: str, raw: np.ndarray, picks: list[int]) -> np.ndarray:
-    """Put edge f16 values into the scale fields of each block (Q6_K: d; Q4_K, Q5_K: d and dmin)."""
+    """Put edge f16 values into the scale fields of each block (d, and dmin where the format has one)."""
     raw = raw.copy()
     for i, p in enumerate(picks):
         blk = raw[i % raw.shape[0]]
         v = np.array([EDGE_F16[p % len(EDGE_F16)]], np.uint16).view(np.uint8)
-        if q == "q6_k":
-            blk[208:210] = v
-        else:
-            blk[(i % 2) * 2:(i % 2) * 2 + 2] = v
+        at = F16_AT[q][i % len(F16_AT[q])]
+        blk[at:at + 2] = v
     return raw
 
 
@@ -67,7 +67,7 @@ def test_random_blocks_bit_exact(q, nblk, rows, seed, picks):
         raw = _edge_blocks(q, raw, picks)
     else:   # most random f16 patterns are ordinary numbers; keep a realistic scale so products stay finite
         d = (rng.standard_normal(rows * nblk) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        raw[:, (208 if q == "q6_k" else 0):(210 if q == "q6_k" else 2)] = d
+        raw[:, F16_AT[q][0]:F16_AT[q][0] + 2] = d
     data = raw.reshape(rows, nblk * BB[q])
     ref = _ref(data, q)
     assert ref.shape == (rows, nblk * 256)
@@ -83,12 +83,8 @@ def test_every_code_and_scale_byte(q):
     raw = np.zeros((n, BB[q]), np.uint8)
     for v in range(n):
         raw[v, :] = v                     # every byte of block v is v: all nibble/bit patterns, all 6-bit scales
-        one = np.array([0x3C00], np.uint16).view(np.uint8)
-        if q == "q6_k":
-            raw[v, 208:210] = one
-        else:
-            raw[v, 0:2] = one
-            raw[v, 2:4] = np.array([0x3800], np.uint16).view(np.uint8)   # dmin = 0.5
+        for at, f in zip(F16_AT[q], (0x3C00, 0x3800), strict=False):      # d = 1, dmin = 0.5
+            raw[v, at:at + 2] = np.array([f], np.uint16).view(np.uint8)
     ref = _ref(raw, q)
     got = blocks.dequantize_torch(torch.from_numpy(raw), q).numpy()
     assert _same_bits(got, ref)
@@ -109,11 +105,11 @@ def test_kquants_are_read_only():
 def test_quant_linear_reads_kquant_blocks(q):
     rng = np.random.default_rng(3)
     raw = rng.integers(0, 256, size=(4, 2 * BB[q]), dtype=np.uint8)
-    scale_at = slice(208, 210) if q == "q6_k" else slice(0, 4)
     for r in range(4):
         for b in range(2):
             blk = raw[r, b * BB[q]:(b + 1) * BB[q]]
-            blk[scale_at] = np.full(scale_at.stop - scale_at.start, 0x20, np.uint8)   # small finite scales
+            for at in F16_AT[q]:
+                blk[at:at + 2] = 0x20                                    # small finite scales
     lin = QuantLinear.from_blocks(raw, q, 512)
     assert lin.blocks.shape == (4, row_bytes(512, block_format(q).name))
     x = torch.randn(3, 512)
