@@ -12,7 +12,7 @@ Two parts, each written to bench/results/quant_target.json (`$OUT` on the device
   difference from BF16's continuation.
 - `speed` (CUDA): a Qwen3-30B-A3B-shaped target (48 layers, 128 experts top-8, hidden 2048, moe_intermediate 768,
   32 q / 4 kv heads x 128, vocab 151936) built on the GPU with random weights in each format (BF16 floats; Q8_0,
-  Q4_0, Q4_K, Q5_K, Q6_K random ggml blocks with a realistic scale: the speed does not depend on the values;
+  Q4_0, K-quant and IQ4 random ggml blocks with a realistic scale: the speed does not depend on the values;
   `q4_k_m` / `q5_k_m`: llama-quantize's Q4_K_M / Q5_K_M mix of Q4_K / Q5_K and Q6_K, `tensor_format`). Decode
   tok/s through the engine's step (CUDA graph when the kernels take the format) against the bound: the
   device-to-device copy bandwidth measured in the same run / the bytes one token must read in that format (dense
@@ -138,6 +138,11 @@ def random_blocks(rows: int, cols: int, fmt: str, g: torch.Generator, device: st
         d = torch.full((rows, nb, 1), std / (64 * 18.5 if fmt == "q6_k" else 18.5 * 2.3), dtype=torch.float16,
                        device=device)
         b[..., f.block_bytes - 2:] = d.view(torch.uint8).reshape(rows, nb, 2)
+        return b.reshape(rows, nb * f.block_bytes)
+    if fmt in ("iq4_xs", "iq4_nl"):   # levels kv[code] (rms 66); IQ4_XS: 6-bit scales minus 32 (rms 18.5); d first
+        d = torch.full((rows, nb, 1), std / (66 * (18.5 if fmt == "iq4_xs" else 1)), dtype=torch.float16,
+                       device=device)
+        b[..., :2] = d.view(torch.uint8).reshape(rows, nb, 2)
         return b.reshape(rows, nb * f.block_bytes)
     if fmt == "q2_k":     # 4-bit scales and minimums (mean 7.5), 2-bit codes (std 1.1), d and dmin last
         d = torch.full((rows, nb, 2), std / (7.5 * 1.1), dtype=torch.float16, device=device)

@@ -594,6 +594,12 @@ def inspect_repo(repo: str, *, revision: str | None = None, kind: str | None = N
     user = user_catalog_path()
     r = open_repo(repo, revision)
     if not r.has("config.json"):
+        ggufs = sorted(n for n in r.siblings if n.lower().endswith(".gguf") and "/" not in n and "\\" not in n)
+        if ggufs:       # a llama.cpp repository: its files run as local targets (docs/commands.md, --target)
+            shown = ", ".join(ggufs[:4]) + (f" and {len(ggufs) - 4} more" if len(ggufs) > 4 else "")
+            raise UsageError(f"{r.where()} holds GGUF files ({shown}) and no config.json; models add pins "
+                             f"safetensors repositories only: download the file you want (hf download {repo} "
+                             f"{ggufs[0]} --local-dir DIR) and give its path as --target.")
         raise UsageError(f"{r.where()} has no config.json; it is not a model repository Strata can run.")
     cfg = r.json("config.json")
     detected = _detect(cfg, r, kind)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from runtime.errors import QuantFormatError
-from runtime.formats import kquants
+from runtime.formats import iquants, kquants
 from runtime.formats.registry import (  # noqa: F401  (the table's names, for callers that quantize)
     BLOCK,
     FORMATS,
@@ -473,8 +473,8 @@ def _quantize_rows(x: np.ndarray, q: str, *, bf16: bool) -> np.ndarray:
 def dequantize(blocks: np.ndarray, qtype: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """uint8 blocks [rows, row_bytes] -> float32 (reshaped to `shape` when given); same values as gguf-py."""
     q = _check_qtype(qtype)
-    if q in kquants.KQUANTS:
-        res = kquants.dequantize(blocks, q)
+    if q in kquants.KQUANTS or q in iquants.IQUANTS:
+        res = (kquants if q in kquants.KQUANTS else iquants).dequantize(blocks, q)
         return res.reshape(shape) if shape is not None else res
     raw = np.ascontiguousarray(blocks).view(np.uint8)
     rb = raw.shape[-1]
@@ -506,6 +506,8 @@ def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     q = _check_qtype(qtype)
     if q in kquants.KQUANTS:
         return kquants.dequantize_torch(blocks, q)
+    if q in iquants.IQUANTS:
+        return iquants.dequantize_torch(blocks, q)
     if blocks.dtype != torch.uint8:
         raise QuantFormatError(f"blocks must be uint8, got {blocks.dtype}")
     rows, rb = blocks.shape

@@ -78,6 +78,11 @@ FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
                 writable=False),
     BlockFormat("q2_k", GGMLQuantizationType.Q2_K, LlamaFileType.MOSTLY_Q2_K,
                 "Q2_K — read from llama.cpp files (mixed with Q3_K, Q4_K and Q6_K)", offered=False, writable=False),
+    # read only: llama.cpp's non-linear 4-bit formats (an IQ4_XS file mixes IQ4_XS with some K-quant tensors)
+    BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS,
+                "IQ4_XS — read from llama.cpp files", offered=False, writable=False),
+    BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL,
+                "IQ4_NL — read from llama.cpp files", offered=False, writable=False),
 )}
 QTYPES: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writable)   # what Strata writes
 BLOCK = 32
@@ -95,8 +100,8 @@ def writable_format(name: str) -> BlockFormat:
     """`block_format`, refusing the read-only formats (one sentence naming the ones Strata writes)."""
     f = block_format(name)
     if not f.writable:
-        raise QuantFormatError(f"{f.name} is read only (llama.cpp's K-quants): Strata reads it but does not write "
-                               f"it; use one of {', '.join(QTYPES)}.")
+        raise QuantFormatError(f"{f.name} is read only (a format of llama.cpp's files): Strata reads it but does not "
+                               f"write it; use one of {', '.join(QTYPES)}.")
     return f
 
 
@@ -107,7 +112,8 @@ def by_tensor_type(tensor_type: str) -> BlockFormat | None:
 
 def _check_qtype(qtype: str) -> str:
     """A format runtime/formats/blocks.py dequantizes (every row of the table: the K-quants through
-    runtime/formats/kquants.py); quantizing asks `writable_format`."""
+    runtime/formats/kquants.py, IQ4_NL and IQ4_XS through runtime/formats/iquants.py); quantizing asks
+    `writable_format`."""
     return block_format(qtype).name
 
 

@@ -90,7 +90,8 @@ GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
                                          "q5_k": "n8j2np",   # Q5_K: Q4_K's tile, not yet timed on a GPU
-                                         "q3_k": None, "q2_k": None}   # no GEMV tiles yet: the tl.dot kernels
+                                         "q3_k": None, "q2_k": None,   # no GEMV tiles yet: the tl.dot kernels
+                                         "iq4_xs": None, "iq4_nl": None}
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
@@ -107,8 +108,9 @@ DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
 EARLY_LOADS = True
 
 MAGIC = 0x4B000000      # the bits of the float 2^23
-QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5, "q5_k": 6, "q3_k": 7, "q2_k": 8}
-BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256, 6: 256, 7: 256, 8: 256}
+QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5, "q5_k": 6, "q3_k": 7, "q2_k": 8, "iq4_xs": 9,
+      "iq4_nl": 10}
+BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256, 6: 256, 7: 256, 8: 256, 9: 256, 10: 32}
 
 
 def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:

@@ -16,7 +16,7 @@ Two tilings share the kernels:
 
 Expert weights, stacked: gate_up [S, 2I, H] (gate rows, then up rows) and down [S, H, I] as floats, or as ggml
 blocks (uint8 [S, 2I, row_bytes(H)] and [S, H, row_bytes(I)], docs/formats.md "Block formats"; Q8_0, Q5_0, Q4_0,
-Q6_K, Q4_K, Q5_K, Q3_K, Q2_K) dequantized in registers, never copied as floats. S is the number of experts (E) or of slots: `slot`
+Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL) dequantized in registers, never copied as floats. S is the number of experts (E) or of slots: `slot`
 [E] int32 maps an expert id to its index in the first dim, -1 when it is not resident. Pairs of a non-resident
 expert are skipped: their rows of the [T*k, H] buffer `y` are zeros (or left for a miss path to fill, see
 `moe_routed`), and the pairs are listed in `Routing.miss`. The per-token sum always runs over all k rows of y in
@@ -37,6 +37,10 @@ K-quant layouts (as ggml's reference dequantizers and gguf-py's `gguf.quants` re
   (d * scale) * code.
 - Q2_K, 84 bytes per 256 values: scales[16] (low nibble a scale, high a minimum), qs[64] as Q3_K's, d, dmin (f16):
   value = (d * (scales[s] & 15)) * code - dmin * (scales[s] >> 4).
+- IQ4_XS, 136 bytes per 256 values: d (f16), scales_h (u16), scales_l[4], qs[128]. Value v (sub-block j = v // 32,
+  l = v % 32): code = nibble (4 * (l // 16)) of qs[16j + l % 16]; scale = (nibble j % 2 of scales_l[j // 2] | bits
+  2j.. of scales_h << 4) - 32; value = (d * scale) * kv[code], kv llama.cpp's 16 levels (runtime/formats/iquants.py).
+- IQ4_NL, 18 bytes per 32 values: d (f16), qs[16]: value j = d * kv[nibble (4 * (j // 16)) of qs[j % 16]].
 Every product there is exact in float32 (at most 24 significant bits), so the dequantized values are gguf-py's bit
 for bit whatever order or fusion the compiler picks.
 """
@@ -133,6 +137,15 @@ if HAVE_TRITON:
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _iq4_level(q):
+        """4-bit codes (int32) -> llama.cpp's IQ4 levels (runtime/formats/iquants.py KVALUES) as float32: the 16
+        int8 levels packed four to an int32 (little-endian), one picked by the code's top two bits, its byte by
+        the low two."""
+        w = tl.where(q < 8, tl.where(q < 4, -1079142271, -152379953), tl.where(q < 12, 639175937, 1901675829))
+        b = (w >> (8 * (q % 4))) & 255
+        return ((b ^ 128) - 128).to(tl.float32)
+
+    @triton.jit
     def _dq16(row, g, m, QT: tl.constexpr):
         """Values 16g..16g+15 of the ggml-block rows starting at byte pointers `row` ([N]; m masks rows) as float32
         [N, 16], the values gguf-py's dequantize gives."""
@@ -192,6 +205,20 @@ if HAVE_TRITON:
                 qh = tl.load(blk[:, None] + 16 + 16 * (s % 2) + j[None, :], mask=mm, other=0)
                 q = q | (((qh.to(tl.int32) >> jj) & 1) << 4)
             w = (d * sc.to(tl.float32))[:, None] * q.to(tl.float32) - (dmin * mn.to(tl.float32))[:, None]
+        elif QT == 9:     # iq4_xs (module docstring)
+            blk = row + (g // 16) * 136
+            s = g % 16
+            jb = s // 2
+            qs = tl.load(blk[:, None] + 8 + 16 * jb + j[None, :], mask=mm, other=0).to(tl.int32)
+            lo = (tl.load(blk + 4 + jb // 2, mask=m, other=0).to(tl.int32) >> (4 * (jb % 2))) & 15
+            hi = (tl.load(blk + 2 + jb // 4, mask=m, other=0).to(tl.int32) >> (2 * (jb % 4))) & 3
+            d = _f16(blk, m)
+            w = (d * ((lo | (hi << 4)) - 32).to(tl.float32))[:, None] * _iq4_level((qs >> (4 * (s % 2))) & 15)
+        elif QT == 10:    # iq4_nl: d, 16 bytes of nibbles (as q4_0's), each a level of kv
+            blk = row + (g // 2) * 18
+            d = _f16(blk, m)
+            qs = tl.load(blk[:, None] + 2 + j[None, :], mask=mm, other=0).to(tl.int32)
+            w = d[:, None] * _iq4_level((qs >> ((g % 2) * 4)) & 15)
         else:             # q3_k (QT 7), q2_k (QT 8): 2-bit codes, 16 sub-blocks of 16 (module docstring)
             blk = row + (g // 16) * (110 if QT == 7 else 84)
             s = g % 16

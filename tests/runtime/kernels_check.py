@@ -154,7 +154,7 @@ def expert_blocks(fmt: str, E: int, rows: int, cols: int, g: torch.Generator) ->
         b = torch.randint(0, 256, (E * rows, nb, f.block_bytes), generator=g, dtype=torch.uint8).numpy()
         d = (torch.randn(E * rows, nb, 2, generator=g).numpy() * 1e-4).astype(np.float16).view(np.uint8)
         at = {"q6_k": 208, "q3_k": 108, "q2_k": 80}.get(fmt, 0)     # d (and dmin after it: q4_k, q5_k, q2_k)
-        n = 2 if fmt in ("q6_k", "q3_k") else 4
+        n = 2 if fmt in ("q6_k", "q3_k", "iq4_xs", "iq4_nl") else 4
         b[..., at:at + n] = d.reshape(E * rows, nb, 4)[..., :n]
         raw = b.reshape(E * rows, -1)
     vals = gguf_dequantize(raw, f.ggml).reshape(E, rows, cols)
@@ -233,10 +233,10 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
     table, against float32 math on gguf-py's values."""
     E, k = 4, 2
     # (gate_up's format, down's format, H, I): K-quants need rows of 256 values; Q4_K_M files mix Q4_K and Q6_K,
-    # Q5_K_M files Q5_K and Q6_K; Q3_K and Q2_K (no GEMV tiles: the tl.dot kernels at every width)
+    # Q5_K_M files Q5_K and Q6_K; Q3_K, Q2_K and the IQ4 formats (no GEMV tiles: the tl.dot kernels at every width)
     for fg, fd, H, NI in (("q8_0", "q8_0", 64, 32), ("q5_0", "q5_0", 64, 32), ("q4_0", "q4_0", 64, 32),
                           ("q4_k", "q8_0", 256, 32), ("q8_0", "q6_k", 32, 256), ("q5_k", "q6_k", 256, 256),
-                          ("q3_k", "q2_k", 256, 256)):
+                          ("q3_k", "q2_k", 256, 256), ("iq4_xs", "iq4_nl", 256, 64)):
         if only and fg not in only:
             continue
         fmt = (fg, fd)
@@ -344,7 +344,7 @@ def check_moe_gemv(half: int | None = None) -> None:
 
 def check_dequant() -> None:
     """The kernels' in-register dequantizer equals gguf-py bit for bit (every format, random blocks)."""
-    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k"):
+    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs", "iq4_nl"):
         g = torch.Generator().manual_seed(5)
         blocks, vals = expert_blocks(fmt, 1, 40, 512, g)
         # the shipped tile (16 groups: Q4_K and Q5_K by whole super-blocks), one group a program (through `_dq16`, the

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -25,7 +23,13 @@ from runtime.models.layers import SparseMoe
 from runtime.speculative import generate_ids
 from setup_wizard.convert_target import convert_target
 from tests.runtime.tiny import single_thread  # noqa: F401
-from tests.setup_wizard.target_gguf_helpers import BUNDLED, corpus, llamacpp_style_gguf, make_bpe_target
+from tests.setup_wizard.target_gguf_helpers import (
+    BUNDLED,
+    corpus,
+    llamacpp_block_gguf,
+    llamacpp_style_gguf,
+    make_bpe_target,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -181,64 +185,11 @@ def test_engine_memory_report_counts_blocks(files):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# K-quants: a file mixing Q4_K (or Q5_K) and Q6_K, as llama-quantize's Q4_K_M (Q5_K_M) does
+# K-quants and IQ4: a file mixing Q4_K (or Q5_K, ...) and Q6_K, as llama-quantize's Q4_K_M (Q5_K_M, ...) does
 
-def _kquant_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
-    bb = {"Q6_K": 210, "Q4_K": 144, "Q5_K": 176, "Q3_K": 110, "Q2_K": 84, "IQ4_XS": 136}[kind]
-    raw = rng.integers(0, 256, size=(rows * cols // 256, bb), dtype=np.uint8)
-    small = np.array([0x1400], np.uint16).view(np.uint8)          # f16 scale 2**-10
-    if kind in ("Q6_K", "Q3_K"):
-        raw[:, bb - 2:bb] = small                                   # d last
-    elif kind == "Q2_K":
-        raw[:, 80:84] = np.tile(small, 2)                           # d, dmin last
-    elif kind == "IQ4_XS":
-        raw[:, 0:2] = small
-    else:
-        raw[:, 0:2] = small
-        raw[:, 2:4] = small
-    return raw.reshape(rows, cols // 256 * bb)
-
-
-def _kquant_file(tmp_path, main: str, kind_of=None):
-    """A llama.cpp-style bf16 file of a small random target and its copy with every matrix in K-quant blocks
-    (random codes, small scales): Q6_K for the experts' down, v and the head, `main` elsewhere (`kind_of(name)`
-    instead, where given). -> (the K-quant file, the bf16 file, gguf-py's values of each block tensor)."""
-    src = make_bpe_target(tmp_path, hidden=256, moe_inter=256, head_dim=128, heads=2, kv_heads=1, layers=2,
-                          inter=256, mtp=False, tok_vocab=300)
-    ref_path = llamacpp_style_gguf(src, tmp_path / "bf16.gguf", "bf16", pre="gpt-2")
-    r = gguf.GGUFReader(ref_path)
-    rng = np.random.default_rng(0)
-    out = tmp_path / f"{main.lower()}_m.gguf"
-    w = gguf.GGUFWriter(out, "qwen3moe")
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vt = f.types[0]
-        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
-    deq: dict[str, np.ndarray] = {}
-    for t in r.tensors:
-        shape = tuple(int(d) for d in reversed(list(t.shape)))
-        if t.tensor_type == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(t.name, np.array(t.data))
-            continue
-        kind = "Q6_K" if ("down" in t.name or "attn_v" in t.name or t.name == "output.weight") else main
-        kind = kind_of(t.name) if kind_of is not None else kind
-        rows = int(np.prod(shape[:-1]))
-        raw = _kquant_blocks(rng, rows, shape[-1], kind).reshape(*shape[:-1], -1)
-        qt = gguf.GGMLQuantizationType[kind]
-        w.add_tensor(t.name, raw, raw_dtype=qt)
-        deq[t.name] = gguf.quants.dequantize(raw, qt).reshape(shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out, ref_path, deq
-
-
-@pytest.mark.parametrize("main", ["Q4_K", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("main", ["Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
 def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path, main):
-    out, ref_path, deq = _kquant_file(tmp_path, main)
+    out, ref_path, deq = llamacpp_block_gguf(tmp_path, main)
     m = load_target_gguf(out)
     blk = m.model.layers[0].mlp
     assert blk.fmt == (main.lower(), "q6_k")
@@ -260,14 +211,14 @@ def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path, main):
 
 
 def test_unread_block_type_one_sentence(tmp_path):
-    """A file with a tensor in a block type Strata does not read (IQ4_XS, of llama.cpp's IQ4_XS files) is refused
+    """A file with a tensor in a block type Strata does not read (IQ3_XXS, of llama.cpp's IQ3_XXS files) is refused
     in one sentence naming the tensor, its type and the types Strata reads."""
-    out, _, _ = _kquant_file(tmp_path, "Q4_K", lambda n: "IQ4_XS" if n == "blk.1.attn_q.weight" else "Q4_K")
+    out, _, _ = llamacpp_block_gguf(tmp_path, "Q4_K", lambda n: "IQ3_XXS" if n == "blk.1.attn_q.weight" else "Q4_K")
     with pytest.raises(LoadError) as e:
         load_target_gguf(out)
-    assert str(e.value) == ("q4_k_m.gguf: tensor blk.1.attn_q.weight is stored as IQ4_XS, which Strata does not read "
-                            "(it reads F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q6_K, Q4_K, Q5_K, Q3_K, Q2_K); use a file of "
-                            "those types.")
+    assert str(e.value) == ("q4_k_m.gguf: tensor blk.1.attn_q.weight is stored as IQ3_XXS, which Strata does not "
+                            "read (it reads F32, F16, BF16, Q8_0, Q5_0, Q4_0, Q6_K, Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS, "
+                            "IQ4_NL); use a file of those types.")
 
 
 def test_bad_files_one_sentence(tmp_path, files):

@@ -194,3 +194,58 @@ def _add(w, new_name: str, data: np.ndarray, ftype: str, bid: int | None) -> Non
     with np.errstate(all="ignore"):
         q = gguf.quants.quantize(data, qt)
     w.add_tensor(new_name, q, raw_dtype=qt)
+
+
+def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
+    """uint8 [rows, row bytes] of random `kind` (a super-block type name: "Q4_K") blocks with small f16 scales."""
+    bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+    raw = rng.integers(0, 256, size=(rows * cols // 256, bb), dtype=np.uint8)
+    small = np.array([0x1400], np.uint16).view(np.uint8)          # f16 scale 2**-10
+    if kind in ("Q6_K", "Q3_K"):
+        raw[:, bb - 2:bb] = small                                   # d last
+    elif kind == "Q2_K":
+        raw[:, 80:84] = np.tile(small, 2)                           # d, dmin last
+    elif kind in ("IQ4_XS", "IQ3_XXS"):
+        raw[:, 0:2] = small
+    else:
+        raw[:, 0:2] = small
+        raw[:, 2:4] = small
+    return raw.reshape(rows, cols // 256 * bb)
+
+
+def llamacpp_block_gguf(tmp_path: Path, main: str, kind_of=None) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    """A llama.cpp-style bf16 file of a small random target (no MTP head) and its copy with every matrix in
+    super-block blocks (random codes, small scales), as llama-quantize's Q4_K_M mixes them: Q6_K for the experts'
+    down, v and the head, `main` elsewhere (`kind_of(name)` instead, where given). -> (that file, the bf16 file,
+    gguf-py's values of each block tensor)."""
+    src = make_bpe_target(tmp_path, hidden=256, moe_inter=256, head_dim=128, heads=2, kv_heads=1, layers=2,
+                          inter=256, mtp=False, tok_vocab=300)
+    ref_path = llamacpp_style_gguf(src, tmp_path / "bf16.gguf", "bf16", pre="gpt-2")
+    r = gguf.GGUFReader(ref_path)
+    rng = np.random.default_rng(0)
+    out = tmp_path / f"{main.lower()}_m.gguf"
+    w = gguf.GGUFWriter(out, "qwen3moe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        sub = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+    deq: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        shape = tuple(int(d) for d in reversed(list(t.shape)))
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(t.name, np.array(t.data))
+            continue
+        kind = "Q6_K" if ("down" in t.name or "attn_v" in t.name or t.name == "output.weight") else main
+        kind = kind_of(t.name) if kind_of is not None else kind
+        rows = int(np.prod(shape[:-1]))
+        raw = random_blocks(rng, rows, shape[-1], kind).reshape(*shape[:-1], -1)
+        qt = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(t.name, raw, raw_dtype=qt)
+        deq[t.name] = gguf.quants.dequantize(raw, qt).reshape(shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out, ref_path, deq

@@ -11,6 +11,7 @@ from prompt_toolkit.output import DummyOutput
 from typer.testing import CliRunner
 
 from runtime.engine import Engine
+from runtime.formats.target_gguf import read_geometry
 from setup_wizard import cli
 from setup_wizard import target_sizes as TS
 from setup_wizard.budget import Budget
@@ -18,7 +19,7 @@ from setup_wizard.choices import Choices
 from setup_wizard.cli import app
 from setup_wizard.plan import resolve
 from setup_wizard.steps import budget_for_doc
-from tests.setup_wizard.target_gguf_helpers import make_bpe_target
+from tests.setup_wizard.target_gguf_helpers import llamacpp_block_gguf, make_bpe_target
 from tests.setup_wizard.wizard_fakes import FakeServices, fake_cpu, fake_gpu
 
 ENTER, DOWN = "\r", "\x1b[B"
@@ -131,6 +132,26 @@ def test_local_gguf_target(qmachine, home, qservices, bpe, tmp_path):
     assert Engine.from_config(tmp_path / "c.toml", device="cpu", dtype="fp32").generate("x", max_new_tokens=2)
     res = run("--yes", "--target", str(gg), "--target-quant", "q8_0", "--drafter", "mtp")
     assert res.exit_code == 2 and "stored as q4_0" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("main", ["Q5_K", "IQ4_XS"])
+def test_llamacpp_block_gguf_target(machine, home, tmp_path, main):
+    """A file as llama-quantize's Q5_K_M (IQ4_XS) makes it, given as the target: set up as stored (its format named
+    by the experts' bytes), budgeted from its tensor table, and it generates."""
+    gg, _, _ = llamacpp_block_gguf(tmp_path, main)
+    res = run("--yes", "--target", str(gg), "--drafter", "none", "--no-calibrate", "--context", "256",
+              "--config-out", str(tmp_path / "c.toml"))
+    assert res.exit_code == 0, res.output
+    doc = tomllib.loads((tmp_path / "c.toml").read_text())
+    assert doc["target"]["quantization"] == main.lower() and doc["target"]["path"] == str(gg)
+    eng = Engine.from_config(tmp_path / "c.toml", device="cpu", dtype="fp32")
+    assert eng.model.model.layers[0].mlp.fmt == (main.lower(), "q6_k")
+    # the budget counts the file's block bytes as they are and its float tensors at the machine's dtype (the fake
+    # GPU's BF16; the CPU engine here holds fp32)
+    geo = read_geometry(gg)
+    assert doc["memory"]["budget"]["target_dense_weights"] == geo.dense_bytes(2)
+    assert eng.memory_report()["target_dense_weights"] == geo.dense_bytes(4)
+    assert len(eng.generate("x", max_new_tokens=3).token_ids) == 3
 
 
 def test_target_quant_refused_when_not_convertible(machine, pack):

@@ -1,4 +1,5 @@
-"""runtime.formats.kquants: Q6_K / Q4_K / Q5_K dequantization bit for bit against gguf-py's reference."""
+"""The formats Strata reads from llama.cpp's files and never writes: runtime.formats.kquants (Q6_K, Q5_K, Q4_K,
+Q3_K, Q2_K) and runtime.formats.iquants (IQ4_XS, IQ4_NL), dequantized bit for bit as gguf-py's reference does."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.errors import QuantFormatError
-from runtime.formats import blocks, kquants
+from runtime.formats import blocks, iquants, kquants
 from runtime.formats.quant_linear import QuantLinear
 from runtime.formats.registry import FORMATS, QTYPES, block_format, row_bytes
 
-KQ = ("q6_k", "q4_k", "q5_k", "q3_k", "q2_k")
-BB = {"q6_k": 210, "q4_k": 144, "q5_k": 176, "q3_k": 110, "q2_k": 84}
+KQ = ("q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs", "iq4_nl")
+BB = {"q6_k": 210, "q4_k": 144, "q5_k": 176, "q3_k": 110, "q2_k": 84, "iq4_xs": 136, "iq4_nl": 18}
+VALS = {q: 32 if q == "iq4_nl" else 256 for q in KQ}       # values a block
 # byte offsets of each format's f16 scale fields: d (and dmin)
-F16_AT = {"q6_k": (208,), "q4_k": (0, 2), "q5_k": (0, 2), "q3_k": (108,), "q2_k": (80, 82)}
+F16_AT = {"q6_k": (208,), "q4_k": (0, 2), "q5_k": (0, 2), "q3_k": (108,), "q2_k": (80, 82), "iq4_xs": (0,),
+          "iq4_nl": (0,)}
 # f16 bit patterns a scale may take: zero, -0, smallest subnormal, largest subnormal, 1, max finite, inf, -inf, NaN
 EDGE_F16 = [0x0000, 0x8000, 0x0001, 0x03FF, 0x3C00, 0x7BFF, 0x7C00, 0xFC00, 0x7E00]
 
@@ -52,7 +55,7 @@ def _edge_blocks(q: str, raw: np.ndarray, picks: list[int]) -> np.ndarray:
 def test_table_rows_are_gguf_constants(q):
     f = FORMATS[q]
     assert f.ggml == GGMLQuantizationType[q.upper()]
-    assert (f.block_values, f.block_bytes) == (256, BB[q])
+    assert (f.block_values, f.block_bytes) == (VALS[q], BB[q])
     assert not f.writable and not f.offered
     assert q not in QTYPES
 
@@ -70,7 +73,7 @@ def test_random_blocks_bit_exact(q, nblk, rows, seed, picks):
         raw[:, F16_AT[q][0]:F16_AT[q][0] + 2] = d
     data = raw.reshape(rows, nblk * BB[q])
     ref = _ref(data, q)
-    assert ref.shape == (rows, nblk * 256)
+    assert ref.shape == (rows, nblk * VALS[q])
     got_t = blocks.dequantize_torch(torch.from_numpy(data.copy()), q).numpy()
     assert _same_bits(got_t, ref)
     assert _same_bits(blocks.dequantize(data, q), ref)
@@ -90,23 +93,26 @@ def test_every_code_and_scale_byte(q):
     assert _same_bits(got, ref)
 
 
-def test_kquants_are_read_only():
+def test_they_are_read_only():
     x = np.zeros((1, 256), np.float32)
     for q in KQ:
         with pytest.raises(QuantFormatError, match="does not write"):
             blocks.quantize(x, q)
     with pytest.raises(QuantFormatError, match="not a K-quant"):
         kquants.dequantize_torch(torch.zeros(1, 34, dtype=torch.uint8), "q8_0")
+    with pytest.raises(QuantFormatError, match="not an IQ4 format"):
+        iquants.dequantize_torch(torch.zeros(1, 34, dtype=torch.uint8), "q8_0")
     with pytest.raises(QuantFormatError, match="not a whole number"):
         blocks.dequantize_torch(torch.zeros(1, 200, dtype=torch.uint8), "q6_k")
 
 
 @pytest.mark.parametrize("q", KQ)
-def test_quant_linear_reads_kquant_blocks(q):
+def test_quant_linear_reads_their_blocks(q):
     rng = np.random.default_rng(3)
-    raw = rng.integers(0, 256, size=(4, 2 * BB[q]), dtype=np.uint8)
+    nb = 512 // VALS[q]
+    raw = rng.integers(0, 256, size=(4, nb * BB[q]), dtype=np.uint8)
     for r in range(4):
-        for b in range(2):
+        for b in range(nb):
             blk = raw[r, b * BB[q]:(b + 1) * BB[q]]
             for at in F16_AT[q]:
                 blk[at:at + 2] = 0x20                                    # small finite scales
