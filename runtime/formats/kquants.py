@@ -56,9 +56,9 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
-def _scale_min(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """d, dmin [n, 1] and the eight sub-blocks' d * sc, dmin * m [n, 8, 1] of Q4_K / Q5_K super-blocks (their first
-    16 bytes: d, dmin, twelve bytes of 6-bit scales and mins, ggml's get_scale_min_k4)."""
+def _scale_min(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight sub-blocks' d * sc and dmin * m [n, 8, 1] of Q4_K / Q5_K super-blocks (their first 16 bytes: d,
+    dmin, twelve bytes of 6-bit scales and minimums, unpacked as ggml's get_scale_min_k4)."""
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     s = b[:, 4:16].reshape(n, 3, 4)

@@ -88,10 +88,12 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
-DECODE_GEMV: dict[str, str | None] = {"bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
-                                         "q5_k": "n8j2np",   # Q5_K: Q4_K's tile, not yet timed on a GPU
-                                         "q3_k": None, "q2_k": None,   # no GEMV tiles yet: the tl.dot kernels
-                                         "iq4_xs": None, "iq4_nl": None}
+DECODE_GEMV: dict[str, str | None] = {
+    "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
+    "q5_k": "n8j2np",                                     # Q4_K's tile, not yet timed for Q5_K on a GPU
+    "q3_k": None, "q2_k": None, "iq4_xs": None, "iq4_nl": None}    # no GEMV code for them: the tl.dot kernels
+# the formats the GEMV kernels read (`_rows`); a table naming a variant for another is refused by `variant`
+GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k")
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
@@ -124,6 +126,9 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
         table, name = "DECODE_GEMV", DECODE_GEMV.get(fmt)
     if name is None:
         return None
+    if fmt not in GEMV_FORMATS:
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, but the GEMV kernels do not read {fmt}; use None (the "
+                         f"tl.dot kernels).")
     if name not in GEMV_VARIANTS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(GEMV_VARIANTS)} or None.")

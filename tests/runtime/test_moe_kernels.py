@@ -69,6 +69,11 @@ def test_decode_gemv_names_a_variant(monkeypatch):
     monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q4_0", "nope")
     with pytest.raises(ValueError, match="not in GEMV_VARIANTS"):
         moe_gemv.variant("q4_0")
+    # a format the GEMV code does not read (its blocks would decode as another's) never gets a variant
+    assert all(moe_gemv.DECODE_GEMV[f] is None for f in moe_gemv.QT if f not in moe_gemv.GEMV_FORMATS)
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q3_k", "n8j2np")
+    with pytest.raises(ValueError, match="do not read q3_k"):
+        moe_gemv.variant("q3_k")
 
 
 def test_quant_one_row_table(monkeypatch):
