@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.errors import QuantFormatError
-from runtime.formats.registry import FORMATS, block_format, cols_from_row_bytes
+from runtime.formats.kquants import checked, decode_rows, reference
 
 IQUANTS = ("iq4_nl", "iq4_xs")
 # llama.cpp's kvalues_iq4nl: the 16 levels a code indexes
@@ -25,21 +24,12 @@ KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 
 
 
 def _check(qtype: str) -> str:
-    q = block_format(qtype).name
-    if q not in IQUANTS:
-        raise QuantFormatError(f"{qtype!r} is not an IQ4 format; use one of {', '.join(IQUANTS)}.")
-    return q
+    return checked(qtype, IQUANTS, "an IQ4 format")
 
 
 def dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
     """uint8 [..., row_bytes] -> float32 [..., cols], through gguf-py's reference."""
-    from gguf.quants import dequantize as ref
-
-    q = _check(qtype)
-    raw = np.ascontiguousarray(blocks).view(np.uint8)
-    cols_from_row_bytes(raw.shape[-1], q)   # a whole number of blocks, or one sentence
-    with np.errstate(all="ignore"):          # inf/NaN scales decode to inf/NaN, as in ggml
-        return ref(raw, FORMATS[q].ggml)
+    return reference(blocks, _check(qtype))
 
 
 def _levels(nib: torch.Tensor) -> torch.Tensor:
@@ -73,10 +63,4 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
 def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 tensor [rows, row_bytes] -> float32 [rows, cols] on the same device (gguf-py's values, bit for bit)."""
     q = _check(qtype)
-    if blocks.dtype != torch.uint8:
-        raise QuantFormatError(f"blocks must be uint8, got {blocks.dtype}")
-    rows, rb = blocks.shape
-    cols = cols_from_row_bytes(rb, q)
-    b = blocks.reshape(-1, FORMATS[q].block_bytes)
-    out = _iq4_nl(b) if q == "iq4_nl" else _iq4_xs(b)
-    return out.reshape(rows, cols)
+    return decode_rows(blocks, q, _iq4_nl if q == "iq4_nl" else _iq4_xs)

@@ -12,6 +12,8 @@ bits on random blocks, edge scales included): Q6_K and Q3_K `(d * scale) * q`, Q
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -21,18 +23,27 @@ from runtime.formats.registry import FORMATS, block_format, cols_from_row_bytes
 KQUANTS = ("q6_k", "q4_k", "q5_k", "q3_k", "q2_k")
 
 
-def _check(qtype: str) -> str:
+def checked(qtype: str, among: tuple[str, ...], what: str) -> str:
+    """The name of format `qtype` when it is one of `among`, else one sentence (`what`: "a K-quant")."""
     q = block_format(qtype).name
-    if q not in KQUANTS:
-        raise QuantFormatError(f"{qtype!r} is not a K-quant; use one of {', '.join(KQUANTS)}.")
+    if q not in among:
+        raise QuantFormatError(f"{qtype!r} is not {what}; use one of {', '.join(among)}.")
     return q
+
+
+def _check(qtype: str) -> str:
+    return checked(qtype, KQUANTS, "a K-quant")
 
 
 def dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
     """uint8 [..., row_bytes] -> float32 [..., cols], through gguf-py's reference."""
+    return reference(blocks, _check(qtype))
+
+
+def reference(blocks: np.ndarray, q: str) -> np.ndarray:
+    """gguf-py's dequantization of blocks of format q (a name) -> float32 [..., cols]."""
     from gguf.quants import dequantize as ref
 
-    q = _check(qtype)
     raw = np.ascontiguousarray(blocks).view(np.uint8)
     cols_from_row_bytes(raw.shape[-1], q)   # a whole number of super-blocks, or one sentence
     with np.errstate(all="ignore"):          # inf/NaN scales decode to inf/NaN, as in ggml
@@ -122,13 +133,17 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * _crumbs(b[:, 16:80]).float() - ml).reshape(n, 256)
 
 
-def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """uint8 tensor [rows, row_bytes] -> float32 [rows, cols] on the same device (gguf-py's values, bit for bit)."""
-    q = _check(qtype)
+def decode_rows(blocks: torch.Tensor, q: str, decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """uint8 rows [rows, row_bytes] of format q -> float32 [rows, cols], `decode` taking the blocks [n, block_bytes]
+    to their values [n, block_values]."""
     if blocks.dtype != torch.uint8:
         raise QuantFormatError(f"blocks must be uint8, got {blocks.dtype}")
     rows, rb = blocks.shape
     cols = cols_from_row_bytes(rb, q)
-    b = blocks.reshape(-1, FORMATS[q].block_bytes)
-    out = {"q6_k": _q6_k, "q4_k": _q4_k, "q5_k": _q5_k, "q3_k": _q3_k, "q2_k": _q2_k}[q](b)
-    return out.reshape(rows, cols)
+    return decode(blocks.reshape(-1, FORMATS[q].block_bytes)).reshape(rows, cols)
+
+
+def dequantize_torch(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """uint8 tensor [rows, row_bytes] -> float32 [rows, cols] on the same device (gguf-py's values, bit for bit)."""
+    q = _check(qtype)
+    return decode_rows(blocks, q, {"q6_k": _q6_k, "q4_k": _q4_k, "q5_k": _q5_k, "q3_k": _q3_k, "q2_k": _q2_k}[q])
