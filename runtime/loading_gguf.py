@@ -5,10 +5,10 @@ The model is the same `Qwen3MoeModel` the Hugging Face loader builds, filled fro
 tensor (each tensor's type comes from the tensor table, never from `general.file_type`, since a llama.cpp `Q4_K_M`
 file mixes types):
 - F32, F16 and BF16 tensors become floats in the runtime dtype (BF16 on CUDA, fp32 on CPU), as from a folder;
-- block-format matrices (Q8_0, Q5_0, Q4_0, Q6_K, Q5_K, Q4_K) stay as ggml blocks: `QuantLinear` for dense matrices,
-  `QuantEmbedding` for `token_embd`, and each MoE layer's experts as two stacked uint8 tensors
-  (`SparseMoe.bind_blocks`) that the grouped kernels read (dequantized in registers) and the torch fallback
-  dequantizes one expert at a time. There is never a float copy of the experts.
+- block-format matrices (Q8_0, Q5_0, Q4_0 and the read-only formats of the table: K-quants, IQ4) stay as ggml
+  blocks: `QuantLinear` for dense matrices, `QuantEmbedding` for `token_embd`, and each MoE layer's experts as two
+  stacked uint8 tensors (`SparseMoe.bind_blocks`) that the grouped kernels read (dequantized in registers) and the
+  torch fallback dequantizes one expert at a time. There is never a float copy of the experts.
 - The tokenizer comes from the file's own metadata (runtime/formats/gguf_tokenizer.py), so a GGUF file runs by
   itself; a converted file's tokenizer is the source folder's `tokenizer.json`, encoded identically.
 - The MTP head, when the file names one (`strata.mtp.file`), is read from that file beside it; its provenance must
@@ -40,7 +40,7 @@ from runtime.models.qwen3_moe import Qwen3MoeModel
 from runtime.models.target_config import Qwen3MoeConfig
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_BLOCK_TYPES = ", ".join(f.tensor_type for f in FORMATS.values() if f.quantized)    # "Q8_0, ..., Q5_K" (the table)
+_BLOCK_TYPES = ", ".join(f.tensor_type for f in FORMATS.values() if f.quantized)    # "Q8_0, ..., IQ4_NL" (the table)
 
 
 def is_gguf(path: str | Path) -> bool:
