@@ -130,15 +130,14 @@ def _set_module(model: nn.Module, name: str, value: nn.Module) -> None:
     setattr(model.get_submodule(parent), attr, value)
 
 
-def load_target_gguf(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                     with_mtp: bool = True) -> Qwen3MoeModel:
-    """Build the model from a qwen3moe GGUF file (see the module docstring). LoadError (one sentence) for a file
-    that is not one, or whose tensors do not match its own metadata."""
+def check_target_gguf(path: str | Path, with_mtp: bool = True):
+    """The file checked as `load_target_gguf` will load it, from its tensor table alone (no weight is read): a
+    qwen3moe config in its metadata, every tensor the model needs present with its shape, nothing else, every type
+    one Strata reads, the MTP file's provenance. Returns (config, model on the meta device, where each parameter
+    comes from); LoadError (one sentence) otherwise. `models add` runs it on a header read from the Hub."""
     path = Path(path)
     if not path.is_file():
         raise LoadError(f"target file {path} does not exist.")
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     f = _File(path)
     cfg = TG.config_from_metadata(f.meta, f.shapes, source=path.name)
     m = _open_mtp(f, cfg) if with_mtp else None
@@ -177,6 +176,20 @@ def load_target_gguf(path: str | Path, device: str | torch.device | None = None,
         if kind not in _FLOAT_TYPES and by_tensor_type(kind) is None:
             raise LoadError(f"{file.path.name}: tensor {g} is stored as {kind}, which Strata does not read "
                             f"(it reads F32, F16, BF16, {_BLOCK_TYPES}); use a file of those types.")
+    return cfg, model, where
+
+
+def load_target_gguf(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                     with_mtp: bool = True) -> Qwen3MoeModel:
+    """Build the model from a qwen3moe GGUF file (see the module docstring). LoadError (one sentence) for a file
+    that is not one, or whose tensors do not match its own metadata."""
+    path = Path(path)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    cfg, model, where = check_target_gguf(path, with_mtp)
+    expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
 
     # routed experts: one layer at a time, stacked
     moe = [(f"model.layers.{i}.mlp", layer.mlp) for i, layer in enumerate(model.model.layers)

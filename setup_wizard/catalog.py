@@ -35,7 +35,8 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 _ENTRY_KEYS = {"name", "kind", "source", "repo", "revision", "fits", "default", "file", "description", "mtp",
-               "license", "pinned"}
+               "license", "pinned", "quant"}
+_QUANT = re.compile(r"[a-z0-9_]{2,16}")
 _FILE_KEYS = {"path", "sha256", "size"}
 
 
@@ -74,6 +75,7 @@ class CatalogEntry:
     description: str = ""
     mtp: bool | None = None        # target: has an MTP head
     origin: str = ""               # which catalog file defined it
+    quant: str | None = None       # a GGUF target: how its file stores the experts (e.g. "q4_k"), as models add read it
 
     @property
     def pinned(self) -> bool:
@@ -94,6 +96,12 @@ class CatalogEntry:
         return [f for f in self.files if f.path.endswith(".safetensors")]
 
     @property
+    def gguf_file(self) -> str | None:
+        """A GGUF target entry's one file (a llama.cpp GGUF from the Hub, docs/store.md "Catalog"), else None."""
+        one = len(self.files) == 1 and is_gguf_name(self.files[0].path)
+        return self.files[0].path if self.kind == "target" and one else None
+
+    @property
     def is_head(self) -> bool:
         return self.kind in HEAD_KINDS
 
@@ -108,7 +116,7 @@ class CatalogEntry:
                 "revision": self.revision, "pinned": self.pinned, "size": self.size, "fits": list(self.fits),
                 "default": self.default, "description": self.description, "mtp": self.mtp,
                 "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in self.files],
-                "origin": self.origin}
+                "origin": self.origin, "quant": self.quant, "gguf_file": self.gguf_file}
 
 
 @dataclass
@@ -145,6 +153,9 @@ class Catalog:
 
 # ---------------------------------------------------------------------------------------------------------------
 # validation helpers
+
+def is_gguf_name(path: str) -> bool:
+    return path.lower().endswith(".gguf")
 
 def check_relpath(path: Any, where: str) -> str:
     """A relative POSIX path that stays inside its root; raises CatalogError naming `where` otherwise."""
@@ -250,6 +261,17 @@ def _entry(raw: Any, origin: str, idx: int) -> CatalogEntry:
     mtp = raw.get("mtp")
     if mtp is not None and (kind != "target" or not isinstance(mtp, bool)):
         raise CatalogError(f"{label}: key 'mtp' is true/false and only for target entries.")
+    ggufs = [f.path for f in files if is_gguf_name(f.path)]
+    if ggufs and (kind != "target" or len(files) != 1 or "/" in ggufs[0]):
+        raise CatalogError(f"{label}: a GGUF entry is a target that lists exactly one .gguf file at the top of its "
+                           f"repository (the file holds the tokenizer too); got {', '.join(f.path for f in files)}.")
+    if ggufs and mtp:
+        raise CatalogError(f"{label}: key 'mtp' is true, but a GGUF file from the Hub carries no MTP head Strata "
+                           f"reads; set it false.")
+    quant = raw.get("quant")
+    if quant is not None and (not ggufs or not isinstance(quant, str) or not _QUANT.fullmatch(quant)):
+        raise CatalogError(f"{label}: key 'quant' names a GGUF target's storage (like \"q4_k\") and is only for an "
+                           f"entry whose file is a .gguf.")
     pinned_flag = raw.get("pinned")
     is_pinned = bool(files) and (revision is not None or source == "bundled")
     if pinned_flag is not None and pinned_flag != is_pinned:
@@ -261,7 +283,7 @@ def _entry(raw: Any, origin: str, idx: int) -> CatalogEntry:
     is_head = kind in HEAD_KINDS
     return CatalogEntry(name=name, kind=kind, source=source, repo=repo, revision=revision, files=tuple(files),
                         fits=tuple(fits) if is_head else (), default=bool(default) and is_head, description=desc,
-                        mtp=mtp, origin=origin)
+                        mtp=mtp, origin=origin, quant=quant)
 
 
 def _read(path: Path) -> list[CatalogEntry]:

@@ -93,6 +93,7 @@ class Found:
     fits: list[str] = field(default_factory=list)       # heads: catalog targets it fits
     ready: list[str] = field(default_factory=list)      # heads: those of `fits` that are pinned (can be set up)
     replaces: str | None = None                # the catalog entry of this name it replaces, in words
+    quant: str | None = None                   # a GGUF target: how its file stores the experts (e.g. "q4_k")
     notes: list[str] = field(default_factory=list)
     free_bytes: int = 0
     catalog: Path = Path()
@@ -113,6 +114,8 @@ class Found:
             doc.update(fits=list(self.fits), default=False)
         else:
             doc["mtp"] = bool(self.mtp)
+        if self.quant:
+            doc["quant"] = self.quant
         doc["description"] = f"{self.summary}; pinned from {self.repo} at {self.ref} by strata-setup models add"
         doc["file"] = [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in self.files]
         return doc
@@ -122,12 +125,14 @@ class Found:
                 "summary": self.summary, "geometry": self.geometry, "mtp": self.mtp, "drafters": self.drafters,
                 "heads": self.heads, "fits": self.fits, "ready": self.ready, "size": self.size,
                 "free_bytes": self.free_bytes, "replaces": self.replaces, "notes": self.notes, "catalog": str(self.catalog),
+                "quant": self.quant,
                 "files": [{"path": f.path, "sha256": f.sha256, "size": f.size, "lfs": f.lfs} for f in self.files]}
 
     def lines(self) -> list[str]:
         """What was found, in words (the command line and the wizard print these)."""
         ref = self.ref if self.ref == self.revision else f"{self.ref} = commit {self.revision}"
-        out = [f"{self.repo} at {ref}", f"  kind:      {_kind_words(self.kind)}", f"  geometry:  {self.summary}"]
+        out = [f"{self.repo} at {ref}", f"  kind:      {_kind_words(self.kind, self.quant)}",
+               f"  geometry:  {self.summary}"]
         if self.is_head:
             out.append(f"  fits:      {', '.join(self.fits)} (targets in your catalog with its hidden size, "
                        f"vocabulary and layer count)")
@@ -146,7 +151,9 @@ class Found:
         return out
 
 
-def _kind_words(kind: str) -> str:
+def _kind_words(kind: str, quant: str | None = None) -> str:
+    if kind == "target" and quant:
+        return f"target (a llama.cpp qwen3moe GGUF file, {quant.upper()}; run as it is stored)"
     return {"target": "target (qwen3_moe)", "dflash2": "DFlash2 head", "dflash": "DFlash head (v1 layout: no "
             "convolutions or selector; run by the dflash2 drafter)"}[kind]
 
@@ -492,17 +499,122 @@ def _inspect_target(r: _Repo, cfg: dict[str, Any], cat: Catalog, store: Store, f
     found.summary = (f"qwen3_moe, {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts "
                      f"(top-{c.num_experts_per_tok}), vocab {c.vocab_size}, up to {c.max_position_embeddings} tokens, "
                      f"{_count(params)} parameters ({'/'.join(dtypes)}), {'with' if mtp else 'no'} MTP head")
+    _match_heads(found, (c.hidden_size, c.vocab_size, c.num_hidden_layers), cat, store)
+
+
+def _match_heads(found: Found, shape: tuple[int, int, int], cat: Catalog, store: Store) -> None:
+    """The catalog heads that fit a target of this (hidden size, vocabulary, layers)."""
     user = user_catalog_path()
     for h in cat.heads():
         hcfg = _config_of(h, store)
         g = _head_geometry(hcfg) if hcfg else None
-        if g is None or pairing_problem(g, c.hidden_size, c.vocab_size, c.num_hidden_layers) is not None:
+        if g is None or pairing_problem(g, *shape) is not None:
             continue
         if found.name in h.fits or Path(h.origin) == user:     # a head of your catalog lists it when this is saved
             found.heads.append(h.name)
         elif h.source == "hf" and h.repo:
             found.notes.append(f"{h.name} fits it by shape, but its entry lists only {', '.join(h.fits)}; "
                                f"`strata-setup models add {h.repo}` pins it for every target it fits.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a GGUF file (llama.cpp's qwen3moe layout) as the target
+
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+def gguf_files(r: _Repo, *, parts: bool = False) -> list[Any]:
+    """The single-file GGUFs at the top of the repository (their Hub listing: name and size), by name; with
+    `parts`, the parts of split ones instead."""
+    return sorted((s for n, s in r.siblings.items() if n.lower().endswith(".gguf") and "/" not in n
+                   and "\\" not in n and bool(_SPLIT.search(n)) == parts), key=lambda s: s.rfilename)
+
+
+def _header_copy(repo: str, rel: str, commit: str, size: int, dest: Path, where: str) -> Path:
+    """`gguf_remote.read_header` of one file at one commit (Hub errors in one sentence)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    from setup_wizard.gguf_remote import read_header
+
+    url = hf_hub_url(repo, rel, revision=commit, endpoint=hf_endpoint())
+    try:
+        return read_header(url, size, dest, headers=build_hf_headers(), what=f"{rel} of {where}")
+    except network_errors() as exc:
+        raise add_error(exc, repo, commit, rel) from None
+
+
+def _check_gguf_header(local: Path, what: str):
+    """A header copy checked as strata-run will load the file (tensor table, types, tokenizer); its config and
+    budget geometry. UsageError (exit 2) naming `what` otherwise."""
+    from runtime.errors import LoadError
+    from runtime.formats.target_gguf import read_geometry
+    from runtime.loading_gguf import check_target_gguf, load_tokenizer_gguf
+
+    try:
+        cfg, _model, _where = check_target_gguf(local, with_mtp=False)
+        geo = read_geometry(local)
+        load_tokenizer_gguf(local)
+    except (LoadError, ConfigError, ContractError) as exc:
+        why = str(exc).removeprefix(f"{local.name}: ").removeprefix(f"{local} ")
+        raise UsageError(f"{what} cannot be run: {why}") from None
+    return cfg, geo
+
+
+def _inspect_gguf(r: _Repo, rel: str, cat: Catalog, store: Store, found: Found) -> None:
+    import tempfile
+
+    check_relpath(rel, f"{r.where()}: --file")
+    if not rel.lower().endswith(".gguf") or "/" in rel:
+        raise UsageError(f"--file {rel} is not a .gguf file at the top of {r.where()}; name one of its GGUF files.")
+    split = _SPLIT.search(rel)
+    if split:
+        raise UsageError(f"{rel} of {r.where()} is part {int(split.group(1))} of a GGUF file split in "
+                         f"{int(split.group(2))}; Strata reads single-file GGUFs: choose a quantization published "
+                         f"as one file, or merge the parts (llama-gguf-split --merge) and give the file as --target.")
+    if not r.has(rel):
+        names = ", ".join(s.rfilename for s in gguf_files(r)[:6]) or "none"
+        raise UsageError(f"{r.where()} has no file {rel}; its GGUF files: {names}.")
+    pin = r.pin(rel)
+    with tempfile.TemporaryDirectory(prefix="strata-gguf-header-") as tmp:
+        local = _header_copy(r.repo, rel, r.commit, pin.size, Path(tmp) / rel, r.where())
+        c, geo = _check_gguf_header(local, f"{rel} of {r.where()}")
+    found.files = [pin]
+    found.mtp = False
+    found.quant = geo.quant
+    found.drafters = ["dflash2", "none"]
+    found.geometry = {"model_type": "qwen3_moe", "format": "gguf", "quant": geo.quant, "layers": c.num_hidden_layers,
+                      "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "experts": c.num_experts,
+                      "experts_per_token": c.num_experts_per_tok, "max_position": c.max_position_embeddings,
+                      "mtp": False, "total_experts": geo.total_experts}
+    found.summary = (f"qwen3moe GGUF ({geo.quant.upper()} experts), {c.num_hidden_layers} layers, hidden "
+                     f"{c.hidden_size}, {c.num_experts} experts (top-{c.num_experts_per_tok}), vocab {c.vocab_size}, "
+                     f"up to {c.max_position_embeddings} tokens, tokenizer in the file, no MTP head")
+    _match_heads(found, (c.hidden_size, c.vocab_size, c.num_hidden_layers), cat, store)
+
+
+def _gguf_target_shape(entry: CatalogEntry, store: Store) -> tuple[int, int, int] | None:
+    """(hidden size, vocabulary, layers) of a GGUF target entry: from its verified store copy, else from the file's
+    header on the Hub at the pinned commit. None when it cannot be read."""
+    import tempfile
+
+    from runtime.loading_gguf import read_target_config
+
+    try:
+        pulled = verified_entry(entry, store)
+        if pulled is not None:
+            c = read_target_config(Path(pulled.path) / (entry.gguf_file or ""), with_mtp=False)
+            return c.hidden_size, c.vocab_size, c.num_hidden_layers
+        if entry.source != "hf" or not entry.repo or not entry.revision or not entry.gguf_file:
+            return None
+        pin = entry.file(entry.gguf_file)
+        with tempfile.TemporaryDirectory(prefix="strata-gguf-header-") as tmp:
+            local = _header_copy(entry.repo, pin.path, entry.revision, pin.size, Path(tmp) / pin.path,
+                                 f"{entry.repo} at {entry.revision}")
+            c = read_target_config(local, with_mtp=False)
+        return c.hidden_size, c.vocab_size, c.num_hidden_layers
+    except (StrataError, OSError, ValueError, *network_errors()):
+        return None
 
 
 def _inspect_head(r: _Repo, cfg: dict[str, Any], kind: str | None, cat: Catalog, store: Store,
@@ -533,8 +645,11 @@ def _inspect_head(r: _Repo, cfg: dict[str, Any], kind: str | None, cat: Catalog,
                      f"{geom.hidden_size}, vocab {geom.vocab_size}, block {geom.block_size}, taps target layers "
                      f"{list(geom.target_layer_ids)}" + (f" of {ntl}" if ntl else ""))
     for t in cat.targets():
-        tcfg = _config_of(t, store)
-        shape = _target_shape(tcfg) if tcfg else None
+        if t.gguf_file is not None:
+            shape = _gguf_target_shape(t, store)
+        else:
+            tcfg = _config_of(t, store)
+            shape = _target_shape(tcfg) if tcfg else None
         if shape is not None and pairing_problem(geom, *shape) is None:
             found.fits.append(t.name)
             if t.pinned:
@@ -546,8 +661,12 @@ def _inspect_head(r: _Repo, cfg: dict[str, Any], kind: str | None, cat: Catalog,
                          f"target first (`strata-setup models add ORG/TARGET`), then this head.")
 
 
-def _derive_name(repo: str, cat: Catalog) -> str:
-    """A suggestion's name when the catalog lists this repository unpinned, else the repository's name, lower case."""
+def _derive_name(repo: str, cat: Catalog, file: str | None = None) -> str:
+    """A suggestion's name when the catalog lists this repository unpinned, else the repository's name, lower case
+    (a GGUF file: the file's name without .gguf, which carries the quantization: qwen3-30b-a3b-q4_k_m)."""
+    if file is not None:
+        base = re.sub(r"[^a-z0-9._-]+", "-", file[:-len(".gguf")].lower()).strip("-._") or "model"
+        return base[:128]
     for e in cat:
         if e.source == "hf" and e.repo and e.repo.lower() == repo.lower() and not e.pinned:
             return e.name
@@ -583,24 +702,48 @@ def _check_name(name: str, repo: str, given: bool, cat: Catalog, user: Path) -> 
 
 
 def inspect_repo(repo: str, *, revision: str | None = None, kind: str | None = None, name: str | None = None,
-                 catalog: Catalog | None = None, store: Store | None = None) -> Found:
+                 catalog: Catalog | None = None, store: Store | None = None, file: str | None = None,
+                 choose_file: Callable[[list[tuple[str, int]]], str | None] | None = None) -> Found:
     """Resolve, read and check a Hub repository without writing anything; UsageError (exit 2) for a repository or
     revision that does not exist or a checkpoint Strata cannot run, WorkError (exit 1) for refused access (the
-    HF_TOKEN sentence) or a network failure."""
+    HF_TOKEN sentence) or a network failure. `file`: one GGUF file of the repository, pinned as the target; a
+    repository of GGUF files without config.json asks `choose_file([(name, size), ...])` (the wizard) when no
+    `file` is given, and otherwise says to pass --file."""
     if kind is not None and kind not in (*ADD_KINDS, "head"):        # "head": either head kind (the wizard)
         raise UsageError(f"--kind {kind!r} is not one of {', '.join(ADD_KINDS)}.")
     cat = catalog or load_catalog()
     store = store or Store()
     user = user_catalog_path()
     r = open_repo(repo, revision)
-    if not r.has("config.json"):
-        ggufs = sorted(n for n in r.siblings if n.lower().endswith(".gguf") and "/" not in n and "\\" not in n)
-        if ggufs:       # a llama.cpp repository: its files run as local targets (docs/commands.md, --target)
-            shown = ", ".join(ggufs[:4]) + (f" and {len(ggufs) - 4} more" if len(ggufs) > 4 else "")
-            raise UsageError(f"{r.where()} holds GGUF files ({shown}) and no config.json; models add pins "
-                             f"safetensors repositories only: download the file you want (hf download {repo} "
-                             f"{ggufs[0]} --local-dir DIR) and give its path as --target.")
-        raise UsageError(f"{r.where()} has no config.json; it is not a model repository Strata can run.")
+    if file is None and not r.has("config.json"):
+        ggufs = gguf_files(r)
+        if ggufs and choose_file is not None:
+            file = choose_file([(g.rfilename, int(g.size or 0)) for g in ggufs])
+            if file is None:
+                raise UsageError(f"No GGUF file of {r.where()} was chosen; nothing was added.")
+        elif ggufs:     # a llama.cpp repository: one of its files is pinned as the target (docs/commands.md)
+            names = [g.rfilename for g in ggufs]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise UsageError(f"{r.where()} holds GGUF files ({shown}) and no config.json; pass --file with the one "
+                             f"to pin as the target, like --file {names[0]}.")
+        elif gguf_files(r, parts=True):
+            first = gguf_files(r, parts=True)[0].rfilename
+            raise UsageError(f"{r.where()} holds only split GGUF files ({first}, ...); Strata reads single-file "
+                             f"GGUFs: merge the parts (llama-gguf-split --merge) and give the file as --target.")
+        else:
+            raise UsageError(f"{r.where()} has no config.json; it is not a model repository Strata can run.")
+    if file is not None:
+        if kind is not None and kind != "target":
+            raise UsageError(f"--file pins a GGUF file of {r.where()} as a target; drop --kind {kind}.")
+        chosen = name or _derive_name(repo, cat, file)
+        found = Found(repo=repo, ref=r.ref, revision=r.commit, name=chosen, kind="target", files=[], geometry={},
+                      summary="", catalog=user)
+        old = cat.entries.get(chosen)
+        if old is not None and old.kind != "target":
+            raise UsageError(f"{chosen!r} is a {old.kind} entry in the catalog and {file} is a target; pass --name "
+                             f"with another name.")
+        _inspect_gguf(r, file, cat, store, found)
+        return _finish(found, chosen, repo, name, cat, store, user)
     cfg = r.json("config.json")
     detected = _detect(cfg, r, kind)
     chosen = name or _derive_name(repo, cat)
@@ -614,6 +757,10 @@ def inspect_repo(repo: str, *, revision: str | None = None, kind: str | None = N
         _inspect_target(r, cfg, cat, store, found)
     else:
         _inspect_head(r, cfg, kind, cat, store, found)
+    return _finish(found, chosen, repo, name, cat, store, user)
+
+
+def _finish(found: Found, chosen: str, repo: str, name: str | None, cat: Catalog, store: Store, user: Path) -> Found:
     found.replaces = _check_name(chosen, repo, name is not None, cat, user)
     found.free_bytes = store.free_bytes(store.root)
     if found.size > found.free_bytes:
@@ -668,10 +815,13 @@ def _validate(tmp: Path) -> None:
 
 def add_model(repo: str, *, revision: str | None = None, name: str | None = None, kind: str | None = None,
               confirm: Callable[[Found], bool] | None = None, show: Callable[[Found], None] | None = None,
-              catalog: Catalog | None = None) -> tuple[Found, bool]:
-    """Inspect `repo` and pin it into the user catalog: `show(found)` first, then `confirm(found)` may decline.
-    Returns (what was found, whether it was written). The one function `models add` and the wizard call."""
-    found = inspect_repo(repo, revision=revision, kind=kind, name=name, catalog=catalog)
+              catalog: Catalog | None = None, file: str | None = None,
+              choose_file: Callable[[list[tuple[str, int]]], str | None] | None = None) -> tuple[Found, bool]:
+    """Inspect `repo` (one GGUF `file` of it, or chosen by `choose_file`) and pin it into the user catalog:
+    `show(found)` first, then `confirm(found)` may decline. Returns (what was found, whether it was written). The one
+    function `models add` and the wizard call."""
+    found = inspect_repo(repo, revision=revision, kind=kind, name=name, catalog=catalog, file=file,
+                         choose_file=choose_file)
     if show is not None:
         show(found)
     if confirm is not None and not confirm(found):

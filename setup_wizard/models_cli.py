@@ -79,7 +79,7 @@ def list_models(store: Store | None = None, catalog: Catalog | None = None) -> l
         state, item = _entry_state(e, store)
         if item is not None:
             seen.add(item.path.resolve())
-        rows.append({"name": e.name, "kind": e.kind, "quant": "bf16" if e.is_head else "-",
+        rows.append({"name": e.name, "kind": e.kind, "quant": "bf16" if e.is_head else (e.quant or "-"),
                      "source": e.source, "repo": e.repo, "revision": e.revision, "pinned": e.pinned,
                      "size": e.size, "state": state, "path": str(item.path) if item else None,
                      "used_by": [str(c) for c in store.used_by(item, refs)] if item else [],
@@ -361,10 +361,14 @@ def add_cmd(repo: str = typer.Argument(..., help="Hub repository id, such as Qwe
                                             "lower case)."),
             kind: str | None = typer.Option(None, "--kind", help="target | dflash2 | dflash (default: from "
                                             "config.json and the weights)."),
+            file: str | None = typer.Option(None, "--file", help="One .gguf file of the repository (a llama.cpp "
+                                            "qwen3moe GGUF, such as Qwen3-30B-A3B-Q4_K_M.gguf), pinned as a "
+                                            "target that runs as it is stored."),
             yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask on a terminal."),
             json_out: bool = JSON, debug: bool = DEBUG) -> None:
     """Pin a Hub repository into your catalog: its commit, and every file's size and sha256 as the Hub publishes
-    them; config.json and the safetensors headers are checked first (no weights are downloaded)."""
+    them; config.json and the safetensors headers (a GGUF file's header) are checked first (no weights are
+    downloaded)."""
     from setup_wizard.hub_add import add_model
 
     out = Console(stderr=json_out)
@@ -379,7 +383,7 @@ def add_cmd(repo: str = typer.Argument(..., help="Hub repository id, such as Qwe
 
     confirm = ask if _interactive() and not yes and not json_out else None
     found, written = _run(lambda: add_model(repo, revision=revision, name=name, kind=kind, show=show,
-                                            confirm=confirm), debug)
+                                            confirm=confirm, file=file), debug)
     if json_out:
         return _print_json({"added": written, **found.to_dict()})
     if not written:

@@ -48,8 +48,8 @@ class Plan:
 
     @property
     def target_is_gguf(self) -> bool:
-        """The target named is a GGUF file: used as it is stored (no conversion)."""
-        return self.target.local_path is not None and is_gguf_target(self.target.local_path)
+        """The target is a GGUF file (named, or a GGUF catalog entry): used as it is stored (no conversion)."""
+        return self.target.gguf or (self.target.local_path is not None and is_gguf_target(self.target.local_path))
 
     @property
     def converts_target(self) -> bool:
@@ -175,10 +175,14 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     if target.local_path is not None:
         geo = target_geometry(target.local_path)
         target = replace(target, has_mtp=geo.has_mtp)
-    if geo is not None and is_gguf_target(target.local_path):   # type: ignore[arg-type]
-        if choices.target_quant and choices.target_quant != geo.quant:
-            raise UsageError(f"--target-quant {choices.target_quant} does not match the GGUF file you named, which is "
-                             f"stored as {geo.quant}; drop --target-quant or convert the model again.")
+    local_gguf = geo is not None and is_gguf_target(target.local_path)   # type: ignore[arg-type]
+    if (local_gguf or target.gguf) and choices.target_quant:
+        stored = geo.quant if geo is not None else target.quant
+        what = "the GGUF file you named" if target.source == "local" else f"{target.name}, a GGUF file"
+        if choices.target_quant != stored:
+            raise UsageError(f"--target-quant {choices.target_quant} does not match {what}, which is stored as "
+                             f"{stored or 'it was published'}; drop --target-quant"
+                             + (" or convert the model again." if target.source == "local" else "."))
 
     drafter = choices.drafter
     if drafter is None:
@@ -340,9 +344,14 @@ def choose_target_quant(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geo
     (setup_wizard/target_sizes.py). Before the download the recommendation is an estimate, made again once the
     model's config is here (`target_quant_given` False)."""
     if plan.target_is_gguf:
-        assert geo is not None
-        plan.target_quant, plan.why["target_quant"] = geo.quant, "the GGUF file you named is stored so"
-        plan.sizes, plan.target_quant_given = [], True
+        plan.sizes = []
+        if geo is not None:
+            plan.target_quant, plan.target_quant_given = geo.quant, True
+            plan.why["target_quant"] = ("the GGUF file you named is stored so" if plan.target.source == "local"
+                                        else "the GGUF file is stored so")
+        else:       # a GGUF entry not downloaded yet: as its entry records it, read again from the file once here
+            plan.target_quant, plan.target_quant_given = plan.target.quant or "gguf", False
+            plan.why["target_quant"] = "the GGUF file is stored so (read from its header when it was added)"
         return
     plan.sizes = size_options(plan, geo, dgeo, context)
     problem = conversion_problem(plan)

@@ -29,6 +29,8 @@ class TargetOption:
     has_mtp: bool | None = None
     description: str = ""
     repo: str | None = None  # hf: the Hub repository (an unpinned suggestion can be pinned from it)
+    gguf: bool = False  # a GGUF file from the Hub: run as it is stored (never converted)
+    quant: str | None = None  # a GGUF file's storage as its catalog entry records it (known before the download)
 
     @property
     def available(self) -> bool:
@@ -69,7 +71,8 @@ class Services(Protocol):
     def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult: ...
     def add_from_hub(self, repo: str, *, name: str | None, kind: str | None, show: Callable[[Any], None],
-                     confirm: Callable[[Any], bool]) -> Any | None: ...
+                     confirm: Callable[[Any], bool],
+                     choose_file: Callable[[list[tuple[str, int]]], str | None] | None = None) -> Any | None: ...
 
 
 class RealServices:
@@ -83,7 +86,8 @@ class RealServices:
     def targets(self) -> list[TargetOption]:
         return [TargetOption(name=e.name, source=e.source, local_path=_local_copy(e), pinned=e.pinned,
                              size_bytes=e.size, has_mtp=e.mtp, description=e.description,
-                             repo=e.repo if e.source == "hf" else None)
+                             repo=e.repo if e.source == "hf" else None, gguf=e.gguf_file is not None,
+                             quant=e.quant)
                 for e in C.load_catalog().targets()]
 
     def heads(self, target: str) -> list[HeadOption]:
@@ -93,19 +97,23 @@ class RealServices:
                 for e in C.load_catalog().heads(target)]
 
     def add_from_hub(self, repo: str, *, name: str | None, kind: str | None, show: Callable[[Any], None],
-                     confirm: Callable[[Any], bool]) -> Any | None:
+                     confirm: Callable[[Any], bool],
+                     choose_file: Callable[[list[tuple[str, int]]], str | None] | None = None) -> Any | None:
         """Pin a Hub repository into the user catalog, as `strata-setup models add` does (setup_wizard/hub_add.py);
-        the `Found` written, or None when `confirm` declined."""
+        the `Found` written, or None when `confirm` declined. `choose_file` picks one file of a GGUF repository."""
         from setup_wizard.hub_add import add_model
 
-        found, written = add_model(repo, name=name, kind=kind, show=show, confirm=confirm)
+        found, written = add_model(repo, name=name, kind=kind, show=show, confirm=confirm, choose_file=choose_file)
         return found if written else None
 
     def fetch(self, name: str, *, offline: bool) -> Artifact:
         pulled = H.pull(name, offline=True if offline else None, on_progress=self.on_progress)
-        repo = C.load_catalog().get(name).repo    # recorded in the converted GGUF
-        return Artifact(path=Path(pulled.path), sha256=pulled.sha256, size=pulled.size, files=dict(pulled.files),
-                        revision=pulled.revision, reused=pulled.reused, repo=repo, name=name)
+        entry = C.load_catalog().get(name)
+        path, sha = Path(pulled.path), pulled.sha256
+        if entry.gguf_file is not None:     # the file itself, and its own sha256 (as for a local GGUF target)
+            path, sha = path / entry.gguf_file, pulled.files[entry.gguf_file]["sha256"]
+        return Artifact(path=path, sha256=sha, size=pulled.size, files=dict(pulled.files),
+                        revision=pulled.revision, reused=pulled.reused, repo=entry.repo, name=name)
 
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact:
         report = self.on_progress
@@ -154,7 +162,7 @@ def _local_copy(entry: C.CatalogEntry) -> Path | None:
         except Exception:  # a store that cannot answer means "not here"; the download step will say why
             pulled = None
         if pulled is not None:
-            return Path(pulled.path)
+            return Path(pulled.path) / entry.gguf_file if entry.gguf_file else Path(pulled.path)
     if entry.source == "bundled" and entry.repo:
         folder = C.safe_join(C.bundled_root(), entry.repo, f"catalog entry {entry.name!r} repo")
         if folder.is_dir() and all((folder / f.path).is_file() for f in entry.files):

@@ -17,6 +17,7 @@ from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError, WorkError
 from runtime.loading import check_target_tensors
+from runtime.loading_gguf import check_target_gguf
 from runtime.paths import strata_home
 from runtime.version import __version__
 from setup_wizard import budget as B
@@ -91,7 +92,10 @@ def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_c
         mark(step, "start")
         target = services.fetch(plan.target.name, offline=plan.offline)
         mark(step, "skipped" if target.reused else "done", path=str(target.path))
-        check_target_tensors(target.path)
+        if not is_gguf_target(target.path):
+            check_target_tensors(target.path)
+    if is_gguf_target(target.path):     # its tensor table, as strata-run will load it (no weight read)
+        check_target_gguf(target.path)
     geo = target_geometry(target.path)
     if plan.drafter == "mtp" and not geo.has_mtp:
         raise WorkError(f"The target {plan.target.name} has no MTP head (no mtp.* tensors); rerun with "

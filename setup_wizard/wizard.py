@@ -243,7 +243,13 @@ def _add_from_hub(services: Services, picked: str, options: list, kind: str, io:
         return bool(_ask(questionary.confirm(f"Add {found.name} to your catalog ({found.catalog})?", default=True,
                                              **io)))
 
-    found = services.add_from_hub(repo, name=name, kind=kind, show=show, confirm=confirm)
+    def choose_file(files: list[tuple[str, int]]) -> str | None:
+        """A llama.cpp repository: which of its GGUF files (one quantization each) to pin as the target."""
+        items = [questionary.Choice(f"{n}  ({_size(size)})", value=n) for n, size in files]
+        return _ask(questionary.select("Which GGUF file (quantization)?", choices=items, **io))
+
+    found = services.add_from_hub(repo, name=name, kind=kind, show=show, confirm=confirm,
+                                  choose_file=choose_file if kind == "target" else None)
     return None if found is None else found.name
 
 

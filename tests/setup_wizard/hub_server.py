@@ -5,7 +5,7 @@ HEAD/GET `/{org}/{name}/resolve/{revision}/{path}` with `ETag`, `X-Repo-Commit`,
 `Accept-Ranges` and Range requests (206 + `Content-Range`), and 404s carrying `X-Error-Code` (`RepoNotFound`,
 `RevisionNotFound`, `EntryNotFound`) so the client raises its own typed errors.
 
-Large-file storage like the Hub's: `.safetensors` files (`lfs_suffixes`) answer the resolve URL with a 302 to a
+Large-file storage like the Hub's: `.safetensors` and `.gguf` files (`lfs_suffixes`) answer the resolve URL with a 302 to a
 "CDN" on another host name (`localhost` instead of `127.0.0.1`) carrying `X-Linked-Size` / `X-Linked-Etag`, so the
 client takes the metadata from the redirect and fetches the bytes from the CDN URL, as it does on the real Hub.
 
@@ -58,7 +58,7 @@ class FakeHub:
         self.ignore_range = False
         self.log: list[tuple[str, str, str | None]] = []          # (method, path, Range header), bytes served
         self.redirects: list[str] = []                             # resolve paths answered with a 302
-        self.lfs_suffixes: tuple[str, ...] = (".safetensors",)
+        self.lfs_suffixes: tuple[str, ...] = (".safetensors", ".gguf")
         self.auth: list[tuple[str, str | None]] = []               # (path, Authorization header) of every request
         self.refs: dict[str, dict[str, str]] = {}                  # repo -> branch or tag -> commit
         self.private: dict[str, str] = {}                          # repo -> the token that may read it

@@ -19,6 +19,16 @@ def _head(**kw):
     return {k: v for k, v in e.items() if v is not None}
 
 
+GF = {"path": "m-Q4_K_M.gguf", "sha256": SHA, "size": 10}
+
+
+def _gguf(**kw):
+    e = {"name": "g1", "kind": "target", "source": "hf", "repo": "org/m-GGUF", "revision": REV, "quant": "q4_k",
+         "file": [GF]}
+    e.update(kw)
+    return e
+
+
 def _load(tmp_path, entries=None, text=None):
     p = tmp_path / "c.toml"
     p.write_text(text if text is not None else toml_catalog(entries))
@@ -65,6 +75,12 @@ def test_extra_catalog_merges_over_shipped(tmp_path):
     (_head(source="bundled", repo="../up"), "escapes"),
     (_head(colour="red"), "unknown key(s) colour"),
     ({**T, "default": True}, "entry 't1': key 'default' is only for head entries"),
+    (_gguf(kind="dflash2", fits=["t1"]), "a GGUF entry is a target that lists exactly one .gguf file"),
+    (_gguf(file=[GF, {"path": "config.json", "sha256": SHA, "size": 2}]), "lists exactly one .gguf file at the top"),
+    (_gguf(file=[{**GF, "path": "q4/m.gguf"}]), "lists exactly one .gguf file at the top of its repository"),
+    (_gguf(mtp=True), "entry 'g1': key 'mtp' is true, but a GGUF file from the Hub carries no MTP head"),
+    (_gguf(quant="Q4_K"), "entry 'g1': key 'quant' names a GGUF target's storage"),
+    ({**T, "quant": "q4_k"}, "entry 't1': key 'quant' names a GGUF target's storage"),
 ])
 def test_validation_errors_name_entry_and_key(tmp_path, entry, msg):
     entries = [T, entry] if entry.get("name") != "t1" else [entry]
@@ -72,6 +88,13 @@ def test_validation_errors_name_entry_and_key(tmp_path, entry, msg):
         _load(tmp_path, entries)
     assert msg in str(ei.value)
     assert "c.toml" in str(ei.value) or "Catalog" in str(ei.value)
+
+
+def test_gguf_target_entry(tmp_path):
+    cat = _load(tmp_path, [T, _gguf(), _head(fits=["t1", "g1"])])
+    g = cat.get("g1")
+    assert g.gguf_file == "m-Q4_K_M.gguf" and g.quant == "q4_k" and g.pinned and cat.get("t1").gguf_file is None
+    assert [h.name for h in cat.heads("g1")] == ["h1"]
 
 
 def test_duplicates_and_two_defaults(tmp_path):

@@ -204,12 +204,12 @@ def test_pickles_only_and_a_catalog_path_outside_the_repository(env, home, model
     hub.publish("t/pickled", {"config.json": models["single"]["config.json"], "pytorch_model.bin": b"\x80"})
     res = run("models", "add", "t/pickled")
     assert res.exit_code == 2 and "pickle weights only" in res.output, res.output
-    # a llama.cpp repository (GGUF files, no config.json): what to do instead, naming its files
+    # a llama.cpp repository (GGUF files, no config.json) without --file: which file to pin, naming them
     hub.publish("t/m-GGUF", {"m-Q4_K_M.gguf": b"GGUF", "m-Q5_K_M.gguf": b"GGUF", "README.md": b"# m"})
     res = run("models", "add", "t/m-GGUF")
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "holds GGUF files (m-Q4_K_M.gguf, m-Q5_K_M.gguf)" in " ".join(res.output.split())
-    assert "hf download t/m-GGUF m-Q4_K_M.gguf" in " ".join(res.output.split())
+    assert "pass --file with the one to pin as the target, like --file m-Q4_K_M.gguf" in " ".join(res.output.split())
     assert not (home / "catalog.toml").exists()
     # a catalog file is untrusted too: a pinned path that leaves the repository is refused when it is read
     (home / "catalog.toml").parent.mkdir(parents=True, exist_ok=True)
