@@ -192,3 +192,21 @@ def test_headers_that_are_not_a_qwen3moe_file(env, home, files, tmp_path):
         res = run("models", "add", "t/other-GGUF", "--file", name)
         assert res.exit_code == 2 and "Traceback" not in res.output, (name, res.output)
         assert sentence in words(res), (name, res.output)
+
+
+def test_header_read_through_a_private_repository_and_a_server_without_ranges(env, home, files, monkeypatch):
+    """The token goes with the header's ranged reads (a private repository); a server that answers every GET with
+    the whole file still gives the header (only what is needed is read), and the pin is the same."""
+    hub = env
+    hub.publish("t/private-GGUF", {FILE: files["gguf"]})
+    hub.private["t/private-GGUF"] = "hf_good"
+    res = run("models", "add", "t/private-GGUF", "--file", FILE)
+    assert res.exit_code == 1 and "set HF_TOKEN" in words(res), res.output
+    monkeypatch.setenv("HF_TOKEN", "hf_good")
+    assert run("models", "add", "t/private-GGUF", "--file", FILE, "--name", "a").exit_code == 0
+    hub.ignore_range = True
+    res = run("models", "add", "t/private-GGUF", "--file", FILE, "--name", "b", "--json")
+    assert res.exit_code == 0, res.output
+    pins = {e["name"]: e["file"] for e in tomllib.loads((home / "catalog.toml").read_text())["entry"]}
+    assert pins["a"] == pins["b"] == [{"path": FILE, "sha256": hashlib.sha256(files["gguf"]).hexdigest(),
+                                       "size": len(files["gguf"])}]
