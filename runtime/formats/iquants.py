@@ -32,9 +32,16 @@ def dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
     return reference(blocks, _check(qtype))
 
 
+_LEVELS: dict[torch.device, torch.Tensor] = {}
+
+
 def _levels(nib: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8) -> their float32 levels."""
-    return torch.tensor(KVALUES, dtype=torch.float32, device=nib.device)[nib.long()]
+    """4-bit codes (uint8) -> their float32 levels. The table is made once a device: a host-to-device copy inside a
+    CUDA graph capture is refused, so the capture's warm-up makes it and the capture reuses it."""
+    table = _LEVELS.get(nib.device)
+    if table is None:
+        table = _LEVELS[nib.device] = torch.tensor(KVALUES, dtype=torch.float32, device=nib.device)
+    return table[nib.long()]
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:

@@ -91,9 +91,10 @@ GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
     "q5_k": "n8j2np",                                     # Q4_K's tile, not yet timed for Q5_K on a GPU
-    "q3_k": None, "q2_k": None, "iq4_xs": None, "iq4_nl": None}    # no GEMV code for them: the tl.dot kernels
+    "q3_k": "n8j2np", "q2_k": "n8j2np",                   # their own code (`_rows23`), Q4_K's tile size
+    "iq4_xs": None, "iq4_nl": None}                       # no GEMV code for them: the tl.dot kernels
 # the formats the GEMV kernels read (`_rows`); a table naming a variant for another is refused by `variant`
-GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k")
+GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k")
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
@@ -579,6 +580,114 @@ if HAVE_TRITON:
         return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
                 tl.sum(tl.sum(accb1, 2), 0))
 
+    # Q2_K / Q3_K, tile [NBC * 4, BN, 8]: super-block, group r = 2n + hh (half n of the 256 values; hh: bytes
+    # 16hh .. 16hh + 15 of the half's 32 bytes of 2-bit codes), word i. Word 8hh + i of half n holds at bits 2j
+    # (its byte 2i) and 8 + 2j (byte 2i + 1) the codes of values 128n + 32j + 16hh + 2i and + 1, all four pairs of
+    # sub-block 8n + 2j + hh (ggml's dequantize_row_q2_K / q3_K). Q3_K: the third bit of the byte-2i code is bit
+    # 4n + j of hmask word 8hh + i (byte 2i + 1: bit 8 + 4n + j), set for codes 0..3 and clear for -4..-1.
+
+    @triton.jit
+    def _ld23(w, sb, r, mg, QT: tl.constexpr):
+        """Raw words of one step of Q2_K / Q3_K rows: codes (or-ed with mg), Q3_K's hmask words, d, dmin (Q2_K),
+        and the scale words two to an int32 (low word first)."""
+        i = tl.arange(0, 8)
+        n = r // 2
+        hh = r % 2
+        if QT == 8:                                  # q2_k: 42 words (8 of scales, 32 of codes, d, dmin)
+            base = sb * 42
+            h = _words(w, (base + 8 + 16 * n + 8 * hh)[:, None] + i[None, :], mg)
+            so = base + 4 * n                        # sub-block 8n + 2j + hh's scale: byte hh of word 4n + j
+            s01 = _word(w, so, 0) | (_word(w, so + 1, 0) << 16)
+            s23 = _word(w, so + 2, 0) | (_word(w, so + 3, 0) << 16)
+            return h, h, _word(w, base + 40, 0), _word(w, base + 41, 0), s01, s23, s23
+        else:                                        # q3_k: 55 words (16 of hmask, 32 of codes, 6 of scales, d)
+            base = sb * 55
+            h = _words(w, (base + 16 + 16 * n + 8 * hh)[:, None] + i[None, :], mg)
+            hm = _words(w, (base + 8 * hh)[:, None] + i[None, :], 0)
+            s01 = _word(w, base + 48, 0) | (_word(w, base + 49, 0) << 16)
+            s23 = _word(w, base + 50, 0) | (_word(w, base + 51, 0) << 16)
+            s45 = _word(w, base + 52, 0) | (_word(w, base + 53, 0) << 16)
+            d = _word(w, base + 54, 0)
+            return h, hm, d, d, s01, s23, s45
+
+    @triton.jit
+    def _dot23(acc, h, hm, wd, wm, s01, s23, s45, r, xr, sb, QT: tl.constexpr):
+        """acc + the products of one step's words with the row at xr: per shift j, the two codes of each word times
+        their activations (pre-scaled by 2^-p for a code at bit p), their sum times the sub-block's scale (Q2_K:
+        minus its min times the raw activations)."""
+        n = (r // 2)[:, None]
+        hh = (r % 2)[:, None]
+        d = _half(wd)
+        xo = (sb * 256 + 128 * (r // 2) + 16 * (r % 2))[:, None] + 2 * tl.arange(0, 8)[None, :]
+        for j in tl.static_range(4):
+            fl = _xs(xr, xo + 32 * j).to(tl.float32)
+            fh = _xs(xr, xo + 32 * j + 1).to(tl.float32)
+            if j < 2:
+                sw = s01 >> (16 * j)
+            else:
+                sw = s23 >> (16 * (j - 2))
+            sv = (sw >> (8 * hh)) & 0xFF             # the sub-block's scale byte
+            PL: tl.constexpr = 1 << (2 * j)
+            PH: tl.constexpr = 1 << (8 + 2 * j)
+            if QT == 8:
+                cl = _code(h, 3 * PL, 8388608.0)
+                ch = _code(h, 3 * PH, 8388608.0)
+                sm = cl * (fl * (1.0 / PL))[:, None, :] + ch * (fh * (1.0 / PH))[:, None, :]
+                acc += (d * (sv & 15).to(tl.float32))[:, :, None] * sm - \
+                    (_half(wm) * (sv >> 4).to(tl.float32))[:, :, None] * (fl + fh)[:, None, :]
+            else:
+                # the 6-bit scale: low nibble n of byte 2j + hh, bits 4n + 2 (j // 2) of byte 8 + 2 (j % 2) + hh
+                hv = ((s45 >> (16 * (j % 2))) >> (8 * hh)) & 0xFF
+                sc = ((sv >> (4 * n)) & 15) | (((hv >> (4 * n + 2 * (j // 2))) & 3) << 4)
+                t = hm >> (4 * n + j)[:, :, None]    # the third bits: byte 2i's at bit 0, byte 2i + 1's at bit 8
+                ul = (h & (3 * PL - 65536)) | ((t & 1) * (4 * PL))
+                uh = (h & (3 * PH - 65536)) | (((t >> 8) & 1) * (4 * PH))
+                cl = ul.to(tl.float32, bitcast=True) - (8388608.0 + 4.0 * PL)
+                ch = uh.to(tl.float32, bitcast=True) - (8388608.0 + 4.0 * PH)
+                sm = cl * (fl * (1.0 / PL))[:, None, :] + ch * (fh * (1.0 / PH))[:, None, :]
+                acc += (d * (sc - 32).to(tl.float32))[:, :, None] * sm
+        return acc
+
+    @triton.jit
+    def _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
+                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+        """Q2_K / Q3_K rows, NBC super-blocks per step."""
+        bq = tl.arange(0, NBC * 4)
+        r = bq % 4
+        acca0 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        accb0 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        acca1 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        accb1 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        if PF:
+            sb = bq // 4
+            ha, hb, wd, wm, s0, s1, s2 = _ld23(wa, sb, r, mg, QT)
+            if TWO:
+                ga, gb, vd, vm, t0, t1, t2 = _ld23(wb, sb, r, mg, QT)
+        for b0 in range(0, nblk, NBC):
+            sb = b0 + bq // 4
+            if PF:
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // 4
+                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ld23(wa, sbn, r, mg, QT)
+                if TWO:
+                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ld23(wb, sbn, r, mg, QT)
+            else:
+                ha, hb, wd, wm, s0, s1, s2 = _ld23(wa, sb, r, mg, QT)
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = _ld23(wb, sb, r, mg, QT)
+            acca0 = _dot23(acca0, ha, hb, wd, wm, s0, s1, s2, r, xr0, sb, QT)
+            if TWO:
+                accb0 = _dot23(accb0, ga, gb, vd, vm, t0, t1, t2, r, xr0, sb, QT)
+            if MB == 2:
+                acca1 = _dot23(acca1, ha, hb, wd, wm, s0, s1, s2, r, xr1, sb, QT)
+                if TWO:
+                    accb1 = _dot23(accb1, ga, gb, vd, vm, t0, t1, t2, r, xr1, sb, QT)
+            if PF:
+                ha, hb, wd, wm, s0, s1, s2 = ha_, hb_, wd_, wm_, s0_, s1_, s2_
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = ga_, gb_, vd_, vm_, t0_, t1_, t2_
+        return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
+                tl.sum(tl.sum(accb1, 2), 0))
+
     @triton.jit
     def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw, rstd, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
               BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr, J: tl.constexpr,
@@ -587,6 +696,8 @@ if HAVE_TRITON:
             ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
         elif QT <= 3:
             ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM)
+        elif QT == 7 or QT == 8:
+            ra0, rb0, ra1, rb1 = _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         else:
             ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         return ra0, rb0, ra1, rb1
@@ -785,7 +896,7 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
     if q == 0:
         return cfg_warps
     lanes = (16 if q in (1, 5, 6) else 8) // (j if q in (1, 2, 3) else 1)     # threads along a group's words
-    groups = nbc * (4 if q in (5, 6) else 8 if q == 4 else 1)
+    groups = nbc * (4 if q in (5, 6, 7, 8) else 8 if q == 4 else 1)
     return max(1, min(cfg_warps, groups // (32 // lanes)))
 
 
