@@ -395,12 +395,13 @@ def check(args, device: str = "cuda") -> list[str]:
         if not rel < 2e-2:
             problems.append(f"{q} MoE layer ({path}) relative error {rel:.3g}")
         lin = QuantLinear.from_blocks(random_blocks(4096, h, q, g, device), q, h)
-        y = lin(x).float()
-        yr = x.float() @ dequantize_torch(lin.blocks, q).T
-        rel = ((y - yr).norm() / yr.norm()).item()
-        print(f"  check {q} QuantLinear: relative error {rel:.2e}", flush=True)
-        if not rel < 2e-2:
-            problems.append(f"{q} QuantLinear relative error {rel:.3g}")
+        for rows in (4, 1):             # a dequantized scratch, then the one-row matrix-vector kernel
+            y = lin(x[:rows]).float()
+            yr = x[:rows].float() @ dequantize_torch(lin.blocks, q).T
+            rel = ((y - yr).norm() / yr.norm()).item()
+            print(f"  check {q} QuantLinear, {rows} row(s): relative error {rel:.2e}", flush=True)
+            if not rel < 2e-2:
+                problems.append(f"{q} QuantLinear {rows} row(s) relative error {rel:.3g}")
     return problems
 
 

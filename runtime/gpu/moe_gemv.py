@@ -92,9 +92,10 @@ DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
     "q5_k": "n8j2np",                                     # Q4_K's tile, not yet timed for Q5_K on a GPU
     "q3_k": "n8j2np", "q2_k": "n8j2np",                   # their own code (`_rows23`), Q4_K's tile size
-    "iq4_xs": None, "iq4_nl": None}                       # no GEMV code for them: the tl.dot kernels
+    "iq4_xs": "n8j2np",                                   # its own code (`_rowsiq`), Q4_K's tile size
+    "iq4_nl": None}                                       # no GEMV code for it: the tl.dot kernels
 # the formats the GEMV kernels read (`_rows`); a table naming a variant for another is refused by `variant`
-GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k")
+GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs")
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
@@ -688,6 +689,96 @@ if HAVE_TRITON:
         return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
                 tl.sum(tl.sum(accb1, 2), 0))
 
+    # IQ4_XS, tile [NBC * 8, BN, 8]: super-block, sub-block r (32 values: bytes 16r .. 16r + 15 of qs), word i.
+    # The nibbles of bytes 2i, 2i + 1 are the codes of values 2i, 2i + 16, 2i + 1, 2i + 17 (Q4_0's order), each an
+    # index into llama.cpp's 16 levels (runtime/formats/iquants.py KVALUES), packed four to an int32 below.
+
+    @triton.jit
+    def _iq4_byte(q):
+        """4-bit codes (int32) -> their levels as unsigned bytes (level & 255)."""
+        w = tl.where(q < 8, tl.where(q < 4, -1079142271, -152379953), tl.where(q < 12, 639175937, 1901675829))
+        return (w >> (8 * (q % 4))) & 255
+
+    @triton.jit
+    def _levels4(v):
+        """The four codes of 16-bit words v (code k: bits 4k .. 4k + 3) -> their int8 levels, byte k of an int32.
+        On a GPU three byte permutes: levels 0-7 and 8-15 each picked by the code's low three bits, then one of the
+        two by its fourth."""
+        if _ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 s, m, lo, hi, t0, t1, t2, t3; mov.b32 t0, 0xBFAD9881; mov.b32 t1, 0xF6EADDCF; "
+                "mov.b32 t2, 0x26190D01; mov.b32 t3, 0x71594535; and.b32 s, $1, 0x7777; prmt.b32 lo, t0, t1, s; "
+                "prmt.b32 hi, t2, t3, s; and.b32 m, $1, 0x8888; shr.b32 m, m, 1; or.b32 m, m, 0x3210; "
+                "prmt.b32 $0, lo, hi, m; }", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return (_iq4_byte(v & 15) | (_iq4_byte((v >> 4) & 15) << 8) | (_iq4_byte((v >> 8) & 15) << 16)
+                    | (_iq4_byte((v >> 12) & 15) << 24))
+
+    @triton.jit
+    def _ldiq(w, sb, r, mg):
+        """Raw words of one step of IQ4_XS rows (68 words: d, scales_h, 2 of scales_l, 64 of codes): codes, d,
+        scales_h and the scales_l word of each sub-block."""
+        base = sb * 68
+        h = _words(w, (base + 4 + 8 * r)[:, None] + tl.arange(0, 8)[None, :], 0)
+        return h, _word(w, base, 0), _word(w, base + 1, 0), _word(w, base + 2 + r // 4, 0)
+
+    @triton.jit
+    def _dotiq(acc, h, wd, sh, sl, r, xr, sb, mg):
+        """acc + d * (scale - 32) * sum(level * x) over each sub-block's codes: the levels (+ 128, unsigned bytes)
+        or-ed two at a time into 2^23's bits and subtracted (`_code`), their activations pre-scaled by 2^-8 for
+        the high byte."""
+        xo = (sb * 256 + 32 * r)[:, None] + 2 * tl.arange(0, 8)[None, :]
+        u = _levels4(h) ^ -2139062144                # 0x80808080: each byte level + 128
+        lo = (u & 0xFFFF) | mg                       # codes 0, 1: values 2i, 2i + 16
+        hi = ((u >> 16) & 0xFFFF) | mg               # codes 2, 3: values 2i + 1, 2i + 17
+        sm = (_code(lo, 0x00FF, 8388736.0) * _xs(xr, xo).to(tl.float32)[:, None, :]
+              + _code(lo, 0xFF00, 8421376.0) * (_xs(xr, xo + 16).to(tl.float32) * (1.0 / 256))[:, None, :]
+              + _code(hi, 0x00FF, 8388736.0) * _xs(xr, xo + 1).to(tl.float32)[:, None, :]
+              + _code(hi, 0xFF00, 8421376.0) * (_xs(xr, xo + 17).to(tl.float32) * (1.0 / 256))[:, None, :])
+        rr = r[:, None]
+        sc = ((sl >> (4 * (rr // 2 % 2 * 2 + rr % 2))) & 15) | (((sh >> (2 * rr)) & 3) << 4)
+        return acc + (_half(wd) * (sc - 32).to(tl.float32))[:, :, None] * sm
+
+    @triton.jit
+    def _rowsiq(xr0, xr1, wa, wb, nm, nblk, mg, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
+                NBC: tl.constexpr, PF: tl.constexpr):
+        """IQ4_XS rows, NBC super-blocks per step."""
+        bq = tl.arange(0, NBC * 8)
+        r = bq % 8
+        acca0 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        accb0 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        acca1 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        accb1 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        if PF:
+            sb = bq // 8
+            ha, wd, sh, sl = _ldiq(wa, sb, r, mg)
+            if TWO:
+                ga, vd, th, tl_ = _ldiq(wb, sb, r, mg)
+        for b0 in range(0, nblk, NBC):
+            sb = b0 + bq // 8
+            if PF:
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // 8
+                ha_, wd_, sh_, sl_ = _ldiq(wa, sbn, r, mg)
+                if TWO:
+                    ga_, vd_, th_, tl__ = _ldiq(wb, sbn, r, mg)
+            else:
+                ha, wd, sh, sl = _ldiq(wa, sb, r, mg)
+                if TWO:
+                    ga, vd, th, tl_ = _ldiq(wb, sb, r, mg)
+            acca0 = _dotiq(acca0, ha, wd, sh, sl, r, xr0, sb, mg)
+            if TWO:
+                accb0 = _dotiq(accb0, ga, vd, th, tl_, r, xr0, sb, mg)
+            if MB == 2:
+                acca1 = _dotiq(acca1, ha, wd, sh, sl, r, xr1, sb, mg)
+                if TWO:
+                    accb1 = _dotiq(accb1, ga, vd, th, tl_, r, xr1, sb, mg)
+            if PF:
+                ha, wd, sh, sl = ha_, wd_, sh_, sl_
+                if TWO:
+                    ga, vd, th, tl_ = ga_, vd_, th_, tl__
+        return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
+                tl.sum(tl.sum(accb1, 2), 0))
+
     @triton.jit
     def _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw, rstd, TWO: tl.constexpr, QT: tl.constexpr, MB: tl.constexpr,
               BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, KMASK: tl.constexpr, J: tl.constexpr,
@@ -698,6 +789,8 @@ if HAVE_TRITON:
             ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM)
         elif QT == 7 or QT == 8:
             ra0, rb0, ra1, rb1 = _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
+        elif QT == 9:
+            ra0, rb0, ra1, rb1 = _rowsiq(xr0, xr1, wa, wb, nm, nblk, mg, TWO, MB, BN, NBC, PF)
         else:
             ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         return ra0, rb0, ra1, rb1
@@ -896,7 +989,7 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
     if q == 0:
         return cfg_warps
     lanes = (16 if q in (1, 5, 6) else 8) // (j if q in (1, 2, 3) else 1)     # threads along a group's words
-    groups = nbc * (4 if q in (5, 6, 7, 8) else 8 if q == 4 else 1)
+    groups = nbc * (4 if q in (5, 6, 7, 8) else 8 if q in (4, 9) else 1)
     return max(1, min(cfg_warps, groups // (32 // lanes)))
 
 

@@ -51,6 +51,7 @@ from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_k
 from runtime.kv import dequantize_q8_0, quantize_q8_0  # noqa: E402
 
 KQ = ("q4_k", "q6_k", "q5_k", "q3_k", "q2_k")    # the K-quants (rows of 256 values)
+SB = (*KQ, "iq4_xs")                             # every format of 256-value super-blocks
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -291,6 +292,7 @@ def check_moe_gemv(half: int | None = None) -> None:
         cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k", "q5_k")]
         cases += [("n8j2np", "q5_k")]        # Q5_K's shipped tile (DECODE_GEMV), its qh words read on every row
         cases += [("_odd", "q3_k"), ("_odd", "q2_k"), ("n8j2np", "q3_k")]      # their own code (`_rows23`)
+        cases += [("_odd", "iq4_xs")]        # the table lookup (`_rowsiq`; the interpreter runs its plain form)
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
         for n, (var, fmt) in enumerate(cases):
             if half is not None and n % 2 != half:
@@ -298,7 +300,7 @@ def check_moe_gemv(half: int | None = None) -> None:
             # a variant no table ships (a tuning candidate) runs at a smaller shape, without the slot checks: the
             # interpreter runs every program in turn, and CI has two cores
             shipped = var.startswith("_") or var in saved.values()
-            H, NI = (256, 256) if fmt in KQ else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
+            H, NI = (256, 256) if fmt in SB else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
             g = torch.Generator().manual_seed(20 + n)
             if fmt == "bf16":             # rows of 40 and 24 values: steps of 16 with a masked tail
                 gub, dnb = (torch.randn(E, 2 * NI, H, generator=g) * 0.1), (torch.randn(E, H, NI, generator=g) * 0.1)
@@ -314,10 +316,10 @@ def check_moe_gemv(half: int | None = None) -> None:
             moe_gemv.DECODE_GEMV[fmt] = var
             out = moe_kernels.moe_grouped(x, idx, w, gub, dnb, fmt=f)
             assert rel(out, ref_moe(x, idx, w, guf, dnf)) < 3e-3, (var, fmt, rel(out, ref_moe(x, idx, w, guf, dnf)))
-            for i in ((2,) if fmt in KQ else (0, 2)):
+            for i in ((2,) if fmt in SB else (0, 2)):
                 one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gub, dnb, fmt=f)
                 assert torch.equal(one[0], out[i]), (var, fmt, i)
-            if fmt in KQ or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
+            if fmt in SB or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
                 continue
             res = [2, 0, 4]                              # slot -> expert; experts 1 and 3 missed
             slot = torch.full((E,), -1, dtype=torch.int32)

@@ -54,7 +54,7 @@ def test_gemv_steps_divide_rows_and_warps_never_split_rows():
     assert moe_gemv.one_step("bf16", 768, 1024) and not moe_gemv.one_step("bf16", 768, 512)
     assert moe_gemv.one_step("q4_0", 768, 32) and not moe_gemv.one_step("q4_0", 768, 8)
     assert moe_gemv.one_step("q8_0", 2048, 64) and not moe_gemv.one_step("q8_0", 2048, 16)
-    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k"):
+    for fmt in ("q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs"):
         for k in (768, 2048):
             c = moe_gemv.chunk(k, fmt, 512)
             assert (k // moe_gemv.BLOCK_VALUES[moe_gemv.QT[fmt]]) % c == 0
@@ -63,6 +63,7 @@ def test_gemv_steps_divide_rows_and_warps_never_split_rows():
     assert moe_gemv._warps("q8_0", 8, 4) == 4 and moe_gemv._warps("q4_k", 1, 4) == 2
     # Q2_K / Q3_K: groups of 8 words (4 a super-block), 4 groups a warp: a step of 2 super-blocks takes 2 warps
     assert moe_gemv._warps("q3_k", 2, 4) == 2 and moe_gemv._warps("q2_k", 1, 4) == 1
+    assert moe_gemv._warps("iq4_xs", 2, 4) == 4 and moe_gemv._warps("iq4_xs", 1, 4) == 2     # 8 groups a block
 
 
 def test_decode_gemv_names_a_variant(monkeypatch):
@@ -73,9 +74,9 @@ def test_decode_gemv_names_a_variant(monkeypatch):
         moe_gemv.variant("q4_0")
     # a format the GEMV code does not read (its blocks would decode as another's) never gets a variant
     assert all(moe_gemv.DECODE_GEMV[f] is None for f in moe_gemv.QT if f not in moe_gemv.GEMV_FORMATS)
-    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "iq4_xs", "n8j2np")
-    with pytest.raises(ValueError, match="do not read iq4_xs"):
-        moe_gemv.variant("iq4_xs")
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "iq4_nl", "n8j2np")
+    with pytest.raises(ValueError, match="do not read iq4_nl"):
+        moe_gemv.variant("iq4_nl")
 
 
 def test_quant_one_row_table(monkeypatch):
