@@ -612,6 +612,36 @@ if HAVE_TRITON:
             return h, hm, d, d, s01, s23, s45
 
     @triton.jit
+    def _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT: tl.constexpr, j: tl.constexpr):
+        """`_dot23` for shift j: the two codes of each word at bits 2j and 8 + 2j."""
+        PL: tl.constexpr = 1 << (2 * j)
+        PH: tl.constexpr = 1 << (8 + 2 * j)
+        fl = _xs(xr, xo + 32 * j).to(tl.float32)
+        fh = _xs(xr, xo + 32 * j + 1).to(tl.float32)
+        if j < 2:
+            sw = s01 >> (16 * j)
+        else:
+            sw = s23 >> (16 * (j - 2))
+        sv = (sw >> (8 * hh)) & 0xFF                 # the sub-block's scale byte
+        if QT == 8:
+            cl = _code(h, 3 * PL, 8388608.0)
+            ch = _code(h, 3 * PH, 8388608.0)
+            sm = cl * (fl * (1.0 / PL))[:, None, :] + ch * (fh * (1.0 / PH))[:, None, :]
+            return acc + (d * (sv & 15).to(tl.float32))[:, :, None] * sm - \
+                (_half(wm) * (sv >> 4).to(tl.float32))[:, :, None] * (fl + fh)[:, None, :]
+        else:
+            # the 6-bit scale: low nibble n of byte 2j + hh, bits 4n + 2 (j // 2) of byte 8 + 2 (j % 2) + hh
+            hv = ((s45 >> (16 * (j % 2))) >> (8 * hh)) & 0xFF
+            sc = ((sv >> (4 * n)) & 15) | (((hv >> (4 * n + 2 * (j // 2))) & 3) << 4)
+            t = hm >> (4 * n + j)[:, :, None]        # the third bits: byte 2i's at bit 0, byte 2i + 1's at bit 8
+            ul = (h & (3 * PL - 65536)) | ((t & 1) * (4 * PL))
+            uh = (h & (3 * PH - 65536)) | (((t >> 8) & 1) * (4 * PH))
+            cl = ul.to(tl.float32, bitcast=True) - (8388608.0 + 4.0 * PL)
+            ch = uh.to(tl.float32, bitcast=True) - (8388608.0 + 4.0 * PH)
+            sm = cl * (fl * (1.0 / PL))[:, None, :] + ch * (fh * (1.0 / PH))[:, None, :]
+            return acc + (d * (sc - 32).to(tl.float32))[:, :, None] * sm
+
+    @triton.jit
     def _dot23(acc, h, hm, wd, wm, s01, s23, s45, r, xr, sb, QT: tl.constexpr):
         """acc + the products of one step's words with the row at xr: per shift j, the two codes of each word times
         their activations (pre-scaled by 2^-p for a code at bit p), their sum times the sub-block's scale (Q2_K:
@@ -620,34 +650,10 @@ if HAVE_TRITON:
         hh = (r % 2)[:, None]
         d = _half(wd)
         xo = (sb * 256 + 128 * (r // 2) + 16 * (r % 2))[:, None] + 2 * tl.arange(0, 8)[None, :]
-        for j in tl.static_range(4):
-            fl = _xs(xr, xo + 32 * j).to(tl.float32)
-            fh = _xs(xr, xo + 32 * j + 1).to(tl.float32)
-            if j < 2:
-                sw = s01 >> (16 * j)
-            else:
-                sw = s23 >> (16 * (j - 2))
-            sv = (sw >> (8 * hh)) & 0xFF             # the sub-block's scale byte
-            PL: tl.constexpr = 1 << (2 * j)
-            PH: tl.constexpr = 1 << (8 + 2 * j)
-            if QT == 8:
-                cl = _code(h, 3 * PL, 8388608.0)
-                ch = _code(h, 3 * PH, 8388608.0)
-                sm = cl * (fl * (1.0 / PL))[:, None, :] + ch * (fh * (1.0 / PH))[:, None, :]
-                acc += (d * (sv & 15).to(tl.float32))[:, :, None] * sm - \
-                    (_half(wm) * (sv >> 4).to(tl.float32))[:, :, None] * (fl + fh)[:, None, :]
-            else:
-                # the 6-bit scale: low nibble n of byte 2j + hh, bits 4n + 2 (j // 2) of byte 8 + 2 (j % 2) + hh
-                hv = ((s45 >> (16 * (j % 2))) >> (8 * hh)) & 0xFF
-                sc = ((sv >> (4 * n)) & 15) | (((hv >> (4 * n + 2 * (j // 2))) & 3) << 4)
-                t = hm >> (4 * n + j)[:, :, None]    # the third bits: byte 2i's at bit 0, byte 2i + 1's at bit 8
-                ul = (h & (3 * PL - 65536)) | ((t & 1) * (4 * PL))
-                uh = (h & (3 * PH - 65536)) | (((t >> 8) & 1) * (4 * PH))
-                cl = ul.to(tl.float32, bitcast=True) - (8388608.0 + 4.0 * PL)
-                ch = uh.to(tl.float32, bitcast=True) - (8388608.0 + 4.0 * PH)
-                sm = cl * (fl * (1.0 / PL))[:, None, :] + ch * (fh * (1.0 / PH))[:, None, :]
-                acc += (d * (sc - 32).to(tl.float32))[:, :, None] * sm
-        return acc
+        acc = _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT, 0)
+        acc = _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT, 1)
+        acc = _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT, 2)
+        return _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT, 3)
 
     @triton.jit
     def _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
