@@ -593,26 +593,42 @@ def _inspect_gguf(r: _Repo, rel: str, cat: Catalog, store: Store, found: Found) 
     _match_heads(found, (c.hidden_size, c.vocab_size, c.num_hidden_layers), cat, store)
 
 
+def remote_gguf(entry: CatalogEntry, read: Callable[[Path], Any]) -> Any:
+    """`read(path)` of a GGUF target entry's file before it is downloaded: a header copy read from the Hub at the
+    pinned commit (`gguf_remote`). Hub errors in one sentence."""
+    import tempfile
+
+    if entry.source != "hf" or not entry.repo or not entry.revision or not entry.gguf_file:
+        raise UsageError(f"{entry.name} is not a pinned GGUF file on the Hub.")
+    pin = entry.file(entry.gguf_file)
+    with tempfile.TemporaryDirectory(prefix="strata-gguf-header-") as tmp:
+        local = _header_copy(entry.repo, pin.path, entry.revision, pin.size, Path(tmp) / pin.path,
+                             f"{entry.repo} at {entry.revision}")
+        return read(local)
+
+
+def remote_gguf_geometry(entry: CatalogEntry):
+    """The budget geometry of a GGUF target entry not downloaded yet, exact from its header on the Hub (a few MiB
+    of ranged reads), so setup can budget it, recommend a context and say whether it fits before the download."""
+    from runtime.formats.target_gguf import read_geometry
+
+    return remote_gguf(entry, read_geometry)
+
+
 def _gguf_target_shape(entry: CatalogEntry, store: Store) -> tuple[int, int, int] | None:
     """(hidden size, vocabulary, layers) of a GGUF target entry: from its verified store copy, else from the file's
     header on the Hub at the pinned commit. None when it cannot be read."""
-    import tempfile
-
     from runtime.loading_gguf import read_target_config
+
+    def shape(path: Path) -> tuple[int, int, int]:
+        c = read_target_config(path, with_mtp=False)
+        return c.hidden_size, c.vocab_size, c.num_hidden_layers
 
     try:
         pulled = verified_entry(entry, store)
         if pulled is not None:
-            c = read_target_config(Path(pulled.path) / (entry.gguf_file or ""), with_mtp=False)
-            return c.hidden_size, c.vocab_size, c.num_hidden_layers
-        if entry.source != "hf" or not entry.repo or not entry.revision or not entry.gguf_file:
-            return None
-        pin = entry.file(entry.gguf_file)
-        with tempfile.TemporaryDirectory(prefix="strata-gguf-header-") as tmp:
-            local = _header_copy(entry.repo, pin.path, entry.revision, pin.size, Path(tmp) / pin.path,
-                                 f"{entry.repo} at {entry.revision}")
-            c = read_target_config(local, with_mtp=False)
-        return c.hidden_size, c.vocab_size, c.num_hidden_layers
+            return shape(Path(pulled.path) / (entry.gguf_file or ""))
+        return remote_gguf(entry, shape)
     except (StrataError, OSError, ValueError, *network_errors()):
         return None
 

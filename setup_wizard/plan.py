@@ -175,7 +175,9 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     if target.local_path is not None:
         geo = target_geometry(target.local_path)
         target = replace(target, has_mtp=geo.has_mtp)
-    local_gguf = geo is not None and is_gguf_target(target.local_path)   # type: ignore[arg-type]
+    elif target.gguf and not choices.offline:   # a GGUF file not here yet: its header on the Hub says it exactly
+        geo = services.remote_geometry(target.name)
+    local_gguf = target.local_path is not None and is_gguf_target(target.local_path)
     if (local_gguf or target.gguf) and choices.target_quant:
         stored = geo.quant if geo is not None else target.quant
         what = "the GGUF file you named" if target.source == "local" else f"{target.name}, a GGUF file"

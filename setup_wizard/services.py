@@ -67,6 +67,7 @@ class Services(Protocol):
     def targets(self) -> list[TargetOption]: ...
     def heads(self, target: str) -> list[HeadOption]: ...
     def fetch(self, name: str, *, offline: bool) -> Artifact: ...
+    def remote_geometry(self, name: str) -> Any | None: ...
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult: ...
@@ -105,6 +106,21 @@ class RealServices:
 
         found, written = add_model(repo, name=name, kind=kind, show=show, confirm=confirm, choose_file=choose_file)
         return found if written else None
+
+    def remote_geometry(self, name: str) -> Any | None:
+        """A GGUF catalog target's budget geometry before its download, from its header on the Hub
+        (`hub_add.remote_gguf_geometry`); None for other entries, offline, or when the Hub cannot answer (setup then
+        budgets it once it is here)."""
+        from runtime.errors import StrataError
+        from setup_wizard.hub_add import remote_gguf_geometry
+
+        try:
+            entry = C.load_catalog().get(name)
+            if entry.gguf_file is None or H.hf_offline():
+                return None
+            return remote_gguf_geometry(entry)
+        except (StrataError, OSError, ValueError, *H.network_errors()):
+            return None
 
     def fetch(self, name: str, *, offline: bool) -> Artifact:
         pulled = H.pull(name, offline=True if offline else None, on_progress=self.on_progress)

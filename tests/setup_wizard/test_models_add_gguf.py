@@ -82,11 +82,16 @@ def test_gguf_file_pinned_from_its_header_pulled_set_up_and_run(env, home, files
     entry = tomllib.loads((home / "catalog.toml").read_text())["entry"][0]
     assert entry["quant"] == "q5_k" and entry["mtp"] is False and len(entry["file"]) == 1
 
-    # before the download the plan runs the file as stored (no size question, no conversion)
+    # before the download the plan runs the file as stored (no size question, no conversion), budgeted exactly from
+    # its header on the Hub: the context recommended for this machine, the budget setup writes after the download
     res = run("--yes", "--target", "mini-moe-q5_k_m", "--drafter", "none", "--dry-run", "--json")
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)["plan"]
     assert plan["target_quant"] == "q5_k" and not any("convert" in s for s in plan["steps"])
+    assert plan["budget"]["fits"] and plan["why"]["context"] != "a safe default until the model's size is known"
+    res = run("--yes", "--target", "mini-moe-q5_k_m", "--drafter", "none", "--context", "256", "--dry-run", "--json")
+    before = json.loads(res.stdout)["plan"]["budget"]["items"]
+    assert not (home / "downloads" / "t--Mini-MoE-GGUF").exists()      # nothing was downloaded
     res = run("--yes", "--target", "mini-moe-q5_k_m", "--target-quant", "q4_0", "--dry-run")
     assert res.exit_code == 2 and "stored as q5_k; drop --target-quant." in words(res)
 
@@ -96,6 +101,7 @@ def test_gguf_file_pinned_from_its_header_pulled_set_up_and_run(env, home, files
     res = run("--yes", "--target", "mini-moe-q5_k_m", "--drafter", "none", "--no-calibrate", "--context", "256")
     assert res.exit_code == 0, res.output
     cfg = home / "configs" / "mini-moe-q5_k_m-q5_k-none.toml"
+    assert tomllib.loads(cfg.read_text())["memory"]["budget"] == before
     conf = tomllib.loads(cfg.read_text())["target"]
     assert conf["path"].endswith(f"/{commit}/{FILE}") and conf["quantization"] == "q5_k"
     assert conf["sha256"] == hashlib.sha256(data).hexdigest() and conf["revision"] == commit

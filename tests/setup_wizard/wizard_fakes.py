@@ -69,6 +69,9 @@ class FakeServices:
         if self.interrupt_on == what:
             raise KeyboardInterrupt
 
+    def remote_geometry(self, name: str) -> Any | None:
+        return None
+
     def fetch(self, name: str, *, offline: bool) -> Artifact:
         self.calls.append(("fetch", name))
         self._check("fetch")
