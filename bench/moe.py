@@ -63,6 +63,10 @@ ROUTINGS = 16
 # ---------------------------------------------------------------------------------------------------- weights
 def random_blocks(n: int, rows: int, cols: int, fmt: str, dev: str, g: torch.Generator) -> torch.Tensor:
     """[n, rows, row_bytes] random ggml blocks of `fmt` with small finite scales."""
+    if fmt in ("q5_k", "q3_k", "q2_k", "iq4_xs", "iq4_nl"):      # scales elsewhere in the block: quant_target's
+        from bench.quant_target import random_blocks as blocks_of
+
+        return blocks_of(n * rows, cols, fmt, g, dev).view(n, rows, -1)
     f = FORMATS[fmt]
     nb = cols // f.block_values
     b = torch.randint(0, 256, (n, rows, nb, f.block_bytes), dtype=torch.uint8, device=dev, generator=g)
@@ -681,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         bw = copy_bandwidth()
         res["copy_bandwidth_GBs"] = bw / 1e9
         fmts = TUNE_FORMATS if args.formats == ap.get_default("formats") else \
-            tuple(f for f in TUNE_FORMATS if f in formats)
+            tuple(f for f in formats if f in moe_gemv.GEMV_FORMATS)
         res["tune_decode"] = tune_decode_gemv(bw, dev, deadline, fmts)
         print_tuning(res["tune_decode"], res["machine"].get("gpu"), bw)
         res["seconds"] = time.perf_counter() - t0
