@@ -307,8 +307,10 @@ def test_disconnect_cancels_the_generation(engine, port):
     assert st["stop_reason"] == "cancelled" and st["generated_tokens"] < 100
     # a request that leaves while it waits in the queue never reaches the engine
     engine.gate.clear()
+    before = engine.entered
     running = raw(port, "/v1/completions", {"prompt": "abc", "max_tokens": 3})
-    wait_for(lambda: health(port)["running"], "the running request")
+    # inside the engine, at the gate (the server says "running" a moment before its thread gets there)
+    wait_for(lambda: health(port)["running"] and engine.entered == before + 1, "the running request")
     entered = engine.entered
     queued = raw(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 50})
     wait_for(lambda: health(port)["waiting"] == 1, "the queued request")
