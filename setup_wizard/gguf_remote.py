@@ -64,6 +64,8 @@ def read_header(url: str, size: int, dest: Path, *, headers: dict[str, str], wha
     can parse; network errors are raised as huggingface_hub raises them."""
     import gguf
 
+    if size < 24:
+        raise UsageError(f"{what} has {size} bytes, fewer than a GGUF header's first fields; it is not a GGUF file.")
     dest = Path(dest)
     have = b""
     want = min(FIRST_READ, size)

@@ -131,15 +131,16 @@ def test_a_head_added_after_the_gguf_target_fits_it_and_drafts(env, home, files)
 def test_gguf_files_refused_in_one_sentence(env, home, files):
     hub = env
     hub.publish("t/odd-GGUF", {FILE: files["gguf"], "Mini-MoE-IQ3.gguf": files["iq3"], "notes.txt": b"x",
-                               "junk.gguf": b"GGUF" + b"\0" * 60, "Big-00001-of-00002.gguf": b"GGUF",
+                               "junk.gguf": b"GGUF" + b"\0" * 60, "empty.gguf": b"", "Big-00001-of-00002.gguf": b"GGUF",
                                "Big-00002-of-00002.gguf": b"x"})
     cases = {
         "Mini-MoE-IQ3.gguf": "Mini-MoE-IQ3.gguf of t/odd-GGUF at main cannot be run: tensor blk.1.attn_q.weight "
                              "is stored as IQ3_XXS, which Strata does not read",
         "junk.gguf": "junk.gguf of t/odd-GGUF at main is GGUF version 0; Strata reads versions 2 and 3.",
+        "empty.gguf": "empty.gguf of t/odd-GGUF at main has 0 bytes, fewer than a GGUF header's first fields",
         "Big-00001-of-00002.gguf": "is part 1 of a GGUF file split in 2; Strata reads single-file GGUFs",
         "missing.gguf": "t/odd-GGUF at main has no file missing.gguf; its GGUF files: Mini-MoE-IQ3.gguf, "
-                        f"{FILE}, junk.gguf.",
+                        f"{FILE}, empty.gguf, junk.gguf.",
         "notes.txt": "--file notes.txt is not a .gguf file at the top of t/odd-GGUF at main",
         "../x.gguf": "escapes or is not a clean path",
     }
