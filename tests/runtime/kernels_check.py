@@ -1047,13 +1047,18 @@ def check_attention_all() -> None:
     check_dense_step_q8()
 
 
-def check_fused_step_kquant_mix(mix: str = "q4_k_m") -> None:
+def check_fused_step_kquant_mix(mix: str = "q4_k_m", path: str = "gemv") -> None:
     """A target quantized the way llama-quantize's Q4_K_M (or Q5_K_M) quantizes (bench/quant_target.py
     `tensor_format`: Q4_K (Q5_K), with a Q6_K v and Q6_K experts' down in some layers, a Q6_K head) through the
     fused step, against the plain forward: a layer whose v has another format than its q and k stacks q and k alone
-    (`qk_blocks`)."""
+    (`qk_blocks`). path "dot": the mix's main format takes no matrix-vector tiles (the dequantized scratch and the
+    tl.dot expert kernels, the path of a format without GEMV code, such as IQ4_NL)."""
     from bench.quant_target import build_on_gpu
+    from runtime.gpu import moe_gemv
     from tests.runtime.tiny import tiny_config
+
+    if path == "dot":
+        moe_gemv.DECODE_GEMV[mix[:4]] = None
 
     # two layers (the interpreter is slow): the rule gives the second the Q6_K v and experts' down
     cfg = tiny_config(vocab=64, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=4, top_k=2,
@@ -1094,8 +1099,8 @@ if __name__ == "__main__":
         check_fused_step_gguf()
         print("gguf step ok")
         sys.exit(0)
-    if sys.argv[1:2] == ["kquant_mix"]:  # its own runs (tests/runtime/test_loading_gguf.py): kquant_mix [q5_k_m]
-        check_fused_step_kquant_mix(*sys.argv[2:3])
+    if sys.argv[1:2] == ["kquant_mix"]:  # its own runs (tests/runtime/test_loading_gguf.py): kquant_mix MIX [dot]
+        check_fused_step_kquant_mix(*sys.argv[2:4])
         print("gguf step ok")
         sys.exit(0)
     if sys.argv[1:] == ["dflash2"]:     # its own run (tests/runtime/drafters/dflash2/test_graphs.py): the interpreter is slow
