@@ -90,9 +90,9 @@ GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
-    "q5_k": "n8j2np",                                     # Q4_K's tile; the only one timed for Q5_K
-    "q3_k": "n8j2np", "q2_k": "n8j2np",                   # their own code (`_ld23`, `_dot23`), Q4_K's tile size
-    "iq4_xs": "n8j2np",                                   # its own code (`_ldiq`, `_dotiq`), Q4_K's tile size
+    "q5_k": "n8j2np",                                     # Q4_K's tile, not yet timed for Q5_K on a GPU
+    "q3_k": "n8j2np", "q2_k": "n8j2np",                   # their own code (`_rows23`), Q4_K's tile size
+    "iq4_xs": "n8j2np",                                   # its own code (`_rowsiq`), Q4_K's tile size
     "iq4_nl": None}                                       # no GEMV code for it: the tl.dot kernels
 # the formats the GEMV kernels read (`_rows`); a table naming a variant for another is refused by `variant`
 GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs")
@@ -536,6 +536,51 @@ if HAVE_TRITON:
             sh_ = c1 * (f1 * (1.0 / 16))[:, None, :] + c3 * (f3 * (1.0 / 4096))[:, None, :]
             return acc + (d * sc0.to(tl.float32))[:, :, None] * sl + (d * sc1.to(tl.float32))[:, :, None] * sh_
 
+    @triton.jit
+    def _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
+               BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+        """Q4_K / Q5_K / Q6_K rows, NBC super-blocks per step."""
+        G: tl.constexpr = 8 if QT == 4 else 4
+        WB: tl.constexpr = 8 if QT == 4 else 16
+        bq = tl.arange(0, NBC * G)
+        r = bq % G
+        acca0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        accb0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        acca1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        accb1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+        if PF:
+            sb = bq // G
+            ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, mg, QT)
+            if TWO:
+                ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, mg, QT)
+        for b0 in range(0, nblk, NBC):
+            sb = b0 + bq // G
+            if PF:
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // G
+                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ldk(wa, sbn, r, mg, QT)
+                if TWO:
+                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ldk(wb, sbn, r, mg, QT)
+            else:
+                ha, hb, wd, wm, s0, s1, s2 = _ldk(wa, sb, r, mg, QT)
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = _ldk(wb, sb, r, mg, QT)
+            x0, x1, x2, x3 = _xk(xr0, sb, r, QT)
+            if MB == 2:
+                y0, y1, y2, y3 = _xk(xr1, sb, r, QT)
+            acca0 = _dotk(acca0, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, QT)
+            if TWO:
+                accb0 = _dotk(accb0, ga, gb, vd, vm, t0, t1, t2, r, x0, x1, x2, x3, QT)
+            if MB == 2:
+                acca1 = _dotk(acca1, ha, hb, wd, wm, s0, s1, s2, r, y0, y1, y2, y3, QT)
+                if TWO:
+                    accb1 = _dotk(accb1, ga, gb, vd, vm, t0, t1, t2, r, y0, y1, y2, y3, QT)
+            if PF:
+                ha, hb, wd, wm, s0, s1, s2 = ha_, hb_, wd_, wm_, s0_, s1_, s2_
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = ga_, gb_, vd_, vm_, t0_, t1_, t2_
+        return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
+                tl.sum(tl.sum(accb1, 2), 0))
+
     # Q2_K / Q3_K, tile [NBC * 4, BN, 8]: super-block, group r = 2n + hh (half n of the 256 values; hh: bytes
     # 16hh .. 16hh + 15 of the half's 32 bytes of 2-bit codes), word i. Word 8hh + i of half n holds at bits 2j
     # (its byte 2i) and 8 + 2j (byte 2i + 1) the codes of values 128n + 32j + 16hh + 2i and + 1, all four pairs of
@@ -610,6 +655,46 @@ if HAVE_TRITON:
         acc = _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT, 2)
         return _dot23j(acc, h, hm, d, wm, s01, s23, s45, n, hh, xr, xo, QT, 3)
 
+    @triton.jit
+    def _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
+                BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
+        """Q2_K / Q3_K rows, NBC super-blocks per step."""
+        bq = tl.arange(0, NBC * 4)
+        r = bq % 4
+        acca0 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        accb0 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        acca1 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        accb1 = tl.zeros((NBC * 4, BN, 8), dtype=tl.float32)
+        if PF:
+            sb = bq // 4
+            ha, hb, wd, wm, s0, s1, s2 = _ld23(wa, sb, r, mg, QT)
+            if TWO:
+                ga, gb, vd, vm, t0, t1, t2 = _ld23(wb, sb, r, mg, QT)
+        for b0 in range(0, nblk, NBC):
+            sb = b0 + bq // 4
+            if PF:
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // 4
+                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ld23(wa, sbn, r, mg, QT)
+                if TWO:
+                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ld23(wb, sbn, r, mg, QT)
+            else:
+                ha, hb, wd, wm, s0, s1, s2 = _ld23(wa, sb, r, mg, QT)
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = _ld23(wb, sb, r, mg, QT)
+            acca0 = _dot23(acca0, ha, hb, wd, wm, s0, s1, s2, r, xr0, sb, QT)
+            if TWO:
+                accb0 = _dot23(accb0, ga, gb, vd, vm, t0, t1, t2, r, xr0, sb, QT)
+            if MB == 2:
+                acca1 = _dot23(acca1, ha, hb, wd, wm, s0, s1, s2, r, xr1, sb, QT)
+                if TWO:
+                    accb1 = _dot23(accb1, ga, gb, vd, vm, t0, t1, t2, r, xr1, sb, QT)
+            if PF:
+                ha, hb, wd, wm, s0, s1, s2 = ha_, hb_, wd_, wm_, s0_, s1_, s2_
+                if TWO:
+                    ga, gb, vd, vm, t0, t1, t2 = ga_, gb_, vd_, vm_, t0_, t1_, t2_
+        return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
+                tl.sum(tl.sum(accb1, 2), 0))
+
     # IQ4_XS, tile [NBC * 8, BN, 8]: super-block, sub-block r (32 values: bytes 16r .. 16r + 15 of qs), word i.
     # The nibbles of bytes 2i, 2i + 1 are the codes of values 2i, 2i + 16, 2i + 1, 2i + 17 (Q4_0's order), each an
     # index into llama.cpp's 16 levels (runtime/formats/iquants.py KVALUES), packed four to an int32 below.
@@ -661,67 +746,42 @@ if HAVE_TRITON:
         return acc + (_half(wd) * (sc - 32).to(tl.float32))[:, :, None] * sm
 
     @triton.jit
-    def _ldq(w, sb, r, mg, QT: tl.constexpr):
-        """Raw words of one step of super-block rows, seven values whatever the format (`_ldk`, `_ld23`, `_ldiq`)."""
-        if QT == 7 or QT == 8:
-            return _ld23(w, sb, r, mg, QT)
-        elif QT == 9:
-            h, wd, sh, sl = _ldiq(w, sb, r, mg)
-            return h, h, wd, wd, sh, sl, sl
-        else:
-            return _ldk(w, sb, r, mg, QT)
-
-    @triton.jit
-    def _dotq(acc, ha, hb, wd, wm, s0, s1, s2, r, xr, sb, mg, QT: tl.constexpr):
-        """acc + one step's products with the row at xr (`_dotk`, `_dot23`, `_dotiq`)."""
-        if QT == 7 or QT == 8:
-            return _dot23(acc, ha, hb, wd, wm, s0, s1, s2, r, xr, sb, QT)
-        elif QT == 9:
-            return _dotiq(acc, ha, wd, s0, s1, r, xr, sb, mg)
-        else:
-            x0, x1, x2, x3 = _xk(xr, sb, r, QT)
-            return _dotk(acc, ha, hb, wd, wm, s0, s1, s2, r, x0, x1, x2, x3, QT)
-
-    @triton.jit
-    def _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
-               BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr):
-        """Rows of 256-value super-blocks (the K-quants, IQ4_XS), NBC super-blocks per step; tile [NBC * G, BN, WB]
-        (G word groups a super-block of WB words each, as each format's comment above says)."""
-        G: tl.constexpr = 8 if (QT == 4 or QT == 9) else 4
-        WB: tl.constexpr = 16 if (QT == 5 or QT == 6) else 8
-        bq = tl.arange(0, NBC * G)
-        r = bq % G
-        acca0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
-        accb0 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
-        acca1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
-        accb1 = tl.zeros((NBC * G, BN, WB), dtype=tl.float32)
+    def _rowsiq(xr0, xr1, wa, wb, nm, nblk, mg, TWO: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr,
+                NBC: tl.constexpr, PF: tl.constexpr):
+        """IQ4_XS rows, NBC super-blocks per step."""
+        bq = tl.arange(0, NBC * 8)
+        r = bq % 8
+        acca0 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        accb0 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        acca1 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
+        accb1 = tl.zeros((NBC * 8, BN, 8), dtype=tl.float32)
         if PF:
-            sb = bq // G
-            ha, hb, wd, wm, s0, s1, s2 = _ldq(wa, sb, r, mg, QT)
+            sb = bq // 8
+            ha, wd, sh, sl = _ldiq(wa, sb, r, mg)
             if TWO:
-                ga, gb, vd, vm, t0, t1, t2 = _ldq(wb, sb, r, mg, QT)
+                ga, vd, th, tl_ = _ldiq(wb, sb, r, mg)
         for b0 in range(0, nblk, NBC):
-            sb = b0 + bq // G
+            sb = b0 + bq // 8
             if PF:
-                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // G
-                ha_, hb_, wd_, wm_, s0_, s1_, s2_ = _ldq(wa, sbn, r, mg, QT)
+                sbn = tl.where(b0 + NBC < nblk, b0 + NBC, 0) + bq // 8
+                ha_, wd_, sh_, sl_ = _ldiq(wa, sbn, r, mg)
                 if TWO:
-                    ga_, gb_, vd_, vm_, t0_, t1_, t2_ = _ldq(wb, sbn, r, mg, QT)
+                    ga_, vd_, th_, tl__ = _ldiq(wb, sbn, r, mg)
             else:
-                ha, hb, wd, wm, s0, s1, s2 = _ldq(wa, sb, r, mg, QT)
+                ha, wd, sh, sl = _ldiq(wa, sb, r, mg)
                 if TWO:
-                    ga, gb, vd, vm, t0, t1, t2 = _ldq(wb, sb, r, mg, QT)
-            acca0 = _dotq(acca0, ha, hb, wd, wm, s0, s1, s2, r, xr0, sb, mg, QT)
+                    ga, vd, th, tl_ = _ldiq(wb, sb, r, mg)
+            acca0 = _dotiq(acca0, ha, wd, sh, sl, r, xr0, sb, mg)
             if TWO:
-                accb0 = _dotq(accb0, ga, gb, vd, vm, t0, t1, t2, r, xr0, sb, mg, QT)
+                accb0 = _dotiq(accb0, ga, vd, th, tl_, r, xr0, sb, mg)
             if MB == 2:
-                acca1 = _dotq(acca1, ha, hb, wd, wm, s0, s1, s2, r, xr1, sb, mg, QT)
+                acca1 = _dotiq(acca1, ha, wd, sh, sl, r, xr1, sb, mg)
                 if TWO:
-                    accb1 = _dotq(accb1, ga, gb, vd, vm, t0, t1, t2, r, xr1, sb, mg, QT)
+                    accb1 = _dotiq(accb1, ga, vd, th, tl_, r, xr1, sb, mg)
             if PF:
-                ha, hb, wd, wm, s0, s1, s2 = ha_, hb_, wd_, wm_, s0_, s1_, s2_
+                ha, wd, sh, sl = ha_, wd_, sh_, sl_
                 if TWO:
-                    ga, gb, vd, vm, t0, t1, t2 = ga_, gb_, vd_, vm_, t0_, t1_, t2_
+                    ga, vd, th, tl_ = ga_, vd_, th_, tl__
         return (tl.sum(tl.sum(acca0, 2), 0), tl.sum(tl.sum(accb0, 2), 0), tl.sum(tl.sum(acca1, 2), 0),
                 tl.sum(tl.sum(accb1, 2), 0))
 
@@ -733,6 +793,10 @@ if HAVE_TRITON:
             ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
         elif QT <= 3:
             ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM)
+        elif QT == 7 or QT == 8:
+            ra0, rb0, ra1, rb1 = _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
+        elif QT == 9:
+            ra0, rb0, ra1, rb1 = _rowsiq(xr0, xr1, wa, wb, nm, nblk, mg, TWO, MB, BN, NBC, PF)
         else:
             ra0, rb0, ra1, rb1 = _rowsk(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
         return ra0, rb0, ra1, rb1

@@ -291,8 +291,8 @@ def check_moe_gemv(half: int | None = None) -> None:
         cases += [(v, ("q4_0", "q8_0")[i % 2]) for i, v in enumerate(rest)]
         cases += [("_odd", f) for f in ("bf16", "q8_0", "q5_0", "q4_0", "q4_k", "q6_k", "q5_k")]
         cases += [("n8j2np", "q5_k")]        # Q5_K's shipped tile (DECODE_GEMV), its qh words read on every row
-        cases += [("_odd", "q3_k"), ("_odd", "q2_k"), ("n8j2np", "q3_k")]      # their own code (`_dot23`)
-        cases += [("_odd", "iq4_xs")]        # the table lookup (`_dotiq`; the interpreter runs its plain form)
+        cases += [("_odd", "q3_k"), ("_odd", "q2_k"), ("n8j2np", "q3_k")]      # their own code (`_rows23`)
+        cases += [("_odd", "iq4_xs")]        # the table lookup (`_rowsiq`; the interpreter runs its plain form)
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
         for n, (var, fmt) in enumerate(cases):
             if half is not None and n % 2 != half:
