@@ -90,7 +90,7 @@ GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
-    "q5_k": "n8j2np",                                     # Q4_K's tile, not yet timed for Q5_K on a GPU
+    "q5_k": "n8j2np",                                     # Q4_K's tile; the only one timed for Q5_K
     "q3_k": "n8j2np", "q2_k": "n8j2np",                   # their own code (`_rows23`), Q4_K's tile size
     "iq4_xs": "n8j2np",                                   # its own code (`_rowsiq`), Q4_K's tile size
     "iq4_nl": None}                                       # no GEMV code for it: the tl.dot kernels
