@@ -211,7 +211,7 @@ def model_active_bytes(model, mean_len: float) -> int:
 def build_on_gpu(cfg_json: dict, fmt: str, seed: int = 0, device: str = "cuda",
                  dtype: torch.dtype = torch.bfloat16) -> Qwen3MoeModel:
     """The A3B-shaped model on the GPU with honest routing (bench/common.py): BF16 floats (`build_random_a3b`), or
-    (a block format, or a Q4_K_M or Q5_K_M mix: `tensor_format`) every matrix and the experts as random blocks held
+    (a block format, or a mix of `MIXES`: `tensor_format`) every matrix and the experts as random blocks held
     the way runtime/loading_gguf.py holds a quantized file (norms and router in `dtype`), with the same scales
     (embeddings std 1, residual contributions x 0.05). `device="cpu", dtype=torch.float32` gives the tests a tiny one."""
     if fmt == "bf16":

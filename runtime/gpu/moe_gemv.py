@@ -701,7 +701,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _iq4_byte(q):
-        """4-bit codes (int32) -> their levels as unsigned bytes (level & 255)."""
+        """4-bit codes (int32) -> their levels as unsigned bytes (level & 255): the 16 int8 levels packed four to an
+        int32 (little-endian), one picked by the code's top two bits, its byte by the low two (also the tl.dot
+        kernels' `moe_kernels._iq4_level`)."""
         w = tl.where(q < 8, tl.where(q < 4, -1079142271, -152379953), tl.where(q < 12, 639175937, 1901675829))
         return (w >> (8 * (q % 4))) & 255
 

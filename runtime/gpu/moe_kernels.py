@@ -138,11 +138,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _iq4_level(q):
-        """4-bit codes (int32) -> llama.cpp's IQ4 levels (runtime/formats/iquants.py KVALUES) as float32: the 16
-        int8 levels packed four to an int32 (little-endian), one picked by the code's top two bits, its byte by
-        the low two."""
-        w = tl.where(q < 8, tl.where(q < 4, -1079142271, -152379953), tl.where(q < 12, 639175937, 1901675829))
-        b = (w >> (8 * (q % 4))) & 255
+        """4-bit codes (int32) -> llama.cpp's IQ4 levels (runtime/formats/iquants.py KVALUES) as float32."""
+        b = moe_gemv._iq4_byte(q)
         return ((b ^ 128) - 128).to(tl.float32)
 
     @triton.jit
