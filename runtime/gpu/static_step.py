@@ -75,11 +75,16 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
                             -1)
         else:
             qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
-    q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
-                                   a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
     wo = dense_kernels.weight_of(a.o_proj)
-    o_early = dense_kernels.loads_early(q.reshape(q.shape[0], -1), wo, "o_proj")
-    o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part, o_early=o_early)
+    o_early = dense_kernels.loads_early(x, wo, "o_proj")
+    if x.shape[0] == 1 and attention_kernels.ONE_ROW_FUSE:      # one launch or two instead of three
+        o = attention_kernels.attention_one(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
+                                            a.nkv, a.hd, eps, a.scale, ks=ks, vs=vs, part=part, rope_off=rope_off,
+                                            o_early=o_early)
+    else:
+        q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
+                                       a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
+        o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part, o_early=o_early)
     d = _proj(o.reshape(-1, a.nh * a.hd), wo, "o_proj", a.o_proj, a.o_proj)
     mlp = layer.mlp
     fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,

@@ -881,6 +881,75 @@ def check_qkv_post_rope_off(dt: torch.dtype) -> None:
     assert float(ka.abs().sum(-1).gt(0).sum()) == nkv * 4         # four real rows written, the padded one not
 
 
+class reversed_grid:
+    """The interpreter runs a kernel's programs last to first (it runs them one at a time, first to last): a
+    kernel whose programs depend on each other's writes (one writes what another reads, the last to arrive
+    combines) is then checked in two orders."""
+
+    def __enter__(self):
+        self.orig = _interp.InterpreterBuilder.set_grid_idx
+
+        def flipped(b, x, y, z):
+            nx, ny, nz = b.grid_dim
+            self.orig(b, nx - 1 - x, ny - 1 - y, nz - 1 - z)
+        _interp.InterpreterBuilder.set_grid_idx = flipped
+
+    def __exit__(self, *exc):
+        _interp.InterpreterBuilder.set_grid_idx = self.orig
+
+
+def check_attention_one(dt: torch.dtype) -> None:
+    """`attention_one` (a one-row window in one or two launches) against `qkv_post` then `attention`: the cache rows
+    it writes the same bits, the output equal up to the sums' order, with the chunks combined in the split kernel
+    or by the reduction; over a layout of several chunk sizes and programs (the row's last chunk walked by another
+    program than the first), a q8_0 cache, an MTP head's rope_off, a padding row (nothing written, zeros); every
+    counter back at zero after each call; the programs run first to last and last to first."""
+    _check_attention_one(dt)
+    with reversed_grid():
+        _check_attention_one(dt)
+
+
+def _check_attention_one(dt: torch.dtype) -> None:
+    from runtime import kv as kvmod
+
+    nh, nkv, hd, S = 8, 2, 64, 400
+    g = torch.Generator().manual_seed(21)
+    saved = kvmod.KV_TIERS
+    kvmod.KV_TIERS = (32, 64, 64, 192, 128)         # 32 on [0, 64), 64 on [64, 192), 128 beyond: 5 chunks to 400
+    try:
+        for q8 in (False, True):
+            kc0, vc0, ks0, vs0, _, _ = cache(nkv, S, hd, dt, q8, g)
+            qkv = torch.randn(1, (nh + 2 * nkv) * hd, generator=g).to(dt)
+            qw, kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt), (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
+            inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            for p, off in ((S - 1, 0), (63, 0), (64, 0), (191, 1), (7, 0), (0, 0), (-1, 0)):
+                pos = torch.tensor([p], dtype=torch.int32)
+                bufs = [[t.clone() if t is not None else None for t in (kc0, vc0, ks0, vs0)] for _ in range(3)]
+                kc, vc, ks, vs = bufs[0]
+                q = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, kc, vc, nh, nkv, hd, 1e-6, ks=ks, vs=vs,
+                                               rope_off=off)
+                ref = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs)
+                for combine, (kc2, vc2, ks2, vs2) in zip((False, True), bufs[1:], strict=True):
+                    part = attention_kernels.split_scratch(1, nh, S, hd, "cpu")
+                    part[:-kvmod.SPLIT_COUNTERS].fill_(float("nan"))      # nothing read that was not written
+                    o = attention_kernels.attention_one(qkv, qw, kw, inv, 1.0, pos, kc2, vc2, nh, nkv, hd, 1e-6,
+                                                        hd ** -0.5, ks=ks2, vs=vs2, part=part, rope_off=off,
+                                                        combine=combine)
+                    label = (dt, q8, p, off, combine)
+                    assert torch.equal(kc2, kc) and torch.equal(vc2, vc), label
+                    if q8:
+                        assert torch.equal(ks2, ks) and torch.equal(vs2, vs), label
+                    if p < 0:
+                        assert float(o.abs().max()) == 0.0, label
+                    else:
+                        assert rel(o, ref) < (1e-6 if dt == torch.float32 else 2e-3), (label, rel(o, ref))
+                    assert int(part[-kvmod.SPLIT_COUNTERS:].view(torch.int32).abs().sum()) == 0, label
+                    if p >= 0 and not q8:
+                        assert not torch.equal(kc0[:, p], kc[:, p]), label          # the row was written
+    finally:
+        kvmod.KV_TIERS = saved
+
+
 def check_mtp_graphs() -> None:
     """The MTP graph path (chained drafting, padded observe rows, Triton cached attention) equals the eager path;
     the head's layer runs through the target step's fused kernels (`MTPGraphs.fused`)."""
@@ -1044,6 +1113,7 @@ def check_attention_all() -> None:
         check_kv_q8(dt)
         check_qkv_post_rows(dt)
         check_qkv_post_rope_off(dt)
+        check_attention_one(dt)
     check_dense_step_q8()
 
 
