@@ -1,10 +1,17 @@
 #!/bin/bash
-# One device call: the one-row attention fusion (attention_kernels.ONE_ROW_FUSE) checked and timed alone, then in
-# the A3B step (BF16 and Q4_0), side by side with the three launches it replaces. Carry .whl (gguf and friends).
+# Device calls of bench/results/h200_session22/: the one-row attention fusion (attention_kernels.ONE_ROW_FUSE)
+# checked and timed alone, then the A3B step with it and with the routing in the router product
+# (dense_kernels.FUSE_ROUTE), side by side with the launches they replace. Carry .whl (gguf and friends).
+# PART=1 (default): attn_one + BF16 step at 1k-32k; PART=2: 128k and Q4_0.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv
-python3 bench/attn_one.py --contexts 1024,4096,16384,32768,131072 --checks 24 --max-seconds 120 2>&1 | tail -60
-python3 bench/step_ab.py --contexts ${CTX:-1024,4096,16384,32768,131072} --widths 1 \
-  --arms fuse0,fuse1,fuse2,fuse2-notrig --rounds 5 --steps 30 --quant q4_0 --quant-arms fuse0,fuse2,fuse2-nopdl 2>&1 | tail -80
+if [ "${PART:-1}" = 1 ]; then
+  python3 bench/attn_one.py --contexts 1024,4096,16384,32768,131072 --checks 24 --max-seconds 100 2>&1 | tail -50
+  python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 \
+    --arms before22,default,fuse0,fuse1,route-apart --rounds 5 --steps 30 2>&1 | tail -40
+else
+  python3 bench/step_ab.py --contexts 131072 --widths 1 --arms before22,default,fuse1 --rounds 5 --steps 20 \
+    --quant q4_0 --quant-arms before22,default,fuse2-nopdl 2>&1 | tail -40
+fi

@@ -18,7 +18,9 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
   default-late: the default with every load after the PDL wait.
 - fuse0, fuse1, fuse2: a one-row window's q/k/v post-processing, split attention and reduction in three launches,
   two (the post-processing in the split kernel) or one (the chunks also combined there by the last program of each
-  KV head; attention_kernels.ONE_ROW_FUSE); fuse2-notrig: without letting o_proj in first, fuse2-nopdl: off PDL.
+  KV head; attention_kernels.ONE_ROW_FUSE); fuse2-notrig: without letting o_proj in first, fuse2-nopdl: off PDL;
+  route-apart: the routing in a launch of its own rather than in the router product's last program
+  (dense_kernels.FUSE_ROUTE); before22: neither fusion (the step before them).
 Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
 launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt); in
 h200_session8/: the one-step tiles for the one-row experts' down products (4 or 2 gate/up rows, 16 or 8 down
@@ -50,6 +52,7 @@ import torch  # noqa: E402
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
 from runtime.gpu.attention_kernels import ONE_ROW_FUSE as ONE_ROW_FUSE_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
+from runtime.gpu.dense_kernels import FUSE_ROUTE as FUSE_ROUTE_SHIPPED  # noqa: E402
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 SUM = {"BN": 2, "num_warps": 4}
@@ -74,7 +77,8 @@ ARMS: dict[str, dict[str, Any]] = {
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
                 "trig": {"attention_reduce:o_early", "attention_one:o_early"}, "route_warps": 2, "qnorm": True,
-                "qship": True, "rt1": ROW_TILE_ONE_SHIPPED, "fuse": ONE_ROW_FUSE_SHIPPED},
+                "qship": True, "rt1": ROW_TILE_ONE_SHIPPED, "fuse": ONE_ROW_FUSE_SHIPPED,
+                "route_fuse": FUSE_ROUTE_SHIPPED},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
                      "rt1": ROW_TILE_ONE_SHIPPED},
@@ -156,6 +160,10 @@ ARMS["fuse1"] = {**_DEFAULT, "fuse": 1}
 ARMS["fuse2"] = {**_DEFAULT, "fuse": 2}
 ARMS["fuse2-notrig"] = {**_DEFAULT, "fuse": 2, "trig": {"attention_reduce:o_early"}}
 ARMS["fuse2-nopdl"] = {**_DEFAULT, "fuse": 2, "skip": {"attention", "attention_one"}}
+# the routing in the last program of the one-row router product (dense_kernels.FUSE_ROUTE, "route_fuse") or apart;
+# "before22": both one-row fusions off (the runtime until bench/results/h200_session22/)
+ARMS["route-apart"] = {**_DEFAULT, "route_fuse": False}
+ARMS["before22"] = {**_DEFAULT, "fuse": 0, "route_fuse": False}
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
 ARMS["q-split-apart"] = ARMS["split-apart"]
 # parts that let the next kernel be scheduled before their own wait (pdl.TRIGGER_FIRST, "trig"): the reduction (so
@@ -198,6 +206,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     attention_kernels.ONE_ROW_FUSE = arm.get("fuse", 0)
+    dense_kernels.FUSE_ROUTE = bool(arm.get("route_fuse"))
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)

@@ -48,8 +48,10 @@ def split_chunks(capacity: int, tiers: tuple[int, int, int, int, int] | None = N
     return e0 // c0 + (e1 - e0) // c1 + -(-(n - e1) // c2)
 
 
-# int32 arrival counters after the partials, one per KV head: a one-row attention that combines its chunks in the
-# split kernel counts the programs done there (runtime/gpu/attention_kernels.py `attention_one`)
+# int32 arrival counters after the partials: a one-row attention that combines its chunks in the split kernel counts
+# the programs done there, one counter per KV head from the first (runtime/gpu/attention_kernels.py
+# `attention_one`); the one-row router product that routes in its last program, the last
+# (runtime/gpu/moe_kernels.py `norm_route`)
 SPLIT_COUNTERS = 64
 
 

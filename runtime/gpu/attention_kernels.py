@@ -607,7 +607,7 @@ def attention_one(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_
     need = n_acc + nh * nc * 2
     if part is None:
         part = torch.zeros(need + _kv.SPLIT_COUNTERS, dtype=torch.float32, device=qkv.device)
-    elif part.numel() < need + _kv.SPLIT_COUNTERS or nkv > _kv.SPLIT_COUNTERS:
+    elif part.numel() < need + _kv.SPLIT_COUNTERS or nkv >= _kv.SPLIT_COUNTERS:
         raise ValueError(f"attention partials hold {part.numel()} floats, {need + _kv.SPLIT_COUNTERS} needed.")
     acc, ml = part[:n_acc], part[n_acc:need]
     cnt = part[part.numel() - _kv.SPLIT_COUNTERS:].view(torch.int32)

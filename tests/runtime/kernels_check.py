@@ -229,6 +229,39 @@ def check_route(dt: torch.dtype) -> None:
             assert torch.equal(a, b), (a, b)
 
 
+def check_norm_route(dt: torch.dtype) -> None:
+    """The one-row router product that routes in its last program (`moe_kernels.norm_route`) against the norm folded
+    into the product (`norm_one_row`) then `route`: the residual row, the normalized row and every routing table
+    the same bits, with and without a slot table and renormalization, a padding row (position -1: expert E), the
+    programs run first to last and last to first; the counter back at zero."""
+    g = torch.Generator().manual_seed(13)
+    E, K, k = 16, 256, 4
+    x = torch.randn(1, K, generator=g).to(dt)
+    d = torch.randn(1, K, generator=g).to(dt)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dt)
+    w = (0.2 * torch.randn(E, K, generator=g)).to(dt)
+    slot = torch.tensor([0, 1, -1, 2, -1, 3, 4, -1] * 2, dtype=torch.int32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for order in (False, True):
+        for sl, norm, p in ((None, True, 5), (slot, False, 9), (None, True, -1)):
+            pos = torch.tensor([p], dtype=torch.int32)
+            xa, ha, lg = dense_kernels.norm_one_row(x, d, nw, 1e-6, w, "router")
+            ra = moe_kernels.route(lg, pos, k, norm, slot=sl)
+            if order:
+                with reversed_grid():
+                    got = dense_kernels.norm_route_one_row(x, d, nw, 1e-6, w, pos, k, norm, sl, counter)
+            else:
+                got = dense_kernels.norm_route_one_row(x, d, nw, 1e-6, w, pos, k, norm, sl, counter)
+            assert got is not None
+            xb, hb, rb = got
+            assert torch.equal(xa, xb) and torch.equal(ha, hb), (order, p)
+            for name, a, b in zip(ra._fields, ra, rb, strict=True):
+                assert torch.equal(a, b), (order, p, name, a, b)
+            assert int(counter[0]) == 0
+            if p < 0:
+                assert bool((rb.idx == E).all())
+
+
 def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
     """Experts as ggml blocks, dequantized in the kernels: every format, decode and prefill tilings, with a slot
     table, against float32 math on gguf-py's values."""
@@ -1150,6 +1183,7 @@ if __name__ == "__main__":
         check_dequant()
         for dt in (torch.float32, torch.float16):
             check_route(dt)
+            check_norm_route(dt)
             check_moe_slots(dt)
             check_moe_quant(dt, () if dt == torch.float32 else ("q4_0", "q4_k"))
             check_moe_prefill(dt)
