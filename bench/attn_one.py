@@ -5,8 +5,8 @@
 The A3B shape's attention (32 query heads, 4 KV heads of 128) for one row at the end of a context of C positions,
 from its raw q/k/v projection: "three" is `qkv_post` (q/k norm, RoPE, the cache write) then
 `attention_kernels.attention` (the split kernel and its reduction), "fuse1" and "fuse2" are
-`attention_kernels.attention_one` with the reduction apart or the chunks combined in the split kernel
-(`ONE_ROW_FUSE`). 16 calls on 16 distinct caches captured as one CUDA graph (a previous call's cache is not in L2),
+`attention_kernels.attention_one` with the reduction apart, the chunks combined in the split kernel, or combined
+there up to COMBINE_UPTO chunks (`ONE_ROW_FUSE` 1, 2, 3). 16 calls on 16 distinct caches captured as one CUDA graph (a previous call's cache is not in L2),
 median of 20 replays, BF16 and q8_0 caches, PDL as the runtime launches it (the calls are back to back).
 
 The check, before any timing: the cache slot the row writes holds NaN before each call (so a read of it before the
@@ -31,7 +31,7 @@ from bench.common import Deadline, copy_bandwidth, machine, print_table, write_j
 from bench.gemv_one_row import graph_us  # noqa: E402
 
 NH, NKV, HD, COPIES = 32, 4, 128, 16
-ARMS = {"three": 0, "fuse1": 1, "fuse2": 2}
+ARMS = {"three": 0, "fuse1": 1, "fuse2": 2, "fuse3": 3}
 
 
 def layer(ctx: int, q8: bool, gen: torch.Generator) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def call(arm: str, L: dict[str, Any], qkv: torch.Tensor, pos: torch.Tensor, inv:
                         vs=L["vs"])
         return ak.attention(q, L["kc"], L["vc"], pos, HD ** -0.5, ks=L["ks"], vs=L["vs"], part=part)
     return ak.attention_one(qkv, L["qw"], L["kw"], inv, 1.0, pos, L["kc"], L["vc"], NH, NKV, HD, 1e-6, HD ** -0.5,
-                            ks=L["ks"], vs=L["vs"], part=part, combine=ARMS[arm] == 2)
+                            ks=L["ks"], vs=L["vs"], part=part, mode=ARMS[arm])
 
 
 def poisoned(L: dict[str, Any], p: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
   default-late: the default with every load after the PDL wait.
 - fuse0, fuse1, fuse2: a one-row window's q/k/v post-processing, split attention and reduction in three launches,
   two (the post-processing in the split kernel) or one (the chunks also combined there by the last program of each
-  KV head; attention_kernels.ONE_ROW_FUSE); fuse2-notrig: without letting o_proj in first, fuse2-nopdl: off PDL;
+  KV head; attention_kernels.ONE_ROW_FUSE; fuse3: there up to COMBINE_UPTO chunks); fuse2-notrig: without letting o_proj in first, fuse2-nopdl: off PDL;
   route-apart: the routing in a launch of its own rather than in the router product's last program
   (dense_kernels.FUSE_ROUTE); before22: neither fusion (the step before them).
 Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
@@ -158,6 +158,7 @@ ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32}
 ARMS["fuse0"] = {**_DEFAULT, "fuse": 0}
 ARMS["fuse1"] = {**_DEFAULT, "fuse": 1}
 ARMS["fuse2"] = {**_DEFAULT, "fuse": 2}
+ARMS["fuse3"] = {**_DEFAULT, "fuse": 3}
 ARMS["fuse2-notrig"] = {**_DEFAULT, "fuse": 2, "trig": {"attention_reduce:o_early"}}
 ARMS["fuse2-nopdl"] = {**_DEFAULT, "fuse": 2, "skip": {"attention", "attention_one"}}
 # the routing in the last program of the one-row router product (dense_kernels.FUSE_ROUTE, "route_fuse") or apart;

@@ -45,9 +45,11 @@ Q8_PREFETCH = True
 SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
 # a one-row window (a target decoding alone) through `attention_one`: 0, `qkv_post` + `attention` (three launches);
 # 1, the q/k/v post-processing in the split kernel, the reduction apart (two); 2, the chunks also combined there by
-# the last program of each KV head to finish (one). Not yet measured on a GPU: `python bench/step_ab.py --contexts
-# 1024,4096,16384,32768 --widths 1 --arms default,fuse1,fuse2`
+# the last program of each KV head to finish (one); 3, combined there for rows of at most COMBINE_UPTO chunks, by the
+# reduction (launched, skipping shorter rows) beyond. Not yet measured on a GPU: `python bench/step_ab.py --contexts
+# 1024,4096,16384,32768 --widths 1 --arms default,fuse1,fuse2,fuse3`
 ONE_ROW_FUSE = 2
+COMBINE_UPTO = 32
 COMBINE_TILE = 8        # chunks a step of `attention_one`'s combination (GP heads x COMBINE_TILE x head_dim a tile)
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
@@ -249,18 +251,21 @@ if HAVE_TRITON:
             tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
 
     @triton.jit
-    def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
+    def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh, skip_upto,
                             HD: tl.constexpr, DB: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
                             E1: tl.constexpr, C2: tl.constexpr, NCB: tl.constexpr, GDC: tl.constexpr = False):
         """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
         an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
-        given position (each column's arithmetic is the same whichever program does it)."""
+        given position (each column's arithmetic is the same whichever program does it). A row of at most
+        `skip_upto` chunks is left alone (`attention_one`'s split kernel combined it)."""
         pdl.start(GDC)
         row = tl.program_id(0)
         h = tl.program_id(1)
         nh = tl.num_programs(1)
         pos = tl.load(pos_ptr + row)
         n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2)
+        if n_valid <= skip_upto:
+            return
         slot0 = (row * nh + h).to(tl.int64) * NC
         j = tl.arange(0, NCB)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
@@ -368,7 +373,7 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_one_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, acc_ptr,
                          ml_ptr, cnt_ptr, o_ptr, scale, eps, rscale, stride_qkv, stride_ch, stride_cs, stride_sh,
-                         stride_ss, NC, NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                         stride_ss, NC, combine_upto, NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                          HD: tl.constexpr, BS: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
                          E1: tl.constexpr, C2: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr,
                          Q8_PF: tl.constexpr, ROPE_OFF: tl.constexpr, COMBINE: tl.constexpr, NCR: tl.constexpr,
@@ -378,7 +383,8 @@ if HAVE_TRITON:
         program its own copy), the program whose walk holds the row's last chunk writes k and v at slot pos
         first (then a barrier: its own tile of that chunk reads them back), then `_attn_split_kernel`'s walk.
         COMBINE: the last program of a KV head to arrive (an int32 counter, reset by it) combines the chunks
-        (`_combine_heads`) into o_ptr; else the partials wait for `_attn_reduce_kernel`."""
+        (`_combine_heads`) into o_ptr when the row has at most `combine_upto` of them; else the partials wait for
+        `_attn_reduce_kernel`."""
         pdl.start(GDC)
         kvh = tl.program_id(0)
         first = tl.program_id(1)
@@ -463,7 +469,8 @@ if HAVE_TRITON:
             ticket = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel")
             if ticket == step - 1:
                 tl.atomic_xchg(cnt_ptr + kvh, 0)
-                _combine_heads(acc_ptr, ml_ptr, o_ptr + kvh * G * HD, slot0, n_valid, NC, g, gm, d, HD, GP, NCR)
+                if n_valid <= combine_upto:
+                        _combine_heads(acc_ptr, ml_ptr, o_ptr + kvh * G * HD, slot0, n_valid, NC, g, gm, d, HD, GP, NCR)
 
     @triton.jit
     def _qkv_post_rows_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, W, eps, rscale,
@@ -580,8 +587,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
-    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
-                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
+    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), -1, HD=hd, DB=db, C0=c0,
+                                           E0=e0, C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
                                            **pdl.launch(q, "attention_reduce:o_early" if o_early else
                                                         "attention_reduce"))
     return o
@@ -590,18 +597,18 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
 def attention_one(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale: float, pos: Tensor,
                   kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float, scale: float, *,
                   ks: Tensor | None = None, vs: Tensor | None = None, part: Tensor | None = None, rope_off: int = 0,
-                  o_early: bool = False, combine: bool | None = None) -> Tensor:
+                  o_early: bool = False, mode: int | None = None) -> Tensor:
     """`qkv_post` then `attention` for a window of one row (a target decoding alone), qkv [1, (nh+2nkv)*hd] ->
-    o [1, nh, hd], in one launch instead of three (ONE_ROW_FUSE 2) or two (1, the reduction apart): the split
-    programs norm and rope their own query heads, the one walking the row's last chunk writes k and v first, and
-    (`combine`, default ONE_ROW_FUSE == 2) the last program of each KV head to finish combines the chunks. The
-    same chunk layout, tiles and online softmax as `attention`; the query's and the combination's sums may be
-    reduced in another order, so the bits can differ from the three launches' (as the one-row step's other
-    kernels already differ from a wider window's). `part`: `split_scratch` (its tail holds the counters, which
-    every launch leaves at zero)."""
-    if combine is None:
-        combine = ONE_ROW_FUSE == 2
+    o [1, nh, hd], in one launch instead of three or two (`mode`, default ONE_ROW_FUSE: 1, the reduction apart; 3,
+    the reduction for rows past COMBINE_UPTO chunks): the split programs norm and rope their own query heads, the
+    one walking the row's last chunk writes k and v first, and the last program of each KV head to finish combines
+    the chunks. The same chunk layout, tiles and online softmax as `attention`; the query's and the combination's
+    sums may be reduced in another order, so the bits can differ from the three launches' (as the one-row step's
+    other kernels already differ from a wider window's). `part`: `split_scratch` (its tail holds the counters,
+    which every launch leaves at zero)."""
     nc = split_chunks(kc.shape[1], _kv.KV_TIERS)
+    mode = ONE_ROW_FUSE if mode is None else mode
+    upto = {1: -1, 2: nc, 3: COMBINE_UPTO}[mode]          # a row's chunks combined in the split kernel up to this
     c0, e0, c1, e1, c2 = _kv.KV_TIERS
     n_acc = nh * nc * hd
     need = n_acc + nh * nc * 2
@@ -616,18 +623,18 @@ def attention_one(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_
     G = nh // nkv
     o = torch.empty(1, nh, hd, dtype=qkv.dtype, device=qkv.device)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    part_name = "attention_one" + (":o_early" if o_early and combine else "")
+    part_name = "attention_one" + (":o_early" if o_early and upto >= nc else "")
     _attn_one_kernel[(nkv, split_programs(1, nkv, nc, qkv.device))](
         qkv, q_w, k_w, inv_freq, pos, kc, vc, ksx, vs if q8 else vc, acc, ml, cnt, o, float(scale), float(eps),
-        float(rope_scale), qkv.stride(0), kc.stride(0), kc.stride(1), ssh, sss, nc, NH=nh, NKV=nkv, G=G, GP=pow2(G),
-        HD=hd, BS=t["BS"] if hd <= 128 else min(t["BS"], 32), C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8, NB=nb,
-        QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, ROPE_OFF=int(rope_off), COMBINE=bool(combine), NCR=COMBINE_TILE,
+        float(rope_scale), qkv.stride(0), kc.stride(0), kc.stride(1), ssh, sss, nc, upto, NH=nh, NKV=nkv, G=G,
+        GP=pow2(G), HD=hd, BS=t["BS"] if hd <= 128 else min(t["BS"], 32), C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8, NB=nb,
+        QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, ROPE_OFF=int(rope_off), COMBINE=upto >= 0, NCR=COMBINE_TILE,
         FENCE=not interp and qkv.is_cuda, num_warps=t["num_warps"], num_stages=t["num_stages"],
         **pdl.launch(qkv, part_name))
-    if not combine:
+    if upto < nc:         # rows of more chunks than the kernel combines: the reduction (which skips the others)
         db = 32 if hd % 32 == 0 else hd
-        _attn_reduce_kernel[(1, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0,
-                                               E0=e0, C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
+        _attn_reduce_kernel[(1, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), upto, HD=hd, DB=db,
+                                               C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
                                                **pdl.launch(qkv, "attention_reduce:o_early" if o_early else
                                                             "attention_reduce"))
     return o

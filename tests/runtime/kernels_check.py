@@ -933,11 +933,12 @@ class reversed_grid:
 
 def check_attention_one(dt: torch.dtype) -> None:
     """`attention_one` (a one-row window in one or two launches) against `qkv_post` then `attention`: the cache rows
-    it writes the same bits, the output equal up to the sums' order, with the chunks combined in the split kernel
-    or by the reduction; over a layout of several chunk sizes and programs (the row's last chunk walked by another
+    it writes the same bits, the output equal up to the sums' order, with the chunks combined in the split kernel,
+    by the reduction, or by either as the row's chunk count says; over a layout of several chunk sizes and programs (the row's last chunk walked by another
     program than the first), a q8_0 cache, an MTP head's rope_off, a padding row (nothing written, zeros); every
-    counter back at zero after each call; the programs run first to last and last to first."""
-    _check_attention_one(dt)
+    counter back at zero after each call; the programs run last to first, and for fp32 also first to last."""
+    if dt == torch.float32:
+        _check_attention_one(dt)
     with reversed_grid():
         _check_attention_one(dt)
 
@@ -947,28 +948,29 @@ def _check_attention_one(dt: torch.dtype) -> None:
 
     nh, nkv, hd, S = 8, 2, 64, 400
     g = torch.Generator().manual_seed(21)
-    saved = kvmod.KV_TIERS
-    kvmod.KV_TIERS = (32, 64, 64, 192, 128)         # 32 on [0, 64), 64 on [64, 192), 128 beyond: 5 chunks to 400
+    saved = kvmod.KV_TIERS, attention_kernels.COMBINE_UPTO
+    kvmod.KV_TIERS = (32, 64, 64, 192, 128)         # 32 on [0, 64), 64 on [64, 192), 128 beyond: 6 chunks to 400
+    attention_kernels.COMBINE_UPTO = 3              # mode 3: rows of up to 3 chunks combined in the split kernel
     try:
         for q8 in (False, True):
             kc0, vc0, ks0, vs0, _, _ = cache(nkv, S, hd, dt, q8, g)
             qkv = torch.randn(1, (nh + 2 * nkv) * hd, generator=g).to(dt)
             qw, kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt), (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
             inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            for p, off in ((S - 1, 0), (63, 0), (64, 0), (191, 1), (7, 0), (0, 0), (-1, 0)):
+            for p, off in ((S - 1, 0), (63, 0), (191, 1), (0, 0), (-1, 0)):
                 pos = torch.tensor([p], dtype=torch.int32)
-                bufs = [[t.clone() if t is not None else None for t in (kc0, vc0, ks0, vs0)] for _ in range(3)]
+                bufs = [[t.clone() if t is not None else None for t in (kc0, vc0, ks0, vs0)] for _ in range(4)]
                 kc, vc, ks, vs = bufs[0]
                 q = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, kc, vc, nh, nkv, hd, 1e-6, ks=ks, vs=vs,
                                                rope_off=off)
                 ref = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs)
-                for combine, (kc2, vc2, ks2, vs2) in zip((False, True), bufs[1:], strict=True):
+                for mode, (kc2, vc2, ks2, vs2) in zip((1, 2, 3), bufs[1:], strict=True):
                     part = attention_kernels.split_scratch(1, nh, S, hd, "cpu")
                     part[:-kvmod.SPLIT_COUNTERS].fill_(float("nan"))      # nothing read that was not written
                     o = attention_kernels.attention_one(qkv, qw, kw, inv, 1.0, pos, kc2, vc2, nh, nkv, hd, 1e-6,
                                                         hd ** -0.5, ks=ks2, vs=vs2, part=part, rope_off=off,
-                                                        combine=combine)
-                    label = (dt, q8, p, off, combine)
+                                                        mode=mode)
+                    label = (dt, q8, p, off, mode)
                     assert torch.equal(kc2, kc) and torch.equal(vc2, vc), label
                     if q8:
                         assert torch.equal(ks2, ks) and torch.equal(vs2, vs), label
@@ -980,7 +982,7 @@ def _check_attention_one(dt: torch.dtype) -> None:
                     if p >= 0 and not q8:
                         assert not torch.equal(kc0[:, p], kc[:, p]), label          # the row was written
     finally:
-        kvmod.KV_TIERS = saved
+        kvmod.KV_TIERS, attention_kernels.COMBINE_UPTO = saved
 
 
 def check_mtp_graphs() -> None:
