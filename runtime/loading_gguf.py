@@ -1,5 +1,6 @@
 """Load a Qwen3-MoE target from a GGUF file in llama.cpp's `qwen3moe` layout (docs/formats.md, "Converted target
-GGUF"): Strata's own conversion or a file llama.cpp's converter (and `llama-quantize`) wrote.
+GGUF"): Strata's own conversion or a file llama.cpp's converter (and `llama-quantize`) wrote, in one file or in
+split parts named by the first (docs/formats.md, "Split GGUF files").
 
 The model is the same `Qwen3MoeModel` the Hugging Face loader builds, filled from the file as it says, tensor by
 tensor (each tensor's type comes from the tensor table, never from `general.file_type`, since a llama.cpp `Q4_K_M`
@@ -33,6 +34,7 @@ from runtime.formats.gguf_meta import (
     metadata,
     open_gguf,
 )
+from runtime.formats.gguf_split import GGUFSet
 from runtime.formats.quant_linear import QuantEmbedding, QuantLinear
 from runtime.formats.registry import FORMATS, by_tensor_type
 from runtime.models.layers import SparseMoe, rope_inv_freq
@@ -44,7 +46,7 @@ _BLOCK_TYPES = ", ".join(f.tensor_type for f in FORMATS.values() if f.quantized)
 
 
 def is_gguf(path: str | Path) -> bool:
-    """A target given as one .gguf file (else a Hugging Face folder)."""
+    """A target given as one .gguf file or the first part of a split one (else a Hugging Face folder)."""
     p = Path(path)
     if p.suffix.lower() == ".gguf":
         return True
@@ -55,13 +57,14 @@ def is_gguf(path: str | Path) -> bool:
 
 
 class _File:
-    """One open GGUF file: metadata, tensors by name, torch-order shapes."""
+    """One open GGUF file (or the parts of a split one, runtime/formats/gguf_split.py): metadata, tensors by name,
+    torch-order shapes."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = open_gguf(path)
-        self.meta = metadata(self.reader)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        parts = GGUFSet(path)
+        self.meta = parts.meta
+        self.tensors = parts.tensors
         self.shapes = {n: tuple(int(d) for d in reversed(list(t.shape))) for n, t in self.tensors.items()}
 
     def kind(self, name: str) -> str:

@@ -86,12 +86,14 @@ def hash_folder(folder: Path, on_file: Callable[[str], None] | None = None, *, v
 
 
 def target_files(path: Path) -> list[str]:
-    """A GGUF target's files (the target file and the MTP file it names), relative to its folder."""
+    """A GGUF target's files (the target file, or every part of a split one, and the MTP file it names), relative to
+    its folder."""
     from runtime.formats.gguf_meta import read_metadata
+    from runtime.formats.gguf_split import part_names
     from runtime.formats.target_gguf import KEY_MTP_FILE
 
     p = Path(path)
-    names = [p.name]
+    names = part_names(p.name)
     mtp = read_metadata(p, "strata.", error=UsageError).get(KEY_MTP_FILE)
     if isinstance(mtp, str) and "/" not in mtp and "\\" not in mtp and (p.parent / mtp).is_file():
         names.append(mtp)
@@ -101,7 +103,9 @@ def target_files(path: Path) -> list[str]:
 def hash_target(path: Path, on_file: Callable[[str], None] | None = None) -> Artifact:
     """`hash_folder` for a folder (validated: inventory, shapes and finite weights, checked while hashing); for a GGUF
     target file, its files (with the MTP file) by sha256 and size, relative to its folder, and the target file's own
-    sha256 as the target's (it changes with the quantization)."""
+    sha256 as the target's (it changes with the quantization); for a split one, the manifest hash over its parts."""
+    from runtime.formats.gguf_split import part_names
+
     p = Path(path)
     if not is_gguf_target(p):
         return hash_folder(p, on_file, validate=True)
@@ -110,8 +114,9 @@ def hash_target(path: Path, on_file: Callable[[str], None] | None = None) -> Art
         if on_file:
             on_file(rel)
         files[rel] = {"sha256": sha256_file(p.parent / rel), "size": (p.parent / rel).stat().st_size}
-    return Artifact(path=p.resolve(), sha256=files[p.name]["sha256"], files=files,
-                    size=sum(f["size"] for f in files.values()))
+    parts = part_names(p.name)
+    sha = files[p.name]["sha256"] if len(parts) == 1 else manifest_sha256({n: files[n] for n in parts})
+    return Artifact(path=p.resolve(), sha256=sha, files=files, size=sum(f["size"] for f in files.values()))
 
 
 def drafter_geometry(head: HeadOption | Artifact | Path | None) -> DFlash2Geometry | None:

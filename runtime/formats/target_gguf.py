@@ -276,17 +276,19 @@ def file_quant(meta: Mapping[str, Any], tensors: list[Any]) -> str:
 
 
 def read_geometry(path: Any):
-    """The budget geometry of a qwen3moe GGUF target (and its MTP file), exact from the tensor table: block tensors
-    by their bytes, float tensors by their elements (the runtime holds those in its own dtype). Reads no weights."""
+    """The budget geometry of a qwen3moe GGUF target (every part of a split one, and its MTP file), exact from the
+    tensor table: block tensors by their bytes, float tensors by their elements (the runtime holds those in its own
+    dtype). Reads no weights."""
     from pathlib import Path
 
-    from runtime.formats.gguf_meta import metadata, open_gguf
+    from runtime.formats.gguf_meta import open_gguf
+    from runtime.formats.gguf_split import GGUFSet
     from runtime.models.target_config import TargetGeometry
 
     path = Path(path)
-    reader = open_gguf(path)
-    meta = metadata(reader)
-    tensors = list(reader.tensors)
+    parts = GGUFSet(path)
+    meta = parts.meta
+    tensors = list(parts.tensors.values())
     shapes = {t.name: tuple(int(d) for d in reversed(list(t.shape))) for t in tensors}
     cfg = config_from_metadata(meta, shapes, source=path.name)
     experts = [t for t in tensors if is_expert_stack(t.name)]
