@@ -246,6 +246,52 @@ def test_bad_files_one_sentence(tmp_path, files):
         load_target_gguf(lonely, with_mtp=True)
 
 
+def test_split_gguf_reads_as_one_file(tmp_path, files):
+    """A target written in parts (gguf-py's sharded writer, as llama.cpp's `--split-max-tensors` names them) loads
+    from its first part to the same model as the same target in one file: logits bit for bit, the same budget
+    geometry, the tokenizer from the first part's metadata; the engine and setup's hashing take it too."""
+    from runtime.formats.target_gguf import read_geometry
+    from setup_wizard.inspection import hash_target, target_files
+
+    src, _, _ = files
+    one = llamacpp_style_gguf(src, tmp_path / "one" / "m.gguf", "q8_0", pre="qwen2")
+    first = llamacpp_style_gguf(src, tmp_path / "split" / "m.gguf", "q8_0", pre="qwen2", split_max_tensors=10)
+    names = sorted(p.name for p in first.parent.iterdir())
+    assert first.name == "m-00001-of-00003.gguf" and names == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    a, b = load_target_gguf(one), load_target_gguf(first)
+    tok = load_tokenizer_gguf(first)
+    ids = torch.tensor([_prompts(tok)[0]])
+    assert torch.equal(a(ids).logits, b(ids).logits)
+    assert read_geometry(first) == read_geometry(one)
+    assert target_files(first) == names
+    art = hash_target(first)
+    assert sorted(art.files) == names and art.size == sum(p.stat().st_size for p in first.parent.iterdir())
+    eng = Engine.build(first, device="cpu")
+    assert eng.generate(tok.encode("def f():").ids, max_new_tokens=4).token_ids == \
+        _greedy(a, tok.encode("def f():").ids, 4)
+
+
+def test_split_gguf_refusals(tmp_path, files):
+    """One sentence each: a part other than the first given (names the first), a part missing beside the first,
+    parts of two uploads mixed (a part's own split.no disagrees with its name)."""
+    src, _, _ = files
+    first = llamacpp_style_gguf(src, tmp_path / "s" / "m.gguf", "q8_0", pre="qwen2", split_max_tensors=10)
+    d = first.parent
+    with pytest.raises(LoadError) as e:
+        load_target_gguf(d / "m-00002-of-00003.gguf")
+    assert str(e.value) == (f"{d / 'm-00002-of-00003.gguf'} is part 2 of a split GGUF file; give its first part, "
+                            "m-00001-of-00003.gguf.")
+    (d / "m-00003-of-00003.gguf").rename(tmp_path / "away.gguf")
+    with pytest.raises(LoadError) as e:
+        load_target_gguf(first)
+    assert str(e.value) == ("m-00001-of-00003.gguf is the first of 3 parts of a split GGUF file and part 3, "
+                            "m-00003-of-00003.gguf, is missing beside it; download every part.")
+    (d / "m-00002-of-00003.gguf").rename(d / "m-00003-of-00003.gguf")       # part 2's bytes named part 3
+    (tmp_path / "away.gguf").rename(d / "m-00002-of-00003.gguf")
+    with pytest.raises(LoadError, match=r"m-00002-of-00003.gguf says it is part 2 \(from 0\) of 3, not part 1 of 3"):
+        load_target_gguf(first)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.timeout(660)     # the interpreter is slow; two CI cores share the work
 def test_quantized_fused_step_in_interpreter():

@@ -127,15 +127,18 @@ def _vocab(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def llamacpp_style_gguf(folder: str | Path, out: str | Path, ftype: str, *, pre: str) -> Path:
+def llamacpp_style_gguf(folder: str | Path, out: str | Path, ftype: str, *, pre: str, split_max_tensors: int = 0
+                        ) -> Path:
     """Write `out` as llama.cpp's converter does for this checkpoint (the target only: llama.cpp drops nothing and
-    refuses `mtp.*`, so the MTP tensors are skipped here)."""
+    refuses `mtp.*`, so the MTP tensors are skipped here). split_max_tensors: in parts of at most that many tensors,
+    as `--split-max-tensors` writes them (`OUT-00001-of-0000N.gguf`, ...); returns the first part's path."""
     folder, out = Path(folder), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     hp = json.loads((folder / "config.json").read_text())
     arch = gguf.MODEL_ARCH.QWEN3MOE
     n_layers = hp["num_hidden_layers"]
     tmap = gguf.get_tensor_name_map(arch, n_layers)
-    w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
+    w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(folder.name)
     w.add_block_count(n_layers)
@@ -183,7 +186,7 @@ def llamacpp_style_gguf(folder: str | Path, out: str | Path, ftype: str, *, pre:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
+    return w.format_shard_names(out)[0]
 
 
 def _add(w, new_name: str, data: np.ndarray, ftype: str, bid: int | None) -> None:
