@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import UsageError
+from runtime.formats.gguf_split import part_names
 
 HEAD_KINDS = ("dflash2", "dflash")   # drafter heads: DFlash2, and DFlash v1 (no convolutions, no selector)
 KINDS = ("target", *HEAD_KINDS)
@@ -97,9 +98,11 @@ class CatalogEntry:
 
     @property
     def gguf_file(self) -> str | None:
-        """A GGUF target entry's one file (a llama.cpp GGUF from the Hub, docs/store.md "Catalog"), else None."""
-        one = len(self.files) == 1 and is_gguf_name(self.files[0].path)
-        return self.files[0].path if self.kind == "target" and one else None
+        """A GGUF target entry's file (a llama.cpp GGUF from the Hub, docs/store.md "Catalog"; the first part of a
+        split one), else None."""
+        paths = [f.path for f in self.files]
+        one = bool(paths) and is_gguf_name(paths[0]) and part_names(paths[0]) == paths
+        return paths[0] if self.kind == "target" and one else None
 
     @property
     def is_head(self) -> bool:
@@ -262,9 +265,10 @@ def _entry(raw: Any, origin: str, idx: int) -> CatalogEntry:
     if mtp is not None and (kind != "target" or not isinstance(mtp, bool)):
         raise CatalogError(f"{label}: key 'mtp' is true/false and only for target entries.")
     ggufs = [f.path for f in files if is_gguf_name(f.path)]
-    if ggufs and (kind != "target" or len(files) != 1 or "/" in ggufs[0]):
+    if ggufs and (kind != "target" or part_names(ggufs[0]) != [f.path for f in files] or "/" in ggufs[0]):
         raise CatalogError(f"{label}: a GGUF entry is a target that lists exactly one .gguf file at the top of its "
-                           f"repository (the file holds the tokenizer too); got {', '.join(f.path for f in files)}.")
+                           f"repository (the file holds the tokenizer too), or every part of one split file in "
+                           f"order (NAME-00001-of-0000N.gguf first); got {', '.join(f.path for f in files)}.")
     if ggufs and mtp:
         raise CatalogError(f"{label}: key 'mtp' is true, but a GGUF file from the Hub carries no MTP head Strata "
                            f"reads; set it false.")

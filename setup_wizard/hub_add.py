@@ -520,14 +520,26 @@ def _match_heads(found: Found, shape: tuple[int, int, int], cat: Catalog, store:
 # ---------------------------------------------------------------------------------------------------------------
 # a GGUF file (llama.cpp's qwen3moe layout) as the target
 
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+def gguf_files(r: _Repo) -> list[tuple[str, int]]:
+    """The GGUF files at the top of the repository as (name, size) by name: single files, and each complete split
+    series as its first part with the size of all its parts (docs/formats.md, "Split GGUF files")."""
+    from runtime.formats.gguf_split import part_names, part_of
+
+    out = []
+    for n, sib in r.siblings.items():
+        if not n.lower().endswith(".gguf") or "/" in n or "\\" in n:
+            continue
+        p = part_of(n)
+        if p is None:
+            out.append((n, int(sib.size or 0)))
+        elif p[1] == 1 and all(r.has(x) for x in part_names(n)):
+            out.append((n, sum(int(r.siblings[x].size or 0) for x in part_names(n))))
+    return sorted(out)
 
 
-def gguf_files(r: _Repo, *, parts: bool = False) -> list[Any]:
-    """The single-file GGUFs at the top of the repository (their Hub listing: name and size), by name; with
-    `parts`, the parts of split ones instead."""
-    return sorted((s for n, s in r.siblings.items() if n.lower().endswith(".gguf") and "/" not in n
-                   and "\\" not in n and bool(_SPLIT.search(n)) == parts), key=lambda s: s.rfilename)
+def _header_copies(repo: str, pins: list[Any], commit: str, folder: Path, where: str) -> Path:
+    """`_header_copy` of each file (every part of a split GGUF) into `folder`; the first one's path."""
+    return [_header_copy(repo, p.path, commit, p.size, folder / p.path, where) for p in pins][0]
 
 
 def _header_copy(repo: str, rel: str, commit: str, size: int, dest: Path, where: str) -> Path:
@@ -564,22 +576,25 @@ def _check_gguf_header(local: Path, what: str):
 def _inspect_gguf(r: _Repo, rel: str, cat: Catalog, store: Store, found: Found) -> None:
     import tempfile
 
+    from runtime.formats.gguf_split import part_names
+
     check_relpath(rel, f"{r.where()}: --file")
     if not rel.lower().endswith(".gguf") or "/" in rel:
         raise UsageError(f"--file {rel} is not a .gguf file at the top of {r.where()}; name one of its GGUF files.")
-    split = _SPLIT.search(rel)
-    if split:
-        raise UsageError(f"{rel} of {r.where()} is part {int(split.group(1))} of a GGUF file split in "
-                         f"{int(split.group(2))}; Strata reads single-file GGUFs: choose a quantization published "
-                         f"as one file, or merge the parts (llama-gguf-split --merge) and give the file as --target.")
     if not r.has(rel):
-        names = ", ".join(s.rfilename for s in gguf_files(r)[:6]) or "none"
+        names = ", ".join(n for n, _ in gguf_files(r)[:6]) or "none"
         raise UsageError(f"{r.where()} has no file {rel}; its GGUF files: {names}.")
-    pin = r.pin(rel)
+    parts = part_names(rel)             # a split file: every part, the target named by the first
+    missing = [n for n in parts if not r.has(n)]
+    if missing:
+        raise UsageError(f"{rel} of {r.where()} is a part of a GGUF file split in {len(parts)}, and the repository "
+                         f"lacks {missing[0]}; choose a file whose parts are all there.")
+    pins = [r.pin(n) for n in parts]
+    what = f"{parts[0]}{f' (and its {len(parts) - 1} other parts)' if len(parts) > 1 else ''} of {r.where()}"
     with tempfile.TemporaryDirectory(prefix="strata-gguf-header-") as tmp:
-        local = _header_copy(r.repo, rel, r.commit, pin.size, Path(tmp) / rel, r.where())
-        c, geo = _check_gguf_header(local, f"{rel} of {r.where()}")
-    found.files = [pin]
+        local = _header_copies(r.repo, pins, r.commit, Path(tmp), r.where())
+        c, geo = _check_gguf_header(local, what)
+    found.files = pins
     found.mtp = False
     found.quant = geo.quant
     found.drafters = ["dflash2", "none"]
@@ -600,10 +615,9 @@ def remote_gguf(entry: CatalogEntry, read: Callable[[Path], Any]) -> Any:
 
     if entry.source != "hf" or not entry.repo or not entry.revision or not entry.gguf_file:
         raise UsageError(f"{entry.name} is not a pinned GGUF file on the Hub.")
-    pin = entry.file(entry.gguf_file)
     with tempfile.TemporaryDirectory(prefix="strata-gguf-header-") as tmp:
-        local = _header_copy(entry.repo, pin.path, entry.revision, pin.size, Path(tmp) / pin.path,
-                             f"{entry.repo} at {entry.revision}")
+        local = _header_copies(entry.repo, list(entry.files), entry.revision, Path(tmp),
+                               f"{entry.repo} at {entry.revision}")
         return read(local)
 
 
@@ -681,7 +695,10 @@ def _derive_name(repo: str, cat: Catalog, file: str | None = None) -> str:
     """A suggestion's name when the catalog lists this repository unpinned, else the repository's name, lower case
     (a GGUF file: the file's name without .gguf, which carries the quantization: qwen3-30b-a3b-q4_k_m)."""
     if file is not None:
-        base = re.sub(r"[^a-z0-9._-]+", "-", file[:-len(".gguf")].lower()).strip("-._") or "model"
+        from runtime.formats.gguf_split import part_of
+
+        stem = part_of(file)[0] if part_of(file) else file[:-len(".gguf")]
+        base = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-._") or "model"
         return base[:128]
     for e in cat:
         if e.source == "hf" and e.repo and e.repo.lower() == repo.lower() and not e.pinned:
@@ -734,18 +751,14 @@ def inspect_repo(repo: str, *, revision: str | None = None, kind: str | None = N
     if file is None and not r.has("config.json"):
         ggufs = gguf_files(r)
         if ggufs and choose_file is not None:
-            file = choose_file([(g.rfilename, int(g.size or 0)) for g in ggufs])
+            file = choose_file(ggufs)
             if file is None:
                 raise UsageError(f"No GGUF file of {r.where()} was chosen; nothing was added.")
         elif ggufs:     # a llama.cpp repository: one of its files is pinned as the target (docs/commands.md)
-            names = [g.rfilename for g in ggufs]
+            names = [n for n, _ in ggufs]
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
             raise UsageError(f"{r.where()} holds GGUF files ({shown}) and no config.json; pass --file with the one "
                              f"to pin as the target, like --file {names[0]}.")
-        elif gguf_files(r, parts=True):
-            first = gguf_files(r, parts=True)[0].rfilename
-            raise UsageError(f"{r.where()} holds only split GGUF files ({first}, ...); Strata reads single-file "
-                             f"GGUFs: merge the parts (llama-gguf-split --merge) and give the file as --target.")
         else:
             raise UsageError(f"{r.where()} has no config.json; it is not a model repository Strata can run.")
     if file is not None:

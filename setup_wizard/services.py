@@ -13,10 +13,12 @@ from typing import Any, Protocol
 
 from calibrate.api import DEFAULT_MAX_SECONDS, calibrate_for_config
 from calibrate.results import CalibrationResult
+from runtime.formats.gguf_split import part_names
 from runtime.progress import ProgressFn
 from setup_wizard import catalog as C
 from setup_wizard import convert as V
 from setup_wizard import hub as H
+from setup_wizard.config import manifest_sha256
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,11 @@ class RealServices:
         pulled = H.pull(name, offline=True if offline else None, on_progress=self.on_progress)
         entry = C.load_catalog().get(name)
         path, sha = Path(pulled.path), pulled.sha256
-        if entry.gguf_file is not None:     # the file itself, and its own sha256 (as for a local GGUF target)
-            path, sha = path / entry.gguf_file, pulled.files[entry.gguf_file]["sha256"]
+        if entry.gguf_file is not None:     # the file itself, and its sha256 as a local GGUF target's (hash_target)
+            parts = part_names(entry.gguf_file)
+            path = path / entry.gguf_file
+            sha = (pulled.files[entry.gguf_file]["sha256"] if len(parts) == 1
+                   else manifest_sha256({n: pulled.files[n] for n in parts}))
         return Artifact(path=path, sha256=sha, size=pulled.size, files=dict(pulled.files),
                         revision=pulled.revision, reused=pulled.reused, repo=entry.repo, name=name)
 

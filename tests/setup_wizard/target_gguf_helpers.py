@@ -216,18 +216,19 @@ def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
     return raw.reshape(rows, cols // 256 * bb)
 
 
-def llamacpp_block_gguf(tmp_path: Path, main: str, kind_of=None) -> tuple[Path, Path, dict[str, np.ndarray]]:
+def llamacpp_block_gguf(tmp_path: Path, main: str, kind_of=None, split_max_tensors: int = 0
+                        ) -> tuple[Path, Path, dict[str, np.ndarray]]:
     """A llama.cpp-style bf16 file of a small random target (no MTP head) and its copy with every matrix in
     super-block blocks (random codes, small scales), as llama-quantize's Q4_K_M mixes them: Q6_K for the experts'
-    down, v and the head, `main` elsewhere (`kind_of(name)` instead, where given). -> (that file, the bf16 file,
-    gguf-py's values of each block tensor)."""
+    down, v and the head, `main` elsewhere (`kind_of(name)` instead, where given). -> (that file (its first part
+    when split in parts of `split_max_tensors`), the bf16 file, gguf-py's values of each block tensor)."""
     src = make_bpe_target(tmp_path, hidden=256, moe_inter=256, head_dim=128, heads=2, kv_heads=1, layers=2,
                           inter=256, mtp=False, tok_vocab=300)
     ref_path = llamacpp_style_gguf(src, tmp_path / "bf16.gguf", "bf16", pre="gpt-2")
     r = gguf.GGUFReader(ref_path)
     rng = np.random.default_rng(0)
     out = tmp_path / f"{main.lower()}_m.gguf"
-    w = gguf.GGUFWriter(out, "qwen3moe")
+    w = gguf.GGUFWriter(out, "qwen3moe", split_max_tensors=split_max_tensors)
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
@@ -251,4 +252,4 @@ def llamacpp_block_gguf(tmp_path: Path, main: str, kind_of=None) -> tuple[Path, 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out, ref_path, deq
+    return w.format_shard_names(out)[0], ref_path, deq

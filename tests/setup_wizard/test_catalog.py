@@ -78,6 +78,9 @@ def test_extra_catalog_merges_over_shipped(tmp_path):
     (_gguf(kind="dflash2", fits=["t1"]), "a GGUF entry is a target that lists exactly one .gguf file"),
     (_gguf(file=[GF, {"path": "config.json", "sha256": SHA, "size": 2}]), "lists exactly one .gguf file at the top"),
     (_gguf(file=[{**GF, "path": "q4/m.gguf"}]), "lists exactly one .gguf file at the top of its repository"),
+    (_gguf(file=[{**GF, "path": "m-00001-of-00002.gguf"}]), "or every part of one split file in order"),
+    (_gguf(file=[{**GF, "path": "m-00002-of-00002.gguf"}, {**GF, "path": "m-00001-of-00002.gguf"}]),
+     "or every part of one split file in order (NAME-00001-of-0000N.gguf first)"),
     (_gguf(mtp=True), "entry 'g1': key 'mtp' is true, but a GGUF file from the Hub carries no MTP head"),
     (_gguf(quant="Q4_K"), "entry 'g1': key 'quant' names a GGUF target's storage"),
     ({**T, "quant": "q4_k"}, "entry 't1': key 'quant' names a GGUF target's storage"),
@@ -95,6 +98,8 @@ def test_gguf_target_entry(tmp_path):
     g = cat.get("g1")
     assert g.gguf_file == "m-Q4_K_M.gguf" and g.quant == "q4_k" and g.pinned and cat.get("t1").gguf_file is None
     assert [h.name for h in cat.heads("g1")] == ["h1"]
+    parts = [{**GF, "path": f"m-0000{i}-of-00003.gguf"} for i in (1, 2, 3)]     # a split file: its parts in order
+    assert _load(tmp_path, [T, _gguf(file=parts)]).get("g1").gguf_file == "m-00001-of-00003.gguf"
 
 
 def test_duplicates_and_two_defaults(tmp_path):

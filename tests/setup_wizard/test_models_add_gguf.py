@@ -131,14 +131,16 @@ def test_a_head_added_after_the_gguf_target_fits_it_and_drafts(env, home, files)
 def test_gguf_files_refused_in_one_sentence(env, home, files):
     hub = env
     hub.publish("t/odd-GGUF", {FILE: files["gguf"], "Mini-MoE-IQ3.gguf": files["iq3"], "notes.txt": b"x",
-                               "junk.gguf": b"GGUF" + b"\0" * 60, "empty.gguf": b"", "Big-00001-of-00002.gguf": b"GGUF",
-                               "Big-00002-of-00002.gguf": b"x"})
+                               "junk.gguf": b"GGUF" + b"\0" * 60, "empty.gguf": b"", "Big-00001-of-00003.gguf": b"GGUF",
+                               "Big-00002-of-00003.gguf": b"x"})
     cases = {
         "Mini-MoE-IQ3.gguf": "Mini-MoE-IQ3.gguf of t/odd-GGUF at main cannot be run: tensor blk.1.attn_q.weight "
                              "is stored as IQ3_XXS, which Strata does not read",
         "junk.gguf": "junk.gguf of t/odd-GGUF at main is GGUF version 0; Strata reads versions 2 and 3.",
         "empty.gguf": "empty.gguf of t/odd-GGUF at main has 0 bytes, fewer than a GGUF header's first fields",
-        "Big-00001-of-00002.gguf": "is part 1 of a GGUF file split in 2; Strata reads single-file GGUFs",
+        "Big-00002-of-00003.gguf": "Big-00002-of-00003.gguf of t/odd-GGUF at main is a part of a GGUF file split "
+                                   "in 3, and the repository lacks Big-00003-of-00003.gguf; choose a file whose parts "
+                                   "are all there.",
         "missing.gguf": "t/odd-GGUF at main has no file missing.gguf; its GGUF files: Mini-MoE-IQ3.gguf, "
                         f"{FILE}, empty.gguf, junk.gguf.",
         "notes.txt": "--file notes.txt is not a .gguf file at the top of t/odd-GGUF at main",
@@ -152,8 +154,43 @@ def test_gguf_files_refused_in_one_sentence(env, home, files):
     res = run("models", "add", "t/odd-GGUF", "--file", FILE, "--kind", "dflash2")
     assert res.exit_code == 2 and "drop --kind dflash2" in words(res)
     hub.publish("t/split-GGUF", {"Big-00001-of-00002.gguf": b"GGUF", "Big-00002-of-00002.gguf": b"x"})
-    res = run("models", "add", "t/split-GGUF")
-    assert res.exit_code == 2 and "holds only split GGUF files (Big-00001-of-00002.gguf, ...)" in words(res)
+    res = run("models", "add", "t/split-GGUF")     # a split file is offered by its first part
+    assert res.exit_code == 2 and "holds GGUF files (Big-00001-of-00002.gguf) and no config.json" in words(res)
+
+
+def test_split_gguf_pinned_part_by_part_pulled_and_run(env, home, files, tmp_path):
+    """A GGUF file published in parts (llama.cpp's `-00001-of-0000N` names): any part named pins every part (each
+    from its own LFS sha256), the entry named by the series; each part's header is checked before anything is
+    downloaded; pulled, set up and run, it gives the tokens of the same parts given as a local --target (named by
+    the first part)."""
+    hub = env
+    first, _, _ = llamacpp_block_gguf(tmp_path / "split", "Q5_K", split_max_tensors=12)
+    parts = sorted(p for p in first.parent.glob("q5_k_m-*.gguf"))
+    assert len(parts) >= 2 and parts[0] == first
+    commit = hub.publish("t/Split-GGUF", {p.name: p.read_bytes() for p in parts})
+    res = run("models", "add", "t/Split-GGUF", "--file", parts[1].name, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["name"] == "q5_k_m" and doc["quant"] == "q5_k"
+    assert [(f["path"], f["sha256"], f["size"]) for f in doc["files"]] == [
+        (p.name, hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_size) for p in parts]
+    for p in parts:                  # every part's header read by ranges, none whole
+        got = hub.gets(p.name)
+        assert got and None not in got
+    res = run("--yes", "--target", "q5_k_m", "--drafter", "none", "--context", "256", "--dry-run", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["plan"]["budget"]["fits"], res.output
+    res = run("--yes", "--target", "q5_k_m", "--drafter", "none", "--no-calibrate", "--context", "256")
+    assert res.exit_code == 0, res.output
+    for p in parts:
+        assert (home / "downloads" / "t--Split-GGUF" / commit / p.name).read_bytes() == p.read_bytes()
+    cfg = home / "configs" / "q5_k_m-q5_k-none.toml"
+    assert tomllib.loads(cfg.read_text())["target"]["path"].endswith(f"/{commit}/{first.name}")
+    res = run("--yes", "--target", str(first), "--drafter", "none", "--no-calibrate", "--context", "256",
+              "--config-out", str(tmp_path / "local.toml"))
+    assert res.exit_code == 0, res.output
+    assert tomllib.loads((tmp_path / "local.toml").read_text())["target"]["sha256"] == \
+        tomllib.loads(cfg.read_text())["target"]["sha256"]
+    assert generate(cfg) == generate(tmp_path / "local.toml")
 
 
 def test_wizard_asks_which_gguf_file_of_a_typed_repository(env, home, files):
