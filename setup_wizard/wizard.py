@@ -244,8 +244,14 @@ def _add_from_hub(services: Services, picked: str, options: list, kind: str, io:
                                              **io)))
 
     def choose_file(files: list[tuple[str, int]]) -> str | None:
-        """A llama.cpp repository: which of its GGUF files (one quantization each) to pin as the target."""
-        items = [questionary.Choice(f"{n}  ({_size(size)})", value=n) for n, size in files]
+        """A llama.cpp repository: which of its GGUF files (one quantization each) to pin as the target; a split
+        file by its first part, with all its parts' size."""
+        from runtime.formats.gguf_split import part_of
+
+        def label(n: str, size: int) -> str:
+            p = part_of(n)
+            return f"{n}  ({_size(size)}{f' in {p[2]} parts' if p else ''})"
+        items = [questionary.Choice(label(n, size), value=n) for n, size in files]
         return _ask(questionary.select("Which GGUF file (quantization)?", choices=items, **io))
 
     found = services.add_from_hub(repo, name=name, kind=kind, show=show, confirm=confirm,
