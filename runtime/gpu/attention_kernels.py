@@ -178,6 +178,47 @@ if HAVE_TRITON:
         return lo, size
 
     @triton.jit
+    def _walk_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, base, sbase, lo, hi_r, scale, stride_cs, stride_ss,
+                    dt: tl.constexpr, L: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, Q8: tl.constexpr,
+                    NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr):
+        """One chunk from position lo for the L query lines q [L, HD], line i up to position hi_r[i] (excluded):
+        the unnormalised output, running max and sum (acc [L, HD], m [L], l [L]) over tiles of BS positions in
+        order, the online softmax. A q8_0 cache with Q8_PF: each tile's raw codes and scales are loaded a tile
+        ahead (the same values)."""
+        hi = tl.max(hi_r, 0)
+        m_i = tl.full((L,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((L,), dtype=tl.float32)
+        acc = tl.zeros((L, HD), dtype=tl.float32)
+        if Q8 and Q8_PF:                       # the chunk's first tile, raw
+            s = lo + tl.arange(0, BS)
+            kq, ksc = _raw_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
+            vq, vsc = _raw_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
+        for s0 in range(lo, hi, BS):
+            s = s0 + tl.arange(0, BS)
+            sm = s < hi
+            if Q8 and Q8_PF:                   # the next tile's raw words before this tile's arithmetic
+                sn = s + BS
+                kq_, ksc_ = _raw_kv(k_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
+                vq_, vsc_ = _raw_kv(v_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
+                k = _deq(kq, ksc, dt, BS, HD)
+                v = _deq(vq, vsc, dt, BS, HD)
+                kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
+            else:
+                k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+            sc = tl.dot(q, tl.trans(k)) * scale
+            sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, acc_ptr, ml_ptr, scale,
                            stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
@@ -213,37 +254,8 @@ if HAVE_TRITON:
         for c in range(first, n_valid, step):
             lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
             hi_r = tl.minimum(lo + size, pos_r + 1)    # each line's end in this chunk
-            hi = tl.max(hi_r, 0)
-            m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros((RB * GP,), dtype=tl.float32)
-            acc = tl.zeros((RB * GP, HD), dtype=tl.float32)
-            if Q8 and Q8_PF:                       # the chunk's first tile, raw
-                s = lo + tl.arange(0, BS)
-                kq, ksc = _raw_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
-                vq, vsc = _raw_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
-            for s0 in range(lo, hi, BS):
-                s = s0 + tl.arange(0, BS)
-                sm = s < hi
-                if Q8 and Q8_PF:                   # the next tile's raw words before this tile's arithmetic
-                    sn = s + BS
-                    kq_, ksc_ = _raw_kv(k_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                    vq_, vsc_ = _raw_kv(v_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                    k = _deq(kq, ksc, dt, BS, HD)
-                    v = _deq(vq, vsc, dt, BS, HD)
-                    kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
-                else:
-                    k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                    v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                sc = tl.dot(q, tl.trans(k)) * scale
-                sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_use)
-                p = tl.exp(sc - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-                m_i = m_new
+            acc, m_i, l_i = _walk_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, base, sbase, lo, hi_r, scale, stride_cs,
+                                        stride_ss, dt, RB * GP, HD, BS, Q8, NB, QB, Q8_PF)
             slot = slot0 + c
             keep = lm & (c < nv_r)
             tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
@@ -427,36 +439,9 @@ if HAVE_TRITON:
         slot0 = heads.to(tl.int64) * NC
         for c in range(first, n_valid, step):
             lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
-            hi = tl.minimum(lo + size, pos + 1)
-            m_i = tl.full((GP,), float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros((GP,), dtype=tl.float32)
-            acc = tl.zeros((GP, HD), dtype=tl.float32)
-            if Q8 and Q8_PF:
-                s = lo + tl.arange(0, BS)
-                kq, ksc = _raw_kv(kc_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
-                vq, vsc = _raw_kv(vc_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
-            for s0 in range(lo, hi, BS):
-                s = s0 + tl.arange(0, BS)
-                sm = s < hi
-                if Q8 and Q8_PF:
-                    sn = s + BS
-                    kq_, ksc_ = _raw_kv(kc_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                    vq_, vsc_ = _raw_kv(vc_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                    k = _deq(kq, ksc, dt, BS, HD)
-                    v = _deq(vq, vsc, dt, BS, HD)
-                    kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
-                else:
-                    k = _load_kv(kc_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                    v = _load_kv(vc_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                sc = tl.dot(q, tl.trans(k)) * scale
-                sc = tl.where(sm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_use)
-                p = tl.exp(sc - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-                m_i = m_new
+            hi_r = tl.full((GP,), 0, tl.int32) + tl.minimum(lo + size, pos + 1)
+            acc, m_i, l_i = _walk_chunk(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, base, sbase, lo, hi_r, scale, stride_cs,
+                                        stride_ss, dt, GP, HD, BS, Q8, NB, QB, Q8_PF)
             slot = slot0 + c
             tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=gm[:, None])
             tl.store(ml_ptr + slot * 2, m_i, mask=gm)
