@@ -8,9 +8,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv
 if [ "${PART:-1}" = 1 ]; then
-  python3 bench/attn_one.py --contexts 1024,4096,16384,32768,131072 --checks 24 --max-seconds 100 2>&1 | tail -50
+  python3 bench/attn_one.py --contexts 1024,4096,16384,32768,131072 --checks 16 --max-seconds 80 2>&1 | tail -50
   python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 \
-    --arms before22,default,fuse0,fuse1,fuse3,route-apart --rounds 5 --steps 30 2>&1 | tail -40
+    --arms before22,default,fuse1,fuse3,route-apart --rounds 5 --steps 30 2>&1 | tail -40
 else
   python3 bench/step_ab.py --contexts 131072 --widths 1 --arms before22,default,fuse1 --rounds 5 --steps 20 \
     --quant q4_0 --quant-arms before22,default,fuse2-nopdl 2>&1 | tail -40
