@@ -10,8 +10,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 if [ "${PART:-1}" = 1 ]; then
   python3 bench/attn_one.py --contexts 1024,4096,16384,32768,131072 --checks 16 --max-seconds 80 2>&1 | tail -50
   python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 \
-    --arms before22,default,fuse1,fuse3,route-apart --rounds 5 --steps 30 2>&1 | tail -40
+    --arms before22,fuse1r,fuse2r,fuse3r,fuse2 --rounds 5 --steps 30 2>&1 | tail -40
 else
-  python3 bench/step_ab.py --contexts 131072 --widths 1 --arms before22,default,fuse1 --rounds 5 --steps 20 \
-    --quant q4_0 --quant-arms before22,default,fuse2-nopdl 2>&1 | tail -40
+  python3 bench/step_ab.py --contexts 131072 --widths 1 --arms before22,fuse1r,fuse2r,fuse3r --rounds 5 --steps 20 \
+    --quant q4_0 --quant-arms before22,fuse2r,fuse2r-nopdl,fuse3r 2>&1 | tail -40
 fi

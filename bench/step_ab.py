@@ -16,11 +16,11 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
   2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW); before a one-step o_proj, the split kernel on PDL and the reduction
   letting o_proj in before its own wait (pdl.TRIGGER_FIRST; arm split-apart: without): the runtime's default.
   default-late: the default with every load after the PDL wait.
-- fuse0, fuse1, fuse2: a one-row window's q/k/v post-processing, split attention and reduction in three launches,
-  two (the post-processing in the split kernel) or one (the chunks also combined there by the last program of each
-  KV head; attention_kernels.ONE_ROW_FUSE; fuse3: there up to COMBINE_UPTO chunks); fuse2-notrig: without letting o_proj in first, fuse2-nopdl: off PDL;
-  route-apart: the routing in a launch of its own rather than in the router product's last program
-  (dense_kernels.FUSE_ROUTE); before22: neither fusion (the step before them).
+- fuse0, fuse1, fuse2, fuse3: a one-row window's q/k/v post-processing, split attention and reduction in three
+  launches, two (the post-processing in the split kernel) or one (the chunks also combined there by the last program
+  of each KV head; fuse3: there up to COMBINE_UPTO chunks, by the reduction beyond; attention_kernels.ONE_ROW_FUSE);
+  the same with "r": the routing also in the router product's last program (dense_kernels.FUSE_ROUTE);
+  fuse2r-notrig: without letting o_proj in first, fuse2r-nopdl: off PDL; before22 (= fuse0): neither fusion.
 Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
 launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt); in
 h200_session8/: the one-step tiles for the one-row experts' down products (4 or 2 gate/up rows, 16 or 8 down
@@ -155,16 +155,14 @@ ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32}
 # a one-row window's q/k/v post-processing, split attention and reduction (attention_kernels.ONE_ROW_FUSE, "fuse"):
 # three launches (the runtime until bench/results/h200_session22/), the post-processing in the split kernel, and
 # the chunks also combined there; the last without letting o_proj in first, or (a quantized target) off PDL
-ARMS["fuse0"] = {**_DEFAULT, "fuse": 0}
-ARMS["fuse1"] = {**_DEFAULT, "fuse": 1}
-ARMS["fuse2"] = {**_DEFAULT, "fuse": 2}
-ARMS["fuse3"] = {**_DEFAULT, "fuse": 3}
-ARMS["fuse2-notrig"] = {**_DEFAULT, "fuse": 2, "trig": {"attention_reduce:o_early"}}
-ARMS["fuse2-nopdl"] = {**_DEFAULT, "fuse": 2, "skip": {"attention", "attention_one"}}
-# the routing in the last program of the one-row router product (dense_kernels.FUSE_ROUTE, "route_fuse") or apart;
-# "before22": both one-row fusions off (the runtime until bench/results/h200_session22/)
-ARMS["route-apart"] = {**_DEFAULT, "route_fuse": False}
-ARMS["before22"] = {**_DEFAULT, "fuse": 0, "route_fuse": False}
+# the routing in the last program of the one-row router product (dense_kernels.FUSE_ROUTE, "route_fuse") too in the
+# arms ending in "r"; "before22": both one-row fusions off (the runtime until bench/results/h200_session22/)
+for _f in (0, 1, 2, 3):
+    ARMS[f"fuse{_f}"] = {**_DEFAULT, "fuse": _f, "route_fuse": False}
+    ARMS[f"fuse{_f}r"] = {**_DEFAULT, "fuse": _f, "route_fuse": True}
+ARMS["fuse2r-notrig"] = {**_DEFAULT, "fuse": 2, "route_fuse": True, "trig": {"attention_reduce:o_early"}}
+ARMS["fuse2r-nopdl"] = {**_DEFAULT, "fuse": 2, "route_fuse": True, "skip": {"attention", "attention_one"}}
+ARMS["before22"] = ARMS["fuse0"]
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
 ARMS["q-split-apart"] = ARMS["split-apart"]
 # parts that let the next kernel be scheduled before their own wait (pdl.TRIGGER_FIRST, "trig"): the reduction (so

@@ -46,9 +46,9 @@ SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
 # a one-row window (a target decoding alone) through `attention_one`: 0, `qkv_post` + `attention` (three launches);
 # 1, the q/k/v post-processing in the split kernel, the reduction apart (two); 2, the chunks also combined there by
 # the last program of each KV head to finish (one); 3, combined there for rows of at most COMBINE_UPTO chunks, by the
-# reduction (launched, skipping shorter rows) beyond. Not yet measured on a GPU: `python bench/step_ab.py --contexts
-# 1024,4096,16384,32768 --widths 1 --arms default,fuse1,fuse2,fuse3`
-ONE_ROW_FUSE = 2
+# reduction (launched, skipping shorter rows) beyond. Off (0) until measured on a GPU: `bash bench/gpu_s22.sh`
+# (`python bench/attn_one.py`, then `python bench/step_ab.py --widths 1 --arms before22,fuse1r,fuse2r,fuse3r,fuse2`)
+ONE_ROW_FUSE = 0
 COMBINE_UPTO = 32
 COMBINE_TILE = 8        # chunks a step of `attention_one`'s combination (GP heads x COMBINE_TILE x head_dim a tile)
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)

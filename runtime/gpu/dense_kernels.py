@@ -156,8 +156,8 @@ def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w:
 
 # one-row steps: the routing computed by the last program of the router's fused norm + product to finish
 # (`moe_kernels.norm_route`) instead of a launch of its own, where FUSE_NORM folds the norm into the router product.
-# Not yet measured on a GPU: `python bench/step_ab.py --contexts 1024,32768 --widths 1 --arms default,route-apart`
-FUSE_ROUTE = True
+# Off until measured on a GPU: `python bench/step_ab.py --widths 1 --arms fuse2,fuse2r` (bench/gpu_s22.sh)
+FUSE_ROUTE = False
 
 
 def norm_route_one_row(x: Tensor, delta: Tensor, norm_w: Tensor, eps: float, w: Tensor | None, pos: Tensor,

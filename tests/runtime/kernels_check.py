@@ -835,6 +835,21 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
         assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
 
+def check_fused_step_one_row_fusions() -> None:
+    """`check_fused_step` at width 1 (and with a q8_0 cache) with the one-row attention in one launch, in two and
+    combined by either kernel (attention_kernels.ONE_ROW_FUSE 2, 1, 3) and the routing in the router product
+    (dense_kernels.FUSE_ROUTE), whatever the runtime ships."""
+    saved = attention_kernels.ONE_ROW_FUSE, dense_kernels.FUSE_ROUTE, attention_kernels.COMBINE_UPTO
+    try:
+        dense_kernels.FUSE_ROUTE = True
+        attention_kernels.COMBINE_UPTO = 1
+        for mode, quant in ((2, None), (1, "q8_0"), (3, None)):
+            attention_kernels.ONE_ROW_FUSE = mode
+            check_fused_step(quant, width=1)
+    finally:
+        attention_kernels.ONE_ROW_FUSE, dense_kernels.FUSE_ROUTE, attention_kernels.COMBINE_UPTO = saved
+
+
 def check_prefill_chunk(quant: str | None = None) -> None:
     """The fused prefill chunk (runtime/gpu/prefill_chunk.py) against the module forward, fp32: two chunks (the
     second attends to the first through the cache), its taps, hidden rows, logits and the K/V it leaves."""
@@ -1222,6 +1237,7 @@ if __name__ == "__main__":
     check_fused_step()
     check_fused_step("q8_0")
     check_fused_step(width=1)
+    check_fused_step_one_row_fusions()
     check_prefill_chunk()
     check_prefill_chunk("q8_0")
     check_mtp_graphs()
