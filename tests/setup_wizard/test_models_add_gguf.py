@@ -191,6 +191,9 @@ def test_split_gguf_pinned_part_by_part_pulled_and_run(env, home, files, tmp_pat
     assert tomllib.loads((tmp_path / "local.toml").read_text())["target"]["sha256"] == \
         tomllib.loads(cfg.read_text())["target"]["sha256"]
     assert generate(cfg) == generate(tmp_path / "local.toml")
+    res = run("--yes", "--target", str(parts[1]), "--drafter", "none", "--dry-run")     # not the first part
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert f"is part 2 of a split GGUF file; give its first part, {first.name}." in words(res)
 
 
 def test_wizard_asks_which_gguf_file_of_a_typed_repository(env, home, files):
