@@ -8,8 +8,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv
 if [ "${PART:-1}" = 1 ]; then
-  python3 bench/attn_one.py --contexts 1024,16384,32768 --checks 6 --max-seconds 40 2>&1 | tail -50
-  python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --rounds 3 --steps 30 \
+  python3 bench/attn_one.py --contexts 1024,16384 --checks 6 --max-seconds 30 2>&1 | tail -50
+  python3 bench/step_ab.py --contexts ${CTX:-1024,16384} --widths 1 --rounds 3 --steps 30 \
     --arms before22,fuse2r,fuse3r 2>&1 | tail -40
 elif [ "${PART}" = 3 ]; then     # the issue table with the chosen fusions (FUSE: attention_kernels.ONE_ROW_FUSE)
   python3 bench/context.py --no-hf --prefill 8192 --kv bf16 --one-row-fuse ${FUSE:-2} --fuse-route 1 \
