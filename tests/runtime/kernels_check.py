@@ -233,7 +233,17 @@ def check_norm_route(dt: torch.dtype) -> None:
     """The one-row router product that routes in its last program (`moe_kernels.norm_route`) against the norm folded
     into the product (`norm_one_row`) then `route`: the residual row, the normalized row and every routing table
     the same bits, with and without a slot table and renormalization, a padding row (position -1: expert E), the
-    programs run first to last and last to first; the counter back at zero."""
+    programs run first to last and last to first; the counter back at zero (FUSE_ROUTE on, whatever the runtime
+    ships)."""
+    saved = dense_kernels.FUSE_ROUTE
+    dense_kernels.FUSE_ROUTE = True
+    try:
+        _check_norm_route(dt)
+    finally:
+        dense_kernels.FUSE_ROUTE = saved
+
+
+def _check_norm_route(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(13)
     E, K, k = 16, 256, 4
     x = torch.randn(1, K, generator=g).to(dt)
