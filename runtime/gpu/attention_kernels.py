@@ -1,5 +1,6 @@
 """Triton kernels for attention over the static KV cache: `kv_write`, `qkv_post` (q/k norm + RoPE + cache write),
-`attention` (each query row against the cache up to its own position, read from a device tensor) and `dequant_q8`
+`attention` (each query row against the cache up to its own position, read from a device tensor), `attention_one`
+(both for a one-row window in one or two launches, docs/models.md "Launches") and `dequant_q8`
 (a quantized cache's prefix into the compute dtype, for the prefill). Rows with position -1 are padding: nothing is
 written or read. Every kernel takes the cache in the compute dtype or as q8_0 (runtime/kv.py: int8 values and a
 float16 scale per 32; `ks`/`vs` are the scales).
@@ -593,6 +594,8 @@ def attention_one(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_
     which every launch leaves at zero)."""
     nc = split_chunks(kc.shape[1], _kv.KV_TIERS)
     mode = ONE_ROW_FUSE if mode is None else mode
+    if mode not in (1, 2, 3):
+        raise ValueError(f"attention_one's mode is 1, 2 or 3 (ONE_ROW_FUSE 0 is qkv_post + attention); got {mode}.")
     upto = {1: -1, 2: nc, 3: COMBINE_UPTO}[mode]          # a row's chunks combined in the split kernel up to this
     c0, e0, c1, e1, c2 = _kv.KV_TIERS
     n_acc = nh * nc * hd
