@@ -81,7 +81,3 @@ class GGUFSet:
                         f"says {want}; a part is damaged or from another upload.")
         for k in (KEY_SPLIT_NO, KEY_SPLIT_COUNT, KEY_SPLIT_TENSORS):
             self.meta.pop(k, None)
-
-    def part_path(self, name: str) -> Path:
-        """The part that holds tensor `name`."""
-        return self.paths[self.owner[name]]
