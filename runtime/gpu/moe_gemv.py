@@ -93,9 +93,9 @@ DECODE_GEMV: dict[str, str | None] = {
     "q5_k": "n8j2np",                                     # Q4_K's tile; the only one timed for Q5_K
     "q3_k": "n8j2np", "q2_k": "n8j2np",                   # their own code (`_rows23`), Q4_K's tile size
     "iq4_xs": "n8j2np",                                   # its own code (`_rowsiq`), Q4_K's tile size
-    "iq4_nl": None}                                       # no GEMV code for it: the tl.dot kernels
+    "iq4_nl": "u4d8k2np"}                                 # Q4_0's blocks and tile, its levels looked up (`_dot32`)
 # the formats the GEMV kernels read (`_rows`); a table naming a variant for another is refused by `variant`
-GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs")
+GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", "q2_k", "iq4_xs", "iq4_nl")
 # for windows of one row (a target decoding alone: its fixed step is one row wide), where it differs: BF16 experts
 # through the matrix-vector kernel, gate/up rows in one step, 32 down rows a program (bench/step_ab.py, H200 A3B
 # one-row step at 1k context: n16d32 3.18 ms against 3.79 on the tl.dot tiles; the tl.dot tiles stay faster at W = 8
@@ -115,6 +115,7 @@ MAGIC = 0x4B000000      # the bits of the float 2^23
 QT = {"bf16": 0, "q8_0": 1, "q5_0": 2, "q4_0": 3, "q6_k": 4, "q4_k": 5, "q5_k": 6, "q3_k": 7, "q2_k": 8, "iq4_xs": 9,
       "iq4_nl": 10}
 BLOCK_VALUES = {0: 1, 1: 32, 2: 32, 3: 32, 4: 256, 5: 256, 6: 256, 7: 256, 8: 256, 9: 256, 10: 32}
+BLOCK32 = (1, 2, 3, 10)      # the 32-value block formats (`_rows32`, one-step tiles, the folded RMSNorm)
 
 
 def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
@@ -325,7 +326,7 @@ if HAVE_TRITON:
             do = blk * 11
             h = _words4(w, do[:, None, None] + 3 + i[None, :, :], mg)
             return h, _rep_scale(w, do, L), _rep(w, do + 1, L, mg), _rep(w, do + 2, L, mg)
-        else:                                        # q4_0: 9 words (d, 8 words of four nibbles)
+        else:                                        # q4_0, iq4_nl: 9 words (d, 8 words of four nibbles)
             do = blk * 9
             h = _words4(w, do[:, None, None] + 1 + i[None, :, :], mg)
             d = _rep_scale(w, do, L)
@@ -347,7 +348,8 @@ if HAVE_TRITON:
     def _x32(xr, blk, nw, rstd, QT: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
         """The activations of each word's codes of blocks blk, as float32 pre-scaled by 2^-p for a code kept at
         bit p of its word: q8_0 (2i, 2i + 1 * 256), else the nibbles (2i, 2i + 16, 2i + 1, 2i + 17) of its two
-        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted). NORM: of the normalized row (`_xn3`)."""
+        bytes (* 1, 16, 256, 4096; q5_0's codes are built unshifted; iq4_nl's levels are bytes: * 1, 256, 1,
+        256). NORM: of the normalized row (`_xn3`)."""
         L: tl.constexpr = (16 if QT == 1 else 8) // J
         i = (tl.arange(0, J) * L)[:, None] + tl.arange(0, L)[None, :]
         xo = blk[:, None, None] * 32 + 2 * i[None, :, :]
@@ -357,6 +359,9 @@ if HAVE_TRITON:
         elif QT == 2:
             return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM), _xn3(xr, xo + 1, nw, rstd, NORM),
                     _xn3(xr, xo + 17, nw, rstd, NORM))
+        elif QT == 10:                               # iq4_nl: the levels of 2i + 16, 2i + 17 are high bytes
+            return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM) * (1.0 / 256),
+                    _xn3(xr, xo + 1, nw, rstd, NORM), _xn3(xr, xo + 17, nw, rstd, NORM) * (1.0 / 256))
         else:
             return (_xn3(xr, xo, nw, rstd, NORM), _xn3(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16),
                     _xn3(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), _xn3(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096))
@@ -379,6 +384,14 @@ if HAVE_TRITON:
             q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
+        elif QT == 10:
+            # iq4_nl: Q4_0's nibbles, each an index into the 16 int8 levels; the word's four levels (+ 128, as
+            # unsigned bytes) two to a 16-bit half over 2^23's bits (h's top half), as Q8_0's codes
+            u = _levels4(h) ^ -2139062144                       # 0x80808080
+            lo = (u & 0xFFFF) | (h & -65536)                    # values 2i, 2i + 16 (* 256)
+            hi = ((u >> 16) & 0xFFFF) | (h & -65536)            # values 2i + 1, 2i + 17 (* 256)
+            s = (_code(lo, 0x00FF, 8388736.0) * x0[:, None] + _code(lo, 0xFF00, 8421376.0) * x1[:, None]
+                 + _code(hi, 0x00FF, 8388736.0) * x2[:, None] + _code(hi, 0xFF00, 8421376.0) * x3[:, None])
         else:
             q0 = _code(h, 0x000F, 8388616.0)     # byte 2i, low nibble: value 2i
             q1 = _code(h, 0x00F0, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
@@ -390,7 +403,7 @@ if HAVE_TRITON:
     @triton.jit
     def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
                 BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
-        """Q8_0 / Q5_0 / Q4_0 rows. PF: the next step's words are loaded before this step's arithmetic. NORM (one
+        """Q8_0 / Q5_0 / Q4_0 / IQ4_NL rows. PF: the next step's words are loaded before this step's arithmetic. NORM (one
         row, MB 1): the activations are RMSNorm(row) * nw, made as they are loaded."""
         b = tl.arange(0, NBC)
         L: tl.constexpr = (16 if QT == 1 else 8) // J
@@ -793,7 +806,7 @@ if HAVE_TRITON:
               NORM: tl.constexpr):
         if QT == 0:
             ra0, rb0, ra1, rb1 = _rows_f(xr0, xr1, wa, wb, nm, nblk, K, TWO, MB, BN, NBC, KMASK)
-        elif QT <= 3:
+        elif QT <= 3 or QT == 10:
             ra0, rb0, ra1, rb1 = _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT, TWO, MB, BN, NBC, PF, J, NORM)
         elif QT == 7 or QT == 8:
             ra0, rb0, ra1, rb1 = _rows23(xr0, xr1, wa, wb, nm, nblk, mg, QT, TWO, MB, BN, NBC, PF)
@@ -968,7 +981,7 @@ def one_step(fmt: str, k: int, c: int) -> bool:
     """Whether rows of k values of format fmt go through in one step of c values (float rows) or c blocks (32-value
     block formats), as a ONE variant takes them (`chunk(..., one=True)`)."""
     q = QT[fmt]
-    return (q == 0 and c >= k) or (q in (1, 2, 3) and c * 32 >= k)
+    return (q == 0 and c >= k) or (q in BLOCK32 and c * 32 >= k)
 
 
 def _one(fmt: str, k: int, c: int, one: bool) -> bool:
@@ -987,7 +1000,7 @@ DOWN_SUM: dict[str, int] | None = {"BN": 2, "num_warps": 4}
 def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
     """J: code words of one block a thread holds (32-value formats; K-quants 1)."""
     q = QT[fmt]
-    return max(1, min(cfg.get("J", 1), (16 if q == 1 else 8) // 2)) if q in (1, 2, 3) else 1
+    return max(1, min(cfg.get("J", 1), (16 if q == 1 else 8) // 2)) if q in BLOCK32 else 1
 
 
 def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
@@ -996,7 +1009,7 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
     q = QT[fmt]
     if q == 0:
         return cfg_warps
-    lanes = (16 if q in (1, 5, 6) else 8) // (j if q in (1, 2, 3) else 1)     # threads along a group's words
+    lanes = (16 if q in (1, 5, 6) else 8) // (j if q in BLOCK32 else 1)     # threads along a group's words
     groups = nbc * (4 if q in (5, 6, 7, 8) else 8 if q in (4, 9) else 1)
     return max(1, min(cfg_warps, groups // (32 // lanes)))
 
@@ -1055,7 +1068,7 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
 def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:
     """Whether `down` can normalize its row inside the kernel with variant cfg: 32-value block weights on the
     looped tiles (not ONE), one window row a pass."""
-    return QT.get(fmt) in (1, 2, 3) and not cfg.get("ONE") and not cfg.get("ONE_DOWN") and cfg["MB"] == 1
+    return QT.get(fmt) in BLOCK32 and not cfg.get("ONE") and not cfg.get("ONE_DOWN") and cfg["MB"] == 1
 
 
 def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, one: Tensor, ones: Tensor,

@@ -336,6 +336,7 @@ def check_moe_gemv(half: int | None = None) -> None:
         cases += [("n8j2np", "q5_k")]        # Q5_K's shipped tile (DECODE_GEMV), its qh words read on every row
         cases += [("_odd", "q3_k"), ("_odd", "q2_k"), ("n8j2np", "q3_k")]      # their own code (`_rows23`)
         cases += [("_odd", "iq4_xs")]        # the table lookup (`_rowsiq`; the interpreter runs its plain form)
+        cases += [("_odd", "iq4_nl"), ("u4d8k2np", "iq4_nl")]     # Q4_0's blocks, levels looked up (`_dot32`)
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
         for n, (var, fmt) in enumerate(cases):
             if half is not None and n % 2 != half:
@@ -763,8 +764,11 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
         w = torch.randn(40, K, generator=g) * 0.1
         x = (3 * torch.randn(1, K, generator=g)).to(dt)
         nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dt)
-        for qt in ("q8_0", "q5_0", "q4_0"):
-            ql = QuantLinear.from_float(w, qt)
+        for qt in ("q8_0", "q5_0", "q4_0", "iq4_nl"):
+            if qt == "iq4_nl":           # read from llama.cpp files only: random blocks (`expert_blocks`)
+                ql = QuantLinear.from_blocks(expert_blocks(qt, 1, 40, K, g)[0][0], qt, K)
+            else:
+                ql = QuantLinear.from_float(w, qt)
             got = dense_kernels.quant_norm_one_row(x, nw, 1e-6, ql, "qkv")
             _, h = dense_kernels.rmsnorm(x, nw, 1e-6)
             want = dense_kernels.gemv(h, ql.blocks, qt, moe_gemv.variant(qt))
