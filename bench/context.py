@@ -616,19 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune", action="store_true", help="also time other attention tiles (kernel alone)")
     ap.add_argument("--agree-tokens", type=int, default=128, help="greedy tokens per prompt for the q8_0 agreement")
     ap.add_argument("--agree-prompt", type=int, default=1024, help="prompt tokens for the q8_0 agreement")
-    ap.add_argument("--one-row-fuse", type=int, default=None, help="attention_kernels.ONE_ROW_FUSE for this run "
-                    "(0-3; default: the runtime's)")
-    ap.add_argument("--fuse-route", type=int, default=None, help="dense_kernels.FUSE_ROUTE for this run (0 or 1)")
     ap.add_argument("--check-parts", default="attention,step,prefill,greedy", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)   # plumbing test on CPU, tiny model
     args = ap.parse_args(argv)
-    from runtime.gpu import attention_kernels, dense_kernels
-
-    if args.one_row_fuse is not None:
-        attention_kernels.ONE_ROW_FUSE = args.one_row_fuse
-    if args.fuse_route is not None:
-        dense_kernels.FUSE_ROUTE = bool(args.fuse_route)
-    args.one_row_fuse, args.fuse_route = attention_kernels.ONE_ROW_FUSE, dense_kernels.FUSE_ROUTE
 
     if args.smoke:
         global DEV, DT, CHECK_CONTEXTS

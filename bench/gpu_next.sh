@@ -3,11 +3,10 @@
 # 6 minutes. Run from the repository root on the device with $OUT set; carry .whl (wheels for gguf, questionary,
 # platformdirs, tomli_w, prompt_toolkit, wcwidth: `pip download -q --no-deps -d .whl gguf questionary platformdirs
 # tomli_w prompt_toolkit wcwidth`). Each part writes its log under $OUT.
-#   1. The matrix-vector tiles of Q3_K, Q2_K and IQ4_XS (Q4_K's size, untuned): every GEMV variant timed at
-#      W = 1, 8, 16 against the shipped one; a better one goes into moe_gemv.DECODE_GEMV.
+#   1. The matrix-vector tiles of Q3_K, Q2_K and IQ4_XS at W = 8 and 16 (their tiles were chosen by the one-row
+#      step, bench/results/h100_session23/tiles/): every GEMV variant timed against the shipped one.
 #   2. The formats read in blocks, checked against dequantize-then-matmul, then decode speed (the H100 figures of
-#      bench/results/h100_session21/ are the baseline): run it again after any change to moe_gemv's row loops
-#      (a merged loop for the super-block formats is `git show 2cee6de`).
+#      bench/results/h100_session23/ are the baseline): run it again after any change to moe_gemv's row loops.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -20,6 +19,6 @@ timeout 200 python3 bench/moe.py --tune-decode --formats q3_k,q2_k,iq4_xs --max-
 cp bench/results/moe_tune_decode.json "$OUT/" 2>/dev/null
 echo "--- formats read in blocks ($(( $(date +%s) - start )) s)"
 timeout 260 python3 bench/quant_target.py --device cuda --part speed --check \
-  --quants q4_k_m,q5_k_m,q3_k_m,q2_k,iq4_xs,q4_0 --max-seconds 230 2>&1 | tail -40 | tee "$OUT/kquant.log"
+  --quants q4_k_m,q5_k_m,q3_k_m,q2_k,iq4_xs,iq4_nl,q4_0 --max-seconds 230 2>&1 | tail -40 | tee "$OUT/kquant.log"
 cp bench/results/quant_target.json "$OUT/" 2>/dev/null
 echo "--- done in $(( $(date +%s) - start )) s"

@@ -16,11 +16,6 @@ Arms (each a set of module switches, set before its CUDA graph is captured, so a
   2 warps (moe_kernels.ROUTE_WARPS_ONE_ROW); before a one-step o_proj, the split kernel on PDL and the reduction
   letting o_proj in before its own wait (pdl.TRIGGER_FIRST; arm split-apart: without): the runtime's default.
   default-late: the default with every load after the PDL wait.
-- fuse0, fuse1, fuse2, fuse3: a one-row window's q/k/v post-processing, split attention and reduction in three
-  launches, two (the post-processing in the split kernel) or one (the chunks also combined there by the last program
-  of each KV head; fuse3: there up to COMBINE_UPTO chunks, by the reduction beyond; attention_kernels.ONE_ROW_FUSE);
-  the same with "r": the routing also in the router product's last program (dense_kernels.FUSE_ROUTE);
-  fuse2r-notrig: without letting o_proj in first, fuse2r-nopdl: off PDL; before22 (= fuse0): neither fusion.
 Measured and dropped (bench/results/h200_session6/): a three-launch MoE half (norm + router + top-k in one
 launch, down + top-k sum + residual in one: 10-25% slower, its code kept there as moe_one_row.py.txt); in
 h200_session8/: the one-step tiles for the one-row experts' down products (4 or 2 gate/up rows, 16 or 8 down
@@ -50,9 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
-from runtime.gpu.attention_kernels import ONE_ROW_FUSE as ONE_ROW_FUSE_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
-from runtime.gpu.dense_kernels import FUSE_ROUTE as FUSE_ROUTE_SHIPPED  # noqa: E402
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 SUM = {"BN": 2, "num_warps": 4}
@@ -76,9 +69,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "trig": {"attention_reduce:o_early", "attention_one:o_early"}, "route_warps": 2, "qnorm": True,
-                "qship": True, "rt1": ROW_TILE_ONE_SHIPPED, "fuse": ONE_ROW_FUSE_SHIPPED,
-                "route_fuse": FUSE_ROUTE_SHIPPED},
+                "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
+                "rt1": ROW_TILE_ONE_SHIPPED},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
                      "rt1": ROW_TILE_ONE_SHIPPED},
@@ -152,17 +144,6 @@ ARMS["rt1-16"] = {**_DEFAULT, "wide": True, "rt1": 16}
 ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32}
 # the runtime before pdl.TRIGGER_FIRST (bench/results/h200_session15/): the split kernel without PDL, the reduction
 # waiting first
-# a one-row window's q/k/v post-processing, split attention and reduction (attention_kernels.ONE_ROW_FUSE, "fuse"):
-# three launches (the runtime until bench/results/h200_session22/), the post-processing in the split kernel, and
-# the chunks also combined there; the last without letting o_proj in first, or (a quantized target) off PDL
-# the routing in the last program of the one-row router product (dense_kernels.FUSE_ROUTE, "route_fuse") too in the
-# arms ending in "r"; "before22": both one-row fusions off (the runtime until bench/results/h200_session22/)
-for _f in (0, 1, 2, 3):
-    ARMS[f"fuse{_f}"] = {**_DEFAULT, "fuse": _f, "route_fuse": False}
-    ARMS[f"fuse{_f}r"] = {**_DEFAULT, "fuse": _f, "route_fuse": True}
-ARMS["fuse2r-notrig"] = {**_DEFAULT, "fuse": 2, "route_fuse": True, "trig": {"attention_reduce:o_early"}}
-ARMS["fuse2r-nopdl"] = {**_DEFAULT, "fuse": 2, "route_fuse": True, "skip": {"attention", "attention_one"}}
-ARMS["before22"] = ARMS["fuse0"]
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
 ARMS["q-split-apart"] = ARMS["split-apart"]
 # parts that let the next kernel be scheduled before their own wait (pdl.TRIGGER_FIRST, "trig"): the reduction (so
@@ -204,8 +185,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
-    attention_kernels.ONE_ROW_FUSE = arm.get("fuse", 0)
-    dense_kernels.FUSE_ROUTE = bool(arm.get("route_fuse"))
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)

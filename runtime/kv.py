@@ -48,17 +48,9 @@ def split_chunks(capacity: int, tiers: tuple[int, int, int, int, int] | None = N
     return e0 // c0 + (e1 - e0) // c1 + -(-(n - e1) // c2)
 
 
-# int32 arrival counters after the partials: a one-row attention that combines its chunks in the split kernel counts
-# the programs done there, one counter per KV head from the first (runtime/gpu/attention_kernels.py
-# `attention_one`); the one-row router product that routes in its last program, the last
-# (runtime/gpu/moe_kernels.py `norm_route`)
-SPLIT_COUNTERS = 64
-
-
 def split_partials_bytes(rows: int, heads: int, capacity: int, head_dim: int) -> int:
-    """Scratch of one split decode attention: `rows * heads * chunks * (head_dim + 2) * 4` bytes of partials and
-    SPLIT_COUNTERS four-byte counters."""
-    return (rows * heads * split_chunks(capacity) * (head_dim + 2) + SPLIT_COUNTERS) * 4
+    """Scratch of one split decode attention: `rows * heads * chunks * (head_dim + 2) * 4` bytes."""
+    return rows * heads * split_chunks(capacity) * (head_dim + 2) * 4
 
 
 def kv_row_bytes(head_dim: int, elem_bytes: int, quant: str | None = None) -> int:

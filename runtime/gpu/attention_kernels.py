@@ -1,6 +1,5 @@
 """Triton kernels for attention over the static KV cache: `kv_write`, `qkv_post` (q/k norm + RoPE + cache write),
-`attention` (each query row against the cache up to its own position, read from a device tensor), `attention_one`
-(both for a one-row window in one or two launches, docs/models.md "Launches") and `dequant_q8`
+`attention` (each query row against the cache up to its own position, read from a device tensor) and `dequant_q8`
 (a quantized cache's prefix into the compute dtype, for the prefill). Rows with position -1 are padding: nothing is
 written or read. Every kernel takes the cache in the compute dtype or as q8_0 (runtime/kv.py: int8 values and a
 float16 scale per 32; `ks`/`vs` are the scales).
@@ -20,7 +19,6 @@ nothing), so one CUDA graph serves every position.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -44,14 +42,6 @@ ROW_TILE_ONE = 64
 # (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
 Q8_PREFETCH = True
 SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
-# a one-row window (a target decoding alone) through `attention_one`: 0, `qkv_post` + `attention` (three launches);
-# 1, the q/k/v post-processing in the split kernel, the reduction apart (two); 2, the chunks also combined there by
-# the last program of each KV head to finish (one); 3, combined there for rows of at most COMBINE_UPTO chunks, by the
-# reduction (launched, skipping shorter rows) beyond. Off (0) until measured on a GPU: `bash bench/gpu_s22.sh`
-# (`python bench/attn_one.py`, then `python bench/step_ab.py --widths 1 --arms before22,fuse1r,fuse2r,fuse3r,fuse2`)
-ONE_ROW_FUSE = 0
-COMBINE_UPTO = 32
-COMBINE_TILE = 8        # chunks a step of `attention_one`'s combination (GP heads x COMBINE_TILE x head_dim a tile)
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
@@ -179,47 +169,6 @@ if HAVE_TRITON:
         return lo, size
 
     @triton.jit
-    def _walk_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, base, sbase, lo, hi_r, scale, stride_cs, stride_ss,
-                    dt: tl.constexpr, L: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, Q8: tl.constexpr,
-                    NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr):
-        """One chunk from position lo for the L query lines q [L, HD], line i up to position hi_r[i] (excluded):
-        the unnormalised output, running max and sum (acc [L, HD], m [L], l [L]) over tiles of BS positions in
-        order, the online softmax. A q8_0 cache with Q8_PF: each tile's raw codes and scales are loaded a tile
-        ahead (the same values)."""
-        hi = tl.max(hi_r, 0)
-        m_i = tl.full((L,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((L,), dtype=tl.float32)
-        acc = tl.zeros((L, HD), dtype=tl.float32)
-        if Q8 and Q8_PF:                       # the chunk's first tile, raw
-            s = lo + tl.arange(0, BS)
-            kq, ksc = _raw_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
-            vq, vsc = _raw_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
-        for s0 in range(lo, hi, BS):
-            s = s0 + tl.arange(0, BS)
-            sm = s < hi
-            if Q8 and Q8_PF:                   # the next tile's raw words before this tile's arithmetic
-                sn = s + BS
-                kq_, ksc_ = _raw_kv(k_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                vq_, vsc_ = _raw_kv(v_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                k = _deq(kq, ksc, dt, BS, HD)
-                v = _deq(vq, vsc, dt, BS, HD)
-                kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
-            else:
-                k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-            sc = tl.dot(q, tl.trans(k)) * scale
-            sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-            m_i = m_new
-        return acc, m_i, l_i
-
-    @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, acc_ptr, ml_ptr, scale,
                            stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
@@ -255,8 +204,37 @@ if HAVE_TRITON:
         for c in range(first, n_valid, step):
             lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
             hi_r = tl.minimum(lo + size, pos_r + 1)    # each line's end in this chunk
-            acc, m_i, l_i = _walk_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, base, sbase, lo, hi_r, scale, stride_cs,
-                                        stride_ss, dt, RB * GP, HD, BS, Q8, NB, QB, Q8_PF)
+            hi = tl.max(hi_r, 0)
+            m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros((RB * GP,), dtype=tl.float32)
+            acc = tl.zeros((RB * GP, HD), dtype=tl.float32)
+            if Q8 and Q8_PF:                       # the chunk's first tile, raw
+                s = lo + tl.arange(0, BS)
+                kq, ksc = _raw_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
+                vq, vsc = _raw_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, NB, QB)
+            for s0 in range(lo, hi, BS):
+                s = s0 + tl.arange(0, BS)
+                sm = s < hi
+                if Q8 and Q8_PF:                   # the next tile's raw words before this tile's arithmetic
+                    sn = s + BS
+                    kq_, ksc_ = _raw_kv(k_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
+                    vq_, vsc_ = _raw_kv(v_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
+                    k = _deq(kq, ksc, dt, BS, HD)
+                    v = _deq(vq, vsc, dt, BS, HD)
+                    kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
+                else:
+                    k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                    v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                sc = tl.dot(q, tl.trans(k)) * scale
+                sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_use)
+                p = tl.exp(sc - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+                m_i = m_new
             slot = slot0 + c
             keep = lm & (c < nv_r)
             tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
@@ -264,21 +242,18 @@ if HAVE_TRITON:
             tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
 
     @triton.jit
-    def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh, skip_upto,
+    def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
                             HD: tl.constexpr, DB: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
                             E1: tl.constexpr, C2: tl.constexpr, NCB: tl.constexpr, GDC: tl.constexpr = False):
         """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
         an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
-        given position (each column's arithmetic is the same whichever program does it). A row of at most
-        `skip_upto` chunks is left alone (`attention_one`'s split kernel combined it)."""
+        given position (each column's arithmetic is the same whichever program does it)."""
         pdl.start(GDC)
         row = tl.program_id(0)
         h = tl.program_id(1)
         nh = tl.num_programs(1)
         pos = tl.load(pos_ptr + row)
         n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2)
-        if n_valid <= skip_upto:
-            return
         slot0 = (row * nh + h).to(tl.int64) * NC
         j = tl.arange(0, NCB)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
@@ -354,111 +329,6 @@ if HAVE_TRITON:
         _store_row(v.to(tl.float32), vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
 
     @triton.jit
-    def _combine_heads(acc_ptr, ml_ptr, o_ptr, slot0, n_valid, NC, g, gm, d, HD: tl.constexpr, GP: tl.constexpr,
-                       NCR: tl.constexpr):
-        """The chunk partials of GP heads (slots slot0 [GP] + chunk) combined: the largest max, then the chunks
-        in order NCR at a time (a fixed order for a given position), each head's output into o_ptr [GP, HD] rows.
-        Loads bypass L1 (`.cg`): other programs of the running kernel wrote the partials."""
-        j = tl.arange(0, NCR)
-        mv = tl.full((GP, NCR), float("-inf"), dtype=tl.float32)
-        for c0 in range(0, n_valid, NCR):
-            c = c0 + j
-            cm = gm[:, None] & (c[None, :] < n_valid)
-            mv = tl.maximum(mv, tl.load(ml_ptr + (slot0[:, None] + c[None, :]) * 2, mask=cm, other=float("-inf"),
-                                        cache_modifier=".cg"))
-        m_all = tl.max(mv, 1)
-        lv = tl.zeros((GP,), dtype=tl.float32)
-        ov = tl.zeros((GP, HD), dtype=tl.float32)
-        for c0 in range(0, n_valid, NCR):
-            c = c0 + j
-            cm = gm[:, None] & (c[None, :] < n_valid)
-            sl = slot0[:, None] + c[None, :]
-            m = tl.load(ml_ptr + sl * 2, mask=cm, other=float("-inf"), cache_modifier=".cg")
-            ll = tl.load(ml_ptr + sl * 2 + 1, mask=cm, other=0.0, cache_modifier=".cg")
-            w = tl.where(cm, tl.exp(m - m_all[:, None]), 0.0)
-            a = tl.load(acc_ptr + sl[:, :, None] * HD + d[None, None, :], mask=cm[:, :, None], other=0.0,
-                        cache_modifier=".cg")
-            lv += tl.sum(w * ll, 1)
-            ov += tl.sum(w[:, :, None] * a, 1)
-        o = ov / tl.where(lv > 0, lv, 1.0)[:, None]
-        tl.store(o_ptr + g[:, None] * HD + d[None, :], o.to(o_ptr.dtype.element_ty), mask=gm[:, None])
-
-    @triton.jit
-    def _attn_one_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, acc_ptr,
-                         ml_ptr, cnt_ptr, o_ptr, scale, eps, rscale, stride_qkv, stride_ch, stride_cs, stride_sh,
-                         stride_ss, NC, combine_upto, NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                         HD: tl.constexpr, BS: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
-                         E1: tl.constexpr, C2: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr,
-                         Q8_PF: tl.constexpr, ROPE_OFF: tl.constexpr, COMBINE: tl.constexpr, NCR: tl.constexpr,
-                         FENCE: tl.constexpr, GDC: tl.constexpr = False):
-        """One row's attention for KV head `kvh` from its raw q/k/v projection, program (kvh, first) walking
-        chunks first, first + step, ...: its GP query heads q-normed and roped as `_qkv_post_kernel` does (each
-        program its own copy), the program whose walk holds the row's last chunk writes k and v at slot pos
-        first (then a barrier: its own tile of that chunk reads them back), then `_attn_split_kernel`'s walk.
-        COMBINE: the last program of a KV head to arrive (an int32 counter, reset by it) combines the chunks
-        (`_combine_heads`) into o_ptr when the row has at most `combine_upto` of them; else the partials wait for
-        `_attn_reduce_kernel`."""
-        pdl.start(GDC)
-        kvh = tl.program_id(0)
-        first = tl.program_id(1)
-        step = tl.num_programs(1)
-        pos = tl.load(pos_ptr)
-        g = tl.arange(0, GP)
-        gm = g < G
-        heads = kvh * G + g
-        d = tl.arange(0, HD)
-        dp = (d + HD // 2) % HD
-        f = (tl.maximum(pos, 0) + ROPE_OFF).to(tl.float32) * tl.load(inv_ptr + d % (HD // 2))
-        dt = o_ptr.dtype.element_ty
-        cos = (tl.cos(f) * rscale).to(dt).to(tl.float32)
-        sin = (tl.sin(f) * rscale).to(dt).to(tl.float32)
-        half = d < HD // 2
-        qb = qkv_ptr + heads[:, None] * HD
-        x = tl.load(qb + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-        xp = tl.load(qb + dp[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / HD + eps)
-        wq = tl.load(qw_ptr + d).to(tl.float32)
-        wqp = tl.load(qw_ptr + dp).to(tl.float32)
-        q = _norm_rope(x, xp, rstd[:, None], wq[None, :], wqp[None, :], cos[None, :], sin[None, :], half[None, :],
-                       dt)
-        n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2)     # 0 for a padding row
-        ok = (n_valid > 0) & ((n_valid - 1) % step == first)    # this program walks the row's last chunk
-        kb = qkv_ptr + (NH + kvh) * HD
-        kx = tl.load(kb + d).to(tl.float32)
-        kxp = tl.load(kb + dp).to(tl.float32)
-        krstd = 1.0 / tl.sqrt(tl.sum(kx * kx, 0) / HD + eps)
-        kn = _norm_rope(kx, kxp, krstd, tl.load(kw_ptr + d).to(tl.float32), tl.load(kw_ptr + dp).to(tl.float32),
-                        cos, sin, half, dt)
-        vx = tl.load(qkv_ptr + (NH + NKV + kvh) * HD + d).to(tl.float32)
-        dst = kvh.to(tl.int64) * stride_ch + tl.maximum(pos, 0).to(tl.int64) * stride_cs
-        sdst = kvh.to(tl.int64) * stride_sh + tl.maximum(pos, 0).to(tl.int64) * stride_ss
-        _store_row(kn.to(tl.float32), kc_ptr, ks_ptr, dst, sdst, ok, HD, Q8, NB, QB)
-        _store_row(vx, vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
-        tl.debug_barrier()
-        base = kvh.to(tl.int64) * stride_ch
-        sbase = kvh.to(tl.int64) * stride_sh
-        slot0 = heads.to(tl.int64) * NC
-        for c in range(first, n_valid, step):
-            lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
-            hi_r = tl.full((GP,), 0, tl.int32) + tl.minimum(lo + size, pos + 1)
-            acc, m_i, l_i = _walk_chunk(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, base, sbase, lo, hi_r, scale, stride_cs,
-                                        stride_ss, dt, GP, HD, BS, Q8, NB, QB, Q8_PF)
-            slot = slot0 + c
-            tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=gm[:, None])
-            tl.store(ml_ptr + slot * 2, m_i, mask=gm)
-            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=gm)
-        if COMBINE:
-            if FENCE:       # this program's partials visible GPU-wide before its arrival is counted
-                tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                                          pack=1)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(cnt_ptr + kvh, 1, sem="acq_rel")
-            if ticket == step - 1:
-                tl.atomic_xchg(cnt_ptr + kvh, 0)
-                if n_valid <= combine_upto:
-                        _combine_heads(acc_ptr, ml_ptr, o_ptr + kvh * G * HD, slot0, n_valid, NC, g, gm, d, HD, GP, NCR)
-
-    @triton.jit
     def _qkv_post_rows_kernel(qkv_ptr, qw_ptr, kw_ptr, inv_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, W, eps, rscale,
                               stride_qkv, stride_q, stride_ch, stride_cs, NH: tl.constexpr, NKV: tl.constexpr,
                               HD: tl.constexpr, R: tl.constexpr):
@@ -530,12 +400,9 @@ def kv_write(k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, ks: Tens
 
 
 def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: torch.device | str) -> Tensor:
-    """The fp32 partials of one `attention` call and `attention_one`'s counters, zero, at the tail (runtime/kv.py
-    `split_partials_bytes`), to allocate once."""
-    n = rows * heads * split_chunks(capacity) * (head_dim + 2)
-    part = torch.empty(n + _kv.SPLIT_COUNTERS, dtype=torch.float32, device=device)
-    part[n:].zero_()
-    return part
+    """The fp32 partials of one `attention` call (runtime/kv.py `split_partials_bytes`), to allocate once."""
+    n = rows * heads * split_chunks(capacity)
+    return torch.empty(n * (head_dim + 2), dtype=torch.float32, device=device)
 
 
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
@@ -573,58 +440,10 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
-    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), -1, HD=hd, DB=db, C0=c0,
-                                           E0=e0, C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
+    _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
+                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
                                            **pdl.launch(q, "attention_reduce:o_early" if o_early else
                                                         "attention_reduce"))
-    return o
-
-
-def attention_one(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale: float, pos: Tensor,
-                  kc: Tensor, vc: Tensor, nh: int, nkv: int, hd: int, eps: float, scale: float, *,
-                  ks: Tensor | None = None, vs: Tensor | None = None, part: Tensor | None = None, rope_off: int = 0,
-                  o_early: bool = False, mode: int | None = None) -> Tensor:
-    """`qkv_post` then `attention` for a window of one row (a target decoding alone), qkv [1, (nh+2nkv)*hd] ->
-    o [1, nh, hd], in one launch instead of three or two (`mode`, default ONE_ROW_FUSE: 1, the reduction apart; 3,
-    the reduction for rows past COMBINE_UPTO chunks): the split programs norm and rope their own query heads, the
-    one walking the row's last chunk writes k and v first, and the last program of each KV head to finish combines
-    the chunks. The same chunk layout, tiles and online softmax as `attention`; the query's and the combination's
-    sums may be reduced in another order, so the bits can differ from the three launches' (as the one-row step's
-    other kernels already differ from a wider window's). `part`: `split_scratch` (its tail holds the counters,
-    which every launch leaves at zero)."""
-    nc = split_chunks(kc.shape[1], _kv.KV_TIERS)
-    mode = ONE_ROW_FUSE if mode is None else mode
-    if mode not in (1, 2, 3):
-        raise ValueError(f"attention_one's mode is 1, 2 or 3 (ONE_ROW_FUSE 0 is qkv_post + attention); got {mode}.")
-    upto = {1: -1, 2: nc, 3: COMBINE_UPTO}[mode]          # a row's chunks combined in the split kernel up to this
-    c0, e0, c1, e1, c2 = _kv.KV_TIERS
-    n_acc = nh * nc * hd
-    need = n_acc + nh * nc * 2
-    if part is None:
-        part = torch.zeros(need + _kv.SPLIT_COUNTERS, dtype=torch.float32, device=qkv.device)
-    elif part.numel() < need + _kv.SPLIT_COUNTERS or nkv >= _kv.SPLIT_COUNTERS:
-        raise ValueError(f"attention partials hold {part.numel()} floats, {need + _kv.SPLIT_COUNTERS} needed.")
-    acc, ml = part[:n_acc], part[n_acc:need]
-    cnt = part[part.numel() - _kv.SPLIT_COUNTERS:].view(torch.int32)
-    q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
-    t = SPLIT_TILE_Q8 if q8 else SPLIT_TILE
-    G = nh // nkv
-    o = torch.empty(1, nh, hd, dtype=qkv.dtype, device=qkv.device)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    part_name = "attention_one" + (":o_early" if o_early and upto >= nc else "")
-    _attn_one_kernel[(nkv, split_programs(1, nkv, nc, qkv.device))](
-        qkv, q_w, k_w, inv_freq, pos, kc, vc, ksx, vs if q8 else vc, acc, ml, cnt, o, float(scale), float(eps),
-        float(rope_scale), qkv.stride(0), kc.stride(0), kc.stride(1), ssh, sss, nc, upto, NH=nh, NKV=nkv, G=G,
-        GP=pow2(G), HD=hd, BS=t["BS"] if hd <= 128 else min(t["BS"], 32), C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8, NB=nb,
-        QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, ROPE_OFF=int(rope_off), COMBINE=upto >= 0, NCR=COMBINE_TILE,
-        FENCE=not interp and qkv.is_cuda, num_warps=t["num_warps"], num_stages=t["num_stages"],
-        **pdl.launch(qkv, part_name))
-    if upto < nc:         # rows of more chunks than the kernel combines: the reduction (which skips the others)
-        db = 32 if hd % 32 == 0 else hd
-        _attn_reduce_kernel[(1, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), upto, HD=hd, DB=db,
-                                               C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
-                                               **pdl.launch(qkv, "attention_reduce:o_early" if o_early else
-                                                            "attention_reduce"))
     return o
 
 

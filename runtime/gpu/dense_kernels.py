@@ -154,31 +154,6 @@ def norm_one_row(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w:
     return moe_gemv.norm_gemv(x.contiguous(), delta, norm_w, eps, w, one, ones, cfg, early)
 
 
-# one-row steps: the routing computed by the last program of the router's fused norm + product to finish
-# (`moe_kernels.norm_route`) instead of a launch of its own, where FUSE_NORM folds the norm into the router product.
-# Off until measured on a GPU: `python bench/step_ab.py --widths 1 --arms fuse2,fuse2r` (bench/gpu_s22.sh)
-FUSE_ROUTE = False
-
-
-def norm_route_one_row(x: Tensor, delta: Tensor, norm_w: Tensor, eps: float, w: Tensor | None, pos: Tensor,
-                       top_k: int, norm: bool, slot: Tensor | None, counter: Tensor | None):
-    """(x + delta, the normalized row, its Routing) in one launch when FUSE_ROUTE is on, `norm_one_row` would fold
-    the norm into the router product and `counter` (one zero int32, `attention_kernels.split_scratch`'s last) is
-    given; None otherwise (the caller runs `norm_one_row`, then `moe_kernels.route`)."""
-    name = _one_row_variant(x, w, "router") if FUSE_ROUTE and FUSE_NORM and x.shape[0] == 1 else None
-    if name is None or counter is None:
-        return None
-    cfg = moe_gemv.GEMV_VARIANTS.get(name)
-    K = x.shape[1]
-    if cfg is None or not (cfg.get("ONE") and moe_gemv.one_step("bf16", K, moe_gemv.chunk(K, "bf16", cfg["KV"], True))) \
-            or w.shape[0] % cfg["BN_DOWN"] or w.stride(1) != 1:
-        return None
-    from runtime.gpu import moe_kernels
-
-    return moe_kernels.norm_route(x.contiguous(), delta.contiguous(), norm_w, eps, w, pos, top_k, norm, slot,
-                                  counter, cfg)
-
-
 # one-row steps of a block-format target: fold the RMSNorm before q/k/v into the q/k/v product on the looped block
 # tiles (every program computes the row's 1 / rms and normalizes each activation as it loads it), on the variant
 # the product takes alone (QUANT_ONE_ROW's for the role, else moe_gemv.DECODE_GEMV's) when it is looped

@@ -47,7 +47,6 @@ for bit whatever order or fusion the compiler picks.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -443,21 +442,12 @@ if HAVE_TRITON:
                       WP: tl.constexpr, NPP: tl.constexpr, NORM: tl.constexpr, HAS_SLOT: tl.constexpr,
                       GDC: tl.constexpr = False):
         pdl.start(GDC)
-        _route_rows(lg_ptr, pos_ptr, slot_ptr, idx_ptr, w_ptr, se_ptr, ord_ptr, tok_ptr, miss_ptr, nmiss_ptr, W,
-                    stride_lg, E, EP, TOPK, KP, WP, NPP, NORM, HAS_SLOT)
-
-    @triton.jit
-    def _route_rows(lg_ptr, pos_ptr, slot_ptr, idx_ptr, w_ptr, se_ptr, ord_ptr, tok_ptr, miss_ptr, nmiss_ptr,
-                    W, stride_lg, E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                    WP: tl.constexpr, NPP: tl.constexpr, NORM: tl.constexpr, HAS_SLOT: tl.constexpr):
-        """`route`'s work: softmax, top-k, the pairs sorted by expert, the miss list. The logits bypass L1 (`.cg`):
-        in `_norm_route_kernel` other programs of the running kernel wrote them."""
         rows = tl.arange(0, WP)
         rm = rows < W
         cols = tl.arange(0, EP)
         cm = cols < E
         lg = tl.load(lg_ptr + rows[:, None] * stride_lg + cols[None, :], mask=rm[:, None] & cm[None, :],
-                     other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+                     other=float("-inf")).to(tl.float32)
         mx = tl.max(lg, 1)
         mx = tl.where(rm, mx, 0.0)
         p = tl.exp(lg - mx[:, None])
@@ -499,39 +489,6 @@ if HAVE_TRITON:
             tl.store(nmiss_ptr, tl.sum(miss.to(tl.int32), 0))
         else:
             tl.store(nmiss_ptr, 0)
-
-
-if HAVE_TRITON:
-
-    @triton.jit
-    def _norm_route_kernel(x_ptr, d_ptr, nw_ptr, xo_ptr, ho_ptr, w_ptr, lg_ptr, cnt_ptr, pos_ptr, slot_ptr, idx_ptr,
-                           wt_ptr, se_ptr, ord_ptr, tok_ptr, miss_ptr, nmiss_ptr, K, eps, SWN: tl.constexpr,
-                           E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                           NPP: tl.constexpr, NORM: tl.constexpr, HAS_SLOT: tl.constexpr, BN: tl.constexpr,
-                           NBC: tl.constexpr, EARLY: tl.constexpr, FENCE: tl.constexpr, GDC: tl.constexpr = False):
-        """One row: program nb the router logits of experts nb*BN.. from RMSNorm(x + d) * nw, as `norm_gemv`'s
-        one-step tiles compute them (program 0 stores x + d and the normalized row); the last program to finish
-        (an int32 counter, reset by it) routes the row (`_route_rows`), so routing needs no launch of its own.
-        EARLY: the router rows (weights) are loaded before the PDL wait."""
-        if not EARLY:
-            pdl.start(GDC)
-        nb = tl.program_id(0)
-        n = nb * BN + tl.arange(0, BN)
-        kk = tl.arange(0, NBC)
-        ta = moe_gemv._tile_f(w_ptr + (nb * BN * SWN).to(tl.int64) + tl.arange(0, BN) * SWN, kk, K)
-        if EARLY:
-            pdl.start(GDC)
-        hv = moe_gemv._norm_row(x_ptr, d_ptr, nw_ptr, xo_ptr, ho_ptr, kk, K, eps, True, nb == 0)
-        ra = tl.sum(ta.to(tl.float32) * hv[None, :], 1)
-        tl.store(lg_ptr + n, ra.to(lg_ptr.dtype.element_ty))
-        if FENCE:           # this program's logits visible GPU-wide before its arrival is counted
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            tl.atomic_xchg(cnt_ptr, 0)
-            _route_rows(lg_ptr, pos_ptr, slot_ptr, idx_ptr, wt_ptr, se_ptr, ord_ptr, tok_ptr, miss_ptr, nmiss_ptr, 1,
-                        E, E, EP, TOPK, KP, 2, NPP, NORM, HAS_SLOT)
 
 
 def _groups_per_step(k: int, bk: int) -> int:
@@ -607,33 +564,6 @@ def route(logits: Tensor, pos: Tensor, top_k: int, norm: bool, slot: Tensor | No
                         num_warps=ROUTE_WARPS_ONE_ROW if W == 1 else 4,
                         **pdl.launch(logits, "route"))
     return Routing(idx, w, se, order, tok, miss, n_miss)
-
-
-def norm_route(x: Tensor, delta: Tensor, norm_w: Tensor, eps: float, w: Tensor, pos: Tensor, top_k: int, norm: bool,
-               slot: Tensor | None, counter: Tensor, cfg: dict[str, int]) -> tuple[Tensor, Tensor, Routing]:
-    """(x + delta, RMSNorm(x + delta) * norm_w, the routing of that row's logits @ w^T) for one row x [1, K], in one
-    launch (`_norm_route_kernel`: `moe_gemv.norm_gemv`'s one-step tiles, then `route`'s work in the last program
-    to finish). counter: one int32, zero (every launch leaves it at zero). cfg: a one-step variant whose BN_DOWN
-    divides the expert count."""
-    E, K = w.shape
-    dev = x.device
-    bn = cfg["BN_DOWN"]
-    xo, ho = torch.empty_like(x), torch.empty_like(x)
-    lg = torch.empty(1, E, dtype=x.dtype, device=dev)
-    idx = torch.empty(1, top_k, dtype=torch.int32, device=dev)
-    wt = torch.empty(1, top_k, dtype=torch.float32, device=dev)
-    se, order, tok, miss = (torch.empty(top_k, dtype=torch.int32, device=dev) for _ in range(4))
-    n_miss = torch.empty(1, dtype=torch.int32, device=dev)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    _norm_route_kernel[(E // bn,)](x, delta, norm_w, xo, ho, w, lg, counter, pos, slot if slot is not None else pos,
-                                   idx, wt, se, order, tok, miss, n_miss, K, float(eps), SWN=w.stride(0), E=E,
-                                   EP=triton.next_power_of_2(E), TOPK=top_k, KP=triton.next_power_of_2(top_k),
-                                   NPP=max(2, triton.next_power_of_2(top_k)), NORM=norm, HAS_SLOT=slot is not None,
-                                   BN=bn, NBC=moe_gemv.chunk(K, "bf16", cfg["KV"], True),
-                                   EARLY=bool(cfg.get("EARLY")) and moe_gemv.EARLY_LOADS,
-                                   FENCE=not interp and x.is_cuda, num_warps=cfg["num_warps"],
-                                   num_stages=cfg["num_stages"], **pdl.launch(w))
-    return xo, ho, Routing(idx, wt, se, order, tok, miss, n_miss)
 
 
 def block_table(se: Tensor, n_exp: int, bm: int) -> tuple[Tensor, Tensor, int]:

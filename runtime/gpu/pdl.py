@@ -57,7 +57,7 @@ SKIP: set[str] = {"attention"}
 # post-processing, the split kernel, the routing or the down products first too: no better (arms trig-*). Not
 # before a quantized target's o_proj (looped tiles, no early loads): there the same launches made the one-row step at
 # 16k context 2.70 -> 2.81 ms (Q4_0) and 3.01 -> 3.24 (Q8_0)
-TRIGGER_FIRST: set[str] = {"attention_reduce:o_early", "attention_one:o_early"}
+TRIGGER_FIRST: set[str] = {"attention_reduce:o_early"}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}

@@ -75,32 +75,21 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
                             -1)
         else:
             qkv = _proj(h, a.qkv_weight, "qkv", a.qkv, a.qkv_blocks)
+    q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
+                                   a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
     wo = dense_kernels.weight_of(a.o_proj)
-    o_early = dense_kernels.loads_early(x, wo, "o_proj")
-    if x.shape[0] == 1 and attention_kernels.ONE_ROW_FUSE:      # one launch or two instead of three
-        o = attention_kernels.attention_one(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh,
-                                            a.nkv, a.hd, eps, a.scale, ks=ks, vs=vs, part=part, rope_off=rope_off,
-                                            o_early=o_early)
-    else:
-        q = attention_kernels.qkv_post(qkv, a.q_norm.weight, a.k_norm.weight, inv, rscale, pos, kc, vc, a.nh, a.nkv,
-                                       a.hd, eps, ks=ks, vs=vs, rope_off=rope_off)
-        o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part, o_early=o_early)
+    o_early = dense_kernels.loads_early(q.reshape(q.shape[0], -1), wo, "o_proj")
+    o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part, o_early=o_early)
     d = _proj(o.reshape(-1, a.nh * a.hd), wo, "o_proj", a.o_proj, a.o_proj)
     mlp = layer.mlp
-    wr = dense_kernels.weight_of(mlp.gate)
-    counter = part[part.numel() - 1:].view(torch.int32) if part is not None else None
-    routed = dense_kernels.norm_route_one_row(x, d, layer.post_attention_layernorm.weight, eps, wr, pos, mlp.top_k,
-                                              mlp.norm_topk, mlp.slot, counter)
-    if routed is not None:
-        x, h, r = routed
+    fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
+                                       dense_kernels.weight_of(mlp.gate), "router")
+    if fused is not None:
+        x, h, lg = fused
     else:
-        fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps, wr, "router")
-        if fused is not None:
-            x, h, lg = fused
-        else:
-            x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
-            lg = _proj(h, wr, "router", mlp.gate, mlp.gate)
-        r = moe_kernels.route(lg, pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
+        x, h = dense_kernels.rmsnorm(x, layer.post_attention_layernorm.weight, eps, delta=d)
+        lg = _proj(h, dense_kernels.weight_of(mlp.gate), "router", mlp.gate, mlp.gate)
+    r = moe_kernels.route(lg, pos, mlp.top_k, mlp.norm_topk, slot=mlp.slot)
     if mlp.recorder is not None:
         mlp.recorder(i, r.idx)
     if mlp.offload is not None:     # same bits as moe_routed: fp32 pair sum, rounded, then + residual

@@ -229,49 +229,6 @@ def check_route(dt: torch.dtype) -> None:
             assert torch.equal(a, b), (a, b)
 
 
-def check_norm_route(dt: torch.dtype) -> None:
-    """The one-row router product that routes in its last program (`moe_kernels.norm_route`) against the norm folded
-    into the product (`norm_one_row`) then `route`: the residual row, the normalized row and every routing table
-    the same bits, with and without a slot table and renormalization, a padding row (position -1: expert E), the
-    programs run first to last and last to first; the counter back at zero (FUSE_ROUTE on, whatever the runtime
-    ships)."""
-    saved = dense_kernels.FUSE_ROUTE
-    dense_kernels.FUSE_ROUTE = True
-    try:
-        _check_norm_route(dt)
-    finally:
-        dense_kernels.FUSE_ROUTE = saved
-
-
-def _check_norm_route(dt: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(13)
-    E, K, k = 16, 256, 4
-    x = torch.randn(1, K, generator=g).to(dt)
-    d = torch.randn(1, K, generator=g).to(dt)
-    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(dt)
-    w = (0.2 * torch.randn(E, K, generator=g)).to(dt)
-    slot = torch.tensor([0, 1, -1, 2, -1, 3, 4, -1] * 2, dtype=torch.int32)
-    counter = torch.zeros(1, dtype=torch.int32)
-    for order in (False, True):
-        for sl, norm, p in ((None, True, 5), (slot, False, 9), (None, True, -1)):
-            pos = torch.tensor([p], dtype=torch.int32)
-            xa, ha, lg = dense_kernels.norm_one_row(x, d, nw, 1e-6, w, "router")
-            ra = moe_kernels.route(lg, pos, k, norm, slot=sl)
-            if order:
-                with reversed_grid():
-                    got = dense_kernels.norm_route_one_row(x, d, nw, 1e-6, w, pos, k, norm, sl, counter)
-            else:
-                got = dense_kernels.norm_route_one_row(x, d, nw, 1e-6, w, pos, k, norm, sl, counter)
-            assert got is not None
-            xb, hb, rb = got
-            assert torch.equal(xa, xb) and torch.equal(ha, hb), (order, p)
-            for name, a, b in zip(ra._fields, ra, rb, strict=True):
-                assert torch.equal(a, b), (order, p, name, a, b)
-            assert int(counter[0]) == 0
-            if p < 0:
-                assert bool((rb.idx == E).all())
-
-
 def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
     """Experts as ggml blocks, dequantized in the kernels: every format, decode and prefill tilings, with a slot
     table, against float32 math on gguf-py's values."""
@@ -849,21 +806,6 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
         assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
 
-def check_fused_step_one_row_fusions() -> None:
-    """`check_fused_step` at width 1 (and with a q8_0 cache) with the one-row attention in one launch, in two and
-    combined by either kernel (attention_kernels.ONE_ROW_FUSE 2, 1, 3) and the routing in the router product
-    (dense_kernels.FUSE_ROUTE), whatever the runtime ships."""
-    saved = attention_kernels.ONE_ROW_FUSE, dense_kernels.FUSE_ROUTE, attention_kernels.COMBINE_UPTO
-    try:
-        dense_kernels.FUSE_ROUTE = True
-        attention_kernels.COMBINE_UPTO = 1
-        for mode, quant in ((2, None), (1, "q8_0"), (3, None)):
-            attention_kernels.ONE_ROW_FUSE = mode
-            check_fused_step(quant, width=1)
-    finally:
-        attention_kernels.ONE_ROW_FUSE, dense_kernels.FUSE_ROUTE, attention_kernels.COMBINE_UPTO = saved
-
-
 def check_prefill_chunk(quant: str | None = None) -> None:
     """The fused prefill chunk (runtime/gpu/prefill_chunk.py) against the module forward, fp32: two chunks (the
     second attends to the first through the cache), its taps, hidden rows, logits and the K/V it leaves."""
@@ -941,77 +883,6 @@ def check_qkv_post_rope_off(dt: torch.dtype) -> None:
     assert torch.equal(qa[:4], qb[:4])
     assert torch.equal(ka[:, :S - 1], kb[:, 1:]) and torch.equal(va[:, :S - 1], vb[:, 1:])
     assert float(ka.abs().sum(-1).gt(0).sum()) == nkv * 4         # four real rows written, the padded one not
-
-
-class reversed_grid:
-    """The interpreter runs a kernel's programs last to first (it runs them one at a time, first to last): a
-    kernel whose programs depend on each other's writes (one writes what another reads, the last to arrive
-    combines) is then checked in two orders."""
-
-    def __enter__(self):
-        self.orig = _interp.InterpreterBuilder.set_grid_idx
-
-        def flipped(b, x, y, z):
-            nx, ny, nz = b.grid_dim
-            self.orig(b, nx - 1 - x, ny - 1 - y, nz - 1 - z)
-        _interp.InterpreterBuilder.set_grid_idx = flipped
-
-    def __exit__(self, *exc):
-        _interp.InterpreterBuilder.set_grid_idx = self.orig
-
-
-def check_attention_one(dt: torch.dtype) -> None:
-    """`attention_one` (a one-row window in one or two launches) against `qkv_post` then `attention`: the cache rows
-    it writes the same bits, the output equal up to the sums' order, with the chunks combined in the split kernel,
-    by the reduction, or by either as the row's chunk count says; over a layout of several chunk sizes and programs (the row's last chunk walked by another
-    program than the first), a q8_0 cache, an MTP head's rope_off, a padding row (nothing written, zeros); every
-    counter back at zero after each call; the programs run last to first, and for fp32 also first to last."""
-    if dt == torch.float32:
-        _check_attention_one(dt)
-    with reversed_grid():
-        _check_attention_one(dt)
-
-
-def _check_attention_one(dt: torch.dtype) -> None:
-    from runtime import kv as kvmod
-
-    nh, nkv, hd, S = 8, 2, 64, 400
-    g = torch.Generator().manual_seed(21)
-    saved = kvmod.KV_TIERS, attention_kernels.COMBINE_UPTO
-    kvmod.KV_TIERS = (32, 64, 64, 192, 128)         # 32 on [0, 64), 64 on [64, 192), 128 beyond: 6 chunks to 400
-    attention_kernels.COMBINE_UPTO = 3              # mode 3: rows of up to 3 chunks combined in the split kernel
-    try:
-        for q8 in (False, True):
-            kc0, vc0, ks0, vs0, _, _ = cache(nkv, S, hd, dt, q8, g)
-            qkv = torch.randn(1, (nh + 2 * nkv) * hd, generator=g).to(dt)
-            qw, kw = (1 + 0.1 * torch.randn(hd, generator=g)).to(dt), (1 + 0.1 * torch.randn(hd, generator=g)).to(dt)
-            inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            for p, off in ((S - 1, 0), (63, 0), (191, 1), (0, 0), (-1, 0)):
-                pos = torch.tensor([p], dtype=torch.int32)
-                bufs = [[t.clone() if t is not None else None for t in (kc0, vc0, ks0, vs0)] for _ in range(4)]
-                kc, vc, ks, vs = bufs[0]
-                q = attention_kernels.qkv_post(qkv, qw, kw, inv, 1.0, pos, kc, vc, nh, nkv, hd, 1e-6, ks=ks, vs=vs,
-                                               rope_off=off)
-                ref = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs)
-                for mode, (kc2, vc2, ks2, vs2) in zip((1, 2, 3), bufs[1:], strict=True):
-                    part = attention_kernels.split_scratch(1, nh, S, hd, "cpu")
-                    part[:-kvmod.SPLIT_COUNTERS].fill_(float("nan"))      # nothing read that was not written
-                    o = attention_kernels.attention_one(qkv, qw, kw, inv, 1.0, pos, kc2, vc2, nh, nkv, hd, 1e-6,
-                                                        hd ** -0.5, ks=ks2, vs=vs2, part=part, rope_off=off,
-                                                        mode=mode)
-                    label = (dt, q8, p, off, mode)
-                    assert torch.equal(kc2, kc) and torch.equal(vc2, vc), label
-                    if q8:
-                        assert torch.equal(ks2, ks) and torch.equal(vs2, vs), label
-                    if p < 0:
-                        assert float(o.abs().max()) == 0.0, label
-                    else:
-                        assert rel(o, ref) < (1e-6 if dt == torch.float32 else 2e-3), (label, rel(o, ref))
-                    assert int(part[-kvmod.SPLIT_COUNTERS:].view(torch.int32).abs().sum()) == 0, label
-                    if p >= 0 and not q8:
-                        assert not torch.equal(kc0[:, p], kc[:, p]), label          # the row was written
-    finally:
-        kvmod.KV_TIERS, attention_kernels.COMBINE_UPTO = saved
 
 
 def check_mtp_graphs() -> None:
@@ -1177,7 +1048,6 @@ def check_attention_all() -> None:
         check_kv_q8(dt)
         check_qkv_post_rows(dt)
         check_qkv_post_rope_off(dt)
-        check_attention_one(dt)
     check_dense_step_q8()
 
 
@@ -1214,7 +1084,6 @@ if __name__ == "__main__":
         check_dequant()
         for dt in (torch.float32, torch.float16):
             check_route(dt)
-            check_norm_route(dt)
             check_moe_slots(dt)
             check_moe_quant(dt, () if dt == torch.float32 else ("q4_0", "q4_k"))
             check_moe_prefill(dt)
@@ -1251,7 +1120,6 @@ if __name__ == "__main__":
     check_fused_step()
     check_fused_step("q8_0")
     check_fused_step(width=1)
-    check_fused_step_one_row_fusions()
     check_prefill_chunk()
     check_prefill_chunk("q8_0")
     check_mtp_graphs()

@@ -7,15 +7,7 @@ import torch
 
 from runtime.drafters.mtp import MTPDrafter
 from runtime.gpu.static_step import StaticStep
-from runtime.kv import (
-    KV_TIERS,
-    SPLIT_COUNTERS,
-    KVCache,
-    dequantize_q8_0,
-    kv_row_bytes,
-    quantize_q8_0,
-    split_partials_bytes,
-)
+from runtime.kv import KV_TIERS, KVCache, dequantize_q8_0, kv_row_bytes, quantize_q8_0, split_partials_bytes
 from runtime.loading import load_target
 from runtime.speculative import generate_ids
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
@@ -63,7 +55,7 @@ def test_sizes_and_refusals():
     c0, e0, c1, e1, c2 = KV_TIERS             # chunks of c0 up to e0, of c1 up to e1, of c2 beyond
     for ctx, chunks in ((1, 1), (e0, e0 // c0), (e0 + 1, e0 // c0 + 1), (e1, e0 // c0 + (e1 - e0) // c1),
                         (e1 + 2 * c2 + 1, e0 // c0 + (e1 - e0) // c1 + 3)):
-        assert split_partials_bytes(8, 32, ctx, 128) == 8 * 32 * chunks * 130 * 4 + SPLIT_COUNTERS * 4, ctx
+        assert split_partials_bytes(8, 32, ctx, 128) == 8 * 32 * chunks * 130 * 4, ctx
 
 
 def test_layer_write_read_rollback():

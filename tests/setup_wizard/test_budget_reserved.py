@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
-from runtime.kv import SPLIT_COUNTERS, split_chunks
+from runtime.kv import split_chunks
 from runtime.models.target_config import TargetGeometry
 from runtime.sampling import RULE_GRAPHS_KEPT
 from setup_wizard.budget import (
@@ -148,8 +148,7 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
     pers = persistent_tensors(geo, "none", 2, 2, ctx, 1)
     attn = attention_scratch_tensors(geo, "none", context=ctx, block=1, wb=2, cuda=True)
     chunks = 4096 // 128 + (32768 - 4096) // 256 + (ctx - 32768) // 1024
-    assert attn == [(1 * 4 * chunks * (hd + 2) + SPLIT_COUNTERS) * 4]   # the split attention's fp32 partials, 1 row,
-    # and its arrival counters
+    assert attn == [1 * 4 * chunks * (hd + 2) * 4]   # the split attention's fp32 partials, 1 row
     trans = transient_tensors(geo, 512, 2) + attn
     assert sum(pers) == sum(it[k] for k in ("target_dense_weights", "target_kv", "logits", "expert_cache"))
     assert sorted(pers, reverse=True)[:4] == [192 * MIB, 192 * MIB, 2 * MIB, 2 * MIB]   # K, V, embed, lm_head
@@ -165,7 +164,7 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
 
 
 def _partials(rows, heads, ctx, hd):
-    return (rows * heads * split_chunks(ctx) * (hd + 2) + SPLIT_COUNTERS) * 4
+    return rows * heads * split_chunks(ctx) * (hd + 2) * 4
 
 
 @pytest.mark.parametrize("graphs", [True, False])
