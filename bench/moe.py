@@ -259,6 +259,10 @@ def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str
     with the highest geometric mean of its fraction of the bound over the widths."""
     variants = list(moe_gemv.GEMV_VARIANTS) + ["dot"]
     saved = dict(moe_gemv.DECODE_GEMV)
+    saved_one = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    # the variant under test at every width: a one-row table entry would time W = 1 on its own variant, and the
+    # row-alone check would compare two variants' bits
+    moe_gemv.DECODE_GEMV_ONE_ROW.clear()
     t0 = time.perf_counter()
     # one-step variants are for float rows (on blocks they would hold whole rows of blocks in registers)
     skip = {(f, v) for f in formats for v in variants
@@ -322,6 +326,7 @@ def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str
         torch.cuda.empty_cache()
     moe_gemv.DECODE_GEMV.clear()
     moe_gemv.DECODE_GEMV.update(saved)
+    moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)
     return res
 
 
