@@ -353,7 +353,7 @@ def print_tuning(res: dict[str, Any], gpu: str | None, bw: float) -> None:
     best = res["best"]
     line: dict[str, str | None] = {}
     kept = []
-    for f in ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k"):
+    for f in moe_gemv.DECODE_GEMV:
         src = "q4_0" if f == "q5_0" else f                   # q5_0 (not timed) takes Q4_0's tiles
         if src in best:
             line[f] = None if best[src] == "dot" else best[src]
