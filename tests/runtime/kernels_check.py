@@ -1057,7 +1057,7 @@ def check_fused_step_kquant_mix(mix: str = "q4_k_m", path: str = "gemv") -> None
     `tensor_format`: Q4_K (Q5_K), with a Q6_K v and Q6_K experts' down in some layers, a Q6_K head) through the
     fused step, against the plain forward: a layer whose v has another format than its q and k stacks q and k alone
     (`qk_blocks`). path "dot": the mix's main format takes no matrix-vector tiles (the dequantized scratch and the
-    tl.dot expert kernels, the path of a format without GEMV code, such as IQ4_NL)."""
+    tl.dot expert kernels, the path a format without GEMV code would take)."""
     from bench.quant_target import build_on_gpu
     from runtime.gpu import moe_gemv
     from tests.runtime.tiny import tiny_config
