@@ -91,7 +91,7 @@ GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
     "q5_k": "n8j2np",                                     # Q4_K's tile; the only one timed for Q5_K
-    "q3_k": "n8j2k2np", "q2_k": "n16j2k2np",              # their own code (`_rows23`); timed below (W = 1 only)
+    "q3_k": "n8j2k2np", "q2_k": "n16j2k2np",              # their own code (`_rows23`); timed below
     "iq4_xs": "n8j2np",                                   # its own code (`_rowsiq`), Q4_K's tile size
     "iq4_nl": "u4d8k2np"}                                 # Q4_0's blocks, its levels looked up (`_dot32`)
 # the formats the GEMV kernels read (`_rows`); a table naming a variant for another is refused by `variant`
@@ -107,7 +107,8 @@ GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", 
 # super-blocks a step (n8j2k2np), Q2_K 313 -> 360 with 16 rows a program (n16j2k2np), both in DECODE_GEMV since
 # they gain through the dense products as well (in this table alone: 313, 324); IQ4_XS fastest on n8j2np (347);
 # IQ4_NL 365 on u4d8k2np everywhere, 378 on n4j2k2np everywhere, 392 with its experts' one-row windows on n4j2k2np
-# (this table) and the rest on u4d8k2np
+# (this table) and the rest on u4d8k2np. The experts alone at W = 1, 8, 16 (`bench/moe.py --tune-decode`,
+# bench/results/h100_session23/tune/) pick the same tiles
 DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np", "iq4_nl": "n4j2k2np"}
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
