@@ -187,7 +187,7 @@ def test_engine_memory_report_counts_blocks(files):
 # ------------------------------------------------------------------------------------------------------------------
 # K-quants and IQ4: a file mixing Q4_K (or Q5_K, ...) and Q6_K, as llama-quantize's Q4_K_M (Q5_K_M, ...) does
 
-@pytest.mark.parametrize("main", ["Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("main", ["Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
 def test_kquant_mix_reads_as_gguf_py_dequantizes(tmp_path, main):
     out, ref_path, deq = llamacpp_block_gguf(tmp_path, main)
     m = load_target_gguf(out)

@@ -200,20 +200,20 @@ def _add(w, new_name: str, data: np.ndarray, ftype: str, bid: int | None) -> Non
 
 
 def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
-    """uint8 [rows, row bytes] of random `kind` (a super-block type name: "Q4_K") blocks with small f16 scales."""
-    bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
-    raw = rng.integers(0, 256, size=(rows * cols // 256, bb), dtype=np.uint8)
+    """uint8 [rows, row bytes] of random `kind` (a block type name: "Q4_K", "IQ4_NL") blocks with small f16 scales."""
+    bv, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, size=(rows * cols // bv, bb), dtype=np.uint8)
     small = np.array([0x1400], np.uint16).view(np.uint8)          # f16 scale 2**-10
     if kind in ("Q6_K", "Q3_K"):
         raw[:, bb - 2:bb] = small                                   # d last
     elif kind == "Q2_K":
         raw[:, 80:84] = np.tile(small, 2)                           # d, dmin last
-    elif kind in ("IQ4_XS", "IQ3_XXS"):
-        raw[:, 0:2] = small
+    elif kind in ("IQ4_XS", "IQ3_XXS", "IQ4_NL"):
+        raw[:, 0:2] = small                                         # d first
     else:
         raw[:, 0:2] = small
         raw[:, 2:4] = small
-    return raw.reshape(rows, cols // 256 * bb)
+    return raw.reshape(rows, cols // bv * bb)
 
 
 def llamacpp_block_gguf(tmp_path: Path, main: str, kind_of=None, split_max_tensors: int = 0
