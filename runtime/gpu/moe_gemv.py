@@ -391,14 +391,8 @@ if HAVE_TRITON:
             q2 = (((h >> 8) & 0x0F) | ((hs >> 1) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             q3 = (((h >> 12) & 0x0F) | ((hs >> 17) & 0x10) | (h & -65536)).to(tl.float32, bitcast=True) - 8388624.0
             s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
-        elif QT == 10:
-            # iq4_nl: Q4_0's nibbles, each an index into the 16 int8 levels; the word's four levels (+ 128, as
-            # unsigned bytes) two to a 16-bit half over 2^23's bits (h's top half), as Q8_0's codes
-            u = _levels4(h) ^ -2139062144                       # 0x80808080
-            lo = (u & 0xFFFF) | (h & -65536)                    # values 2i, 2i + 16 (* 256)
-            hi = ((u >> 16) & 0xFFFF) | (h & -65536)            # values 2i + 1, 2i + 17 (* 256)
-            s = (_code(lo, 0x00FF, 8388736.0) * x0[:, None] + _code(lo, 0xFF00, 8421376.0) * x1[:, None]
-                 + _code(hi, 0x00FF, 8388736.0) * x2[:, None] + _code(hi, 0xFF00, 8421376.0) * x3[:, None])
+        elif QT == 10:   # iq4_nl: Q4_0's nibbles, each an index into the 16 int8 levels (h's top half: 2^23's bits)
+            s = _levels_dot(h, h & -65536, x0[:, None], x1[:, None], x2[:, None], x3[:, None])
         else:
             q0 = _code(h, 0x000F, 8388616.0)     # byte 2i, low nibble: value 2i
             q1 = _code(h, 0x00F0, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
@@ -743,6 +737,17 @@ if HAVE_TRITON:
                     | (_iq4_byte((v >> 12) & 15) << 24))
 
     @triton.jit
+    def _levels_dot(h, top, x0, x1, x2, x3):
+        """sum(level * x) over the four codes of 16-bit words h (IQ4's nibble order: values 2i, 2i + 16, 2i + 1,
+        2i + 17): their levels plus 128, unsigned bytes two to a half-word or-ed with 2^23's bits `top`, each read as
+        Q8_0's codes are; x1 and x3 (the high bytes) pre-scaled by 2^-8."""
+        u = _levels4(h) ^ -2139062144                # 0x80808080: each byte level + 128
+        lo = (u & 0xFFFF) | top                      # codes 0, 1
+        hi = ((u >> 16) & 0xFFFF) | top              # codes 2, 3
+        return (_code(lo, 0x00FF, 8388736.0) * x0 + _code(lo, 0xFF00, 8421376.0) * x1
+                + _code(hi, 0x00FF, 8388736.0) * x2 + _code(hi, 0xFF00, 8421376.0) * x3)
+
+    @triton.jit
     def _ldiq(w, sb, r, mg):
         """Raw words of one step of IQ4_XS rows (68 words: d, scales_h, 2 of scales_l, 64 of codes): codes, d,
         scales_h and the scales_l word of each sub-block."""
@@ -756,13 +761,10 @@ if HAVE_TRITON:
         or-ed two at a time into 2^23's bits and subtracted (`_code`), their activations pre-scaled by 2^-8 for
         the high byte."""
         xo = (sb * 256 + 32 * r)[:, None] + 2 * tl.arange(0, 8)[None, :]
-        u = _levels4(h) ^ -2139062144                # 0x80808080: each byte level + 128
-        lo = (u & 0xFFFF) | mg                       # codes 0, 1: values 2i, 2i + 16
-        hi = ((u >> 16) & 0xFFFF) | mg               # codes 2, 3: values 2i + 1, 2i + 17
-        sm = (_code(lo, 0x00FF, 8388736.0) * _xs(xr, xo).to(tl.float32)[:, None, :]
-              + _code(lo, 0xFF00, 8421376.0) * (_xs(xr, xo + 16).to(tl.float32) * (1.0 / 256))[:, None, :]
-              + _code(hi, 0x00FF, 8388736.0) * _xs(xr, xo + 1).to(tl.float32)[:, None, :]
-              + _code(hi, 0xFF00, 8421376.0) * (_xs(xr, xo + 17).to(tl.float32) * (1.0 / 256))[:, None, :])
+        sm = _levels_dot(h, mg, _xs(xr, xo).to(tl.float32)[:, None, :],
+                         (_xs(xr, xo + 16).to(tl.float32) * (1.0 / 256))[:, None, :],
+                         _xs(xr, xo + 1).to(tl.float32)[:, None, :],
+                         (_xs(xr, xo + 17).to(tl.float32) * (1.0 / 256))[:, None, :])
         rr = r[:, None]
         sc = ((sl >> (4 * (rr // 2 % 2 * 2 + rr % 2))) & 15) | (((sh >> (2 * rr)) & 3) << 4)
         return acc + (_half(wd) * (sc - 32).to(tl.float32))[:, :, None] * sm
