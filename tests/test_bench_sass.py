@@ -1,0 +1,62 @@
+"""bench/kernel_sass.py without a GPU: its SASS reading (loops found by their backward branches, opcodes counted
+with predicates and modifiers stripped) and its compile of a recorded launch for sm_90 with this machine's Triton
+(the shipped one-row Q4_0 gate/up tile, as the step launches it)."""
+
+import pytest
+
+from bench.kernel_sass import compile_entry, gemv_values_per_pass, instructions, loops, sass_and_regs
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   LDG.E.U16 R4, desc[UR4][R2.64] ;
+        /*0030*/              @!P0 LOP3.LUT R5, R4, 0xf, RZ, 0xc0, !PT ;
+        /*0040*/                   FFMA R6, R5, R7, R6 ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/               @P1 BRA 0x20 ;
+        /*0070*/                   SHFL.BFLY PT, R8, R6, 0x1, 0x1f ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   BRA 0x90;
+"""
+
+
+def test_loops_and_opcodes_from_sass():
+    ops = [op for _, op in instructions(SASS)]
+    assert ops == ["LDC", "S2R", "LDG", "LOP3", "FFMA", "BAR", "BRA", "SHFL", "EXIT", "BRA"]
+    (lp,) = loops(SASS)                  # the self-branch at 0x90 is no loop; the shuffle is outside the one
+    assert (lp["start"], lp["end"], lp["instructions"]) == ("0x20", "0x60", 5)
+    assert lp["not_arithmetic"] == {"BAR": 1}
+
+
+def test_values_per_pass_of_a_gemv_tile():
+    # Q4_0 gate/up, 4 rows each of gate and up, 32 blocks a pass, 4 warps: 32 * 32 * 8 values over 128 threads
+    assert gemv_values_per_pass({"QT": 3, "BN": 4, "NBC": 32, "UP": True, "MB": 1}, 4) == 64
+    assert gemv_values_per_pass({"QT": 3, "BN": 4, "NBC": 32, "ONE": True}, 4) is None
+
+
+def test_the_shipped_q4_0_tile_compiles_for_sm90_and_has_its_loop():
+    pytest.importorskip("triton")
+    e = {"format": "q4_0", "module": "runtime.gpu.moe_gemv", "name": "_gemv_kernel", "num_warps": 4,
+         "num_stages": 1, "params": [
+             ["x_ptr", {"tensor": "bf16", "aligned": True}], ["tok_ptr", {"tensor": "i32", "aligned": True}],
+             ["se_ptr", {"tensor": "i32", "aligned": True}], ["slot_ptr", {"tensor": "i32", "aligned": True}],
+             ["ord_ptr", {"tensor": "i32", "aligned": True}], ["wt_ptr", {"tensor": "bf16", "aligned": True}],
+             ["w_ptr", {"tensor": "i16", "aligned": True}], ["o_ptr", {"tensor": "bf16", "aligned": True}],
+             ["NP", {"int": 8}], ["E", {"int": 128}], ["N", {"int": 768}], ["NBLK", {"int": 64}],
+             ["K", {"int": 2048}], ["mg", {"int": 0x4B000000}], ["stride_xm", {"int": 2048}],
+             ["stride_we", {"int": 884736}], ["stride_om", {"int": 768}], ["d_ptr", {"tensor": "bf16", "aligned": True}],
+             ["nw_ptr", {"tensor": "bf16", "aligned": True}], ["xo_ptr", {"tensor": "bf16", "aligned": True}],
+             ["ho_ptr", {"tensor": "bf16", "aligned": True}], ["eps", {"float": 0.0}],
+             ["SWN", {"int": 576}], ["EVEN", {"bool": True}], ["UP", {"bool": True}], ["HAS_SLOT", {"bool": False}],
+             ["QT", {"int": 3}], ["ZERO", {"bool": False}], ["BM", {"int": 1}], ["MB", {"int": 1}],
+             ["BN", {"int": 4}], ["NBC", {"int": 32}], ["PF", {"int": 0}], ["KMASK", {"bool": False}],
+             ["J", {"int": 2}], ["ONE", {"bool": False}]]}
+    k, consts = compile_entry(e, 90)
+    assert consts["GDC"] is True and consts["QT"] == 3
+    sass, regs = sass_and_regs(k)
+    assert regs is not None and 16 <= regs <= 255
+    lp = loops(sass)
+    assert lp, "the looped tile compiles to a loop"
+    per_value = lp[0]["instructions"] / gemv_values_per_pass(consts, 4)
+    # three operations a value at the least (field, float, product); the shipped tile is near five on Triton 3.6
+    assert 3 <= per_value <= 20
