@@ -87,6 +87,12 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
         GEMV_VARIANTS[f"n{_bn}j2k{_kv // 512}{'' if _pf else 'np'}"] = {
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
+# R1: Q8_0 / Q4_0 rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN dM: N rows
+# a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's code words / 32)
+for _u, _d, _kv, _w in ((4, 8, 1024, 4), (4, 8, 1024, 8), (8, 8, 1024, 4), (4, 8, 2048, 4), (2, 4, 1024, 4),
+                        (4, 4, 1024, 4)):
+    GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}"] = {"R1": 1, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0,
+                                                    "J": 1, "num_warps": _w, "num_stages": 1}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
@@ -142,6 +148,8 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     if name not in GEMV_VARIANTS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(GEMV_VARIANTS)} or None.")
+    if GEMV_VARIANTS[name].get("R1") and fmt not in ("q8_0", "q4_0"):
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads Q8_0 and Q4_0 only.")
     return GEMV_VARIANTS[name]
 
 
@@ -457,6 +465,111 @@ if HAVE_TRITON:
         f0, f1, f2, f3 = _x32(xr, bc, xr, 1.0, QT, J, False)
         acc = _dot32(tl.zeros(d.shape, dtype=tl.float32), h, d, qa, qb, f0, f1, f2, f3, QT, J)
         return tl.where(nk > 0, tl.sum(tl.sum(acc, 2), 0), 0.0)
+
+    # --------------------------------------------------------------------------- 32-value block rows one by one
+    # R1 variants: every tensor of a pass is one-dimensional over the pass's code words (c: block c // W, word c % W),
+    # and the BN rows are separate tensors of that one layout, so no Triton has a thread layout to choose between
+    # rows and blocks (module docstring: Triton 3.6 and 3.9 break that choice differently for the [blocks, rows,
+    # words] tiles above). Each word's product takes its block's scale (d * sum(code * x) a word), summed over the
+    # passes word by word and over the words at the end.
+
+    @triton.jit
+    def _xn1(xr, xo, nw, rstd, NORM: tl.constexpr):
+        """Activations at offsets xo of the row at xr as float32 (NORM: of RMSNorm(row) * nw, rounded as `_xn3`)."""
+        x = tl.load(xr + xo)
+        if NORM:
+            dt = xr.dtype.element_ty
+            w = tl.load(nw + xo).to(tl.float32)
+            return ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _row1(w, wo, do, mg, x0, x1, x2, x3, QT: tl.constexpr):
+        """d * sum(code * x) of each code word at word offsets wo of one Q8_0 / Q4_0 row (scales at do): [words]."""
+        if QT == 1:
+            h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg, 0x8080)
+            s = _code(h, 0x00FF, 8388736.0) * x0 + _code(h, 0xFF00, 8421376.0) * x1
+        else:
+            h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
+            s = (_code(h, 0x000F, 8388616.0) * x0 + _code(h, 0x00F0, 8388736.0) * x1
+                 + _code(h, 0x0F00, 8390656.0) * x2 + _code(h, 0xF000, 8421376.0) * x3)
+        return _scale(tl.load(w + do)) * s
+
+    @triton.jit
+    def _pick(v, idx, r: tl.constexpr, acc):
+        return tl.where(idx == r, tl.sum(acc, 0), v)
+
+    @triton.jit
+    def _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN: tl.constexpr):
+        """[BN] of the accumulators' sums, row r from a_r."""
+        idx = tl.arange(0, BN)
+        v = _pick(tl.zeros((BN,), dtype=tl.float32), idx, 0, a0)
+        if BN > 1:
+            v = _pick(v, idx, 1, a1)
+        if BN > 2:
+            v = _pick(_pick(v, idx, 2, a2), idx, 3, a3)
+        if BN > 4:
+            v = _pick(_pick(_pick(_pick(v, idx, 4, a4), idx, 5, a5), idx, 6, a6), idx, 7, a7)
+        return v
+
+    @triton.jit
+    def _rows32r(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr,
+                 BN: tl.constexpr, NBC: tl.constexpr, NORM: tl.constexpr):
+        """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 words times the row at xr, and
+        (TWO) of the rows at wb the same way; the activations of a pass are loaded once for both."""
+        W: tl.constexpr = 16 if QT == 1 else 8           # code words a block
+        BW: tl.constexpr = 17 if QT == 1 else 9          # words a block
+        c = tl.arange(0, NBC * W)
+        z = tl.zeros((NBC * W,), dtype=tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
+        u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
+        o1 = tl.minimum(1, rlim) * SWN
+        o2 = tl.minimum(2, rlim) * SWN
+        o3 = tl.minimum(3, rlim) * SWN
+        o4 = tl.minimum(4, rlim) * SWN
+        o5 = tl.minimum(5, rlim) * SWN
+        o6 = tl.minimum(6, rlim) * SWN
+        o7 = tl.minimum(7, rlim) * SWN
+        for b0 in range(0, nblk, NBC):
+            blk = b0 + c // W
+            j = c % W
+            wo = blk * BW + 1 + j
+            do = blk * BW
+            xo = blk * 32 + 2 * j
+            x0 = _xn1(xr, xo, nw, rstd, NORM)
+            if QT == 1:
+                x1 = _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256)
+                x2 = x0
+                x3 = x0
+            else:
+                x1 = _xn1(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16)
+                x2 = _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256)
+                x3 = _xn1(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096)
+            a0 += _row1(wa, wo, do, mg, x0, x1, x2, x3, QT)
+            if TWO:
+                u0 += _row1(wb, wo, do, mg, x0, x1, x2, x3, QT)
+            if BN > 1:
+                a1 += _row1(wa + o1, wo, do, mg, x0, x1, x2, x3, QT)
+                if TWO:
+                    u1 += _row1(wb + o1, wo, do, mg, x0, x1, x2, x3, QT)
+            if BN > 2:
+                a2 += _row1(wa + o2, wo, do, mg, x0, x1, x2, x3, QT)
+                a3 += _row1(wa + o3, wo, do, mg, x0, x1, x2, x3, QT)
+                if TWO:
+                    u2 += _row1(wb + o2, wo, do, mg, x0, x1, x2, x3, QT)
+                    u3 += _row1(wb + o3, wo, do, mg, x0, x1, x2, x3, QT)
+            if BN > 4:
+                a4 += _row1(wa + o4, wo, do, mg, x0, x1, x2, x3, QT)
+                a5 += _row1(wa + o5, wo, do, mg, x0, x1, x2, x3, QT)
+                a6 += _row1(wa + o6, wo, do, mg, x0, x1, x2, x3, QT)
+                a7 += _row1(wa + o7, wo, do, mg, x0, x1, x2, x3, QT)
+                if TWO:
+                    u4 += _row1(wb + o4, wo, do, mg, x0, x1, x2, x3, QT)
+                    u5 += _row1(wb + o5, wo, do, mg, x0, x1, x2, x3, QT)
+                    u6 += _row1(wb + o6, wo, do, mg, x0, x1, x2, x3, QT)
+                    u7 += _row1(wb + o7, wo, do, mg, x0, x1, x2, x3, QT)
+        return _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN), _sums8(u0, u1, u2, u3, u4, u5, u6, u7, BN)
 
     # ------------------------------------------------------------------------------------------- K-quant rows
     # Q4_K, tile [NBC * 4, BN, 16]: super-block, 32-byte group g of the nibbles (sub-blocks 2g, 2g + 1), word i.
@@ -879,6 +992,7 @@ if HAVE_TRITON:
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
                      KMASK: tl.constexpr, J: tl.constexpr, ONE: tl.constexpr = False, EARLY: tl.constexpr = False,
+                     R1: tl.constexpr = False,
                      NORM: tl.constexpr = False, HAS_D: tl.constexpr = False, KN: tl.constexpr = 1,
                      GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
@@ -979,8 +1093,16 @@ if HAVE_TRITON:
                 else:
                     xr0 = x_ptr + p0.to(tl.int64) * stride_xm
                     xr1 = x_ptr + p1.to(tl.int64) * stride_xm
-                ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw_ptr, rstd, UP, QT, MB, BN, NBC, PF,
-                                           KMASK, J, NORM)
+                if R1 and (QT == 1 or QT == 3):          # one row at a time (`_rows32r`)
+                    tl.static_assert(MB == 1)
+                    w0 = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64)
+                    ra0, rb0 = _rows32r(xr0, w0, w0 + N * SWN, N - 1 - nb * BN, SWN, nblk, mg, nw_ptr, rstd, QT, UP,
+                                        BN, NBC, NORM)
+                    ra1 = ra0
+                    rb1 = rb0
+                else:
+                    ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw_ptr, rstd, UP, QT, MB, BN, NBC,
+                                               PF, KMASK, J, NORM)
                 _out(o_ptr, p0, nm, ra0, rb0, ord_ptr, wt_ptr, n, stride_om, UP)
                 if MB == 2:
                     _out(o_ptr, p1, n < tl.where(m0 + 1 < rows, N, 0), ra1, rb1, ord_ptr, wt_ptr, n, stride_om, UP)
@@ -1012,10 +1134,12 @@ def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
     return max(1, min(cfg.get("J", 1), (16 if q == 1 else 8) // 2)) if q in BLOCK32 else 1
 
 
-def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1) -> int:
+def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: bool = False) -> int:
     """Warps of a program: no more than the step's word groups need, so warps never split the rows (a thread's
-    rows stay constant offsets from one address)."""
+    rows stay constant offsets from one address). r1 (`_rows32r`): no more than a pass's code words / 32."""
     q = QT[fmt]
+    if r1 and q in (1, 3):
+        return max(1, min(cfg_warps, nbc * (16 if q == 1 else 8) // 32))
     if q == 0:
         return cfg_warps
     lanes = (16 if q in (1, 5, 6) else 8) // (j if q in BLOCK32 else 1)     # threads along a group's words
@@ -1041,8 +1165,8 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
-                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), **pdl.launch(w))
+                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, bool(cfg.get("R1"))),
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=bool(cfg.get("R1")), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -1068,10 +1192,11 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     nw, eps = norm if norm is not None else (h, 0.0)
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), h, nw, h, h, float(eps), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j),
+                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, bool(cfg.get("R1"))),
                        num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
                        EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one),
-                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, **pdl.launch(w))
+                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, R1=bool(cfg.get("R1")),
+                       **pdl.launch(w))
 
 
 def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:
