@@ -176,15 +176,12 @@ ARMS["q-wide-default"] = {**_DEFAULT, "wide": True}
 for _v in ("n8j2np", "u4d8k2np", "n4j2k2np", "n8j2k2np"):
     ARMS[f"q-wide-{_v}"] = {**_DEFAULT, "wide": True, "qdecode": dict.fromkeys(QUANT_FORMATS, _v)}
 
-# Q8_0 / Q4_0 rows one at a time (moe_gemv `_rows32r`, the R1 variants): the experts alone, then the dense one-row
-# products and the output head too ("qhead"), on 4 or 8 warps
-_R1 = {"q4_0": "r4d8k2w4", "q8_0": "r4d8k2w4"}
-ARMS["q-r1-experts"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4"}
-ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4",
-                    "qdense": {"qkv": "r4d8k2w4", "o_proj": "r4d8k4w4"}, "qhead": "r4d8k2w4"}
-ARMS["q-r1-all-w8"] = {**_DEFAULT, "qdecode": {q: "r4d8k2w8" for q in _R1}, "qone": "r4d8k2w8",
-                       "qdense": {"qkv": "r4d8k2w8", "o_proj": "r4d8k4w4"}, "qhead": "r4d8k2w8"}
-
+# Q8_0 / Q4_0 rows one at a time (moe_gemv `_rows32r`, the R1 variants, two words of a block a thread): the experts
+# alone, then the dense one-row products and the output head too ("qhead")
+_R1 = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2"}
+ARMS["q-r1-experts"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2"}
+ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
+                    "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""

@@ -24,6 +24,17 @@ try:
 except ImportError:  # CPU-only installs: the callers use their torch paths
     HAVE_TRITON = False
 
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton ((0, 0) without one): some tile tables depend on how a Triton lays
+    tiles out (runtime/gpu/moe_gemv.py, `R1_FROM`)."""
+    if not HAVE_TRITON:
+        return (0, 0)
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
 ENABLED = True   # benchmarks switch the kernels off to measure the plain-torch path ("before")
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from runtime.gpu import pdl
-from runtime.gpu.kernels import HAVE_TRITON
+from runtime.gpu.kernels import HAVE_TRITON, triton_version
 
 if HAVE_TRITON:
     import triton
@@ -88,11 +88,11 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 # R1: Q8_0 / Q4_0 rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN dM: N rows
-# a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's code words / 32)
-for _u, _d, _kv, _w in ((4, 8, 1024, 4), (4, 8, 1024, 8), (8, 8, 1024, 4), (4, 8, 2048, 4), (2, 4, 1024, 4),
-                        (4, 4, 1024, 4)):
-    GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}"] = {"R1": 1, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0,
-                                                    "J": 1, "num_warps": _w, "num_stages": 1}
+# a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's groups / 32); j2: two
+# words of a block a thread (R1 = 2)
+for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048, 4, 2)):
+    GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}" + ("j2" if _jr == 2 else "")] = {
+        "R1": _jr, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0, "J": 1, "num_warps": _w, "num_stages": 1}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
@@ -119,6 +119,20 @@ DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
 DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
+# From this Triton on, Q8_0 and Q4_0 take the row-by-row tiles (R1, `_rows32r`): Triton 3.9 lays the [blocks, rows,
+# words] tiles out with the rows spread over threads, and their loops move the activations through shared memory,
+# with barriers and shuffles (docs/models.md, "What the counters and the machine code say"). The same kernels built
+# by Triton 3.6 and 3.9, timed on one H100 (48 calls in a graph, bench/results/h200_session24/triton39/h100_j2/):
+# Q4_0 gate/up 10.75 us (3.6) / 16.75 (3.9) shipped, 11.53 / 12.29 on r4d8k2w4j2; Q4_0 experts' down 6.15 / 7.14
+# against 6.30 / 6.34; Q8_0 gate/up 15.74 / 26.74 against 17.16 / 17.01; Q8_0 down 8.71 / 12.23 against 9.91 /
+# 9.25. On Triton 3.6 the step keeps the tables above (Q4_0 one-row step at 1k context 2.27 ms either way, Q8_0 2.73
+# against 2.95 with R1 experts: bench/step_ab.py arms q-r1-*); the step on 3.9 is not measured here (the device has
+# Triton 3.6)
+R1_FROM = (3, 9)
+R1_DECODE = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2"}
+if triton_version() >= R1_FROM:
+    DECODE_GEMV.update(R1_DECODE)
+    DECODE_GEMV_ONE_ROW.update(R1_DECODE)
 
 # variants with EARLY load their weights before the PDL wait where the caller allows it (False: never; the
 # benchmarks' switch)
@@ -467,11 +481,11 @@ if HAVE_TRITON:
         return tl.where(nk > 0, tl.sum(tl.sum(acc, 2), 0), 0.0)
 
     # --------------------------------------------------------------------------- 32-value block rows one by one
-    # R1 variants: every tensor of a pass is one-dimensional over the pass's code words (c: block c // W, word c % W),
-    # and the BN rows are separate tensors of that one layout, so no Triton has a thread layout to choose between
-    # rows and blocks (module docstring: Triton 3.6 and 3.9 break that choice differently for the [blocks, rows,
-    # words] tiles above). Each word's product takes its block's scale (d * sum(code * x) a word), summed over the
-    # passes word by word and over the words at the end.
+    # R1 variants: every tensor of a pass is one-dimensional over the pass's groups (a group: JR code words of one
+    # block, which one thread takes), and the BN rows are separate tensors of that one layout, so no Triton has a
+    # thread layout to choose between rows and blocks (module docstring: Triton 3.6 and 3.9 break that choice
+    # differently for the [blocks, rows, words] tiles above). Each group's product takes its block's scale, summed
+    # over the passes group by group and over the groups at the end.
 
     @triton.jit
     def _xn1(xr, xo, nw, rstd, NORM: tl.constexpr):
@@ -485,15 +499,33 @@ if HAVE_TRITON:
             return x.to(tl.float32)
 
     @triton.jit
-    def _row1(w, wo, do, mg, x0, x1, x2, x3, QT: tl.constexpr):
-        """d * sum(code * x) of each code word at word offsets wo of one Q8_0 / Q4_0 row (scales at do): [words]."""
+    def _xq(xr, xo, nw, rstd, QT: tl.constexpr, NORM: tl.constexpr):
+        """The activations of code words whose first value is at xo, pre-scaled as `_x32` does."""
+        x0 = _xn1(xr, xo, nw, rstd, NORM)
+        if QT == 1:
+            return x0, _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), x0, x0
+        else:
+            return (x0, _xn1(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16), _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256),
+                    _xn1(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096))
+
+    @triton.jit
+    def _word1(w, wo, mg, x0, x1, x2, x3, QT: tl.constexpr):
+        """sum(code * x) of the code words at offsets wo of one Q8_0 / Q4_0 row."""
         if QT == 1:
             h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg, 0x8080)
-            s = _code(h, 0x00FF, 8388736.0) * x0 + _code(h, 0xFF00, 8421376.0) * x1
+            return _code(h, 0x00FF, 8388736.0) * x0 + _code(h, 0xFF00, 8421376.0) * x1
         else:
             h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
-            s = (_code(h, 0x000F, 8388616.0) * x0 + _code(h, 0x00F0, 8388736.0) * x1
-                 + _code(h, 0x0F00, 8390656.0) * x2 + _code(h, 0xF000, 8421376.0) * x3)
+            return (_code(h, 0x000F, 8388616.0) * x0 + _code(h, 0x00F0, 8388736.0) * x1
+                    + _code(h, 0x0F00, 8390656.0) * x2 + _code(h, 0xF000, 8421376.0) * x3)
+
+    @triton.jit
+    def _row1(w, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT: tl.constexpr, JR: tl.constexpr,
+              TPB: tl.constexpr):
+        """d * sum(code * x) over each thread's JR code words (at wq, and wq + TPB with y) of one block: [groups]."""
+        s = _word1(w, wq, mg, x0, x1, x2, x3, QT)
+        if JR == 2:
+            s += _word1(w, wq + TPB, mg, y0, y1, y2, y3, QT)
         return _scale(tl.load(w + do)) * s
 
     @triton.jit
@@ -515,13 +547,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rows32r(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr,
-                 BN: tl.constexpr, NBC: tl.constexpr, NORM: tl.constexpr):
+                 BN: tl.constexpr, NBC: tl.constexpr, NORM: tl.constexpr, JR: tl.constexpr):
         """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 words times the row at xr, and
-        (TWO) of the rows at wb the same way; the activations of a pass are loaded once for both."""
+        (TWO) of the rows at wb the same way; the activations of a pass are loaded once for both. A group (one
+        thread's share of a pass) is JR code words of one block, words q and q + W / JR, which share its scale."""
         W: tl.constexpr = 16 if QT == 1 else 8           # code words a block
         BW: tl.constexpr = 17 if QT == 1 else 9          # words a block
-        c = tl.arange(0, NBC * W)
-        z = tl.zeros((NBC * W,), dtype=tl.float32)
+        TPB: tl.constexpr = W // JR                      # groups a block
+        g = tl.arange(0, NBC * TPB)
+        z = tl.zeros((NBC * TPB,), dtype=tl.float32)
         a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         o1 = tl.minimum(1, rlim) * SWN
@@ -532,43 +566,38 @@ if HAVE_TRITON:
         o6 = tl.minimum(6, rlim) * SWN
         o7 = tl.minimum(7, rlim) * SWN
         for b0 in range(0, nblk, NBC):
-            blk = b0 + c // W
-            j = c % W
-            wo = blk * BW + 1 + j
+            blk = b0 + g // TPB
+            q = g % TPB
             do = blk * BW
-            xo = blk * 32 + 2 * j
-            x0 = _xn1(xr, xo, nw, rstd, NORM)
-            if QT == 1:
-                x1 = _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256)
-                x2 = x0
-                x3 = x0
-            else:
-                x1 = _xn1(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16)
-                x2 = _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256)
-                x3 = _xn1(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096)
-            a0 += _row1(wa, wo, do, mg, x0, x1, x2, x3, QT)
+            wq = do + 1 + q
+            xo = blk * 32 + 2 * q
+            x0, x1, x2, x3 = _xq(xr, xo, nw, rstd, QT, NORM)
+            y0, y1, y2, y3 = x0, x1, x2, x3
+            if JR == 2:
+                y0, y1, y2, y3 = _xq(xr, xo + 2 * TPB, nw, rstd, QT, NORM)
+            a0 += _row1(wa, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
             if TWO:
-                u0 += _row1(wb, wo, do, mg, x0, x1, x2, x3, QT)
+                u0 += _row1(wb, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
             if BN > 1:
-                a1 += _row1(wa + o1, wo, do, mg, x0, x1, x2, x3, QT)
+                a1 += _row1(wa + o1, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
                 if TWO:
-                    u1 += _row1(wb + o1, wo, do, mg, x0, x1, x2, x3, QT)
+                    u1 += _row1(wb + o1, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
             if BN > 2:
-                a2 += _row1(wa + o2, wo, do, mg, x0, x1, x2, x3, QT)
-                a3 += _row1(wa + o3, wo, do, mg, x0, x1, x2, x3, QT)
+                a2 += _row1(wa + o2, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                a3 += _row1(wa + o3, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
                 if TWO:
-                    u2 += _row1(wb + o2, wo, do, mg, x0, x1, x2, x3, QT)
-                    u3 += _row1(wb + o3, wo, do, mg, x0, x1, x2, x3, QT)
+                    u2 += _row1(wb + o2, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                    u3 += _row1(wb + o3, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
             if BN > 4:
-                a4 += _row1(wa + o4, wo, do, mg, x0, x1, x2, x3, QT)
-                a5 += _row1(wa + o5, wo, do, mg, x0, x1, x2, x3, QT)
-                a6 += _row1(wa + o6, wo, do, mg, x0, x1, x2, x3, QT)
-                a7 += _row1(wa + o7, wo, do, mg, x0, x1, x2, x3, QT)
+                a4 += _row1(wa + o4, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                a5 += _row1(wa + o5, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                a6 += _row1(wa + o6, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                a7 += _row1(wa + o7, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
                 if TWO:
-                    u4 += _row1(wb + o4, wo, do, mg, x0, x1, x2, x3, QT)
-                    u5 += _row1(wb + o5, wo, do, mg, x0, x1, x2, x3, QT)
-                    u6 += _row1(wb + o6, wo, do, mg, x0, x1, x2, x3, QT)
-                    u7 += _row1(wb + o7, wo, do, mg, x0, x1, x2, x3, QT)
+                    u4 += _row1(wb + o4, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                    u5 += _row1(wb + o5, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                    u6 += _row1(wb + o6, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+                    u7 += _row1(wb + o7, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
         return _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN), _sums8(u0, u1, u2, u3, u4, u5, u6, u7, BN)
 
     # ------------------------------------------------------------------------------------------- K-quant rows
@@ -992,7 +1021,7 @@ if HAVE_TRITON:
                      UP: tl.constexpr, HAS_SLOT: tl.constexpr, QT: tl.constexpr, ZERO: tl.constexpr,
                      BM: tl.constexpr, MB: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr, PF: tl.constexpr,
                      KMASK: tl.constexpr, J: tl.constexpr, ONE: tl.constexpr = False, EARLY: tl.constexpr = False,
-                     R1: tl.constexpr = False,
+                     R1: tl.constexpr = 0,
                      NORM: tl.constexpr = False, HAS_D: tl.constexpr = False, KN: tl.constexpr = 1,
                      GDC: tl.constexpr = False):
         """Program (i, nb): when sorted pair i is the first of its expert, weight rows nb*BN.. of that expert for
@@ -1097,7 +1126,7 @@ if HAVE_TRITON:
                     tl.static_assert(MB == 1)
                     w0 = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64)
                     ra0, rb0 = _rows32r(xr0, w0, w0 + N * SWN, N - 1 - nb * BN, SWN, nblk, mg, nw_ptr, rstd, QT, UP,
-                                        BN, NBC, NORM)
+                                        BN, NBC, NORM, R1)
                     ra1 = ra0
                     rb1 = rb0
                 else:
@@ -1134,12 +1163,12 @@ def _words_per_thread(fmt: str, cfg: dict[str, int]) -> int:
     return max(1, min(cfg.get("J", 1), (16 if q == 1 else 8) // 2)) if q in BLOCK32 else 1
 
 
-def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: bool = False) -> int:
+def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: int = 0) -> int:
     """Warps of a program: no more than the step's word groups need, so warps never split the rows (a thread's
-    rows stay constant offsets from one address). r1 (`_rows32r`): no more than a pass's code words / 32."""
+    rows stay constant offsets from one address). r1 (`_rows32r`, its JR): no more than a pass's groups / 32."""
     q = QT[fmt]
     if r1 and q in (1, 3):
-        return max(1, min(cfg_warps, nbc * (16 if q == 1 else 8) // 32))
+        return max(1, min(cfg_warps, nbc * (16 if q == 1 else 8) // (32 * r1)))
     if q == 0:
         return cfg_warps
     lanes = (16 if q in (1, 5, 6) else 8) // (j if q in BLOCK32 else 1)     # threads along a group's words
@@ -1165,8 +1194,8 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, bool(cfg.get("R1"))),
-                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=bool(cfg.get("R1")), **pdl.launch(w))
+                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, int(cfg.get("R1", 0))),
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=int(cfg.get("R1", 0)), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -1192,10 +1221,10 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     nw, eps = norm if norm is not None else (h, 0.0)
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), h, nw, h, h, float(eps), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, bool(cfg.get("R1"))),
+                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, int(cfg.get("R1", 0))),
                        num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
                        EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one),
-                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, R1=bool(cfg.get("R1")),
+                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, R1=int(cfg.get("R1", 0)),
                        **pdl.launch(w))
 
 
