@@ -60,3 +60,24 @@ def test_the_shipped_q4_0_tile_compiles_for_sm90_and_has_its_loop():
     per_value = lp[0]["instructions"] / gemv_values_per_pass(consts, 4)
     # three operations a value at the least (field, float, product); the shipped tile is near five on Triton 3.6
     assert 3 <= per_value <= 20
+
+
+def test_r1_tables_follow_the_triton_version(monkeypatch):
+    """From Triton 3.9 on (outside the interpreter) the Q8_0 / Q4_0 / IQ4_NL experts and one-row products take the
+    row-by-row tiles, every width alike; before, the tables tuned on Triton 3.6; a table naming an R1 tile for a
+    format it does not read is refused in one sentence."""
+    import os
+
+    from runtime.gpu import dense_kernels, moe_gemv
+    from runtime.gpu.kernels import triton_version
+
+    on = moe_gemv.r1_tables()
+    assert on == (triton_version() >= (3, 9) and os.environ.get("TRITON_INTERPRET") != "1")
+    for fmt in moe_gemv.R1_FORMATS:
+        for rows in (1, 4, 16):
+            assert bool(moe_gemv.variant(fmt, rows).get("R1")) == on, (fmt, rows)
+    assert (dense_kernels.QUANT_ONE_ROW[("q4_0", "qkv")] == "r4d8k2w4j2") == on
+    assert dense_kernels.QUANT_ONE_ROW[("q4_0", "o_proj")] == "n8j2k4np"       # faster on both Tritons
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q5_0", "r4d8k2w4j2")
+    with pytest.raises(ValueError, match="row-by-row tile, which reads q8_0, q4_0, iq4_nl only"):
+        moe_gemv.variant("q5_0")

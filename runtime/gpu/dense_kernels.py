@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from runtime.gpu import moe_gemv, pdl
-from runtime.gpu.kernels import HAVE_TRITON, pow2, triton_version
+from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
     import triton
@@ -229,12 +229,12 @@ QUANT_ONE_ROW: dict[tuple[str, str], str] = {("q4_0", "o_proj"): "n8j2k4np", ("q
                                              # gemv_one_row.py --quant q6_k,q4_0,q8_0 --lm-head, bench/results/
                                              # h200_session18/; Q8_0's and Q6_K's fastest is DECODE_GEMV's own)
                                              ("q4_0", "lm_head"): "n8j2np"}
-# Triton 3.9 on (moe_gemv.R1_FROM): the Q8_0 / Q4_0 one-row products on the row-by-row tiles, except Q4_0's o_proj,
+# Triton 3.9 on (moe_gemv.r1_tables): the Q8_0 / Q4_0 one-row products on the row-by-row tiles, except Q4_0's o_proj,
 # whose tile above stays faster there. One H100, each kernel as built by Triton 3.6 / 3.9 (bench/results/
 # h200_session24/triton39/h100_j2/): Q4_0 q/k/v 6.91 / 12.63 us shipped, 6.67 / 7.17 on r4d8k2w4j2; Q4_0 o_proj
 # 5.55 / 7.47 against 6.84 / 8.35; a Q4_0 head of 4,096 rows 6.50 / 7.75 against 7.12 / 6.63; Q8_0 q/k/v 8.17 /
 # 11.39 against 8.96 / 8.53; Q8_0 o_proj 6.88 / 10.11 against 8.06 / 8.90
-if triton_version() >= moe_gemv.R1_FROM:
+if moe_gemv.r1_tables():
     QUANT_ONE_ROW.update({("q4_0", "qkv"): "r4d8k2w4j2", ("q4_0", "lm_head"): "r4d8k2w4j2",
                           ("q8_0", "o_proj"): "r4d8k2w4j2"})
 

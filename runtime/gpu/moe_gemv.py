@@ -87,7 +87,8 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
         GEMV_VARIANTS[f"n{_bn}j2k{_kv // 512}{'' if _pf else 'np'}"] = {
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
-# R1: Q8_0 / Q4_0 rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN dM: N rows
+R1_FORMATS = ("q8_0", "q4_0", "iq4_nl")          # the formats `_rows32r` reads
+# R1: Q8_0 / Q4_0 / IQ4_NL rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN dM: N rows
 # a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's groups / 32); j2: two
 # words of a block a thread (R1 = 2)
 for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048, 4, 2)):
@@ -119,18 +120,28 @@ DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
 DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
-# From this Triton on, Q8_0 and Q4_0 take the row-by-row tiles (R1, `_rows32r`): Triton 3.9 lays the [blocks, rows,
+# From this Triton on, Q8_0, Q4_0 and IQ4_NL take the row-by-row tiles (R1, `_rows32r`): Triton 3.9 lays the [blocks, rows,
 # words] tiles out with the rows spread over threads, and their loops move the activations through shared memory,
 # with barriers and shuffles (docs/models.md, "What the counters and the machine code say"). The same kernels built
 # by Triton 3.6 and 3.9, timed on one H100 (48 calls in a graph, bench/results/h200_session24/triton39/h100_j2/):
 # Q4_0 gate/up 10.75 us (3.6) / 16.75 (3.9) shipped, 11.53 / 12.29 on r4d8k2w4j2; Q4_0 experts' down 6.15 / 7.14
 # against 6.30 / 6.34; Q8_0 gate/up 15.74 / 26.74 against 17.16 / 17.01; Q8_0 down 8.71 / 12.23 against 9.91 /
-# 9.25. On Triton 3.6 the step keeps the tables above (Q4_0 one-row step at 1k context 2.27 ms either way, Q8_0 2.73
+# 9.25; IQ4_NL gate/up 13.62 / 17.41 against 15.01 / 14.44, down 8.27 / 9.34 against 8.54 / 8.65, its q/k/v (the
+# dense products take DECODE_GEMV's tile) 7.80 / 12.33 against 8.26 / 8.21. On Triton 3.6 the step keeps the tables above (Q4_0 one-row step at 1k context 2.27 ms either way, Q8_0 2.73
 # against 2.95 with R1 experts: bench/step_ab.py arms q-r1-*); the step on 3.9 is not measured here (the device has
 # Triton 3.6)
+# Triton 3.6 (the Triton interpreter keeps these tables too: it runs every operation of a tile as an array
+# operation, and an R1 pass is many small ones, so the tests run on the tables above and the R1 tiles by name)
 R1_FROM = (3, 9)
-R1_DECODE = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2"}
-if triton_version() >= R1_FROM:
+R1_DECODE = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2", "iq4_nl": "r4d8k2w4j2"}
+
+
+def r1_tables() -> bool:
+    """Whether this Triton takes the R1 tables (`R1_FROM`; never in the interpreter)."""
+    return triton_version() >= R1_FROM and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+if r1_tables():
     DECODE_GEMV.update(R1_DECODE)
     DECODE_GEMV_ONE_ROW.update(R1_DECODE)
 
@@ -162,8 +173,9 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     if name not in GEMV_VARIANTS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(GEMV_VARIANTS)} or None.")
-    if GEMV_VARIANTS[name].get("R1") and fmt not in ("q8_0", "q4_0"):
-        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads Q8_0 and Q4_0 only.")
+    if GEMV_VARIANTS[name].get("R1") and fmt not in R1_FORMATS:
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads {', '.join(R1_FORMATS)} "
+                         f"only.")
     return GEMV_VARIANTS[name]
 
 
@@ -504,16 +516,22 @@ if HAVE_TRITON:
         x0 = _xn1(xr, xo, nw, rstd, NORM)
         if QT == 1:
             return x0, _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256), x0, x0
+        elif QT == 10:                               # iq4_nl: the levels of values 2i + 16, 2i + 17 are high bytes
+            return (x0, _xn1(xr, xo + 16, nw, rstd, NORM) * (1.0 / 256), _xn1(xr, xo + 1, nw, rstd, NORM),
+                    _xn1(xr, xo + 17, nw, rstd, NORM) * (1.0 / 256))
         else:
             return (x0, _xn1(xr, xo + 16, nw, rstd, NORM) * (1.0 / 16), _xn1(xr, xo + 1, nw, rstd, NORM) * (1.0 / 256),
                     _xn1(xr, xo + 17, nw, rstd, NORM) * (1.0 / 4096))
 
     @triton.jit
     def _word1(w, wo, mg, x0, x1, x2, x3, QT: tl.constexpr):
-        """sum(code * x) of the code words at offsets wo of one Q8_0 / Q4_0 row."""
+        """sum(code * x) of the code words at offsets wo of one Q8_0 / Q4_0 / IQ4_NL row."""
         if QT == 1:
             h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg, 0x8080)
             return _code(h, 0x00FF, 8388736.0) * x0 + _code(h, 0xFF00, 8421376.0) * x1
+        elif QT == 10:                               # Q4_0's nibbles, each an index into the 16 levels
+            h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
+            return _levels_dot(h, h & -65536, x0, x1, x2, x3)
         else:
             h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
             return (_code(h, 0x000F, 8388616.0) * x0 + _code(h, 0x00F0, 8388736.0) * x1
@@ -548,7 +566,7 @@ if HAVE_TRITON:
     @triton.jit
     def _rows32r(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr,
                  BN: tl.constexpr, NBC: tl.constexpr, NORM: tl.constexpr, JR: tl.constexpr):
-        """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 words times the row at xr, and
+        """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 / IQ4_NL words times the row at xr, and
         (TWO) of the rows at wb the same way; the activations of a pass are loaded once for both. A group (one
         thread's share of a pass) is JR code words of one block, words q and q + W / JR, which share its scale."""
         W: tl.constexpr = 16 if QT == 1 else 8           # code words a block
@@ -1122,7 +1140,7 @@ if HAVE_TRITON:
                 else:
                     xr0 = x_ptr + p0.to(tl.int64) * stride_xm
                     xr1 = x_ptr + p1.to(tl.int64) * stride_xm
-                if R1 and (QT == 1 or QT == 3):          # one row at a time (`_rows32r`)
+                if R1 and (QT == 1 or QT == 3 or QT == 10):      # one row at a time (`_rows32r`)
                     tl.static_assert(MB == 1)
                     w0 = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64)
                     ra0, rb0 = _rows32r(xr0, w0, w0 + N * SWN, N - 1 - nb * BN, SWN, nblk, mg, nw_ptr, rstd, QT, UP,
@@ -1167,7 +1185,7 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: int = 0) -> int:
     """Warps of a program: no more than the step's word groups need, so warps never split the rows (a thread's
     rows stay constant offsets from one address). r1 (`_rows32r`, its JR): no more than a pass's groups / 32."""
     q = QT[fmt]
-    if r1 and q in (1, 3):
+    if r1 and q in (1, 3, 10):
         return max(1, min(cfg_warps, nbc * (16 if q == 1 else 8) // (32 * r1)))
     if q == 0:
         return cfg_warps
