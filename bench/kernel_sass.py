@@ -15,7 +15,7 @@ loops (backward branches): instructions per pass, the weight values a thread tak
 GEMV (`_gemv_kernel`: from its tile constexprs) and so instructions per value, and the BAR / STS / LDS / SHFL in
 the loop. Run it under each Triton a user may have (the device's and the CI's differ) and compare.
 
-Writes `kernel_sass.json` (and each kernel's SASS under `--dump`).
+Writes `kernel_sass_<formats>_triton<version>.json` (and each kernel's SASS under `--dump`).
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in res["kernels"]:
         if "error" in r:
             print(f"{r['format']} {r['kernel']}: {r['error']}")
-    write_json(f"kernel_sass_triton{triton.__version__}.json", res)
+    write_json(f"kernel_sass_{args.formats.replace(',', '_')}_triton{triton.__version__}.json", res)
     return res
 
 

@@ -265,8 +265,11 @@ def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str
     moe_gemv.DECODE_GEMV_ONE_ROW.clear()
     t0 = time.perf_counter()
     # one-step variants are for float rows (on blocks they would hold whole rows of blocks in registers)
+    # and the row-by-row (R1) variants read only moe_gemv.R1_FORMATS
     skip = {(f, v) for f in formats for v in variants
             if f != "bf16" and any(moe_gemv.GEMV_VARIANTS.get(v, {}).get(o) for o in ("ONE", "ONE_UP", "ONE_DOWN"))}
+    skip |= {(f, v) for f in formats for v in variants
+             if moe_gemv.GEMV_VARIANTS.get(v, {}).get("R1") and f not in moe_gemv.R1_FORMATS}
     built = warm_kernels([(f, v) for f in formats for v in variants if (f, v) not in skip])
     res: dict[str, Any] = {"variants": moe_gemv.GEMV_VARIANTS, "build_seconds": time.perf_counter() - t0,
                            "rows": [], "best": {}}
