@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import A3B_SHAPE, copy_bandwidth, machine, median, out_dir, print_table, write_json  # noqa: E402
+from bench.common import A3B_SHAPE, copy_bandwidth, machine, out_dir, print_table, write_json  # noqa: E402
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy", "WarpStateStats",
             "InstructionStats")
@@ -109,7 +109,7 @@ def stream(bw: float) -> list[dict[str, Any]]:
     import triton
     import triton.language as tl
 
-    from runtime.gpu.capture import capture
+    from bench.gemv_one_row import graph_us
 
     @triton.jit
     def u16_q4(w_ptr, o_ptr, ROWB: tl.constexpr, NBLK: tl.constexpr, BN: tl.constexpr, NBC: tl.constexpr):
@@ -159,16 +159,7 @@ def stream(bw: float) -> list[dict[str, Any]]:
         try:
             for b in bufs[:2]:
                 fn(b)
-            g, _ = capture(lambda fn=fn: [fn(b) for b in bufs])
-            ts = []
-            for _ in range(15):
-                a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                ts.append(a.elapsed_time(e) * 1e3 / len(bufs))
-            us = median(ts)
+            us = graph_us([lambda b=b, fn=fn: fn(b) for b in bufs])
             res.append({"arm": name, "us": us, "GBs": nbytes / us / 1e3, "of_copy": nbytes / us / 1e3 / (bw / 1e9)})
         except Exception as ex:  # one arm's compile error must not lose the others
             res.append({"arm": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
