@@ -18,7 +18,11 @@ thread holds all BN rows of its word positions (so an activation it loads serves
 offsets from one address: the row stride is a compile-time constant), warps never split the rows, scales and
 activations are loaded straight into the code tile's layout (no shared-memory shuffle), and the next step's words
 are loaded before this step's arithmetic (PF). On a GPU two inline PTX instructions keep the compiler from moving
-the magic-number or past the loop's back edge (it would then carry the words as packed 16-bit pairs).
+the magic-number or past the loop's back edge (it would then carry the words as packed 16-bit pairs). That layout is
+Triton 3.6's choice: the tile's dimensions other than the words tie in contiguity, and Triton 3.9 breaks the tie the
+other way, spreading the rows over threads (shared memory, barriers and shuffles in the loop; 16-82% slower kernels).
+The R1 tiles (`_rows32r`, Q8_0 / Q4_0 / IQ4_NL) leave no such choice: every tensor of a pass is one-dimensional and
+each row its own tensor; they take over from Triton 3.9 on (`R1_FROM`).
 
 Row invariance (BN, the loop step and MB are the same for every window width; a row's reduction order depends only
 on its place in the tile), the slot table, missed experts' rows and graph capture are those of the tl.dot kernels of
@@ -88,9 +92,9 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 R1_FORMATS = ("q8_0", "q4_0", "iq4_nl")          # the formats `_rows32r` reads
-# R1: Q8_0 / Q4_0 / IQ4_NL rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN dM: N rows
-# a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's groups / 32); j2: two
-# words of a block a thread (R1 = 2)
+# R1: Q8_0 / Q4_0 / IQ4_NL rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN
+# dM: N rows a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's groups / 32);
+# j2: two words of a block a thread (R1 = 2)
 for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048, 4, 2)):
     GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}" + ("j2" if _jr == 2 else "")] = {
         "R1": _jr, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0, "J": 1, "num_warps": _w, "num_stages": 1}
@@ -120,18 +124,18 @@ DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
 DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
-# From this Triton on, Q8_0, Q4_0 and IQ4_NL take the row-by-row tiles (R1, `_rows32r`): Triton 3.9 lays the [blocks, rows,
-# words] tiles out with the rows spread over threads, and their loops move the activations through shared memory,
-# with barriers and shuffles (docs/models.md, "What the counters and the machine code say"). The same kernels built
-# by Triton 3.6 and 3.9, timed on one H100 (48 calls in a graph, bench/results/h200_session24/triton39/h100_j2/):
-# Q4_0 gate/up 10.75 us (3.6) / 16.75 (3.9) shipped, 11.53 / 12.29 on r4d8k2w4j2; Q4_0 experts' down 6.15 / 7.14
-# against 6.30 / 6.34; Q8_0 gate/up 15.74 / 26.74 against 17.16 / 17.01; Q8_0 down 8.71 / 12.23 against 9.91 /
-# 9.25; IQ4_NL gate/up 13.62 / 17.41 against 15.01 / 14.44, down 8.27 / 9.34 against 8.54 / 8.65, its q/k/v (the
-# dense products take DECODE_GEMV's tile) 7.80 / 12.33 against 8.26 / 8.21. On Triton 3.6 the step keeps the tables above (Q4_0 one-row step at 1k context 2.27 ms either way, Q8_0 2.73
-# against 2.95 with R1 experts: bench/step_ab.py arms q-r1-*); the step on 3.9 is not measured here (the device has
-# Triton 3.6)
-# Triton 3.6 (the Triton interpreter keeps these tables too: it runs every operation of a tile as an array
-# operation, and an R1 pass is many small ones, so the tests run on the tables above and the R1 tiles by name)
+# From Triton 3.9 on, Q8_0, Q4_0 and IQ4_NL take the row-by-row tiles (R1, `_rows32r`): Triton 3.9 lays the
+# [blocks, rows, words] tiles out with the rows spread over threads, and their loops move the activations through
+# shared memory, with barriers and shuffles (docs/models.md, "What the counters and the machine code say"). The same
+# kernels built by Triton 3.6 and 3.9, timed on one H100 (48 calls in a graph, bench/results/h200_session24/
+# triton39/h100_j2/): Q4_0 gate/up 10.75 us (3.6) / 16.75 (3.9) shipped, 11.53 / 12.29 on r4d8k2w4j2; Q4_0 experts'
+# down 6.15 / 7.14 against 6.30 / 6.34; Q8_0 gate/up 15.74 / 26.74 against 17.16 / 17.01; Q8_0 down 8.71 / 12.23
+# against 9.91 / 9.25; IQ4_NL gate/up 13.62 / 17.41 against 15.01 / 14.44, down 8.27 / 9.34 against 8.54 / 8.65,
+# its q/k/v (the dense products take DECODE_GEMV's tile) 7.80 / 12.33 against 8.26 / 8.21. On Triton 3.6 the step
+# keeps the tables above (Q4_0 one-row step at 1k context 2.27 ms either way, Q8_0 2.73 against 2.95 with R1
+# experts: bench/step_ab.py arms q-r1-*); the step under 3.9 is not measured here (the device has Triton 3.6). The
+# Triton interpreter keeps the 3.6 tables too: it runs every operation of a tile as an array operation, and an R1
+# pass is many small ones, so the tests run the step on the tables above and the R1 tiles by name
 R1_FROM = (3, 9)
 R1_DECODE = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2", "iq4_nl": "r4d8k2w4j2"}
 
@@ -566,8 +570,8 @@ if HAVE_TRITON:
     @triton.jit
     def _rows32r(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr,
                  BN: tl.constexpr, NBC: tl.constexpr, NORM: tl.constexpr, JR: tl.constexpr):
-        """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 / IQ4_NL words times the row at xr, and
-        (TWO) of the rows at wb the same way; the activations of a pass are loaded once for both. A group (one
+        """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 / IQ4_NL words times the row at xr,
+        and (TWO) of the rows at wb the same way; the activations of a pass are loaded once for both. A group (one
         thread's share of a pass) is JR code words of one block, words q and q + W / JR, which share its scale."""
         W: tl.constexpr = 16 if QT == 1 else 8           # code words a block
         BW: tl.constexpr = 17 if QT == 1 else 9          # words a block
@@ -1208,12 +1212,13 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     one = bool(cfg.get("ONE_UP", cfg.get("ONE")))
     c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
+    r1 = int(cfg.get("R1", 0))
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, int(cfg.get("R1", 0))),
-                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=int(cfg.get("R1", 0)), **pdl.launch(w))
+                       ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, r1),
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=r1, **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -1231,6 +1236,7 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     one = bool(cfg.get("ONE_DOWN", cfg.get("ONE")))
     c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
+    r1 = int(cfg.get("R1", 0))
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     if norm is not None and not (norm_fits(fmt, cfg) and NP == 1 and h.shape[0] == 1):
@@ -1239,10 +1245,10 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     nw, eps = norm if norm is not None else (h, 0.0)
     _gemv_kernel[grid](h, se, se, sl, order, wf, w, y, NP, n_exp, N, K if fmt == "bf16" else nblk, K, MAGIC,
                        h.stride(0), w.stride(0), y.stride(0), h, nw, h, h, float(eps), SWN=w.stride(1), EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=has_slot, QT=QT[fmt],
-                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, int(cfg.get("R1", 0))),
+                       ZERO=zero, BM=bm, MB=cfg["MB"], BN=cfg["BN_DOWN"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, r1),
                        num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
                        EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one),
-                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, R1=int(cfg.get("R1", 0)),
+                       NORM=norm is not None, KN=cover(K) if norm is not None else 1, R1=r1,
                        **pdl.launch(w))
 
 
