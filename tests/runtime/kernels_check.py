@@ -714,8 +714,8 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
     """The RMSNorm folded into a one-row block-format product (`dense_kernels.quant_norm_one_row`: the looped block
     tiles normalize each activation as they load it) against rmsnorm + the same product and float math, for each
     32-value block format and rows of 3, 8 and 64 blocks, on DECODE_GEMV's variant and on a role's own looped one
-    (Q8_0 / Q4_0: a row-by-row R1 one too); not taken for two rows or a role whose variant is one-step. R1 tiles on
-    36 rows, the last program's rows past N."""
+    (Q8_0 / Q4_0 / IQ4_NL: a row-by-row R1 one too); not taken for two rows or a role whose variant is one-step. R1
+    tiles on 36 rows, the last program's rows past N."""
     from runtime.gpu import moe_gemv
 
     g = torch.Generator().manual_seed(43)
@@ -736,7 +736,7 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
             ref = h.float() @ ql.dequantized_weight().float().t()
             assert rel(got, ref) < 3e-3, (qt, K, rel(got, ref))
             assert dense_kernels.quant_norm_one_row(torch.cat([x, x]), nw, 1e-6, ql, "qkv") is None
-            names = ("qone4j2", "n8j2k2") + (("r4d8k2w4j2",) if qt in ("q8_0", "q4_0") else ())
+            names = ("qone4j2", "n8j2k2") + (("r4d8k2w4j2",) if qt in moe_gemv.R1_FORMATS else ())
             for name in names:       # the role's own variant: a one-step one is never normalized
                 dense_kernels.QUANT_ONE_ROW[(qt, "_check")] = name
                 try:
@@ -746,8 +746,8 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
                 assert (got is None) == (name == "qone4j2"), name
                 if got is not None:
                     assert rel(got, ref) < 3e-3, (qt, K, name, rel(got, ref))
-            if qt in ("q8_0", "q4_0"):       # R1 tiles (`_rows32r`): 36 rows in programs of 8, the last reads past N
-                q36 = QuantLinear.from_float(w[:36], qt)
+            if qt in moe_gemv.R1_FORMATS:    # R1 tiles (`_rows32r`): 36 rows in programs of 8, the last reads past N
+                q36 = QuantLinear.from_blocks(ql.blocks[:36].contiguous(), qt, K)
                 for name in ("r4d8k2w4j2", "r2d4k2w4"):
                     got = dense_kernels.gemv(h, q36.blocks, qt, moe_gemv.GEMV_VARIANTS[name])
                     ref36 = h.float() @ q36.dequantized_weight().float().t()
