@@ -383,11 +383,15 @@ if HAVE_TRITON:
         runtime/gpu/dense_kernels.py's `_rmsnorm_kernel` rounds."""
         x = _xs3(xr, xo)
         if NORM:
-            dt = xr.dtype.element_ty
-            w = _xs3(nw, xo).to(tl.float32)
-            return ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            return _normed(x, _xs3(nw, xo), rstd, xr.dtype.element_ty)
         else:
             return x.to(tl.float32)
+
+    @triton.jit
+    def _normed(x, w, rstd, dt: tl.constexpr):
+        """RMSNorm(x) * w for activations x of the row whose 1 / rms is rstd, rounded to dt where
+        runtime/gpu/dense_kernels.py's `_rmsnorm_kernel` rounds, as float32."""
+        return ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w.to(tl.float32)).to(dt).to(tl.float32)
 
     @triton.jit
     def _x32(xr, blk, nw, rstd, QT: tl.constexpr, J: tl.constexpr, NORM: tl.constexpr):
@@ -415,10 +419,7 @@ if HAVE_TRITON:
     def _dot32(acc, h, d, qa, qb, x0, x1, x2, x3, QT: tl.constexpr, J: tl.constexpr):
         """acc + d * sum(code * x) over each thread's words of a block (d: the block's float16 scale)."""
         if QT == 1:
-            # an int8 code c is the byte c ^ 128 (flipped when loaded) = c + 128 over 2^23's bits
-            q0 = _code(h, 0x00FF, 8388736.0)                    # low byte
-            q1 = _code(h, 0xFF00, 8421376.0)                    # high byte (* 256)
-            s = q0 * x0[:, None] + q1 * x1[:, None]
+            s = _q8_dot(h, x0[:, None], x1[:, None])
         elif QT == 2:
             L: tl.constexpr = 8 // J
             qh = (qa & 0xFFFF) | (qb << 16)
@@ -432,12 +433,22 @@ if HAVE_TRITON:
         elif QT == 10:   # iq4_nl: Q4_0's nibbles, each an index into the 16 int8 levels (h's top half: 2^23's bits)
             s = _levels_dot(h, h & -65536, x0[:, None], x1[:, None], x2[:, None], x3[:, None])
         else:
-            q0 = _code(h, 0x000F, 8388616.0)     # byte 2i, low nibble: value 2i
-            q1 = _code(h, 0x00F0, 8388736.0)     # byte 2i, high nibble: value 2i + 16 (* 16)
-            q2 = _code(h, 0x0F00, 8390656.0)     # byte 2i + 1, low: value 2i + 1 (* 256)
-            q3 = _code(h, 0xF000, 8421376.0)     # byte 2i + 1, high: value 2i + 17 (* 4096)
-            s = q0 * x0[:, None] + q1 * x1[:, None] + q2 * x2[:, None] + q3 * x3[:, None]
+            s = _q4_dot(h, x0[:, None], x1[:, None], x2[:, None], x3[:, None])
         return acc + d * tl.sum(s, 2)
+
+    @triton.jit
+    def _q8_dot(h, x0, x1):
+        """sum(code * x) over the two int8 codes of 16-bit words h: an int8 code c is the byte c ^ 128 (flipped
+        when loaded) = c + 128 over 2^23's bits; x1 (the high byte's) pre-scaled by 2^-8."""
+        return _code(h, 0x00FF, 8388736.0) * x0 + _code(h, 0xFF00, 8421376.0) * x1
+
+    @triton.jit
+    def _q4_dot(h, x0, x1, x2, x3):
+        """sum(code * x) over the four Q4_0 nibbles of 16-bit words h or-ed with 2^23's bits: byte 2i's low nibble
+        (value 2i) and high (2i + 16, x1 pre-scaled by 2^-4), byte 2i + 1's low (2i + 1, x2 by 2^-8) and high
+        (2i + 17, x3 by 2^-12)."""
+        return (_code(h, 0x000F, 8388616.0) * x0 + _code(h, 0x00F0, 8388736.0) * x1
+                + _code(h, 0x0F00, 8390656.0) * x2 + _code(h, 0xF000, 8421376.0) * x3)
 
     @triton.jit
     def _rows32(xr0, xr1, wa, wb, nm, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr, MB: tl.constexpr,
@@ -508,9 +519,7 @@ if HAVE_TRITON:
         """Activations at offsets xo of the row at xr as float32 (NORM: of RMSNorm(row) * nw, rounded as `_xn3`)."""
         x = tl.load(xr + xo)
         if NORM:
-            dt = xr.dtype.element_ty
-            w = tl.load(nw + xo).to(tl.float32)
-            return ((x.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            return _normed(x, tl.load(nw + xo), rstd, xr.dtype.element_ty)
         else:
             return x.to(tl.float32)
 
@@ -530,16 +539,14 @@ if HAVE_TRITON:
     @triton.jit
     def _word1(w, wo, mg, x0, x1, x2, x3, QT: tl.constexpr):
         """sum(code * x) of the code words at offsets wo of one Q8_0 / Q4_0 / IQ4_NL row."""
+        v = tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32)
         if QT == 1:
-            h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg, 0x8080)
-            return _code(h, 0x00FF, 8388736.0) * x0 + _code(h, 0xFF00, 8421376.0) * x1
-        elif QT == 10:                               # Q4_0's nibbles, each an index into the 16 levels
-            h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
+            return _q8_dot(_or(v, mg, 0x8080), x0, x1)
+        h = _or(v, mg)
+        if QT == 10:                                 # Q4_0's nibbles, each an index into the 16 levels
             return _levels_dot(h, h & -65536, x0, x1, x2, x3)
         else:
-            h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
-            return (_code(h, 0x000F, 8388616.0) * x0 + _code(h, 0x00F0, 8388736.0) * x1
-                    + _code(h, 0x0F00, 8390656.0) * x2 + _code(h, 0xF000, 8421376.0) * x3)
+            return _q4_dot(h, x0, x1, x2, x3)
 
     @triton.jit
     def _row1(w, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT: tl.constexpr, JR: tl.constexpr,
