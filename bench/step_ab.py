@@ -101,12 +101,14 @@ ARMS.update({
 from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
 from runtime.gpu.dense_kernels import DENSE_GEMV_ROWS, QUANT_ONE_ROW  # noqa: E402
 from runtime.gpu.moe_gemv import DECODE_GEMV, DECODE_GEMV_ONE_ROW  # noqa: E402
+from runtime.gpu.moe_row import TILE as _MOE_ROW_TILE  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 
 QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
 DENSE_ROWS_SHIPPED = dict(DENSE_GEMV_ROWS)
 ONE_ROW_SHIPPED = dict(DECODE_GEMV_ONE_ROW)
 DECODE_SHIPPED = dict(DECODE_GEMV)
+MOE_ROW_SHIPPED = dict(_MOE_ROW_TILE)
 
 for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
@@ -179,6 +181,10 @@ for _v in ("n8j2np", "u4d8k2np", "n4j2k2np", "n8j2k2np"):
 # Q8_0 / Q4_0 rows one at a time (moe_gemv `_rows32r`, the R1 variants, two words of a block a thread): the experts
 # alone, then the dense one-row products and the output head too ("qhead")
 _R1 = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2"}
+# the MoE half of a one-row step (float experts) in one persistent launch (runtime/gpu/moe_row.py), and its tiles
+ARMS["moe-row"] = {**_DEFAULT, "moe_row": {}}
+ARMS["moe-row-pps1"] = {**_DEFAULT, "moe_row": {"PPS": 1}}
+ARMS["moe-row-rd1"] = {**_DEFAULT, "moe_row": {"RD": 1}}
 ARMS["q-r1-experts"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2"}
 ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
                     "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}
@@ -186,7 +192,7 @@ ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
     from runtime import kv
-    from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, pdl
+    from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, moe_row, pdl
 
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
@@ -198,6 +204,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
+    moe_row.ENABLED = arm.get("moe_row") is not None
+    moe_row.TILE.update(MOE_ROW_SHIPPED, **(arm.get("moe_row") or {}))
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     # an arm without "trig" predates the o_early forms of the attention parts: each part it skips, in both forms

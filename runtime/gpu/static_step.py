@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
+from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels, moe_row
 from runtime.gpu.capture import HostScalars
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
 from runtime.models import cpu_plan, cpu_rows
@@ -82,8 +82,14 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
     o = attention_kernels.attention(q, kc, vc, pos, a.scale, ks=ks, vs=vs, part=part, o_early=o_early)
     d = _proj(o.reshape(-1, a.nh * a.hd), wo, "o_proj", a.o_proj, a.o_proj)
     mlp = layer.mlp
-    fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps,
-                                       dense_kernels.weight_of(mlp.gate), "router")
+    wr = dense_kernels.weight_of(mlp.gate)
+    if moe_row.applies(x, wr, mlp):     # the MoE half of a one-row step in one persistent launch
+        out, idx, _ = moe_row.moe_row(x, d, layer.post_attention_layernorm.weight, eps, wr, pos, mlp.gate_up,
+                                      mlp.down, mlp.top_k, mlp.norm_topk, moe_row.barrier(mlp, x.device))
+        if mlp.recorder is not None:
+            mlp.recorder(i, idx)
+        return out
+    fused = dense_kernels.norm_one_row(x, d, layer.post_attention_layernorm.weight, eps, wr, "router")
     if fused is not None:
         x, h, lg = fused
     else:

@@ -264,6 +264,65 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
                 assert rel(part, pref) < tol, (fmt, rel(part, pref))
 
 
+def check_moe_row(dt: torch.dtype) -> None:
+    """runtime/gpu/moe_row.py (the one-row MoE half in one launch; here its three phases as three launches) against
+    the four launches it replaces and against float32 math: the same experts, weights and output to rounding."""
+    from runtime.gpu import dense_kernels, moe_gemv, moe_kernels, moe_row
+
+    g = torch.Generator().manual_seed(11)
+    E, H, NI, K = 9, 84, 36, 3          # 9 experts over 4 programs (several router rows a program); tails
+    gu = (torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(dt)
+    dn = (torch.randn(E, H, NI, generator=g) * 0.1).to(dt)
+    wr = (torch.randn(E, H, generator=g) * 0.3).to(dt)
+    nw = (torch.rand(H, generator=g) + 0.5).to(dt)
+    bar = moe_row.Barrier(torch.device("cpu"))
+    for seed, p in ((0, 3), (1, 7), (2, -1)):
+        x = torch.randn(1, H, generator=torch.Generator().manual_seed(seed)).to(dt)
+        d = (torch.randn(1, H, generator=g) * 0.5).to(dt)
+        pos = torch.tensor([p], dtype=torch.int32)
+        xo, hn, lg = dense_kernels.norm_one_row(x, d, nw, 1e-6, wr, "router")
+        r = moe_kernels.route(lg, pos, K, True)
+        ship = moe_kernels.moe_routed(hn, xo, r, gu, dn)
+        xs = x.float() + d.float()
+        hf = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+        ref = xs.clone()
+        pr = (hf @ wr.float().T).softmax(-1)
+        w, i = pr.topk(K, -1)
+        w = w / w.sum(-1, keepdim=True)
+        if p >= 0:
+            for j in range(K):
+                gg, uu = (gu[i[0, j]].float() @ hf[0]).split(NI)
+                ref[0] += w[0, j] * (dn[i[0, j]].float() @ (F.silu(gg) * uu))
+        for tile in ({"RU": 4, "RD": 2}, {"RU": 8, "RD": 8, "PRE3": 0, "ST2": 1, "ST3": 1}, {"RU": 1, "RD": 1}):
+            out, idx, wt = moe_row.moe_row(x, d, nw, 1e-6, wr, pos, gu, dn, K, True, bar, tile)
+            assert out.dtype == dt and out.shape == (1, H)
+            assert torch.equal(idx, r.idx), (tile, idx, r.idx)
+            if p >= 0:
+                assert torch.allclose(wt, r.w, rtol=1e-5, atol=1e-6), (tile, wt, r.w)
+                assert rel(out, ship) < 2e-3 and rel(out, ref) < 3e-3, (tile, dt, rel(out, ship), rel(out, ref))
+            else:                       # a padding row: no expert, the output is x + d as rounded
+                assert torch.equal(idx, torch.full((1, K), E, dtype=torch.int32)) and torch.equal(out, ship), tile
+    del moe_gemv
+
+
+def check_fused_step_moe_row() -> None:
+    """The fused one-row step with its MoE half in one launch (moe_row.ENABLED) against the plain forward."""
+    from runtime.gpu import moe_row
+
+    calls = []
+    orig = moe_row.moe_row
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    moe_row.ENABLED, moe_row.moe_row = True, spy
+    try:
+        check_fused_step(None, width=1)
+    finally:
+        moe_row.ENABLED, moe_row.moe_row = False, orig
+    assert calls, "the one-row step did not take moe_row"
+
+
 def check_moe_gemv(half: int | None = None) -> None:
     """The decode-window GEMV kernels (runtime/gpu/moe_gemv.py): every variant on Q4_0 or Q8_0, and a test-only
     variant with odd tiles (rows past N, a step shorter than a row, two window rows per pass) on every format,
@@ -1107,6 +1166,12 @@ if __name__ == "__main__":
             for dt in (torch.float32, torch.float16):
                 check_quant_norm_gemv(dt)
         print("moe gemv kernels ok")
+        sys.exit(0)
+    if sys.argv[1:] == ["moe_row"]:      # its own run (tests/runtime/test_moe_row.py)
+        for dt in (torch.float32, torch.float16):
+            check_moe_row(dt)
+        check_fused_step_moe_row()
+        print("moe row ok")
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
         check_fused_step_gguf()

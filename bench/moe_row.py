@@ -1,0 +1,144 @@
+"""The one-row MoE half in one persistent launch (runtime/gpu/moe_row.py) against the four launches the step ships
+(residual + RMSNorm + router product, routing, experts' gate/up, down + top-k sum + residual), on the A3B shape.
+
+    python bench/moe_row.py [--max-seconds 240] [--layers 48]
+
+The Qwen3-30B-A3B MoE (128 experts of 768, top 8, hidden 2048, BF16): one set of experts (1.2 GB, so the 50 MB L2
+holds no earlier call's experts), and per call its own router (random, so each call routes its own row to its own 8
+experts: honest routing) and residual delta. Calls form a chain as layers do: each call's input row is the previous
+call's output. The chain is captured as one CUDA graph and replayed; the median time per call is what the MoE half
+costs inside a graph-replayed one-row step. Next to it: the bytes at the copy bandwidth measured in the same run,
+and the check against the shipped path (the same experts picked, the output's largest difference relative to its
+largest |value|). Candidates: the persistent kernel's tiles (`moe_row.TILE` keys), and "phases" (the same kernel as
+three launches, no grid barrier).
+
+Writes `moe_row.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.common import Deadline, copy_bandwidth, machine, print_table, write_json  # noqa: E402
+from bench.gemv_one_row import graph_us  # noqa: E402
+
+H, NI, E, TOPK, EPS = 2048, 768, 128, 8, 1e-6
+
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "persistent": {},
+    "pps1": {"PPS": 1},
+    "rd1": {"RD": 1},
+    "rd4": {"RD": 4},
+    "ru2": {"RU": 2},
+    "ru8": {"RU": 8},
+    "st2-1": {"ST2": 1},
+    "st2-4": {"ST2": 4},
+    "st3-1": {"ST3": 1},
+    "no-pre3": {"PRE3": 0},
+    "w4": {"num_warps": 4},
+    "w16": {"num_warps": 16, "PPS": 1},
+    "phases": {"split": True},
+}
+
+
+def setup(layers: int):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * s).to(torch.bfloat16)
+    gate_up = rnd(E, 2 * NI, H, s=0.02)
+    down = rnd(E, H, NI, s=0.02)
+    routers = [rnd(E, H, s=0.05) for _ in range(layers)]
+    norms = [(torch.rand(H, device="cuda", generator=gen) + 0.5).to(torch.bfloat16) for _ in range(layers)]
+    deltas = [rnd(1, H, s=0.5) for _ in range(layers)]
+    x0 = rnd(1, H)
+    return gate_up, down, routers, norms, deltas, x0
+
+
+def shipped(x, d, nw, wr, pos, gate_up, down):
+    from runtime.gpu import dense_kernels, moe_kernels
+
+    fused = dense_kernels.norm_one_row(x, d, nw, EPS, wr, "router")
+    if fused is None:
+        raise RuntimeError("the router's one-row variant did not apply")
+    xo, h, lg = fused
+    r = moe_kernels.route(lg, pos, TOPK, True)
+    return moe_kernels.moe_routed(h, xo, r, gate_up, down), r.idx
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-seconds", type=float, default=240.0)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/moe_row.py needs a CUDA GPU; run it on one.", file=sys.stderr)
+        return 2
+    from runtime.gpu import moe_row
+
+    deadline = Deadline(args.max_seconds)
+    bw = copy_bandwidth()
+    L = args.layers
+    gate_up, down, routers, norms, deltas, x0 = setup(L)
+    pos = torch.zeros(1, dtype=torch.int32, device="cuda")
+    nbytes = TOPK * 3 * NI * H * 2 + E * H * 2          # the routed experts and the router
+    rows: list[dict[str, Any]] = []
+
+    def chain(step):
+        xs = [x0]
+        for i in range(L):
+            xs.append(step(i, xs[-1]))
+        return xs[-1]
+
+    ref_out, ref_idx = shipped(x0, deltas[0], norms[0], routers[0], pos, gate_up, down)
+    us = graph_us([lambda: chain(lambda i, x: shipped(x, deltas[i], norms[i], routers[i], pos, gate_up, down)[0])])
+    rows.append({"method": "shipped (4 launches)", "us": us / L, "GBs": nbytes / (us / L) / 1e3,
+                 "frac_copy": nbytes / (us / L * 1e-6) / bw, "same_experts": True, "rel_err": 0.0})
+    print(f"shipped: {us / L:.2f} us a call", flush=True)
+    only = [s for s in args.only.split(",") if s]
+    for label, c in CANDIDATES.items():
+        if (only and label not in only) or deadline.left() < 10:
+            continue
+        c = dict(c)
+        split = bool(c.pop("split", False))
+        bars = [moe_row.Barrier(torch.device("cuda")) for _ in range(L)]
+
+        def step(i, x, c=c, split=split, bars=bars):
+            return moe_row.moe_row(x, deltas[i], norms[i], EPS, routers[i], pos, gate_up, down, TOPK, True,
+                                   bars[i], c, split=split)
+        try:
+            out, idx, _ = step(0, x0)
+            torch.cuda.synchronize()
+            t = graph_us([lambda step=step: chain(lambda i, x: step(i, x)[0])]) / L
+        except Exception as e:  # noqa: BLE001 - a candidate this build cannot run: a row of the table
+            rows.append({"method": label, "cfg": c, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(label, rows[-1]["error"], flush=True)
+            continue
+        same = bool(torch.equal(idx.sort().values, ref_idx.sort().values))
+        err = (out.float() - ref_out.float()).abs().max().item() / ref_out.float().abs().max().item()
+        key = [k for k in moe_row._GRID if k[0] == x0.device]
+        rows.append({"method": label, "cfg": c, "us": t, "GBs": nbytes / t / 1e3, "frac_copy": nbytes / (t * 1e-6) / bw,
+                     "same_experts": same, "rel_err": err, "grids": sorted({moe_row._GRID[k] for k in key})})
+        print(f"{label}: {t:.2f} us a call, same experts {same}, rel err {err:.2g}", flush=True)
+    res = {"machine": machine(), "copy_bandwidth_Bps": bw, "layers": L, "bytes_per_call": nbytes, "rows": rows}
+    print_table(f"One-row MoE half (router .. down + sum), A3B, graph of {L} chained calls "
+                f"(copy {bw / 1e9:,.0f} GB/s; bytes {nbytes / 1e6:.1f} MB = {nbytes / bw * 1e6:.2f} us)",
+                ["method", "us", "GB/s", "% copy", "same experts", "rel err"],
+                [[r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}", f"{100 * r['frac_copy']:.1f}",
+                  str(r["same_experts"]), f"{r['rel_err']:.2g}"] if "us" in r else [r["method"], r["error"], "", "",
+                                                                                      "", ""]
+                 for r in rows])
+    print("wrote", write_json("moe_row.json", res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
