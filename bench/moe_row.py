@@ -1,10 +1,10 @@
 """The one-row MoE half in one persistent launch (runtime/gpu/moe_row.py) against the four launches the step ships
 (residual + RMSNorm + router product, routing, experts' gate/up, down + top-k sum + residual), on the A3B shape.
 
-    python bench/moe_row.py [--max-seconds 240] [--layers 48]
+    python bench/moe_row.py [--max-seconds 240] [--layers 48] [--quant q4_0]
 
 The Qwen3-30B-A3B MoE (128 experts of 768, top 8, hidden 2048, BF16): one set of experts (1.2 GB, so the 50 MB L2
-holds no earlier call's experts), and per call its own router (random, so each call routes its own row to its own 8
+holds no earlier call's experts; `--quant`: random Q8_0 / Q4_0 / IQ4_NL blocks as bench/quant_target.py makes them), and per call its own router (random, so each call routes its own row to its own 8
 experts: honest routing) and residual delta. Calls form a chain as layers do: each call's input row is the previous
 call's output. The chain is captured as one CUDA graph and replayed; the median time per call is what the MoE half
 costs inside a graph-replayed one-row step. Next to it: the bytes at the copy bandwidth measured in the same run,
@@ -46,15 +46,34 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "w16": {"num_warps": 16, "PPS": 1},
     "phases": {"split": True},
 }
+QCANDIDATES: dict[str, dict[str, Any]] = {
+    "persistent": {},
+    "ru4": {"RU": 4},
+    "ru8": {"RU": 8},
+    "ru16": {"RU": 16},
+    "rd4": {"RD": 4},
+    "rd8": {"RD": 8},
+    "ru8-rd8": {"RU": 8, "RD": 8},
+    "ru8-rd8-pps1": {"RU": 8, "RD": 8, "PPS": 1},
+    "ru8-rd8-w4": {"RU": 8, "RD": 8, "num_warps": 4},
+    "ru8-rd8-pps4-w4": {"RU": 8, "RD": 8, "num_warps": 4, "PPS": 4},
+    "phases": {"split": True},
+}
 
 
-def setup(layers: int):
+def setup(layers: int, fmt: str | None):
     gen = torch.Generator(device="cuda").manual_seed(3)
 
     def rnd(*shape, s=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * s).to(torch.bfloat16)
-    gate_up = rnd(E, 2 * NI, H, s=0.02)
-    down = rnd(E, H, NI, s=0.02)
+    if fmt is None:
+        gate_up = rnd(E, 2 * NI, H, s=0.02)
+        down = rnd(E, H, NI, s=0.02)
+    else:
+        from bench.quant_target import random_blocks
+
+        gate_up = random_blocks(E * 2 * NI, H, fmt, gen, "cuda").reshape(E, 2 * NI, -1)
+        down = random_blocks(E * H, NI, fmt, gen, "cuda", 0.02).reshape(E, H, -1)
     routers = [rnd(E, H, s=0.05) for _ in range(layers)]
     norms = [(torch.rand(H, device="cuda", generator=gen) + 0.5).to(torch.bfloat16) for _ in range(layers)]
     deltas = [rnd(1, H, s=0.5) for _ in range(layers)]
@@ -62,7 +81,7 @@ def setup(layers: int):
     return gate_up, down, routers, norms, deltas, x0
 
 
-def shipped(x, d, nw, wr, pos, gate_up, down):
+def shipped(x, d, nw, wr, pos, gate_up, down, fmt):
     from runtime.gpu import dense_kernels, moe_kernels
 
     fused = dense_kernels.norm_one_row(x, d, nw, EPS, wr, "router")
@@ -70,7 +89,7 @@ def shipped(x, d, nw, wr, pos, gate_up, down):
         raise RuntimeError("the router's one-row variant did not apply")
     xo, h, lg = fused
     r = moe_kernels.route(lg, pos, TOPK, True)
-    return moe_kernels.moe_routed(h, xo, r, gate_up, down), r.idx
+    return moe_kernels.moe_routed(h, xo, r, gate_up, down, fmt=fmt), r.idx
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "q8_0", "q4_0", "iq4_nl"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/moe_row.py needs a CUDA GPU; run it on one.", file=sys.stderr)
@@ -87,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     deadline = Deadline(args.max_seconds)
     bw = copy_bandwidth()
     L = args.layers
-    gate_up, down, routers, norms, deltas, x0 = setup(L)
+    fmt = None if args.quant == "bf16" else args.quant
+    gate_up, down, routers, norms, deltas, x0 = setup(L, fmt)
     pos = torch.zeros(1, dtype=torch.int32, device="cuda")
-    nbytes = TOPK * 3 * NI * H * 2 + E * H * 2          # the routed experts and the router
+    # the routed experts and the router
+    nbytes = TOPK * (2 * NI * gate_up[0, 0].nbytes + H * down[0, 0].nbytes) + E * H * 2
     rows: list[dict[str, Any]] = []
 
     def chain(step):
@@ -98,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             xs.append(step(i, xs[-1]))
         return xs[-1]
 
-    ref_out, ref_idx = shipped(x0, deltas[0], norms[0], routers[0], pos, gate_up, down)
-    us = graph_us([lambda: chain(lambda i, x: shipped(x, deltas[i], norms[i], routers[i], pos, gate_up, down)[0])])
+    ref_out, ref_idx = shipped(x0, deltas[0], norms[0], routers[0], pos, gate_up, down, fmt)
+    us = graph_us([lambda: chain(lambda i, x: shipped(x, deltas[i], norms[i], routers[i], pos, gate_up, down, fmt)[0])])
     rows.append({"method": "shipped (4 launches)", "us": us / L, "GBs": nbytes / (us / L) / 1e3,
                  "frac_copy": nbytes / (us / L * 1e-6) / bw, "same_experts": True, "rel_err": 0.0})
     print(f"shipped: {us / L:.2f} us a call", flush=True)
     only = [s for s in args.only.split(",") if s]
-    for label, c in CANDIDATES.items():
+    for label, c in (CANDIDATES if fmt is None else QCANDIDATES).items():
         if (only and label not in only) or deadline.left() < 10:
             continue
         c = dict(c)
@@ -113,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def step(i, x, c=c, split=split, bars=bars):
             return moe_row.moe_row(x, deltas[i], norms[i], EPS, routers[i], pos, gate_up, down, TOPK, True,
-                                   bars[i], c, split=split)
+                                   bars[i], c, split=split, fmt=fmt)
         try:
             out, idx, _ = step(0, x0)
             torch.cuda.synchronize()
@@ -125,18 +147,22 @@ def main(argv: list[str] | None = None) -> int:
         same = bool(torch.equal(idx.sort().values, ref_idx.sort().values))
         err = (out.float() - ref_out.float()).abs().max().item() / ref_out.float().abs().max().item()
         key = [k for k in moe_row._GRID if k[0] == x0.device]
+        gave_up = any(b.gave_up() for b in bars) or bool(moe_row.FAILED)
         rows.append({"method": label, "cfg": c, "us": t, "GBs": nbytes / t / 1e3, "frac_copy": nbytes / (t * 1e-6) / bw,
-                     "same_experts": same, "rel_err": err, "grids": sorted({moe_row._GRID[k] for k in key})})
-        print(f"{label}: {t:.2f} us a call, same experts {same}, rel err {err:.2g}", flush=True)
-    res = {"machine": machine(), "copy_bandwidth_Bps": bw, "layers": L, "bytes_per_call": nbytes, "rows": rows}
-    print_table(f"One-row MoE half (router .. down + sum), A3B, graph of {L} chained calls "
+                     "same_experts": same, "rel_err": err, "grids": sorted({moe_row._GRID[k] for k in key}),
+                     "barrier_gave_up": gave_up})
+        print(f"{label}: {t:.2f} us a call, same experts {same}, rel err {err:.2g}"
+              f"{', A BARRIER GAVE UP' if gave_up else ''}", flush=True)
+    res = {"machine": machine(), "copy_bandwidth_Bps": bw, "layers": L, "quant": args.quant, "bytes_per_call": nbytes,
+           "rows": rows}
+    print_table(f"One-row MoE half (router .. down + sum), A3B {args.quant}, graph of {L} chained calls "
                 f"(copy {bw / 1e9:,.0f} GB/s; bytes {nbytes / 1e6:.1f} MB = {nbytes / bw * 1e6:.2f} us)",
                 ["method", "us", "GB/s", "% copy", "same experts", "rel err"],
                 [[r["method"], f"{r['us']:.2f}", f"{r['GBs']:,.0f}", f"{100 * r['frac_copy']:.1f}",
                   str(r["same_experts"]), f"{r['rel_err']:.2g}"] if "us" in r else [r["method"], r["error"], "", "",
                                                                                       "", ""]
                  for r in rows])
-    print("wrote", write_json("moe_row.json", res))
+    print("wrote", write_json(f"moe_row_{args.quant}.json", res))
     return 0
 
 

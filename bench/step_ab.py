@@ -101,6 +101,7 @@ ARMS.update({
 from runtime.gpu.attention_kernels import REDUCE_TILE as REDUCE_SHIPPED  # noqa: E402
 from runtime.gpu.dense_kernels import DENSE_GEMV_ROWS, QUANT_ONE_ROW  # noqa: E402
 from runtime.gpu.moe_gemv import DECODE_GEMV, DECODE_GEMV_ONE_ROW  # noqa: E402
+from runtime.gpu.moe_row import QTILE as _MOE_ROW_QTILE  # noqa: E402
 from runtime.gpu.moe_row import TILE as _MOE_ROW_TILE  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 
@@ -109,6 +110,7 @@ DENSE_ROWS_SHIPPED = dict(DENSE_GEMV_ROWS)
 ONE_ROW_SHIPPED = dict(DECODE_GEMV_ONE_ROW)
 DECODE_SHIPPED = dict(DECODE_GEMV)
 MOE_ROW_SHIPPED = dict(_MOE_ROW_TILE)
+MOE_ROW_Q_SHIPPED = dict(_MOE_ROW_QTILE)
 
 for _name, _t in {"tiers-before": (128, 2048, 512, 16384, 1024), "tiers-128to16k": (128, 16384, 128, 16384, 1024),
                   "tiers-256": (128, 2048, 256, 16384, 1024), "tiers-64-256": (64, 2048, 256, 16384, 1024),
@@ -185,6 +187,7 @@ _R1 = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2"}
 ARMS["moe-row"] = {**_DEFAULT, "moe_row": {}}
 ARMS["moe-row-pps1"] = {**_DEFAULT, "moe_row": {"PPS": 1}}
 ARMS["moe-row-rd1"] = {**_DEFAULT, "moe_row": {"RD": 1}}
+ARMS["moe-row-q88"] = {**_DEFAULT, "moe_row": {}, "moe_row_q": {"RU": 8, "RD": 8}}
 ARMS["q-r1-experts"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2"}
 ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
                     "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}
@@ -206,6 +209,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     moe_gemv.DOWN_SUM = arm.get("sum")
     moe_row.ENABLED = arm.get("moe_row") is not None
     moe_row.TILE.update(MOE_ROW_SHIPPED, **(arm.get("moe_row") or {}))
+    moe_row.QTILE.update(MOE_ROW_Q_SHIPPED, **(arm.get("moe_row_q") or {}))
     moe_kernels.ROUTE_WARPS_ONE_ROW = arm.get("route_warps", 4)
     pdl.SKIP.clear()
     # an arm without "trig" predates the o_early forms of the attention parts: each part it skips, in both forms

@@ -85,7 +85,8 @@ def fused_layer(layer, i: int, x: Tensor, pos: Tensor, kv_args: tuple, part: Ten
     wr = dense_kernels.weight_of(mlp.gate)
     if moe_row.applies(x, wr, mlp):     # the MoE half of a one-row step in one persistent launch
         out, idx, _ = moe_row.moe_row(x, d, layer.post_attention_layernorm.weight, eps, wr, pos, mlp.gate_up,
-                                      mlp.down, mlp.top_k, mlp.norm_topk, moe_row.barrier(mlp, x.device))
+                                      mlp.down, mlp.top_k, mlp.norm_topk, moe_row.barrier(mlp, x.device),
+                                      fmt=mlp.fmt)
         if mlp.recorder is not None:
             mlp.recorder(i, idx)
         return out

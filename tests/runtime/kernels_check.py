@@ -303,6 +303,27 @@ def check_moe_row(dt: torch.dtype) -> None:
             else:                       # a padding row: no expert, the output is x + d as rounded
                 assert torch.equal(idx, torch.full((1, K), E, dtype=torch.int32)) and torch.equal(out, ship), tile
     del moe_gemv
+    # 32-value block experts (down rows of 3 blocks: a pass's power-of-two cover has a tail); the interpreter is
+    # slow, so one dtype
+    if dt != torch.float32:
+        return
+    E, H, NI = 6, 32, 96
+    wr = (torch.randn(E, H, generator=g) * 0.3).to(dt)
+    nw = (torch.rand(H, generator=g) + 0.5).to(dt)
+    for fmt in moe_row.BLOCK_FORMATS:
+        gub, guf = expert_blocks(fmt, E, 2 * NI, H, g)
+        dnb, dnf = expert_blocks(fmt, E, H, NI, g)
+        x = torch.randn(1, H, generator=g).to(dt)
+        d = (torch.randn(1, H, generator=g) * 0.5).to(dt)
+        pos = torch.tensor([4], dtype=torch.int32)
+        xo, hn, lg = dense_kernels.norm_one_row(x, d, nw, 1e-6, wr, "router")
+        r = moe_kernels.route(lg, pos, K, True)
+        ship = moe_kernels.moe_routed(hn, xo, r, gub, dnb, fmt=fmt)
+        ref = xo.float() + ref_moe(hn, r.idx.long(), r.w, guf, dnf)
+        for tile in ({}, {"RU": 1, "RD": 4}) if fmt == "q4_0" else ({},):
+            out, idx, wt = moe_row.moe_row(x, d, nw, 1e-6, wr, pos, gub, dnb, K, True, bar, tile, fmt=fmt)
+            assert torch.equal(idx, r.idx), (fmt, tile)
+            assert rel(out, ship) < 2e-3 and rel(out, ref) < 3e-3, (fmt, tile, dt, rel(out, ship), rel(out, ref))
 
 
 def check_fused_step_moe_row() -> None:
