@@ -118,11 +118,7 @@ if HAVE_TRITON:
             tl.store(idx_ptr + kc, it, mask=kc < tl.where(p == 0, TOPK, 0))
             tl.store(wt_ptr + kc, wt, mask=kc < tl.where(p == 0, TOPK, 0))
         if FIRST <= 2 and LAST >= 2:
-            if QT > 0:
-                _up_blocks(gu_ptr, hn_ptr, h_ptr, it, kc, p, NPROG, stride_ge, mg, H, E, NI, TOPK, RU, ST2, QT, SWG,
-                           NBG)
-            else:
-                _up_float(gu_ptr, hv, h_ptr, it, kc, kk, p, NPROG, stride_ge, H, E, NI, TOPK, RU, ST2)
+            _up(gu_ptr, hv, hn_ptr, h_ptr, it, kc, kk, p, NPROG, stride_ge, mg, H, E, NI, TOPK, RU, ST2, QT, SWG, NBG)
         # ---- phase 3: down rows n0..n0+RD of every pair, summed in top-k order, + the residual
         if LAST >= 3:
             if FIRST == 3:          # a launch of its own (the interpreter): the routing as phase 2 stored it
@@ -166,9 +162,11 @@ if HAVE_TRITON:
                     _down_rows(tile, hk, wt, kc, n, x_ptr, d_ptr, out_ptr, H, TOPK)
 
     @triton.jit
-    def _up_float(gu_ptr, hv, h_ptr, it, kc, kk, p, NPROG, stride_ge, H: tl.constexpr, E: tl.constexpr,
-                  NI: tl.constexpr, TOPK: tl.constexpr, RU: tl.constexpr, ST2: tl.constexpr):
-        """Phase 2, float experts: items (pair k, rows j0..j0+RU) of SiLU(gate) * up, the row hv in registers."""
+    def _up(gu_ptr, hv, hn_ptr, h_ptr, it, kc, kk, p, NPROG, stride_ge, mg, H: tl.constexpr, E: tl.constexpr,
+            NI: tl.constexpr, TOPK: tl.constexpr, RU: tl.constexpr, ST2: tl.constexpr, QT: tl.constexpr,
+            SWG: tl.constexpr, NBG: tl.constexpr):
+        """Phase 2: items (pair k, rows j0..j0+RU) of SiLU(gate) * up. Float experts: the normalized row hv in
+        registers; 32-value block experts: each row in one pass over its blocks, the row read from hn."""
         dt = h_ptr.dtype.element_ty
         NJ: tl.constexpr = (NI + RU - 1) // RU
         ru = tl.arange(0, RU)
@@ -176,33 +174,21 @@ if HAVE_TRITON:
             k = t // NJ
             r = (t % NJ) * RU + ru
             e = tl.sum(tl.where(kc == k, it, 0), 0)
-            ga = gu_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_ge + tl.minimum(r, NI - 1)[:, None] * H \
-                + kk[None, :]
-            wm = (kk < tl.where(e < E, H, 0))[None, :]
-            g = tl.sum(tl.load(ga, mask=wm, other=0.0).to(tl.float32) * hv[None, :], 1)
-            u = tl.sum(tl.load(ga + NI * H, mask=wm, other=0.0).to(tl.float32) * hv[None, :], 1)
-            tl.store(h_ptr + k * NI + r, (g * tl.sigmoid(g) * u).to(dt), mask=r < NI)
-
-    @triton.jit
-    def _up_blocks(gu_ptr, hn_ptr, h_ptr, it, kc, p, NPROG, stride_ge, mg, H: tl.constexpr, E: tl.constexpr,
-                   NI: tl.constexpr, TOPK: tl.constexpr, RU: tl.constexpr, ST2: tl.constexpr, QT: tl.constexpr,
-                   SWG: tl.constexpr, NBG: tl.constexpr):
-        """Phase 2, 32-value block experts: the same items, each row in one pass over its blocks (the normalized
-        row read from hn)."""
-        dt = h_ptr.dtype.element_ty
-        NJ: tl.constexpr = (NI + RU - 1) // RU
-        ru = tl.arange(0, RU)
-        for t in tl.range(p, TOPK * NJ, NPROG, num_stages=ST2):
-            k = t // NJ
-            r = (t % NJ) * RU + ru
-            e = tl.sum(tl.where(kc == k, it, 0), 0)
-            wb = gu_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_ge
-            act = tl.zeros((RU,), dtype=tl.float32)
-            for i in tl.static_range(RU):
-                row = tl.minimum((t % NJ) * RU + i, NI - 1)
-                g = tl.sum(_qrow(wb + row * SWG, hn_ptr, H // 32, mg, QT, NBG), 0)
-                u = tl.sum(_qrow(wb + (row + NI) * SWG, hn_ptr, H // 32, mg, QT, NBG), 0)
-                act = tl.where(ru == i, g * tl.sigmoid(g) * u, act)
+            if QT > 0:
+                wb = gu_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_ge
+                act = tl.zeros((RU,), dtype=tl.float32)
+                for i in tl.static_range(RU):
+                    row = tl.minimum((t % NJ) * RU + i, NI - 1)
+                    g = tl.sum(_qrow(wb + row * SWG, hn_ptr, H // 32, mg, QT, NBG), 0)
+                    u = tl.sum(_qrow(wb + (row + NI) * SWG, hn_ptr, H // 32, mg, QT, NBG), 0)
+                    act = tl.where(ru == i, g * tl.sigmoid(g) * u, act)
+            else:
+                ga = gu_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_ge + tl.minimum(r, NI - 1)[:, None] * H \
+                    + kk[None, :]
+                wm = (kk < tl.where(e < E, H, 0))[None, :]
+                g = tl.sum(tl.load(ga, mask=wm, other=0.0).to(tl.float32) * hv[None, :], 1)
+                u = tl.sum(tl.load(ga + NI * H, mask=wm, other=0.0).to(tl.float32) * hv[None, :], 1)
+                act = g * tl.sigmoid(g) * u
             tl.store(h_ptr + k * NI + r, act.to(dt), mask=r < tl.where(e < E, NI, 0))
 
     @triton.jit
@@ -264,6 +250,8 @@ def _programs(device: torch.device, kernel, pps: int, warps: int) -> int:
     """The persistent grid: at most pps programs on each SM, and no more than the compiled kernel's registers and
     shared memory let be resident at once (the barriers need every program resident)."""
     sms, regs, smem = _sm(device.index if device.index is not None else torch.cuda.current_device())
+    if getattr(kernel, "n_regs", None) is None:      # Triton loads the binary (and learns its registers) lazily
+        kernel._init_handles()
     per_warp = -(-max(1, kernel.n_regs) * 32 // 256) * 256
     fit = min(regs // per_warp // warps, 64 // warps, smem // max(1, kernel.metadata.shared) if kernel.metadata.shared
               else 64)
