@@ -7,7 +7,7 @@
 #   1. The one-row MoE half in one persistent launch (runtime/gpu/moe_row.py) alone, against the four launches the
 #      step ships, BF16 and Q4_0 experts, every tile candidate (bench/moe_row.py). Look first at "same experts" and
 #      at any "A BARRIER GAVE UP" (the grid was not all resident: a bug in `_programs`).
-#   2. The same in the one-row step (arms default / moe-row; for Q4_0 also moe-row-q88, RU = RD = 8), at 1k and
+#   2. The same in the one-row step (arms default / moe-row; for Q4_0 also moe-row-q-w8, 8 warps, RU = RD = 2), at 1k and
 #      16k context. If an arm wins, set its tile in moe_row.TILE / QTILE, turn moe_row.ENABLED on and make the
 #      step_ab default arm carry "moe_row" (the figures go to docs/models.md "The one-row MoE in one launch").
 set -u
@@ -26,6 +26,6 @@ if [ "${1:-1}" = 1 ]; then
 else
   echo "--- the one-row step with and without moe_row ($(( $(date +%s) - start )) s)"
   timeout 500 python3 bench/step_ab.py --contexts 1024,16384 --widths 1 --arms default,moe-row --quant q4_0 \
-    --quant-arms default,moe-row,moe-row-q88 --rounds 5 2>&1 | tail -30 | tee "$OUT/step_ab_moe_row.log"
+    --quant-arms default,moe-row,moe-row-q-w8 --rounds 5 2>&1 | tail -30 | tee "$OUT/step_ab_moe_row.log"
 fi
 echo "--- done in $(( $(date +%s) - start )) s"

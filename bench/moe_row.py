@@ -48,15 +48,14 @@ CANDIDATES: dict[str, dict[str, Any]] = {
 }
 QCANDIDATES: dict[str, dict[str, Any]] = {
     "persistent": {},
-    "ru4": {"RU": 4},
+    "ru2": {"RU": 2},
     "ru8": {"RU": 8},
-    "ru16": {"RU": 16},
-    "rd4": {"RD": 4},
+    "rd2": {"RD": 2},
     "rd8": {"RD": 8},
-    "ru8-rd8": {"RU": 8, "RD": 8},
-    "ru8-rd8-pps1": {"RU": 8, "RD": 8, "PPS": 1},
-    "ru8-rd8-w4": {"RU": 8, "RD": 8, "num_warps": 4},
-    "ru8-rd8-pps4-w4": {"RU": 8, "RD": 8, "num_warps": 4, "PPS": 4},
+    "pps2": {"PPS": 2},
+    "w8": {"num_warps": 8, "PPS": 2},
+    "w8-ru2-rd2": {"num_warps": 8, "PPS": 2, "RU": 2, "RD": 2},
+    "w2": {"num_warps": 2, "PPS": 8},
     "phases": {"split": True},
 }
 

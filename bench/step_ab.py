@@ -187,7 +187,7 @@ _R1 = {"q4_0": "r4d8k2w4j2", "q8_0": "r4d8k2w4j2"}
 ARMS["moe-row"] = {**_DEFAULT, "moe_row": {}}
 ARMS["moe-row-pps1"] = {**_DEFAULT, "moe_row": {"PPS": 1}}
 ARMS["moe-row-rd1"] = {**_DEFAULT, "moe_row": {"RD": 1}}
-ARMS["moe-row-q88"] = {**_DEFAULT, "moe_row": {}, "moe_row_q": {"RU": 8, "RD": 8}}
+ARMS["moe-row-q-w8"] = {**_DEFAULT, "moe_row": {}, "moe_row_q": {"num_warps": 8, "PPS": 2, "RU": 2, "RD": 2}}
 ARMS["q-r1-experts"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2"}
 ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
                     "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}

@@ -31,9 +31,12 @@ from torch import Tensor
 from runtime.gpu import moe_gemv, pdl
 from runtime.gpu.kernels import HAVE_TRITON
 
-# programs per SM, warps, gate/up rows and down rows per work item (H200 / H100 measurements in docs/models.md)
+# programs per SM (at most), warps, gate/up rows and down rows per work item, pipeline stages of the phase-2 and
+# phase-3 loops, the first down tile before the barrier: chosen from the compiled kernel's registers, not yet timed
+# (docs/models.md, "The one-row MoE in one launch"; bench/moe_row.py times the candidates)
 TILE = {"PPS": 2, "num_warps": 8, "RU": 4, "RD": 2, "ST2": 3, "ST3": 2, "PRE3": 1}
-QTILE = {"PPS": 2, "num_warps": 8, "RU": 2, "RD": 2, "ST2": 2, "ST3": 2, "PRE3": 0}     # 32-value block experts
+# 32-value block experts: 4 warps (Triton 3.6: about 137 registers, so three programs an SM), 4 rows an item
+QTILE = {"PPS": 4, "num_warps": 4, "RU": 4, "RD": 4, "ST2": 1, "ST3": 1, "PRE3": 0}
 BLOCK_FORMATS = ("q8_0", "q4_0", "iq4_nl")      # the block formats `_qrow` reads
 
 if HAVE_TRITON:
@@ -132,14 +135,17 @@ if HAVE_TRITON:
                     _grid_sync(bar_ptr, NPROG, SYNC)
                 for q in tl.range(p, NQ, NPROG, num_stages=ST3):
                     acc = tl.zeros((RD,), dtype=tl.float32)
-                    for j in tl.static_range(TOPK):          # top-k order
-                        e = tl.sum(tl.where(kc == j, it, 0), 0)
-                        wj = tl.where(e < E, tl.sum(tl.where(kc == j, wt, 0.0), 0), 0.0)
-                        wb = dn_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_de
-                        for i in tl.static_range(RD):
-                            sv = tl.sum(_qrow(wb + tl.minimum(q * RD + i, H - 1) * SWD, h_ptr + j * NI, NI // 32, mg,
-                                              QT, NBD), 0)
-                            acc += tl.where(rd == i, sv * wj, 0.0)
+                    for i in tl.static_range(RD):
+                        # each group's terms weighted and summed over the pairs in top-k order, then one reduction
+                        # a row (the pairs' sums are not rounded apart: no reduction a pair)
+                        row = tl.minimum(q * RD + i, H - 1)
+                        accg = tl.zeros((NBD * (8 if QT == 1 else 4),), dtype=tl.float32)
+                        for j in tl.static_range(TOPK):
+                            e = tl.sum(tl.where(kc == j, it, 0), 0)
+                            wj = tl.where(e < E, tl.sum(tl.where(kc == j, wt, 0.0), 0), 0.0)
+                            wb = dn_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_de
+                            accg += _qrow(wb + row * SWD, h_ptr + j * NI, NI // 32, mg, QT, NBD) * wj
+                        acc = tl.where(rd == i, tl.sum(accg, 0), acc)
                     _store_rows(acc, q * RD + rd, x_ptr, d_ptr, out_ptr, H)
             else:
                 ii = tl.arange(0, IP)
