@@ -1,12 +1,12 @@
 """What torch.compile (inductor's C++ code) could do for the CPU step, on the bundled pack: the shipped step against
 the same model written as plain tensor ops, eager and compiled, side by side in one process.
 
-    OMP_NUM_THREADS=1 python bench/cpu_compile.py [--widths 1,5] [--rounds 6] [--steps 30]
+    OMP_NUM_THREADS=1 python bench/cpu_compile.py [--widths 1,5] [--rounds 6] [--steps 30] [--shipped]
 
 The CPU step is paid per op (docs/models.md, "Numerics"), and inductor fuses element-wise ops and runs a graph
 without the interpreter and the dispatcher between them. The shipped step does not compile as it is (its routed
-experts are Python calls per expert id, so Dynamo breaks the graph and recompiles per id: `torch.compile` of
-`StaticStep._forward_plan` took the one-row step from 1.70 to 4.15 ms), so this script writes the pack's step in a form that compiles whole: every op on tensors, the row's
+experts are Python calls per expert id, so Dynamo breaks the graph and recompiles per id: `--shipped` adds a column with
+`StaticStep._forward_plan` itself through `torch.compile`), so this script writes the pack's step in a form that compiles whole: every op on tensors, the row's
 experts gathered by index (one row) or every expert on every row weighted by the routing (a window, as
 `SparseMoe.dense` does), the attention over the cache up to the window's last position with a causal mask (a
 dynamic length). Reported per width: ms per step (process time, median of interleaved rounds), the shipped step's
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--task", default="code")
+    ap.add_argument("--shipped", action="store_true", help="also the shipped step through torch.compile as it is")
     args = ap.parse_args(argv)
     from runtime.engine import Engine
     from runtime.gpu import static_step as ss
@@ -147,9 +148,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             got = comp()
             comp(win, st + 1)                  # a second length: the dynamic shape is in the graph
             compile_s = time.time() - t0
-            times: dict[str, list[float]] = {"shipped": [], "plain": [], "compiled": []}
+            fns = [("shipped", shipped), ("plain", plain), ("compiled", comp)]
+            if args.shipped:
+                step_c = ss.StaticStep(eng.model, kv, width, graph=False)
+                step_c._forward_plan = torch.compile(step_c._forward_plan, dynamic=True)
+                fns.append(("shipped_compiled", lambda step=step_c, window=window: (
+                    setattr(kv, "length", start), step(window, kv).logits[0])[1]))
+                fns[-1][1]()
+            times: dict[str, list[float]] = {name: [] for name, _ in fns}
             for _ in range(args.rounds):
-                for name, fn in (("shipped", shipped), ("plain", plain), ("compiled", comp)):
+                for name, fn in fns:
                     c0 = time.process_time()
                     for _ in range(args.steps):
                         fn()
@@ -160,14 +168,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "compiled_vs_shipped_max_abs": float((got - ref).abs().max()),
                    "compiled_top1_same": bool((got.argmax(-1) == ref.argmax(-1)).all())}
             res["rows"].append(row)
-            table.append([width, start, f"{row['shipped_ms']:.3f}", f"{row['plain_ms']:.3f}",
+            table.append([width, start, f"{row['shipped_ms']:.3f}",
+                          f"{row['shipped_compiled_ms']:.3f}" if args.shipped else "-", f"{row['plain_ms']:.3f}",
                           f"{row['compiled_ms']:.3f}", f"{row['shipped_ms'] / row['compiled_ms']:.2f}x",
                           f"{compile_s:.0f}", f"{row['compiled_vs_shipped_max_abs']:.1e}", row["compiled_top1_same"]])
             print(f"  W={width}: shipped {row['shipped_ms']:.3f} ms, plain {row['plain_ms']:.3f}, compiled "
                   f"{row['compiled_ms']:.3f}", flush=True)
     print_table(f"CPU step on the bundled pack, {args.task} prompt ({start} tokens), ms per step (process time, median "
                 f"of {args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s))",
-                ["W", "context", "shipped", "plain eager", "plain compiled", "shipped / compiled", "compile s",
+                ["W", "context", "shipped", "shipped compiled", "plain eager", "plain compiled", "shipped / compiled", "compile s",
                  "max |dlogit|", "top-1 same"], table)
     write_json("cpu_compile.json", res)
     return res
