@@ -1,0 +1,33 @@
+"""bench/cpu_compile.py's plain-ops step (what it compiles) is the bundled pack's model: run eagerly, its logits
+match the shipped CPU step's at one row and at a window of rows, and it writes the window's K/V where the shipped
+step does."""
+
+import torch
+
+from bench.common import NANO, task_prompts
+from bench.cpu_compile import plain_step, weights
+
+
+def test_plain_step_is_the_shipped_step():
+    from runtime.engine import Engine
+    from runtime.gpu import static_step as ss
+
+    with torch.no_grad():
+        eng = Engine.build(NANO, "none", device="cpu", context=1024)
+        ids = eng.tokenizer.encode(task_prompts()["code"]).ids[:120]
+        eng.generate(ids, draft=False, max_new_tokens=1, stop_ids=set(), width=1)
+        kv, start = eng.kv, eng.kv.length
+        P = weights(eng.model)
+        n = len(P["layers"])
+        for width in (1, 3):
+            kcs = [kv.layer(i).kernel_args()[0].float().clone() for i in range(n)]
+            vcs = [kv.layer(i).kernel_args()[1].float().clone() for i in range(n)]
+            window = torch.tensor([ids[-width:]])
+            kv.length = start
+            ref = ss.StaticStep(eng.model, kv, width, graph=False)(window, kv).logits[0].float()
+            got = plain_step(P, window[0], start, kcs, vcs)
+            assert got.shape == ref.shape
+            assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+            assert torch.equal(got.argmax(-1), ref.argmax(-1))
+            k_ref = kv.layer(n - 1).kernel_args()[0][:, start:start + width].float()
+            assert torch.allclose(kcs[-1][:, start:start + width], k_ref, atol=1e-5)
