@@ -1,15 +1,16 @@
-"""The MoE half of a one-row decode step in one persistent launch (float experts, every expert resident): residual
+"""The MoE half of a one-row decode step in one persistent launch (float or Q8_0 / Q4_0 / IQ4_NL experts, every
+expert resident): residual
 add + RMSNorm + router product, then the top-k routing, the experts' gate/up rows and their down rows summed in
 top-k order + the residual, where the shipped path takes four launches (`dense_kernels.norm_one_row`,
 `moe_kernels.route`, `moe_gemv.up`, `moe_gemv.down_sum`).
 
-The grid is as many programs as can be resident at once (`programs`), and the phases meet at two grid-wide
+The grid is as many programs as can be resident at once (`_programs`), and the phases meet at two grid-wide
 barriers (an atomic counter in global memory): after the router logits and after the gated activations. What a
 launch boundary costs inside a CUDA graph (the previous kernel's tail, the next one's ramp) is paid twice instead of
 four times, every program picks the top k itself from the 128 logits (no one-program routing kernel between two
 products), and each program loads its first down tile (its experts are known once it has routed) before the second
 barrier, so those bytes move while the slowest program still computes its gate/up rows. docs/models.md, "The
-one-row MoE in one launch", has the measurements.
+one-row MoE in one launch", has the design and how to time it (not yet done: `ENABLED` stays off until then).
 
 Arithmetic and roundings are the four kernels': x + d rounded to the compute dtype, the RMSNorm of
 `_rmsnorm_kernel`, logits rounded to the compute dtype, fp32 softmax and top-k (lowest id first on ties), SiLU(gate)
@@ -45,7 +46,8 @@ if HAVE_TRITON:
 
     from runtime.gpu.moe_gemv import _scale, _word1, _xq
 
-    # polls of a barrier before a program gives up (a wrong result, never a hung GPU)
+    # polls of a barrier before a program gives up and sets the barrier's flag (`moe_row` then runs the variant as
+    # three launches): a wrong result once, never a hung GPU
     SPIN_LIMIT = tl.constexpr(1 << 22)
 
     @triton.jit

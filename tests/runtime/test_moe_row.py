@@ -33,3 +33,28 @@ def test_grid_holds_only_programs_that_fit_at_once(monkeypatch):
     assert moe_row._programs(dev, k, 2, 8) == 132
     k.n_regs, k.metadata.shared = 32, 0
     assert moe_row._programs(dev, k, 16, 4) == 132 * 16
+
+
+def test_applies_only_where_the_kernel_reads_the_experts(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moe_row, "HAVE_TRITON", True)
+    x = torch.zeros(1, 64)
+    wr = torch.zeros(8, 64)
+
+    def mlp(**kw):
+        base = dict(gate_up=torch.zeros(8, 32, 64), down=torch.zeros(8, 64, 16), fmt=None, slot=None, offload=None,
+                    miss_fn=None)
+        return SimpleNamespace(**{**base, **kw})
+    monkeypatch.setattr(moe_row, "ENABLED", False)
+    assert not moe_row.applies(x, wr, mlp())                                # off unless switched on
+    monkeypatch.setattr(moe_row, "ENABLED", True)
+    assert moe_row.applies(x, wr, mlp())
+    assert not moe_row.applies(torch.zeros(2, 64), wr, mlp())               # one row only
+    assert not moe_row.applies(x, None, mlp())                              # a block-format router
+    assert not moe_row.applies(x, wr, mlp(slot=torch.zeros(8, dtype=torch.int32)))      # a slot table
+    assert not moe_row.applies(x, wr, mlp(offload=object()))
+    assert not moe_row.applies(x, wr, mlp(gate_up=torch.zeros(8, 32, 64, dtype=torch.float16)))
+    blocks = mlp(gate_up=torch.zeros(8, 32, 36, dtype=torch.uint8), down=torch.zeros(8, 64, 18, dtype=torch.uint8))
+    for fmt, ok in (("q4_0", True), ("q8_0", True), ("iq4_nl", True), ("q4_k", False), (("q4_0", "q8_0"), False)):
+        blocks.fmt = fmt
+        assert moe_row.applies(x, wr, blocks) == ok, fmt
