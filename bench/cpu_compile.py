@@ -1,19 +1,22 @@
-"""What torch.compile (inductor's C++ code) could do for the CPU step, on the bundled pack: the shipped step against
-the same model written as plain tensor ops, eager and compiled, side by side in one process.
+"""What torch.compile (inductor's C++ code) could do for the CPU step, on the bundled pack: the shipped step and MTP
+chain against the same model written as plain tensor ops, eager and compiled, side by side in one process.
 
-    OMP_NUM_THREADS=1 python bench/cpu_compile.py [--widths 1,5] [--rounds 6] [--steps 30] [--shipped]
+    OMP_NUM_THREADS=1 python bench/cpu_compile.py [--widths 1,4,5] [--block 4] [--rounds 6] [--steps 30] [--shipped]
 
 The CPU step is paid per op (docs/models.md, "Numerics"), and inductor fuses element-wise ops and runs a graph
 without the interpreter and the dispatcher between them. The shipped step does not compile as it is (its routed
-experts are Python calls per expert id, so Dynamo breaks the graph and recompiles per id: `--shipped` adds a column with
-`StaticStep._forward_plan` itself through `torch.compile`), so this script writes the pack's step in a form that compiles whole: every op on tensors, the row's
-experts gathered by index (one row) or every expert on every row weighted by the routing (a window, as
-`SparseMoe.dense` does), the attention over the cache up to the window's last position with a causal mask (a
-dynamic length). Reported per width: ms per step (process time, median of interleaved rounds), the shipped step's
-next to the plain form eager and compiled, the compile time, and the compiled logits against the shipped ones (max
-|difference|, top-1 agreement). A measurement of what a compiled step could give, not a runtime path: a compiled
-step's bits depend on inductor's code, so the lossless promise (a row's bits the same at every width) would need
-checking before any use. Writes `cpu_compile.json`.
+experts are Python calls per expert id, so Dynamo breaks the graph and recompiles per id: `--shipped` adds a column
+with `StaticStep._forward_plan` itself through `torch.compile`), so this script writes the pack's step in a form
+that compiles whole: every op on tensors, the row's experts gathered by index (one row) or every expert on every
+row weighted by the routing (a window, as `SparseMoe.dense` does), the cache only read (the window's K/V returned
+and written outside the graph: `_layer`), the start position a dynamic int. Reported per width: ms per step
+(process time, median of interleaved rounds) of the shipped step, the plain form eager and compiled, the compile
+time, and the compiled logits against the shipped ones (max |difference|, top-1 agreement). Then the MTP head's
+chain of block - 1 drafts (the shipped drafter's `propose` against `mtp_chain` compiled), the tokens a window
+commits in the engine's own run on the prompt (and its speed against the target alone in one-row steps), and the
+window cost (a block-row verify + the chain) and speedup each way would give. A measurement of what a compiled
+step could give, not a runtime path: a compiled step's bits depend on inductor's code, so the lossless promise (a
+row's bits the same at every width) would need checking before any use. Writes `cpu_compile.json`.
 """
 
 from __future__ import annotations
