@@ -119,7 +119,7 @@ if HAVE_TRITON:
             if NORM_TOPK:
                 wt = wt / tl.sum(tl.where(kc < TOPK, wt, 0.0), 0)
             real = tl.load(pos_ptr) >= 0
-            it = tl.where(real, it, E)                    # a padding row uses no expert
+            it = tl.where(real & (kc < TOPK), it, E)      # a padding row uses no expert, nor do lanes past k
             tl.store(idx_ptr + kc, it, mask=kc < tl.where(p == 0, TOPK, 0))
             tl.store(wt_ptr + kc, wt, mask=kc < tl.where(p == 0, TOPK, 0))
         if FIRST <= 2 and LAST >= 2:
