@@ -146,7 +146,9 @@ if HAVE_TRITON:
                             e = tl.sum(tl.where(kc == j, it, 0), 0)
                             wj = tl.where(e < E, tl.sum(tl.where(kc == j, wt, 0.0), 0), 0.0)
                             wb = dn_ptr + tl.minimum(e, E - 1).to(tl.int64) * stride_de
-                            accg += _qrow(wb + row * SWD, h_ptr + j * NI, NI // 32, mg, QT, NBD) * wj
+                            # a pair without an expert (a padding row) adds 0: its h row was never written
+                            accg += tl.where(e < E, _qrow(wb + row * SWD, h_ptr + j * NI, NI // 32, mg, QT, NBD) * wj,
+                                             0.0)
                         acc = tl.where(rd == i, tl.sum(accg, 0), acc)
                     _store_rows(acc, q * RD + rd, x_ptr, d_ptr, out_ptr, H)
             else:

@@ -324,6 +324,11 @@ def check_moe_row(dt: torch.dtype) -> None:
             out, idx, wt = moe_row.moe_row(x, d, nw, 1e-6, wr, pos, gub, dnb, K, True, bar, tile, fmt=fmt)
             assert torch.equal(idx, r.idx), (fmt, tile)
             assert rel(out, ship) < 2e-3 and rel(out, ref) < 3e-3, (fmt, tile, dt, rel(out, ship), rel(out, ref))
+    # a padding row of block experts: no expert, x + d exactly, whatever the unwritten activations hold
+    torch.empty(1 << 16).fill_(float("nan"))           # freed memory the next allocations may reuse
+    out, idx, _ = moe_row.moe_row(x, d, nw, 1e-6, wr, torch.tensor([-1], dtype=torch.int32), gub, dnb, K, True, bar,
+                                  fmt=fmt)
+    assert torch.equal(idx, torch.full((1, K), E, dtype=torch.int32)) and torch.equal(out, (x + d).to(dt)), out
 
 
 def check_fused_step_moe_row() -> None:
