@@ -10,9 +10,10 @@ call's output. The chain is captured as one CUDA graph and replayed; the median 
 costs inside a graph-replayed one-row step. Next to it: the bytes at the copy bandwidth measured in the same run,
 and the check against the shipped path (the same experts picked, the output's largest difference relative to its
 largest |value|). Candidates: the persistent kernel's tiles (`moe_row.TILE` keys), and "phases" (the same kernel as
-three launches, no grid barrier).
+three launches, no grid barrier). Also an empty persistent launch with and without two grid barriers (what the
+barriers cost by themselves).
 
-Writes `moe_row.json`.
+Writes `moe_row_<quant>.json`.
 """
 
 from __future__ import annotations
@@ -91,6 +92,28 @@ def shipped(x, d, nw, wr, pos, gate_up, down, fmt):
     return moe_kernels.moe_routed(h, xo, r, gate_up, down, fmt=fmt), r.idx
 
 
+def barrier_cost(layers: int) -> dict[str, float]:
+    """us per launch of an empty persistent kernel (the grid `moe_row` would use for BF16: 2 programs of 8 warps an
+    SM) with 0 and with 2 grid barriers, `layers` launches in a graph: what the barriers cost by themselves."""
+    from runtime.gpu import moe_row, pdl
+
+    dev = torch.device("cuda")
+    nprog = torch.cuda.get_device_properties(dev).multi_processor_count * 2
+    out = torch.zeros(nprog, device=dev)
+    res = {}
+    for n in (0, 2):
+        bars = [moe_row.Barrier(dev) for _ in range(layers)]
+        calls = [lambda b=b, n=n: moe_row._barrier_probe[(nprog,)](b.count, out, nprog, N=n, num_warps=8,
+                                                                  **pdl.launch(out))
+                 for b in bars]
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        res[f"{n}_barriers_us"] = graph_us([lambda calls=calls: [c() for c in calls]]) / layers
+        res[f"{n}_barriers_gave_up"] = any(b.gave_up() for b in bars)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-seconds", type=float, default=240.0)
@@ -152,7 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                      "barrier_gave_up": gave_up})
         print(f"{label}: {t:.2f} us a call, same experts {same}, rel err {err:.2g}"
               f"{', A BARRIER GAVE UP' if gave_up else ''}", flush=True)
+    try:
+        bar = barrier_cost(L)
+        print(f"an empty persistent launch: {bar['0_barriers_us']:.2f} us, with two grid barriers "
+              f"{bar['2_barriers_us']:.2f} us", flush=True)
+    except Exception as e:  # noqa: BLE001 - the probe is extra: its failure is reported, not fatal
+        bar = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     res = {"machine": machine(), "copy_bandwidth_Bps": bw, "layers": L, "quant": args.quant, "bytes_per_call": nbytes,
+           "barrier_probe": bar,
            "rows": rows}
     print_table(f"One-row MoE half (router .. down + sum), A3B {args.quant}, graph of {L} chained calls "
                 f"(copy {bw / 1e9:,.0f} GB/s; bytes {nbytes / 1e6:.1f} MB = {nbytes / bw * 1e6:.2f} us)",

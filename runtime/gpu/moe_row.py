@@ -68,6 +68,14 @@ if HAVE_TRITON:
             tl.debug_barrier()
 
     @triton.jit
+    def _barrier_probe(bar_ptr, out_ptr, NPROG, N: tl.constexpr, GDC: tl.constexpr = False):
+        """N grid barriers and nothing else (bench/moe_row.py: what the barriers cost by themselves)."""
+        pdl.start(GDC)
+        for _ in tl.static_range(N):
+            _grid_sync(bar_ptr, NPROG, True)
+        tl.store(out_ptr + tl.program_id(0), 1.0)
+
+    @triton.jit
     def _moe_row_kernel(x_ptr, d_ptr, nw_ptr, eps, pos_ptr, wr_ptr, lg_ptr, gu_ptr, dn_ptr, h_ptr, out_ptr, idx_ptr,
                         wt_ptr, bar_ptr, hn_ptr, mg, NPROG, stride_ge, stride_de,
                         QT: tl.constexpr, SWG: tl.constexpr, SWD: tl.constexpr, NBG: tl.constexpr,
