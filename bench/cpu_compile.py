@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"{compile_s:.0f}", f"{row['compiled_vs_shipped_max_abs']:.1e}", row["compiled_top1_same"]])
             print(f"  W={width}: shipped {row['shipped_ms']:.3f} ms, plain {row['plain_ms']:.3f}, compiled "
                   f"{row['compiled_ms']:.3f}", flush=True)
+        res["row_invariance"] = row_invariance(P, ids, start, kcs, vcs, compiled, eng, kv, ss, max(
+            int(w) for w in args.widths.split(",") if w))
         if P["mtp"] is not None:
             res["mtp"] = mtp_part(P, ids, args, res["rows"], compiled)
     print_table(f"CPU step on the bundled pack, {args.task} prompt ({start} tokens), ms per step (process time, median "
@@ -253,6 +255,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "max |dlogit|", "top-1 same"], table)
     write_json("cpu_compile.json", res)
     return res
+
+
+def row_invariance(P: dict[str, Any], ids: list[int], start: int, kcs: list, vcs: list, compiled, eng, kv, ss,
+                   width: int) -> dict[str, Any]:
+    """The CPU promise a compiled step would have to keep at a fixed width: a row's bits do not depend on the rows
+    after it in the window. The last `width` prompt tokens as a window at `start`, against the same window with
+    every row after the first changed: per form (shipped step, plain eager, plain compiled), whether the first
+    row's logits are bit-equal both ways, and their largest difference. (Across widths none of the forms gives the
+    same bits, the shipped step included: the engine keeps one width for a run.)"""
+    win = torch.tensor(ids[-width:])
+    other = win.clone()
+    other[1:] = (other[1:] + 1) % P["emb"].shape[0]
+    k0 = [k.clone() for k in kcs]
+    v0 = [v.clone() for v in vcs]
+    out: dict[str, Any] = {"width": width}
+
+    def restore():
+        for a, b in zip(kcs, k0, strict=True):
+            a.copy_(b)
+        for a, b in zip(vcs, v0, strict=True):
+            a.copy_(b)
+
+    def record(name, a, b):
+        out[name] = {"bit_equal": bool(torch.equal(a, b)), "max_abs": float((a - b).abs().max())}
+    for name, fwd in {"plain_eager": None, "plain_compiled": lambda *a: compiled(a[1], a[2])}.items():
+        restore()
+        first = plain_step(P, win, start, kcs, vcs, fwd)[0]
+        restore()
+        record(name, first, plain_step(P, other, start, kcs, vcs, fwd)[0])
+    restore()
+    step = ss.StaticStep(eng.model, kv, width, graph=False)
+    kv.length = start
+    first = step(win[None], kv).logits[0, 0].float().clone()
+    kv.length = start
+    record("shipped", first, step(other[None], kv).logits[0, 0].float())
+    kv.length = start
+    print_table(f"The first row of a {width}-row window with the rows after it changed (its logits)",
+                ["form", "bit-equal", "max |difference|"],
+                [[k, v["bit_equal"], f"{v['max_abs']:.1e}"] for k, v in out.items() if k != "width"])
+    return out
 
 
 def mtp_part(P: dict[str, Any], ids: list[int], args: argparse.Namespace, rows: list[dict[str, Any]], compiled

@@ -31,3 +31,24 @@ def test_plain_step_is_the_shipped_step():
             assert torch.equal(got.argmax(-1), ref.argmax(-1))
             k_ref = kv.layer(n - 1).kernel_args()[0][:, start:start + width].float()
             assert torch.allclose(kcs[-1][:, start:start + width], k_ref, atol=1e-5)
+
+
+def test_plain_step_row_keeps_its_bits_when_later_rows_change():
+    # what bench/cpu_compile.py checks for every form (the compiled one too): at a fixed width, the first row of a
+    # window does not depend on the rows after it
+    from runtime.engine import Engine
+
+    with torch.no_grad():
+        eng = Engine.build(NANO, "none", device="cpu", context=1024)
+        ids = eng.tokenizer.encode(task_prompts()["code"]).ids[:80]
+        eng.generate(ids, draft=False, max_new_tokens=1, stop_ids=set(), width=1)
+        kv, start = eng.kv, eng.kv.length
+        P = weights(eng.model)
+        kc0 = [kv.layer(i).kernel_args()[0].float().clone() for i in range(len(P["layers"]))]
+        vc0 = [kv.layer(i).kernel_args()[1].float().clone() for i in range(len(P["layers"]))]
+        win = torch.tensor(ids[-4:])
+        other = win.clone()
+        other[1:] = (other[1:] + 7) % P["emb"].shape[0]
+        a = plain_step(P, win, start, [k.clone() for k in kc0], [v.clone() for v in vc0])
+        b = plain_step(P, other, start, [k.clone() for k in kc0], [v.clone() for v in vc0])
+        assert torch.equal(a[0], b[0]) and not torch.equal(a[1], b[1])
