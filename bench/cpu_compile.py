@@ -173,7 +173,7 @@ def mtp_chain(P: dict[str, Any], anchor: torch.Tensor, g: torch.Tensor, pos: int
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--widths", default="1,5")
+    ap.add_argument("--widths", default="1,4,5", help="step widths; the MTP projection needs 1 and --block")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--task", default="code")
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["row_invariance"] = row_invariance(P, ids, start, kcs, vcs, compiled, eng, kv, ss, max(
             int(w) for w in args.widths.split(",") if w))
         if P["mtp"] is not None:
-            res["mtp"] = mtp_part(P, ids, args, res["rows"], compiled)
+            res["mtp"] = mtp_part(P, ids, args, res["rows"])
     print_table(f"CPU step on the bundled pack, {args.task} prompt ({start} tokens), ms per step (process time, median "
                 f"of {args.rounds} interleaved rounds, {torch.get_num_threads()} thread(s))",
                 ["W", "context", "shipped", "shipped compiled", "plain eager", "plain compiled", "shipped / compiled", "compile s",
@@ -297,7 +297,7 @@ def row_invariance(P: dict[str, Any], ids: list[int], start: int, kcs: list, vcs
     return out
 
 
-def mtp_part(P: dict[str, Any], ids: list[int], args: argparse.Namespace, rows: list[dict[str, Any]], compiled
+def mtp_part(P: dict[str, Any], ids: list[int], args: argparse.Namespace, rows: list[dict[str, Any]]
              ) -> dict[str, Any]:
     """The MTP head's chain of block - 1 drafts, the shipped drafter's `propose` against `mtp_chain` compiled, and
     what a window would cost with each: the engine's own run gives the tokens a window commits on this prompt."""
