@@ -117,6 +117,12 @@ def _layer(P: dict[str, Any], L: dict[str, torch.Tensor], x: torch.Tensor, pos: 
     return x + torch.einsum("ewh,we->wh", y, torch.zeros(W, E).scatter(1, idx, w)), kt, vt
 
 
+def float_caches(kv, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """fp32 copies of each layer's K and V cache [nkv, S, hd] (what the plain step reads and writes)."""
+    return ([kv.layer(i).kernel_args()[0].float().clone() for i in range(layers)],
+            [kv.layer(i).kernel_args()[1].float().clone() for i in range(layers)])
+
+
 def plain_forward(P: dict[str, Any], ids: torch.Tensor, start: int, kcs: list, vcs: list
                   ) -> tuple[torch.Tensor, torch.Tensor, list, list]:
     """(logits [W, V], hidden after the final norm [W, H], each layer's new K and V [nkv, W, hd]) of the window ids
@@ -193,8 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         eng.generate(ids, draft=False, max_new_tokens=1, stop_ids=set(), width=1)     # prefill into eng.kv
         kv, start = eng.kv, eng.kv.length
         P = weights(eng.model)
-        kcs = [kv.layer(i).kernel_args()[0].float().clone() for i in range(len(P["layers"]))]
-        vcs = [kv.layer(i).kernel_args()[1].float().clone() for i in range(len(P["layers"]))]
+        kcs, vcs = float_caches(kv, len(P["layers"]))
         # the weights and caches as the closure's constants (as arguments, Dynamo would guard every tensor of
         # them on every call), the start position a dynamic int
         compiled = torch.compile(lambda win, st: plain_forward(P, win, st, kcs, vcs), dynamic=True)

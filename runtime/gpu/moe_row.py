@@ -29,7 +29,7 @@ import os
 import torch
 from torch import Tensor
 
-from runtime.gpu import moe_gemv, pdl
+from runtime.gpu import kernels, moe_gemv, pdl
 from runtime.gpu.kernels import HAVE_TRITON
 
 # programs per SM (at most), warps, gate/up rows and down rows per work item, pipeline stages of the phase-2 and
@@ -270,9 +270,9 @@ def _programs(device: torch.device, kernel, pps: int, warps: int) -> int:
     sms, regs, smem = _sm(device.index if device.index is not None else torch.cuda.current_device())
     if getattr(kernel, "n_regs", None) is None:      # Triton loads the binary (and learns its registers) lazily
         kernel._init_handles()
-    per_warp = -(-max(1, kernel.n_regs) * 32 // 256) * 256
-    fit = min(regs // per_warp // warps, 64 // warps, smem // max(1, kernel.metadata.shared) if kernel.metadata.shared
-              else 64)
+    per_warp = -(-max(1, kernel.n_regs) * 32 // 256) * 256          # registers are given a warp 256 at a time
+    shared = kernel.metadata.shared
+    fit = min(regs // per_warp // warps, 64 // warps, smem // shared if shared else 64)
     return sms * max(1, min(pps, fit))
 
 
@@ -284,7 +284,7 @@ def applies(x: Tensor, router_w: Tensor | None, mlp) -> bool:
     """Whether `moe_row` can run this MoE for this window: one row, on a CUDA device (or the interpreter), experts
     stacked in x's dtype or one 32-value block format (Q8_0, Q4_0, IQ4_NL) and every one resident (no slot table,
     offload or miss path), a float router."""
-    if not (ENABLED and HAVE_TRITON and x.shape[0] == 1 and (x.is_cuda or _interpreted()) and router_w is not None
+    if not (ENABLED and kernels.available(x) and x.shape[0] == 1 and router_w is not None
             and router_w.is_floating_point() and router_w.is_contiguous() and mlp.gate_up is not None
             and mlp.slot is None and mlp.offload is None and mlp.miss_fn is None
             and mlp.gate_up.is_contiguous() and mlp.down.is_contiguous()):
@@ -357,7 +357,7 @@ def moe_row(x: Tensor, d: Tensor, norm_w: Tensor, eps: float, router_w: Tensor, 
         k = _moe_row_kernel.warmup(*args(), FIRST=1, LAST=3, SYNC=True, grid=(1,), **meta, **launch)
         nprog = _programs(dev, k, cfg["PPS"], cfg["num_warps"])
         _moe_row_kernel[(nprog,)](*args(), FIRST=1, LAST=3, SYNC=True, **meta, **launch)
-        if bar.gave_up():           # never seen; if it happens, this shape runs as three launches from now on
+        if bar.gave_up():           # the grid was not all resident: this variant runs as three launches from now on
             FAILED.add(key)
             bar.count.zero_()
             return phases()

@@ -37,7 +37,7 @@ def test_grid_holds_only_programs_that_fit_at_once(monkeypatch):
 
 def test_applies_only_where_the_kernel_reads_the_experts(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(moe_row, "HAVE_TRITON", True)
+    monkeypatch.setattr(moe_row.kernels, "HAVE_TRITON", True)
     x = torch.zeros(1, 64)
     wr = torch.zeros(8, 64)
 
