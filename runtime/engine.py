@@ -21,6 +21,7 @@ from runtime.experts import ExpertCache
 from runtime.kv import KV_QUANTS, KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
 from runtime.memory import NAMES, buffers_bytes, cap_device_memory, default_prefill_chunk, target_dense_bytes
+from runtime.paths import compiled_dir
 from runtime.routing_profile import RoutingProfile
 from runtime.sampling import SamplingParams
 from runtime.speculative import generate_ids
@@ -111,6 +112,7 @@ class Engine:
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
+        self.compiled_why = ""               # why the drafter runs eagerly on a CPU (`compile_drafter`)
         rows = drafter.max_block if drafter is not None else 1
         self.logits_buf = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=device)
 
@@ -179,10 +181,25 @@ class Engine:
             spec_min_p = kind.default_spec_min_p if drafter is not None else 0.0
         # the static step's width (runtime/gpu/static_step.py): the pool keeps enough dynamic slots for its misses
         experts.ensure_window(drafter.max_block if drafter is not None else 1)
-        return cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
+        eng = cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
                    prefill_chunk=prefill_chunk, graphs=graphs)
+        eng.compile_drafter(build=False)
+        return eng
+
+    def compile_drafter(self, build: bool = False) -> str:
+        """Attach the drafter's compiled CPU step from the store (compiled/, runtime/paths.py), building it first
+        when `build` is set and this machine has none (strata-setup does, before calibrating). Returns "" when
+        the drafter runs compiled, else why not (`compiled_why`; "" too for a drafter without such a step)."""
+        use = getattr(self.drafter, "use_compiled", None)
+        self.compiled_why = "no compiled step for this drafter" if use is None or self.device.type != "cpu" \
+            else use(compiled_dir(), build=build)
+        return self.compiled_why
+
+    @property
+    def drafter_compiled(self) -> bool:
+        return getattr(self.drafter, "compiled", None) is not None
 
     @classmethod
     def from_config(cls, config: str | Path | dict | StrataConfig, **overrides: Any) -> Engine:
@@ -264,6 +281,7 @@ class Engine:
             on_text(rest)
         stats = dict(res.stats)
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
+                     drafter_compiled=use is not None and self.drafter_compiled,
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from runtime.errors import UsageError
 
-__all__ = ["ConfigNameError", "config_by_name", "config_names", "configs_dir", "looks_like_name", "resolve_config",
+__all__ = ["ConfigNameError", "compiled_dir", "config_by_name", "config_names", "configs_dir", "looks_like_name", "resolve_config",
            "strata_home"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -33,6 +33,11 @@ def strata_home() -> Path:
 
 def configs_dir() -> Path:
     return strata_home() / "configs"
+
+
+def compiled_dir() -> Path:
+    """Code compiled for this machine (the MTP drafter's CPU step, runtime/drafters/mtp_compiled.py)."""
+    return strata_home() / "compiled"
 
 
 def config_names() -> list[str]:

@@ -3,10 +3,13 @@ graphs for greedy windows (runtime/gpu/capture.py says how graphs work here)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
 from runtime.drafters import head8 as _head8
+from runtime.drafters import mtp_compiled
 from runtime.drafters.base import Proposal, floor_keep
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels
 from runtime.gpu.capture import GraphSet
@@ -59,6 +62,9 @@ class MTPDrafter:
         # the CPU rows' RoPE matrices, made max_block positions at a time: the chain asks for one position a step
         self.rope = cpu_plan.RopeTable(model.rotary, span=max_block)
         self.plan = cpu_plan.ModelPlan(self.mtp.layers)                   # the CPU rows' layer plan (`_rows_cpu`)
+        # CPU: the chain's step compiled ahead of time (runtime/drafters/mtp_compiled.py), attached by the engine
+        # when this machine has its package; None: the eager rows
+        self.compiled: mtp_compiled.CompiledStep | None = None
 
     def reset(self) -> None:
         self.kv.reset()
@@ -90,6 +96,37 @@ class MTPDrafter:
             h = self.mtp(emb, g[None].to(emb.dtype), pos, self.model.rotary, (self.kv.layer(0), self.kv.length))[0]
         self.kv.length += n
         return h
+
+    def _compiled_step(self, tok: Tensor, g: Tensor, first_pos: int) -> tuple[Tensor, Tensor] | None:
+        """`_step` with `last_only` through the compiled step: (the last row's MTP hidden [1, H], its logits [1, V]
+        fp32), or None when the eager rows must serve (no compiled step, more rows than it takes, capacity)."""
+        c = self.compiled
+        n, s0 = int(tok.shape[0]), self.kv.length
+        if c is None or n > mtp_compiled.MAX_ROWS or s0 < 1 or s0 != first_pos - 1 \
+                or s0 > self.kv.capacity - mtp_compiled.MAX_ROWS or s0 + n > self.kv.capacity:
+            return None
+        h, lg, k, v = c(tok, g, s0)
+        c.kc[:, s0:s0 + n] = k
+        c.vc[:, s0:s0 + n] = v
+        self.kv.length += n
+        return h, lg
+
+    def use_compiled(self, root: Path, build: bool = False) -> str:
+        """Attach the compiled CPU step from its package under `root`, building it first when `build` is set and
+        this machine has none. Returns "" once attached, else why the eager rows serve."""
+        self.compiled = None
+        if not self.host_cut:
+            return "not on a CPU"
+        step, why = mtp_compiled.load(self, root)
+        if step is None and build and mtp_compiled.wanted() and mtp_compiled.fits(self) is None:
+            try:
+                mtp_compiled.build(self, mtp_compiled.package_path(self, root))
+            except Exception as exc:         # no C++ compiler, an inductor error: eager, and the reason
+                return f"building it failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" \
+                    if str(exc).strip() else f"building it failed ({type(exc).__name__})"
+            step, why = mtp_compiled.load(self, root)
+        self.compiled = step
+        return why
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int, last_only: bool = False) -> Tensor:
         """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through the layer's plan
@@ -220,18 +257,26 @@ class MTPDrafter:
         toks, qs, confs = [], [], []
         per_step = not cpu or min_p > 0
         for i in range(n):
-            if i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
-                h = self._step(torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2],
-                               last_only=LAST_ONLY)[-1:]
+            rows = (torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2]) \
+                if i == 0 and pend is not None else (tok, g, pos + i)
+            got = self._compiled_step(*rows) if cpu else None
+            if got is not None:
+                h, lg = got[0], got[1][0]
+            elif i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
+                h = self._step(*rows, last_only=LAST_ONLY)[-1:]
             else:
-                h = self._step(tok, g, pos + i)
+                h = self._step(*rows)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
-            lg = self.logits_buf[i]
-            if self.head8 is not None:
-                lg[None].copy_(_head8.logits(h, self.head8, cast=False))    # bf16 -> fp32 in the copy
+            if got is not None:
+                self.logits_buf[i].copy_(lg)
+                lg = self.logits_buf[i]
             else:
-                lg[None].copy_(self.model.lm_head(h))
+                lg = self.logits_buf[i]
+                if self.head8 is not None:
+                    lg[None].copy_(_head8.logits(h, self.head8, cast=False))    # bf16 -> fp32 in the copy
+                else:
+                    lg[None].copy_(self.model.lm_head(h))
             if per_step:
                 c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
                 if cpu and min_p > 0 and float(c) < min_p:

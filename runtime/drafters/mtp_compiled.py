@@ -1,0 +1,268 @@
+"""The MTP head's CPU step compiled ahead of time by AOTInductor, for the chain's drafts (docs/models.md, "The
+compiled CPU chain").
+
+Why: on a CPU the head's step is paid per op and per dispatch, not per byte (docs/models.md, "Numerics"), and the
+chain runs block - 1 of them a window. AOTInductor turns the step into one C++ function (element-wise ops fused,
+no interpreter or dispatcher between them) in a package file that loads in milliseconds; torch.compile's runtime
+guards and wrappers would cost about a fifth of the step again. A draft needs no particular bits (the target's
+verify decides every token), so the drafter may take inductor's rounding where the target step may not.
+
+The step: rows (tokens [r], g [r, H]) at cache slots start.. (positions start + 1..), their K and V computed and
+returned for the caller to write (the cache goes in as the views of slots 0..start-1, only read), the last row
+alone attending over those slots and the rows' own entries, then o_proj, its routed experts, the norm and the
+vocabulary product. The committed rows that a window's first step carries come first (their entries are all the
+chain needs of them), so one call serves them and the first draft, as the eager chain's `last_only` forward does.
+The weights are inputs, not constants: the package depends only on the shapes, and the checkpoint's tensors are
+not copied into it. The row count and the start are dynamic sizes.
+
+The package is built once per machine and shape (`build`, `strata-setup` does it before calibrating) and kept in
+the store under compiled/ (`package_path`: the key names torch's version, the CPU's vector ISA and every shape and
+constant the code holds); `load` finds it or says why not, and the drafter stays eager without one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# the compiled chain on a CPU (False, or STRATA_COMPILE=0 in the environment: the eager chain everywhere)
+ENABLED = True
+
+# the most rows one step takes: the pending committed rows of a window (at most the block) and the anchor
+MAX_ROWS = 64
+
+
+def wanted() -> bool:
+    """Whether CPU MTP drafters use (and setup builds) the compiled step: the switch and the environment's say."""
+    return ENABLED and os.environ.get("STRATA_COMPILE", "1") != "0"
+
+
+def fits(drafter) -> str | None:
+    """Why the compiled step cannot serve this drafter, or None when it can: float weights in the cache's dtype,
+    packed experts served in place (`cpu_plan.plannable`), a float cache on the CPU, no routing recorder."""
+    from runtime.models import cpu_plan
+
+    layer = drafter.mtp.layers[0]
+    kv = drafter.kv
+    if kv.k.device.type != "cpu":
+        return "not on a CPU"
+    if kv.quant is not None:
+        return "the drafter's KV cache is quantized"
+    if not cpu_plan.plannable(layer) or layer.mlp.recorder is not None or layer.mlp.counter is not None:
+        return "the head's layer is not a float layer with packed experts"
+    dt = layer.input_layernorm.weight.dtype
+    if kv.k.dtype != dt or not isinstance(drafter.mtp.fc, torch.nn.Linear) or drafter.mtp.fc.weight.dtype != dt:
+        return "the head's weights and cache differ in dtype"
+    head = drafter.model.lm_head
+    if drafter.head8 is None and (not isinstance(head, torch.nn.Linear) or head.weight.dtype != dt):
+        return "the vocabulary head is not a float matrix"
+    return None
+
+
+def weights(drafter) -> tuple[Tensor, ...]:
+    """The step's weight inputs, in `_step`'s order (views of the drafter's tensors, no copies)."""
+    from runtime.models import cpu_plan
+
+    m, mtp = drafter.model, drafter.mtp
+    layer = mtp.layers[0]
+    L = cpu_plan.layer_plan(layer)
+    mlp = layer.mlp
+    H, E, inter = m.cfg.hidden_size, mlp.n_exp, mlp.inter
+    wqkv = L.qkv[0] if len(L.qkv) == 1 else torch.cat(L.qkv, 1)
+    head = drafter.head8 if drafter.head8 is not None else (m.lm_head.weight.t(), torch.ones(0))
+    # q-norm's weight carries the attention scale, as the eager rows' (cpu_rows.qk_norm_weight: [nh + nkv, hd])
+    qkn = L.qkn[0], L.qkn[L.nh]
+    return (m.model.embed_tokens.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight,
+            mtp.fc.weight.t(), layer.input_layernorm.weight, wqkv, qkn[0], qkn[1], L.wo,
+            layer.post_attention_layernorm.weight, L.router,
+            mlp.dense_gu.view(E, 2 * inter, H).transpose(1, 2), mlp.dense_down.view(H, E, inter).permute(1, 2, 0),
+            mtp.norm.weight, m.rotary.inv_freq.float(), head[0], head[1])
+
+
+def shape_of(drafter) -> dict[str, Any]:
+    """What the compiled code holds as constants: shapes, norms' epsilons, RoPE's scale, the head's kind."""
+    cfg = drafter.model.cfg
+    layer = drafter.mtp.layers[0]
+    a, mlp = layer.self_attn, layer.mlp
+    return dict(H=cfg.hidden_size, V=cfg.vocab_size, nh=a.nh, nkv=a.nkv, hd=a.hd, E=mlp.n_exp, inter=mlp.inter,
+                k=mlp.top_k, norm_topk=bool(mlp.norm_topk), eps=float(cfg.rms_norm_eps),
+                qk_eps=float(a.q_norm.eps), rscale=float(drafter.model.rotary.scale),
+                head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
+                capacity=int(drafter.kv.capacity))
+
+
+class _Step(torch.nn.Module):
+    """The step as a module for torch.export (no parameters: every tensor is an input)."""
+
+    def __init__(self, shape: dict[str, Any]) -> None:
+        super().__init__()
+        self.s = shape
+
+    def forward(self, tok: Tensor, g: Tensor, k_old: Tensor, v_old: Tensor, emb_w: Tensor, ne: Tensor,
+                ng: Tensor, fc: Tensor, ln1: Tensor, wqkv: Tensor, qn: Tensor, kn: Tensor, wo: Tensor, ln2: Tensor,
+                wr: Tensor, gu: Tensor, dn: Tensor, norm: Tensor, inv: Tensor, head: Tensor, head_scale: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        s = self.s
+        eps, nh, nkv, hd = s["eps"], s["nh"], s["nkv"], s["hd"]
+        r, Hd = g.shape
+        start = k_old.shape[1]
+        e = F.rms_norm(emb_w[tok], (Hd,), ne, eps)
+        x = torch.cat((e, F.rms_norm(g, (Hd,), ng, eps)), -1) @ fc                       # [r, H]
+        pos = torch.arange(r, device=x.device) + (start + 1)
+        f = pos[:, None].float() * inv[None, :]
+        ang = torch.cat((f, f), -1)
+        cos, sin = (ang.cos() * s["rscale"]).to(x.dtype), (ang.sin() * s["rscale"]).to(x.dtype)
+
+        def rope(t: Tensor, c: Tensor, sn: Tensor) -> Tensor:            # t [rows, heads, hd], c/sn [rows, hd]
+            h2 = hd // 2
+            return t * c[:, None] + torch.cat((-t[..., h2:], t[..., :h2]), -1) * sn[:, None]
+
+        p = F.rms_norm(x, (Hd,), ln1, eps) @ wqkv
+        q, k, v = p.split((nh * hd, nkv * hd, nkv * hd), -1)
+        kt = rope(F.rms_norm(k.reshape(r, nkv, hd), (hd,), kn, s["qk_eps"]), cos, sin).transpose(0, 1)
+        vt = v.reshape(r, nkv, hd).transpose(0, 1)                                      # [nkv, r, hd]
+        # the last row alone goes on: the rows before it are committed rows, wanted for their entries
+        ql = rope(F.rms_norm(q[-1:].reshape(1, nh, hd), (hd,), qn, s["qk_eps"]), cos[-1:], sin[-1:])
+        qg = ql.reshape(nkv, nh // nkv, hd)
+        s_old = torch.bmm(qg, k_old.transpose(1, 2))                                    # [nkv, grp, start]
+        s_new = torch.bmm(qg, kt.transpose(1, 2))                                       # [nkv, grp, r]
+        pr = torch.softmax(torch.cat((s_old, s_new), -1), -1)
+        o = torch.bmm(pr[..., :start], v_old) + torch.bmm(pr[..., start:], vt)
+        x = x[-1:] + o.reshape(1, nh * hd) @ wo
+        h = F.rms_norm(x, (Hd,), ln2, eps)
+        lg = h @ wr
+        if s["norm_topk"]:
+            lw, idx = torch.topk(lg, s["k"], -1)
+            w = torch.softmax(lw, -1)
+        else:
+            w, idx = torch.topk(torch.softmax(lg, -1), s["k"], -1)
+        gu_ = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])                              # [k, 1, 2I]
+        gt, up = gu_.split(s["inter"], -1)
+        y = torch.bmm(F.silu(gt) * up, dn[idx[0]])                                        # [k, 1, H]
+        hn = F.rms_norm(x + (y * w[0][:, None, None]).sum(0), (Hd,), norm, eps)
+        if s["head8"]:
+            logits = torch._weight_int8pack_mm(hn.to(torch.bfloat16), head, head_scale).float()
+        else:
+            logits = (hn @ head).float()
+        return hn, logits, kt, vt
+
+
+def _isa() -> str:
+    """The vector ISA inductor compiles for on this CPU (a package built for one may crash on another)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        return str(cpu_vec_isa.pick_vec_isa())
+    except Exception:                       # an inductor without the helper: the key still separates machines
+        return "unknown"
+
+
+def key(drafter) -> str:
+    """The package's name: a hash of torch's version, the CPU's vector ISA and `shape_of`."""
+    desc = {"torch": torch.__version__, "isa": _isa(), "format": 1, **shape_of(drafter)}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def package_path(drafter, root: Path) -> Path:
+    return root / f"mtp-step-{key(drafter)}.pt2"
+
+
+def _example(drafter, rows: int = 2, start: int = 8) -> tuple[Tensor, ...]:
+    kv = drafter.kv
+    H = drafter.model.cfg.hidden_size
+    dt = kv.k.dtype
+    kc, vc = kv.k[0, 0], kv.v[0, 0]
+    return (torch.zeros(rows, dtype=torch.long), torch.zeros(rows, H, dtype=dt), kc[:, :start], vc[:, :start],
+            *weights(drafter))
+
+
+def build(drafter, path: Path) -> float:
+    """Compile the step for this drafter's shape into `path` (written under a temporary name, checked against the
+    eager module on a probe, then renamed). Returns the seconds it took; raises on any failure."""
+    from torch.export import Dim, export
+
+    t0 = time.perf_counter()
+    shape = shape_of(drafter)
+    args = _example(drafter)
+    R = Dim("rows", min=1, max=MAX_ROWS)
+    S = Dim("start", min=1, max=shape["capacity"] - MAX_ROWS)
+    dyn = ({0: R}, {0: R}, {1: S}, {1: S}) + (None,) * (len(args) - 4)
+    with torch.no_grad():
+        ep = export(_Step(shape), args, dynamic_shapes=dyn)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    try:
+        out = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        runner = torch._inductor.aoti_load_package(out)
+        check(drafter, runner)
+        os.replace(out, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return time.perf_counter() - t0
+
+
+def check(drafter, runner) -> None:
+    """Raise unless the compiled step agrees with the eager one (`_Step` run by torch) on a probe of random rows:
+    a package from another torch or a miscompile must not serve drafts silently wrong (they would only cost
+    acceptance, never output, but a user should hear of it)."""
+    gen = torch.Generator().manual_seed(0)
+    V, H = drafter.model.cfg.vocab_size, drafter.model.cfg.hidden_size
+    kv = drafter.kv
+    start = min(40, kv.capacity - MAX_ROWS)
+    keep = kv.k[0, 0, :, :start].clone(), kv.v[0, 0, :, :start].clone()
+    try:
+        kv.k[0, 0, :, :start] = torch.randn(keep[0].shape, generator=gen).to(kv.k.dtype)
+        kv.v[0, 0, :, :start] = torch.randn(keep[1].shape, generator=gen).to(kv.v.dtype)
+        for rows in (1, 3):
+            args = list(_example(drafter, rows, start))
+            args[0] = torch.randint(0, V, (rows,), generator=gen)
+            args[1] = torch.randn(rows, H, generator=gen).to(kv.k.dtype)
+            with torch.no_grad():
+                want = _Step(shape_of(drafter))(*args)
+                got = runner(*args)
+            for name, a, b in zip(("hidden", "logits", "k", "v"), want, got, strict=True):
+                tol = 1e-3 * (1 + float(a.abs().max()))
+                if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=tol, rtol=1e-3):
+                    raise RuntimeError(f"the compiled MTP step's {name} differ from the eager step's "
+                                       f"(max |difference| {float((a.float() - b.float()).abs().max()):.2e}).")
+    finally:
+        kv.k[0, 0, :, :start], kv.v[0, 0, :, :start] = keep
+
+
+class CompiledStep:
+    """A loaded package for one drafter: `__call__(tok, g, start)` -> (h [1, H], logits [1, V] fp32, K, V
+    [nkv, r, hd])."""
+
+    def __init__(self, drafter, runner, path: Path) -> None:
+        self.runner, self.path = runner, path
+        self.w = weights(drafter)
+        self.kc, self.vc = drafter.kv.k[0, 0], drafter.kv.v[0, 0]
+        self.dtype = drafter.kv.k.dtype
+
+    def __call__(self, tok: Tensor, g: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.runner(tok, g.to(self.dtype), self.kc[:, :start], self.vc[:, :start], *self.w)
+
+
+def load(drafter, root: Path) -> tuple[CompiledStep | None, str]:
+    """(the drafter's compiled step from the package under `root`, "") or (None, why not)."""
+    if not wanted():
+        return None, "switched off (STRATA_COMPILE=0)"
+    why = fits(drafter)
+    if why is not None:
+        return None, why
+    path = package_path(drafter, root)
+    if not path.is_file():
+        return None, "not built for this machine yet (strata-setup builds it)"
+    try:
+        runner = torch._inductor.aoti_load_package(str(path))
+    except Exception as exc:                  # a damaged or foreign package: eager, and the reason
+        return None, f"the package {path.name} would not load ({type(exc).__name__})"
+    return CompiledStep(drafter, runner, path), ""
