@@ -5,7 +5,9 @@
 For each arm and task: median decode tok/s over repeats, speed-up over target-only (timed between the arm's own
 repeats, so that a drifting machine moves both sides alike), tokens committed per window
 (accepted + 1), draft ms and verify ms per window. The GGUF quantizations are converted from the bundled BF16
-drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped).
+drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped). On a CPU each MTP
+arm runs twice: its chain eager, and ` compiled` (the head's step compiled ahead of time, runtime/drafters/
+mtp_compiled.py; built into the store's compiled/ on first use, about 15 s).
 Also the greedy-equality check of docs/models.md ("Speculative decoding") in BF16 on the GPU: every drafted arm's tokens against target-only
 tokens of the same engine (the fixed-width step: runtime/static_step.py), and, for contrast, the plain eager path
 (no static step: a 1-row decode vs k-row verify in cuBLAS/SDPA) — `eager mismatches` counts prompts that differ there.
@@ -40,10 +42,12 @@ EAGER_ARMS = ("MTP b4", "DFlash2 bf16")
 
 
 def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dict[str, Any]]:
-    out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
-           {"arm": "MTP b4", "kind": "mtp", "path": None, "block": 4, "min_p": 0.0},
+    mtp = [{"arm": "MTP b4", "kind": "mtp", "path": None, "block": 4, "min_p": 0.0},
            {"arm": "MTP b3", "kind": "mtp", "path": None, "block": 3, "min_p": 0.0},
-           {"arm": "MTP b6 p.5", "kind": "mtp", "path": None, "block": 6, "min_p": 0.5},
+           {"arm": "MTP b6 p.5", "kind": "mtp", "path": None, "block": 6, "min_p": 0.5}]
+    # on a CPU the MTP chain's step compiled ahead of time (runtime/drafters/mtp_compiled.py): each arm both ways
+    out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
+           *(dict(a, compiled=False) for a in mtp), *(dict(a, arm=a["arm"] + " compiled", compiled=True) for a in mtp),
            {"arm": "DFlash2 bf16", "kind": "dflash2", "path": NANO_DFLASH2, "block": None, "min_p": 0.0}]
     out += [{"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "path": NANO_DFLASH2, "block": b, "min_p": 0.0}
             for b in dflash_blocks]
@@ -190,11 +194,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 engines[key] = Engine.build(NANO, arm["kind"], drafter_path=arm["path"], device=args.device,
                                             context=4096)
             eng = engines[key]
+            if arm["kind"] == "mtp":
+                if arm["compiled"] and args.device == "cpu":
+                    arm["compiled_why"] = eng.compile_drafter(build=True)   # built once into the store, then loaded
+                else:
+                    eng.drafter.compiled = None
+                if arm["compiled"] and not eng.drafter_compiled:
+                    print(f"  {arm['arm']}: skipped ({arm.get('compiled_why') or 'a CPU arm'})", flush=True)
+                    continue
             if prompts is None:
                 tasks = [t for t in args.tasks.split(",") if t]
                 prompts = {k: eng.tokenizer.encode(v).ids for k, v in task_prompts().items() if not tasks or k in tasks}
                 res["prompt_tokens"] = {k: len(v) for k, v in prompts.items()}
             r = run_arm(eng, arm, prompts, args, deadline)
+            r["drafter_compiled"] = eng.drafter_compiled if eng.drafter is not None else None
             if eng.drafter is not None and hasattr(eng.drafter, "memory_report"):
                 r["drafter_memory"] = eng.drafter.memory_report()
             st = eng.step

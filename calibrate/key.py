@@ -1,7 +1,7 @@
 """The calibration key (docs/calibration.md): a stored result is reused only when every field matches.
 
 `(device name and memory, target sha256, drafter kind, drafter artifact sha256, quantization, context, runtime
-version, target quantization)`. The device is the live machine (not what an old config says), so a config copied to another machine
+version, target quantization, drafter step)`. The device is the live machine (not what an old config says), so a config copied to another machine
 is recalibrated there.
 """
 
@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from runtime.drafters import mtp_compiled
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError
 from runtime.hostinfo import cpu_name, ram_bytes
@@ -33,6 +34,9 @@ class CalibrationKey:
     context: int
     runtime_version: str
     target_quantization: str = "bf16"     # how the target is stored (a quantized target drafts and verifies differently)
+    # "compiled" where the drafter's CPU step runs compiled (runtime/drafters/mtp_compiled.py): a cheaper chain
+    # calibrates to other settings than the eager one
+    drafter_step: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,14 +48,18 @@ class CalibrationKey:
                        target_sha256=str(d["target_sha256"]), drafter_kind=str(d["drafter_kind"]),
                        drafter_sha256=str(d["drafter_sha256"]), quantization=str(d["quantization"]),
                        context=int(d["context"]), runtime_version=str(d["runtime_version"]),
-                       target_quantization=str(d.get("target_quantization", "bf16")))
+                       target_quantization=str(d.get("target_quantization", "bf16")),
+                       drafter_step=str(d.get("drafter_step", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationConfigError(f"a calibration key is incomplete or malformed ({e}).") from None
 
     @property
     def digest(self) -> str:
         """A stable file name for the key: sha256 of its canonical JSON (the stored record repeats the key)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        d = self.to_dict()
+        if not d["drafter_step"]:          # the eager step: the digest keys made before the field existed had
+            del d["drafter_step"]
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
 
@@ -59,10 +67,8 @@ def current_device(device_type: str | None = None) -> tuple[str, int]:
     """(name, total MiB) of the device calibration runs on: the CUDA device, or this CPU and its RAM."""
     import torch
 
-    # the device the engine picks for the same setting (runtime.engine: None/"auto" = CUDA when present, "cuda:N")
     t = (device_type or "auto").lower()
-    want_cuda = (t in ("auto", "gpu") or t.split(":")[0] == "cuda") and torch.cuda.is_available()
-    if want_cuda:      # the same numbers setup_wizard.hardware reports (mem_get_info total)
+    if not _on_cpu(device_type):      # the same numbers setup_wizard.hardware reports (mem_get_info total)
         index = int(t.split(":")[1]) if t.startswith("cuda:") and t.split(":")[1].isdigit() else 0
         props = torch.cuda.get_device_properties(index)
         try:
@@ -112,11 +118,21 @@ def key_for_config(config: dict[str, Any], *, device: tuple[str, int] | None = N
         context = int(memory.get("context"))
     except (TypeError, ValueError):
         raise CalibrationConfigError("the config has no valid [memory] context; re-run strata-setup.") from None
+    dev_type = str(_table(config, "device").get("type") or "") or None
     if device is None:
-        dev = _table(config, "device")
-        device = current_device(str(dev.get("type")) if dev.get("type") else None)
+        device = current_device(dev_type)
+    step = "compiled" if kind == "mtp" and _on_cpu(dev_type) and mtp_compiled.wanted() else ""
     return CalibrationKey(device_name=device[0], device_total_mib=int(device[1]), target_sha256=tsha,
                           drafter_kind=kind, drafter_sha256=dsha if kind != "none" else "",
                           quantization=quant if kind != "none" else "", context=context,
                           runtime_version=RUNTIME_VERSION,
-                          target_quantization=str(target.get("quantization") or "bf16"))
+                          target_quantization=str(target.get("quantization") or "bf16"), drafter_step=step)
+
+
+def _on_cpu(device_type: str | None) -> bool:
+    """Whether the engine runs on the CPU for this device setting (runtime.engine: None/"auto" = CUDA when
+    present, "cuda:N")."""
+    import torch
+
+    t = (device_type or "auto").lower()
+    return not ((t in ("auto", "gpu") or t.split(":")[0] == "cuda") and torch.cuda.is_available())

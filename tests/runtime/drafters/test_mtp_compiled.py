@@ -1,0 +1,168 @@
+"""The MTP drafter's CPU step compiled ahead of time (runtime/drafters/mtp_compiled.py): it computes what the head's
+module path computes, a chain through it keeps greedy output equal to the target alone, and every way it can be
+missing or wrong leaves the eager chain serving with a reason (a missing, damaged or failed package, the switch)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.common import NANO, task_prompts
+from calibrate.key import CalibrationKey, key_for_config
+from runtime.drafters import mtp_compiled
+from runtime.engine import Engine
+from tests.runtime.tiny import single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A CPU engine with the pack's MTP drafter and its package built once into a store of its own."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the compiled step cannot be built here (the eager chain serves; "
+                    "test_load_without_a_package checks that path)")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STRATA_COMPILE", "1")
+    home = tmp_path_factory.mktemp("home")
+    mp.setenv("STRATA_HOME", str(home))
+    torch.set_num_threads(1)
+    eng = Engine.build(NANO, "mtp", device="cpu", context=1024, block=4)
+    assert eng.compile_drafter(build=False) == "not built for this machine yet (strata-setup builds it)"
+    assert eng.compile_drafter(build=True) == ""
+    assert eng.drafter_compiled
+    yield eng, home / "compiled"
+    mp.undo()
+
+
+def test_step_equals_the_module_path(built):
+    eng, _ = built
+    d, model = eng.drafter, eng.model
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        d.kv.k.normal_(generator=gen)
+        d.kv.v.normal_(generator=gen)
+        for n in (1, 4):                     # one chained row; three committed rows and the anchor
+            tok = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen)
+            g = torch.randn(n, model.cfg.hidden_size, generator=gen)
+            h, lg, k, v = d.compiled(tok, g, 9)
+            pos = torch.arange(10, 10 + n)[None]
+            ref = model.mtp(model.model.embed_tokens(tok)[None], g[None], pos, model.rotary, (d.kv.layer(0), 9))[0]
+            want_lg = torch._weight_int8pack_mm(ref[-1:].to(torch.bfloat16), *d.head8).float()
+            torch.testing.assert_close(h, ref[-1:], rtol=0, atol=1e-4)
+            torch.testing.assert_close(lg, want_lg, rtol=0, atol=0.05 * float(want_lg.abs().max()) + 1e-3)
+            assert int(lg.argmax()) == int(want_lg.argmax())
+            # the module wrote the rows' entries at slots 9..: the compiled step returns the same ones
+            torch.testing.assert_close(k, d.kv.k[0, 0, :, 9:9 + n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(v, d.kv.v[0, 0, :, 9:9 + n], rtol=0, atol=1e-5)
+
+
+def test_chain_through_it_is_lossless(built):
+    eng, _ = built
+    ids = eng.tokenizer.encode(task_prompts()["code"]).ids[:200]
+    spec = eng.generate(ids, max_new_tokens=48, block=4, spec_min_p=0.0, stop_ids=set())
+    alone = eng.generate(ids, max_new_tokens=48, draft=False, stop_ids=set())
+    assert spec.stats["drafter_compiled"] is True
+    assert spec.stats["accepted"] > 0                 # its drafts are real drafts, not noise
+    assert spec.token_ids == alone.token_ids
+    # the eager chain drafts the same tokens on this prompt (drafts need no bits, but these are not near ties)
+    step, eng.drafter.compiled = eng.drafter.compiled, None
+    try:
+        eager = eng.generate(ids, max_new_tokens=48, block=4, spec_min_p=0.0, stop_ids=set())
+    finally:
+        eng.drafter.compiled = step
+    assert eager.stats["drafter_compiled"] is False
+    assert eager.token_ids == alone.token_ids
+    assert eager.stats["accepted"] == spec.stats["accepted"]
+
+
+def test_sampled_drafts_carry_their_distribution(built):
+    from runtime.sampling import SamplingParams, make_generator
+
+    eng, _ = built
+    ids = eng.tokenizer.encode(task_prompts()["code"]).ids[:120]
+    eng.generate(ids, max_new_tokens=1, stop_ids=set())          # the drafter has observed the prompt
+    d = eng.drafter
+    pos = d.next_pos
+    prop = d.propose(ids[-1], pos, 3, sampling=SamplingParams(temperature=0.8, top_p=0.9),
+                     generator=make_generator(0, torch.device("cpu")))
+    assert prop.q is not None and prop.q.shape == (prop.tokens.shape[0], eng.model.cfg.vocab_size)
+    torch.testing.assert_close(prop.q.sum(-1), torch.ones(prop.tokens.shape[0]), rtol=0, atol=1e-5)
+    assert bool((prop.q.gather(1, prop.tokens[:, None]) > 0).all())    # each draft drawn from its own row
+
+
+def test_key_names_what_the_code_holds(built):
+    eng, root = built
+    assert mtp_compiled.package_path(eng.drafter, root).is_file()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []        # no temporary left
+    other = Engine.build(NANO, "mtp", device="cpu", context=2048, block=4)
+    assert mtp_compiled.key(other.drafter) != mtp_compiled.key(eng.drafter)      # the cache's stride differs
+    assert other.compile_drafter() == "not built for this machine yet (strata-setup builds it)"
+
+
+def test_damaged_package_is_refused(built, tmp_path):
+    eng, root = built
+    bad = tmp_path / "compiled"
+    bad.mkdir()
+    mtp_compiled.package_path(eng.drafter, bad).write_bytes(b"not a package")
+    step, why = mtp_compiled.load(eng.drafter, bad)
+    assert step is None and why.startswith("the package mtp-step-") and "would not load" in why
+
+
+def test_check_catches_a_wrong_step(built):
+    eng, root = built
+    runner = torch._inductor.aoti_load_package(str(mtp_compiled.package_path(eng.drafter, root)))
+
+    def off_by_a_bit(*args):
+        h, lg, k, v = runner(*args)
+        return h, lg + 0.5, k, v
+
+    mtp_compiled.check(eng.drafter, runner)                       # the real package passes
+    with pytest.raises(RuntimeError, match="the compiled MTP step's logits differ from the eager step's"):
+        mtp_compiled.check(eng.drafter, off_by_a_bit)
+
+
+def test_failed_build_leaves_the_eager_chain_and_no_file(built, tmp_path, monkeypatch):
+    eng, _ = built
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("C++ compile error\nmore lines")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    step = eng.drafter.compiled
+    try:
+        assert eng.compile_drafter(build=True) == "building it failed (RuntimeError: C++ compile error)"
+        assert not eng.drafter_compiled
+        assert list((tmp_path / "compiled").iterdir()) == []
+    finally:
+        eng.drafter.compiled = step
+
+
+def test_switch_and_calibration_key(built, monkeypatch):
+    eng, _ = built
+    cfg = {"target": {"sha256": "a" * 64}, "drafter": {"kind": "mtp"}, "memory": {"context": 1024},
+           "device": {"type": "cpu"}}
+    on = key_for_config(cfg, device=("cpu", 1))
+    assert on.drafter_step == "compiled"
+    monkeypatch.setenv("STRATA_COMPILE", "0")
+    step = eng.drafter.compiled
+    try:
+        assert eng.compile_drafter() == "switched off (STRATA_COMPILE=0)" and not eng.drafter_compiled
+    finally:
+        eng.drafter.compiled = step
+    off = key_for_config(cfg, device=("cpu", 1))
+    assert off.drafter_step == "" and off.digest != on.digest
+    # a key without the field (stored before it existed) names the same file as the eager step's
+    assert CalibrationKey.from_dict({k: v for k, v in off.to_dict().items() if k != "drafter_step"}).digest \
+        == off.digest
+
+
+def test_load_without_a_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATA_COMPILE", "1")
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
+    eng = Engine.build(NANO, "mtp", device="cpu", context=256, block=3)
+    assert not eng.drafter_compiled
+    assert eng.compiled_why == "not built for this machine yet (strata-setup builds it)"
+    assert not Path(tmp_path / "compiled").exists()
