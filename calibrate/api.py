@@ -341,7 +341,8 @@ def _calibrate_built(engine: Any, cfg: dict[str, Any], kind: str, key: Any, stor
     if thread_facts is not None:
         facts["threads"] = thread_facts
     if hasattr(engine, "compile_drafter") and kind != "none":
-        facts["drafter_step"] = {"compiled": bool(engine.drafter_compiled), "why_not": engine.compiled_why or None}
+        facts["drafter_step"] = {"compiled": bool(engine.drafter_compiled), "why_not": engine.compiled_why or None,
+                                 "compile_s": round(float(getattr(engine, "compile_s", 0.0)), 2)}
     if prof is not None:
         facts["routing_profile"] = {"path": str(prof.path), "reused": prof.reused, "key": prof.key,
                                     "expected_hit_rate": engine.experts.expected_hit_rate()}

@@ -110,6 +110,12 @@ def summary_lines(result: Any) -> list[str]:
         took = total if total is not None else sec
         of = f" of its {budget:g} s budget" if budget is not None else ""
         lines.append(f"calibration took {took:.1f} s{of}" + (f" ({', '.join(parts)})" if parts else ""))
+        step = rec.get("drafter_step") or {}
+        if step.get("compiled"):
+            lines.append(f"the drafter's chain ran compiled for this CPU (built or loaded in {step['compile_s']:.1f} s, "
+                         f"outside the budget)")
+        elif step.get("why_not") and step["why_not"] != "no compiled step for this drafter":
+            lines.append(f"the drafter's chain ran eagerly: its compiled step is {step['why_not']}")
         if result.decision == "budget" or rec.get("budget_hit"):
             lines.append("the budget cut calibration short; give it more time with --calibrate-seconds S "
                          "(or `strata-setup calibrate --config PATH --max-seconds S`)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,7 @@ class Engine:
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
         self.compiled_why = ""               # why the drafter runs eagerly on a CPU (`compile_drafter`)
+        self.compile_s = 0.0                 # what the last `compile_drafter` took (a build, or a load)
         rows = drafter.max_block if drafter is not None else 1
         self.logits_buf = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=device)
 
@@ -192,9 +194,11 @@ class Engine:
         """Attach the drafter's compiled CPU step from the store (compiled/, runtime/paths.py), building it first
         when `build` is set and this machine has none (strata-setup does, before calibrating). Returns "" when
         the drafter runs compiled, else why not (`compiled_why`; "" too for a drafter without such a step)."""
+        t0 = time.perf_counter()
         use = getattr(self.drafter, "use_compiled", None)
         self.compiled_why = "no compiled step for this drafter" if use is None or self.device.type != "cpu" \
             else use(compiled_dir(), build=build)
+        self.compile_s = time.perf_counter() - t0
         return self.compiled_why
 
     @property

@@ -45,7 +45,8 @@ def test_identical_inputs_give_the_same_key():
     k = key(config())
     assert k.to_dict() == {"device_name": "NVIDIA H200", "device_total_mib": 143771, "target_sha256": "a" * 64,
                            "drafter_kind": "dflash2", "drafter_sha256": "b" * 64, "quantization": "q4_0",
-                           "context": 4096, "runtime_version": __version__, "target_quantization": "bf16"}
+                           "context": 4096, "runtime_version": __version__, "target_quantization": "bf16",
+                           "drafter_step": ""}
     assert CalibrationKey.from_dict(k.to_dict()) == k
 
 
