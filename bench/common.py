@@ -79,14 +79,21 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of repeats)."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of repeats); on
+    "cpu", memory to memory with torch's threads (wall clock)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     x.random_(0, 255)
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
     times = []
+    if device == "cpu":
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            y.copy_(x)
+            times.append(time.perf_counter() - t0)
+        return 2 * nbytes / median(times)
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
