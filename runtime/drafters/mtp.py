@@ -97,19 +97,50 @@ class MTPDrafter:
         self.kv.length += n
         return h
 
-    def _compiled_step(self, tok: Tensor, g: Tensor, first_pos: int) -> tuple[Tensor, Tensor] | None:
-        """`_step` with `last_only` through the compiled step: (the last row's MTP hidden [1, H], its logits [1, V]
-        fp32), or None when the eager rows must serve (no compiled step, more rows than it takes, capacity)."""
+    def _compiled_fits(self, pend: tuple[Tensor, Tensor, int] | None, pos: int, n: int) -> bool:
+        """Whether the compiled step serves this whole chain: attached, the cache holding what the first step's
+        rows follow, those rows within the step's limit, and every slot the chain writes within the cache and the
+        step's range (else the eager chain runs, and says what is wrong)."""
+        if self.compiled is None or n < 1:
+            return False
+        rows = 1 + (0 if pend is None else int(pend[0].shape[0]))
+        s0 = self.kv.length
+        return s0 == (pos if pend is None else pend[2]) - 1 and rows <= mtp_compiled.MAX_ROWS and s0 >= 1 \
+            and s0 + rows + n <= self.kv.capacity - mtp_compiled.MAX_ROWS
+
+    def _propose_compiled(self, tok: Tensor, g: Tensor, pend: tuple[Tensor, Tensor, int] | None, n: int,
+                          min_p: float, sampling: SamplingParams | None, generator: torch.Generator | None
+                          ) -> Proposal:
+        """`propose`'s CPU chain through the compiled step (runtime/drafters/mtp_compiled.py): the same steps, the
+        pending committed rows with the first; each step's greedy token and top-1 probability come out of the step
+        itself. A floor stops the chain on the host, as the eager chain does."""
         c = self.compiled
-        n, s0 = int(tok.shape[0]), self.kv.length
-        if c is None or n > mtp_compiled.MAX_ROWS or s0 < 1 or s0 != first_pos - 1 \
-                or s0 > self.kv.capacity - mtp_compiled.MAX_ROWS or s0 + n > self.kv.capacity:
-            return None
-        h, lg, k, v = c(tok, g, s0)
-        c.kc[:, s0:s0 + n] = k
-        c.vc[:, s0:s0 + n] = v
-        self.kv.length += n
-        return h, lg
+        if pend is not None:
+            tok, g = torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype)))
+        greedy = sampling is None or sampling.greedy
+        toks, qs, confs = [], [], []
+        committed = self.kv.length
+        for i in range(n):
+            s0, r = self.kv.length, int(tok.shape[0])
+            h, lg, t, conf = c(tok, g, s0)
+            c.kc[:, s0:s0 + r] = c.k_out
+            c.vc[:, s0:s0 + r] = c.v_out
+            self.kv.length = s0 + r
+            if i == 0:
+                committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
+            if min_p > 0 and float(conf) < min_p:
+                break
+            if not greedy:
+                q = probs(lg[0], sampling)
+                t = torch.multinomial(q, 1, generator=generator)
+                qs.append(q)
+            toks.append(t)
+            confs.append(conf)
+            tok, g = t, h
+        self.kv.rollback(committed)
+        return Proposal(tokens=torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long),
+                        q=torch.stack(qs) if qs else None,
+                        confidence=torch.cat(confs) if confs else torch.zeros(0))
 
     def use_compiled(self, root: Path, build: bool = False) -> str:
         """Attach the compiled CPU step from its package under `root`, building it first when `build` is set and
@@ -254,29 +285,23 @@ class MTPDrafter:
             self.pending = pend
             self.flush()
             pend = None
+        if cpu and self._compiled_fits(pend, pos, n):
+            return self._propose_compiled(tok, g, pend, n, min_p, sampling, generator)
         toks, qs, confs = [], [], []
         per_step = not cpu or min_p > 0
         for i in range(n):
-            rows = (torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2]) \
-                if i == 0 and pend is not None else (tok, g, pos + i)
-            got = self._compiled_step(*rows) if cpu else None
-            if got is not None:
-                h, lg = got[0], got[1][0]
-            elif i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
-                h = self._step(*rows, last_only=LAST_ONLY)[-1:]
+            if i == 0 and pend is not None:      # the pending committed rows and the first step: one forward
+                h = self._step(torch.cat((pend[0], tok)), torch.cat((pend[1], g.to(pend[1].dtype))), pend[2],
+                               last_only=LAST_ONLY)[-1:]
             else:
-                h = self._step(*rows)
+                h = self._step(tok, g, pos + i)
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry
-            if got is not None:
-                self.logits_buf[i].copy_(lg)
-                lg = self.logits_buf[i]
+            lg = self.logits_buf[i]
+            if self.head8 is not None:
+                lg[None].copy_(_head8.logits(h, self.head8, cast=False))    # bf16 -> fp32 in the copy
             else:
-                lg = self.logits_buf[i]
-                if self.head8 is not None:
-                    lg[None].copy_(_head8.logits(h, self.head8, cast=False))    # bf16 -> fp32 in the copy
-                else:
-                    lg[None].copy_(self.model.lm_head(h))
+                lg[None].copy_(self.model.lm_head(h))
             if per_step:
                 c = torch.softmax(lg, -1).max()      # the floor statistic, independent of the token drawn
                 if cpu and min_p > 0 and float(c) < min_p:

@@ -9,8 +9,8 @@ verify decides every token), so the drafter may take inductor's rounding where t
 
 The step: rows (tokens [r], g [r, H]) at cache slots start.. (positions start + 1..), their K and V computed and
 returned for the caller to write (the cache goes in as the views of slots 0..start-1, only read), the last row
-alone attending over those slots and the rows' own entries, then o_proj, its routed experts, the norm and the
-vocabulary product. The committed rows that a window's first step carries come first (their entries are all the
+alone attending over those slots and the rows' own entries, then o_proj, its routed experts, the norm, the
+vocabulary product, and the greedy token with its probability (the floor's statistic). The committed rows that a window's first step carries come first (their entries are all the
 chain needs of them), so one call serves them and the first draft, as the eager chain's `last_only` forward does.
 The weights are inputs, not constants: the package depends only on the shapes, and the checkpoint's tensors are
 not copied into it. The row count and the start are dynamic sizes.
@@ -109,7 +109,7 @@ class _Step(torch.nn.Module):
     def forward(self, tok: Tensor, g: Tensor, k_old: Tensor, v_old: Tensor, emb_w: Tensor, ne: Tensor,
                 ng: Tensor, fc: Tensor, ln1: Tensor, wqkv: Tensor, qn: Tensor, kn: Tensor, wo: Tensor, ln2: Tensor,
                 wr: Tensor, gu: Tensor, dn: Tensor, norm: Tensor, inv: Tensor, head: Tensor, head_scale: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         s = self.s
         eps, nh, nkv, hd = s["eps"], s["nh"], s["nkv"], s["hd"]
         r, Hd = g.shape
@@ -152,7 +152,9 @@ class _Step(torch.nn.Module):
             logits = torch._weight_int8pack_mm(hn.to(torch.bfloat16), head, head_scale).float()
         else:
             logits = (hn @ head).float()
-        return hn, logits, kt, vt
+        top, tok = logits.max(-1)                               # the greedy draft (the first of equals)
+        conf = 1.0 / torch.exp(logits - top[:, None]).sum(-1)   # its probability at temperature 1: the floor's
+        return hn, logits, kt, vt, tok, conf
 
 
 def _isa() -> str:
@@ -167,7 +169,7 @@ def _isa() -> str:
 
 def key(drafter) -> str:
     """The package's name: a hash of torch's version, the CPU's vector ISA and `shape_of`."""
-    desc = {"torch": torch.__version__, "isa": _isa(), "format": 1, **shape_of(drafter)}
+    desc = {"torch": torch.__version__, "isa": _isa(), "format": 2, **shape_of(drafter)}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -228,7 +230,9 @@ def check(drafter, runner) -> None:
             with torch.no_grad():
                 want = _Step(shape_of(drafter))(*args)
                 got = runner(*args)
-            for name, a, b in zip(("hidden", "logits", "k", "v"), want, got, strict=True):
+            for name, a, b in zip(("hidden", "logits", "k", "v", "token", "confidence"), want, got, strict=True):
+                if name == "token":         # a near tie may go either way: the logits' check covers it
+                    continue
                 tol = 1e-3 * (1 + float(a.abs().max()))
                 if a.shape != b.shape or not torch.allclose(a.float(), b.float(), atol=tol, rtol=1e-3):
                     raise RuntimeError(f"the compiled MTP step's {name} differ from the eager step's "
@@ -238,8 +242,8 @@ def check(drafter, runner) -> None:
 
 
 class CompiledStep:
-    """A loaded package for one drafter: `__call__(tok, g, start)` -> (h [1, H], logits [1, V] fp32, K, V
-    [nkv, r, hd])."""
+    """A loaded package for one drafter: `__call__(tok, g, start)` -> (h [1, H], logits [1, V] fp32, the greedy
+    token [1], its probability [1]); the rows' K and V [nkv, r, hd] are left in `k_out`, `v_out` for the caller."""
 
     def __init__(self, drafter, runner, path: Path) -> None:
         self.runner, self.path = runner, path
@@ -250,13 +254,12 @@ class CompiledStep:
         self.w = weights(drafter)
         self.kc, self.vc = drafter.kv.k[0, 0], drafter.kv.v[0, 0]
         self.dtype = drafter.kv.k.dtype
+        self.k_out = self.v_out = None
 
     def __call__(self, tok: Tensor, g: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         args = [tok, g.to(self.dtype), self.kc[:, :start], self.vc[:, :start], *self.w]
-        if self.boxed is not None:
-            h, lg, k, v = self.boxed(args)
-            return h, lg, k, v
-        return self.runner(*args)
+        h, lg, self.k_out, self.v_out, t, conf = self.boxed(args) if self.boxed is not None else self.runner(*args)
+        return h, lg, t, conf
 
 
 def load(drafter, root: Path) -> tuple[CompiledStep | None, str]:

@@ -46,13 +46,15 @@ def test_step_equals_the_module_path(built):
         for n in (1, 4):                     # one chained row; three committed rows and the anchor
             tok = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen)
             g = torch.randn(n, model.cfg.hidden_size, generator=gen)
-            h, lg, k, v = d.compiled(tok, g, 9)
+            h, lg, t, conf = d.compiled(tok, g, 9)
+            k, v = d.compiled.k_out, d.compiled.v_out
             pos = torch.arange(10, 10 + n)[None]
             ref = model.mtp(model.model.embed_tokens(tok)[None], g[None], pos, model.rotary, (d.kv.layer(0), 9))[0]
             want_lg = torch._weight_int8pack_mm(ref[-1:].to(torch.bfloat16), *d.head8).float()
             torch.testing.assert_close(h, ref[-1:], rtol=0, atol=1e-4)
             torch.testing.assert_close(lg, want_lg, rtol=0, atol=0.05 * float(want_lg.abs().max()) + 1e-3)
-            assert int(lg.argmax()) == int(want_lg.argmax())
+            assert int(lg.argmax()) == int(want_lg.argmax()) == int(t)
+            torch.testing.assert_close(conf, torch.softmax(lg, -1).amax(-1), rtol=1e-5, atol=1e-6)
             # the module wrote the rows' entries at slots 9..: the compiled step returns the same ones
             torch.testing.assert_close(k, d.kv.k[0, 0, :, 9:9 + n], rtol=0, atol=1e-5)
             torch.testing.assert_close(v, d.kv.v[0, 0, :, 9:9 + n], rtol=0, atol=1e-5)
@@ -75,6 +77,28 @@ def test_chain_through_it_is_lossless(built):
     assert eager.stats["drafter_compiled"] is False
     assert eager.token_ids == alone.token_ids
     assert eager.stats["accepted"] == spec.stats["accepted"]
+
+
+def test_floor_cuts_where_the_eager_chain_does(built):
+    eng, _ = built
+    ids = eng.tokenizer.encode(task_prompts()["prose"]).ids[:150]
+    eng.generate(ids, max_new_tokens=1, stop_ids=set())
+    d = eng.drafter
+    d.flush()
+    pos, step = d.next_pos, d.compiled
+    out: dict[str, list] = {"compiled": [], "eager": []}
+    for name, c in (("compiled", step), ("eager", None)):
+        d.compiled = c
+        for floor in (0.0, 0.4, 0.9):
+            d.kv.length = pos - 1            # each proposal from the same state (the engine observes between)
+            p = d.propose(ids[-1], pos, 6, min_p=floor)
+            out[name].append((p.tokens.tolist(), p.confidence))
+    d.compiled = step
+    lengths = [len(t) for t, _ in out["compiled"]]
+    assert lengths[0] == 6 and lengths[2] < 6          # the floor cut somewhere on this prompt
+    for (tc, cc), (te, ce) in zip(out["compiled"], out["eager"], strict=True):
+        assert tc == te
+        torch.testing.assert_close(cc, ce, rtol=0, atol=5e-3)
 
 
 def test_sampled_drafts_carry_their_distribution(built):
@@ -115,8 +139,8 @@ def test_check_catches_a_wrong_step(built):
     runner = torch._inductor.aoti_load_package(str(mtp_compiled.package_path(eng.drafter, root)))
 
     def off_by_a_bit(*args):
-        h, lg, k, v = runner(*args)
-        return h, lg + 0.5, k, v
+        h, lg, k, v, t, conf = runner(*args)
+        return h, lg + 0.5, k, v, t, conf
 
     mtp_compiled.check(eng.drafter, runner)                       # the real package passes
     with pytest.raises(RuntimeError, match="the compiled MTP step's logits differ from the eager step's"):
