@@ -23,6 +23,19 @@ def cpu_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine() or "unknown")
 
 
+def cpu_flags() -> str:
+    """The CPU's feature flags from /proc/cpuinfo, sorted and space-separated (else the platform's processor
+    string): what code compiled for this machine may use."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("flags", "features")):
+                    return " ".join(sorted(set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def ram_bytes() -> tuple[int, int]:
     """(total, available) RAM in bytes from /proc/meminfo, falling back to sysconf; (0, 0) when unknown."""
     try:

@@ -16,8 +16,8 @@ The weights are inputs, not constants: the package depends only on the shapes, a
 not copied into it. The row count and the start are dynamic sizes.
 
 The package is built once per machine and shape (`build`, `strata-setup` does it before calibrating) and kept in
-the store under compiled/ (`package_path`: the key names torch's version, the CPU's vector ISA and every shape and
-constant the code holds); `load` finds it or says why not, and the drafter stays eager without one.
+the store under compiled/ (`package_path`: the key names torch's version, the CPU's model and feature flags and
+every shape and constant the code holds); `load` finds it or says why not, and the drafter stays eager without one.
 """
 
 from __future__ import annotations
@@ -157,19 +157,13 @@ class _Step(torch.nn.Module):
         return hn, logits, kt, vt, tok, conf
 
 
-def _isa() -> str:
-    """The vector ISA inductor compiles for on this CPU (a package built for one may crash on another)."""
-    try:
-        from torch._inductor import cpu_vec_isa
-
-        return str(cpu_vec_isa.pick_vec_isa())
-    except Exception:                       # an inductor without the helper: the key still separates machines
-        return "unknown"
-
-
 def key(drafter) -> str:
-    """The package's name: a hash of torch's version, the CPU's vector ISA and `shape_of`."""
-    desc = {"torch": torch.__version__, "isa": _isa(), "format": 2, **shape_of(drafter)}
+    """The package's name: a hash of torch's version, the CPU (its model and feature flags: a package built for one
+    vector ISA may crash on another) and `shape_of`. Made without importing inductor (a second at start-up)."""
+    from runtime.hostinfo import cpu_flags, cpu_name
+
+    desc = {"torch": torch.__version__, "cpu": cpu_name(), "flags": hashlib.sha256(cpu_flags().encode()).hexdigest(),
+            "format": 2, **shape_of(drafter)}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -203,8 +197,8 @@ def build(drafter, path: Path) -> float:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
     try:
         out = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-        runner = torch._inductor.aoti_load_package(out)
-        check(drafter, runner)
+        loader = _loader(str(out))
+        check(drafter, lambda *a: loader.boxed_run(list(a)))
         os.replace(out, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -241,16 +235,23 @@ def check(drafter, runner) -> None:
         kv.k[0, 0, :, :start], kv.v[0, 0, :, :start] = keep
 
 
+def _loader(path: str):
+    """The package's loader (`boxed_run(list of tensors)` -> list), straight from torch's C++ API: importing inductor
+    for its Python wrapper would cost a second at every start."""
+    aoti = getattr(torch._C, "_aoti", None)
+    if aoti is not None and hasattr(aoti, "AOTIModelPackageLoader"):
+        return aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
+    return torch._inductor.aoti_load_package(path).loader
+
+
 class CompiledStep:
     """A loaded package for one drafter: `__call__(tok, g, start)` -> (h [1, H], logits [1, V] fp32, the greedy
     token [1], its probability [1]); the rows' K and V [nkv, r, hd] are left in `k_out`, `v_out` for the caller."""
 
-    def __init__(self, drafter, runner, path: Path) -> None:
-        self.runner, self.path = runner, path
-        # the package's loader called with the flat inputs: the runner's own call parses its input and output specs
-        # from JSON on every call (a fifth of the step's time); the step's inputs and outputs are flat already
-        loader = getattr(runner, "loader", None)
-        self.boxed = getattr(loader, "boxed_run", None)
+    def __init__(self, drafter, loader, path: Path) -> None:
+        # the loader called with the flat inputs: inductor's wrapper parses the input and output specs from JSON on
+        # every call (a fifth of the step's time); the step's inputs and outputs are flat already
+        self.boxed, self.path = loader.boxed_run, path
         self.w = weights(drafter)
         self.kc, self.vc = drafter.kv.k[0, 0], drafter.kv.v[0, 0]
         self.dtype = drafter.kv.k.dtype
@@ -258,7 +259,7 @@ class CompiledStep:
 
     def __call__(self, tok: Tensor, g: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         args = [tok, g.to(self.dtype), self.kc[:, :start], self.vc[:, :start], *self.w]
-        h, lg, self.k_out, self.v_out, t, conf = self.boxed(args) if self.boxed is not None else self.runner(*args)
+        h, lg, self.k_out, self.v_out, t, conf = self.boxed(args)
         return h, lg, t, conf
 
 
@@ -273,7 +274,7 @@ def load(drafter, root: Path) -> tuple[CompiledStep | None, str]:
     if not path.is_file():
         return None, "not built for this machine yet (strata-setup builds it)"
     try:
-        runner = torch._inductor.aoti_load_package(str(path))
+        loader = _loader(str(path))
     except Exception as exc:                  # a damaged or foreign package: eager, and the reason
         return None, f"the package {path.name} would not load ({type(exc).__name__})"
-    return CompiledStep(drafter, runner, path), ""
+    return CompiledStep(drafter, loader, path), ""
