@@ -277,4 +277,8 @@ def load(drafter, root: Path) -> tuple[CompiledStep | None, str]:
         loader = _loader(str(path))
     except Exception as exc:                  # a damaged or foreign package: eager, and the reason
         return None, f"the package {path.name} would not load ({type(exc).__name__})"
+    try:            # a file is not trusted for being there: it must compute the step (a few milliseconds)
+        check(drafter, lambda *a: loader.boxed_run(list(a)))
+    except Exception as exc:
+        return None, f"the package {path.name} does not compute the step ({str(exc).strip()[:200]})"
     return CompiledStep(drafter, loader, path), ""

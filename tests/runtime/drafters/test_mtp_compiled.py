@@ -125,6 +125,17 @@ def test_key_names_what_the_code_holds(built):
     assert other.compile_drafter() == "not built for this machine yet (strata-setup builds it)"
 
 
+def test_package_under_a_wrong_name_is_caught(built, tmp_path):
+    # the package of a 1024-slot cache passed off as a 2048-slot one's: it loads and runs, reading the cache with
+    # the wrong stride (the loader checks no strides), and the check at load refuses it
+    eng, root = built
+    other = Engine.build(NANO, "mtp", device="cpu", context=2048, block=4)
+    shutil.copy(mtp_compiled.package_path(eng.drafter, root), mtp_compiled.package_path(other.drafter, tmp_path))
+    step, why = mtp_compiled.load(other.drafter, tmp_path)
+    assert step is None
+    assert why.startswith("the package mtp-step-") and "does not compute the step (the compiled MTP step's" in why
+
+
 def test_damaged_package_is_refused(built, tmp_path):
     eng, root = built
     bad = tmp_path / "compiled"
