@@ -35,7 +35,8 @@ def _fail(msg: str, code: int, debug: bool) -> None:
 def _summary(stats: dict) -> str:
     apw = stats.get("accepted_per_window") or []
     mean = (sum(apw) / len(apw)) if apw else 0.0
-    return (f"[{stats['drafter']} on {stats['device']}] prompt {stats['prompt_tokens']} tok, "
+    drafter = stats["drafter"] + (" (compiled chain)" if stats.get("drafter_compiled") else "")
+    return (f"[{drafter} on {stats['device']}] prompt {stats['prompt_tokens']} tok, "
             f"generated {stats['generated_tokens']} tok in {stats['decode_s']:.2f} s "
             f"({stats['decode_tok_s']:.1f} tok/s), windows {stats['windows']}, "
             f"accepted {stats['accepted']}/{stats['proposed']} ({mean:.2f} per window)")

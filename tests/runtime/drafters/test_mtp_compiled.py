@@ -201,3 +201,12 @@ def test_load_without_a_package(tmp_path, monkeypatch):
     assert not eng.drafter_compiled
     assert eng.compiled_why == "not built for this machine yet (strata-setup builds it)"
     assert not Path(tmp_path / "compiled").exists()
+
+
+def test_stats_line_names_the_compiled_chain():
+    from runtime.cli import _summary
+
+    stats = {"drafter": "mtp", "device": "cpu (x86_64)", "prompt_tokens": 3, "generated_tokens": 5, "decode_s": 0.01,
+             "decode_tok_s": 400.0, "windows": 2, "accepted": 2, "proposed": 3, "accepted_per_window": [1, 1]}
+    assert _summary({**stats, "drafter_compiled": True}).startswith("[mtp (compiled chain) on cpu (x86_64)] prompt 3")
+    assert _summary({**stats, "drafter_compiled": False}).startswith("[mtp on cpu (x86_64)] prompt 3")
