@@ -56,6 +56,8 @@ def fits(drafter) -> str | None:
         return "not on a CPU"
     if kv.quant is not None:
         return "the drafter's KV cache is quantized"
+    if kv.capacity < 2 * MAX_ROWS:
+        return f"the context is under {2 * MAX_ROWS} tokens"
     if not cpu_plan.plannable(layer) or layer.mlp.recorder is not None or layer.mlp.counter is not None:
         return "the head's layer is not a float layer with packed experts"
     dt = layer.input_layernorm.weight.dtype

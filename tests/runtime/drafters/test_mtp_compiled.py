@@ -194,6 +194,14 @@ def test_switch_and_calibration_key(built, monkeypatch):
         == off.digest
 
 
+def test_short_context_stays_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATA_COMPILE", "1")
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
+    eng = Engine.build(NANO, "mtp", device="cpu", context=100, block=3)
+    assert eng.compile_drafter(build=True) == "the context is under 128 tokens"
+    assert not (tmp_path / "compiled").exists()
+
+
 def test_load_without_a_package(tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_COMPILE", "1")
     monkeypatch.setenv("STRATA_HOME", str(tmp_path))
