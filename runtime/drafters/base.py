@@ -56,4 +56,5 @@ class Drafter(Protocol):
     # the next anchor, as device tensors) and the next window's proposal before the loop reads the window, and
     # `settle(acc)` then does the host's bookkeeping instead of `observe` (docs/models.md, "Drafting ahead");
     # `make_graphs()` -> a CUDA graph runner for greedy windows (the engine calls it
-    # on CUDA) and `memory_report()` -> {budget name: bytes} of what the drafter holds.
+    # on CUDA), `memory_report()` -> {budget name: bytes} of what the drafter holds, and `use_compiled(root,
+    # build=False)` -> "" or why not: a compiled CPU step from the store attached (runtime/drafters/mtp_compiled.py).
