@@ -115,7 +115,7 @@ def summary_lines(result: Any) -> list[str]:
             lines.append(f"the drafter's chain ran compiled for this CPU (built or loaded in {step['compile_s']:.1f} s, "
                          f"outside the budget)")
         elif step.get("why_not") and step["why_not"] != "no compiled step for this drafter":
-            lines.append(f"the drafter's chain ran eagerly: its compiled step is {step['why_not']}")
+            lines.append(f"the drafter's chain ran eagerly (its compiled step: {step['why_not']})")
         if result.decision == "budget" or rec.get("budget_hit"):
             lines.append("the budget cut calibration short; give it more time with --calibrate-seconds S "
                          "(or `strata-setup calibrate --config PATH --max-seconds S`)")

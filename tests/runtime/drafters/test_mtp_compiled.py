@@ -218,3 +218,22 @@ def test_stats_line_names_the_compiled_chain():
              "decode_tok_s": 400.0, "windows": 2, "accepted": 2, "proposed": 3, "accepted_per_window": [1, 1]}
     assert _summary({**stats, "drafter_compiled": True}).startswith("[mtp (compiled chain) on cpu (x86_64)] prompt 3")
     assert _summary({**stats, "drafter_compiled": False}).startswith("[mtp on cpu (x86_64)] prompt 3")
+
+
+@pytest.mark.parametrize("step, line", [
+    ({"compiled": True, "why_not": None, "compile_s": 12.34},
+     "the drafter's chain ran compiled for this CPU (built or loaded in 12.3 s, outside the budget)"),
+    ({"compiled": False, "why_not": "building it failed (RuntimeError: no compiler)", "compile_s": 0.5},
+     "the drafter's chain ran eagerly (its compiled step: building it failed (RuntimeError: no compiler))"),
+    ({"compiled": False, "why_not": "no compiled step for this drafter", "compile_s": 0.0}, None),
+])
+def test_calibration_summary_says_how_the_chain_ran(step, line):
+    from types import SimpleNamespace
+
+    from calibrate.report import summary_lines
+
+    rec = {"seconds": 20.0, "total_s": 21.0, "budget_s": 30, "drafter_step": step}
+    lines = summary_lines(SimpleNamespace(block=4, spec_min_p=0.0, decision="winner", reason="r", record=rec,
+                                          reused=False, path=None))
+    chain = [x for x in lines if x.startswith("the drafter's chain")]
+    assert chain == ([line] if line else [])
