@@ -1,5 +1,5 @@
-"""The MTP head's CPU step compiled ahead of time by AOTInductor, for the chain's drafts (docs/models.md, "The
-compiled CPU chain").
+"""The MTP head's CPU step compiled ahead of time by AOTInductor, for the chain's drafts (docs/models.md, "MTP
+head", "Compiled, on a CPU").
 
 Why: on a CPU the head's step is paid per op and per dispatch, not per byte (docs/models.md, "Numerics"), and the
 chain runs block - 1 of them a window. AOTInductor turns the step into one C++ function (element-wise ops fused,
@@ -10,8 +10,9 @@ verify decides every token), so the drafter may take inductor's rounding where t
 The step: rows (tokens [r], g [r, H]) at cache slots start.. (positions start + 1..), their K and V computed and
 returned for the caller to write (the cache goes in as the views of slots 0..start-1, only read), the last row
 alone attending over those slots and the rows' own entries, then o_proj, its routed experts, the norm, the
-vocabulary product, and the greedy token with its probability (the floor's statistic). The committed rows that a window's first step carries come first (their entries are all the
-chain needs of them), so one call serves them and the first draft, as the eager chain's `last_only` forward does.
+vocabulary product, and the greedy token with its probability (the floor's statistic). The committed rows that a
+window's first step carries come first (their entries are all the chain needs of them), so one call serves them
+and the first draft, as the eager chain's `last_only` forward does.
 The weights are inputs, not constants: the package depends only on the shapes, and the checkpoint's tensors are
 not copied into it. The row count and the start are dynamic sizes.
 
@@ -70,7 +71,7 @@ def fits(drafter) -> str | None:
 
 
 def weights(drafter) -> tuple[Tensor, ...]:
-    """The step's weight inputs, in `_step`'s order (views of the drafter's tensors, no copies)."""
+    """The step's weight inputs, in `_Step.forward`'s order (views of the drafter's tensors, no copies)."""
     from runtime.models import cpu_plan
 
     m, mtp = drafter.model, drafter.mtp
