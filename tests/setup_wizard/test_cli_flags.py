@@ -305,3 +305,17 @@ def test_a_second_setup_with_another_quantization_gets_its_own_config(machine, h
     for quant in ("q8_0", "q4_0"):
         doc = tomllib.loads((home / "configs" / f"nano-dflash2-{quant}.toml").read_text())
         assert doc["drafter"]["quantization"] == quant
+
+
+@pytest.mark.parametrize("cpu, compile_on, drafter, listed", [(True, "1", "mtp", True), (True, "0", "mtp", False),
+                                                             (True, "1", "none", False), (False, "1", "mtp", False)])
+def test_dry_run_lists_the_compile_step_for_a_cpu_mtp_setup(machine, home, services, monkeypatch, cpu, compile_on,
+                                                             drafter, listed):
+    if cpu:
+        machine["hw"] = fake_cpu()
+    monkeypatch.setenv("STRATA_COMPILE", compile_on)
+    res = run("--yes", "--dry-run", "--json", "--drafter", drafter)
+    assert res.exit_code == 0, res.output
+    steps = json.loads(res.stdout)["plan"]["steps"]
+    assert ("compile the MTP drafter's step for this CPU (once per machine; reused after)" in steps) == listed
+    assert files_under(home) == [] and services.calls == []
