@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import NANO, machine, median, print_table, task_prompts, write_json  # noqa: E402
-from bench.cpu_compile import float_caches, plain_forward, weights, write  # noqa: E402
+from bench.cpu_compile import float_caches, moe_half, plain_forward, weights, write  # noqa: E402
 
 
 class _Step(torch.nn.Module):
@@ -65,7 +65,7 @@ class _ChunkedStep(torch.nn.Module):
         import torch.nn.functional as F
 
         P = self.P
-        nh, nkv, hd, eps, k, inter = P["nh"], P["nkv"], P["hd"], P["eps"], P["k"], P["inter"]
+        nh, nkv, hd, eps = P["nh"], P["nkv"], P["hd"], P["eps"]
         W, grp = ids.shape[0], nh // nkv
         start = st.shape[0]
         N = ch.shape[0] * CHUNK            # the caller's: the window's end rounded up to CHUNK, at least 2 chunks
@@ -94,21 +94,7 @@ class _ChunkedStep(torch.nn.Module):
             vcc = vc[:, :N].reshape(nkv, N // CHUNK, CHUNK, hd)
             o = torch.matmul(pc, vcc).sum(1)                                      # chunk order
             o = o.view(nkv, W, grp, hd).permute(1, 0, 2, 3).reshape(W, nh * hd)
-            x = x + o @ L["wo"]
-            h = F.rms_norm(x, (x.shape[-1],), L["ln2"], eps)
-            w, idx = torch.topk(torch.softmax(h @ L["wr"], -1), k, -1)
-            if P["norm_topk"]:
-                w = w / w.sum(-1, keepdim=True)
-            if W == 1:
-                gu = torch.bmm(h.expand(k, 1, -1), L["gu"][idx[0]])
-                g, u = gu.split(inter, -1)
-                x = x + (torch.bmm(F.silu(g) * u, L["dn"][idx[0]]) * w[0][:, None, None]).sum(0)
-            else:
-                E = L["gu"].shape[0]
-                gu = torch.bmm(h.expand(E, W, -1), L["gu"])
-                g, u = gu.split(inter, -1)
-                y = torch.bmm(F.silu(g) * u, L["dn"])
-                x = x + torch.einsum("ewh,we->wh", y, torch.zeros(W, E).scatter(1, idx, w))
+            x = moe_half(P, L, x + o @ L["wo"])
         hid = F.rms_norm(x, (x.shape[-1],), P["norm"], eps)
         return hid @ P["head"]
 

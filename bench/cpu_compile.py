@@ -76,7 +76,7 @@ def _layer(P: dict[str, Any], L: dict[str, torch.Tensor], x: torch.Tensor, pos: 
     the rows themselves, causally. Returns (x, the rows' K and V [nkv, W, hd]) for the caller to write at slots
     start + m..: a graph that wrote them into the cache itself would copy the whole cache a write (a mutated
     input is functionalized), and the scores and values go in two parts so the cached keys are never copied."""
-    nh, nkv, hd, eps, k, inter = P["nh"], P["nkv"], P["hd"], P["eps"], P["k"], P["inter"]
+    nh, nkv, hd, eps = P["nh"], P["nkv"], P["hd"], P["eps"]
     W = x.shape[0]
     grp = nh // nkv
     f = pos[:, None].float() * P["inv"][None, :]
@@ -101,20 +101,26 @@ def _layer(P: dict[str, Any], L: dict[str, torch.Tensor], x: torch.Tensor, pos: 
     p = torch.softmax(torch.cat((s_old, s_new), -1), -1)
     o = torch.bmm(p[..., :start], vc[:, :start]) + torch.bmm(p[..., start:], vn)
     o = o.view(nkv, W, grp, hd).permute(1, 0, 2, 3).reshape(W, nh * hd)
-    x = x + o @ L["wo"]
-    h = F.rms_norm(x, (x.shape[-1],), L["ln2"], eps)
+    return moe_half(P, L, x + o @ L["wo"]), kt, vt
+
+
+def moe_half(P: dict[str, Any], L: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x [W, H] + the layer's routed experts of its post-attention norm: one row's k experts gathered, or every
+    expert on every row weighted by the routing (a window, as `SparseMoe.dense` does)."""
+    W, k, inter = x.shape[0], P["k"], P["inter"]
+    h = F.rms_norm(x, (x.shape[-1],), L["ln2"], P["eps"])
     w, idx = torch.topk(torch.softmax(h @ L["wr"], -1), k, -1)
     if P["norm_topk"]:
         w = w / w.sum(-1, keepdim=True)
     if W == 1:                                               # the row's k experts, gathered
         gu = torch.bmm(h.expand(k, 1, -1), L["gu"][idx[0]])
         g, u = gu.split(inter, -1)
-        return x + (torch.bmm(F.silu(g) * u, L["dn"][idx[0]]) * w[0][:, None, None]).sum(0), kt, vt
+        return x + (torch.bmm(F.silu(g) * u, L["dn"][idx[0]]) * w[0][:, None, None]).sum(0)
     E = L["gu"].shape[0]                                     # every expert on every row, weighted
     gu = torch.bmm(h.expand(E, W, -1), L["gu"])
     g, u = gu.split(inter, -1)
     y = torch.bmm(F.silu(g) * u, L["dn"])                         # [E, W, H]
-    return x + torch.einsum("ewh,we->wh", y, torch.zeros(W, E).scatter(1, idx, w)), kt, vt
+    return x + torch.einsum("ewh,we->wh", y, torch.zeros(W, E).scatter(1, idx, w))
 
 
 def float_caches(kv, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
