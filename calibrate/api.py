@@ -274,7 +274,8 @@ def _compile_drafter(engine: Any, on_progress: ProgressFn | None) -> float:
     """On a CPU: the drafter's compiled step, built into the store when this machine has none yet
     (runtime/drafters/mtp_compiled.py), so that calibration measures the chain strata-run will run. Returns the
     seconds it took (a build: about 15; a load: milliseconds)."""
-    if getattr(getattr(engine, "device", None), "type", None) != "cpu" or not hasattr(engine, "compile_drafter"):
+    if getattr(getattr(engine, "device", None), "type", None) != "cpu" or not hasattr(engine, "compile_drafter") \
+            or engine.drafter_compiled:           # attached when the engine was built: nothing to build or load
         return 0.0
     t0 = time.perf_counter()
     if on_progress is not None:

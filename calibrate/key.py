@@ -57,7 +57,7 @@ class CalibrationKey:
     def digest(self) -> str:
         """A stable file name for the key: sha256 of its canonical JSON (the stored record repeats the key)."""
         d = self.to_dict()
-        if not d["drafter_step"]:          # the eager step: the digest keys made before the field existed had
+        if not d["drafter_step"]:          # the eager step: keys stored before the field existed name this file
             del d["drafter_step"]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
