@@ -7,7 +7,9 @@ repeats, so that a drifting machine moves both sides alike), tokens committed pe
 (accepted + 1), draft ms and verify ms per window. The GGUF quantizations are converted from the bundled BF16
 drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped). On a CPU each MTP
 arm runs twice: its chain eager, and ` compiled` (the head's step compiled ahead of time, runtime/drafters/
-mtp_compiled.py; built into the store's compiled/ on first use, about 15 s).
+mtp_compiled.py; built into the store's compiled/ on first use, about 15 s), and target-only and the compiled MTP
+arms once more with the target's step compiled too (", target compiled": runtime/target_compiled.py, about 45 s
+to build once).
 Also the greedy-equality check of docs/models.md ("Speculative decoding") in BF16 on the GPU: every drafted arm's tokens against target-only
 tokens of the same engine (the fixed-width step: runtime/static_step.py), and, for contrast, the plain eager path
 (no static step: a 1-row decode vs k-row verify in cuBLAS/SDPA) — `eager mismatches` counts prompts that differ there.
@@ -49,6 +51,10 @@ def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dic
     out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
            *(dict(a, compiled=False) for a in mtp), *(dict(a, arm=a["arm"] + " compiled", compiled=True) for a in mtp),
            {"arm": "DFlash2 bf16", "kind": "dflash2", "path": NANO_DFLASH2, "block": None, "min_p": 0.0}]
+    # and the target's fixed-width step compiled too (runtime/target_compiled.py): target-only and the MTP arms
+    # again with ", target compiled" (the other arms run the eager target step)
+    out += [dict(a, arm=a["arm"] + ", target compiled", target=True) for a in out
+            if a["kind"] == "none" or a.get("compiled")]
     out += [{"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "path": NANO_DFLASH2, "block": b, "min_p": 0.0}
             for b in dflash_blocks]
     if gguf_dir is not None:
@@ -194,6 +200,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 engines[key] = Engine.build(NANO, arm["kind"], drafter_path=arm["path"], device=args.device,
                                             context=4096)
             eng = engines[key]
+            if args.device == "cpu":     # the target step compiled (built once into the store) or eager
+                arm["target_why"] = eng.compile_target(build=True) if arm.get("target") else "eager arm"
+                if not arm.get("target"):
+                    eng.target_packages = {}
+                elif eng.target_why:
+                    print(f"  {arm['arm']}: skipped ({eng.target_why})", flush=True)
+                    continue
+            elif arm.get("target"):
+                continue
             if arm["kind"] == "mtp":
                 if arm["compiled"] and args.device == "cpu":
                     arm["compiled_why"] = eng.compile_drafter(build=True)   # built once into the store, then loaded
@@ -211,8 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if eng.drafter is not None and hasattr(eng.drafter, "memory_report"):
                 r["drafter_memory"] = eng.drafter.memory_report()
             st = eng.step
-            r["target_step"] = None if st is None else {"width": st.width, "graph": st.use_graph, "fused": st.fused,
-                                                         "errors": st.errors}
+            r["target_step"] = None if st is None else {"width": st.width, "graph": getattr(st, "use_graph", False),
+                                                         "fused": getattr(st, "fused", False), "errors": st.errors,
+                                                         "compiled": type(st).__name__ == "CompiledTargetStep"}
             dg = getattr(eng.drafter, "graphs", None)
             r["drafter_graphs"] = None if dg is None else {"enabled": dg.enabled, "replays": dg.replays,
                                                            "errors": dg.errors}

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from runtime.drafters import mtp_compiled
+from runtime import aoti
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError
 from runtime.hostinfo import cpu_name, ram_bytes
@@ -34,8 +34,8 @@ class CalibrationKey:
     context: int
     runtime_version: str
     target_quantization: str = "bf16"     # how the target is stored (a quantized target drafts and verifies differently)
-    # "compiled" where the drafter's CPU step runs compiled (runtime/drafters/mtp_compiled.py): a cheaper chain
-    # calibrates to other settings than the eager one
+    # which CPU steps run compiled: "compiled" (the MTP chain, runtime/drafters/mtp_compiled.py), "target" (the
+    # target's step, runtime/target_compiled.py), "target+compiled" (both): cheaper steps calibrate to other settings
     drafter_step: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,7 +121,11 @@ def key_for_config(config: dict[str, Any], *, device: tuple[str, int] | None = N
     dev_type = str(_table(config, "device").get("type") or "") or None
     if device is None:
         device = current_device(dev_type)
-    step = "compiled" if kind == "mtp" and _on_cpu(dev_type) and mtp_compiled.wanted() else ""
+    # on a CPU with float weights the target's step runs compiled too (runtime/target_compiled.py)
+    float_target = str(target.get("quantization") or "bf16") in ("bf16", "f16", "f32")
+    parts = ([("target+" if float_target else "") + "compiled"] if kind == "mtp" else
+             ["target"] if float_target and kind != "none" else [])
+    step = parts[0] if parts and _on_cpu(dev_type) and aoti.wanted() else ""
     return CalibrationKey(device_name=device[0], device_total_mib=int(device[1]), target_sha256=tsha,
                           drafter_kind=kind, drafter_sha256=dsha if kind != "none" else "",
                           quantization=quant if kind != "none" else "", context=context,

@@ -116,6 +116,12 @@ def summary_lines(result: Any) -> list[str]:
                          f"outside the budget)")
         elif step.get("why_not") and step["why_not"] != "no compiled step for this drafter":
             lines.append(f"the drafter's chain ran eagerly (its compiled step: {step['why_not']})")
+        tstep = rec.get("target_step") or {}
+        if tstep.get("compiled"):
+            lines.append(f"the target's step ran compiled for this CPU (packages {', '.join(tstep['compiled'])}, "
+                         f"built or loaded in {tstep['compile_s']:.1f} s, outside the budget)")
+        elif tstep.get("why_not"):
+            lines.append(f"the target's step ran eagerly (its compiled step: {tstep['why_not']})")
         if result.decision == "budget" or rec.get("budget_hit"):
             lines.append("the budget cut calibration short; give it more time with --calibrate-seconds S "
                          "(or `strata-setup calibrate --config PATH --max-seconds S`)")

@@ -36,7 +36,8 @@ def _summary(stats: dict) -> str:
     apw = stats.get("accepted_per_window") or []
     mean = (sum(apw) / len(apw)) if apw else 0.0
     drafter = stats["drafter"] + (" (compiled chain)" if stats.get("drafter_compiled") else "")
-    return (f"[{drafter} on {stats['device']}] prompt {stats['prompt_tokens']} tok, "
+    step = ", compiled step" if stats.get("target_compiled") else ""
+    return (f"[{drafter} on {stats['device']}{step}] prompt {stats['prompt_tokens']} tok, "
             f"generated {stats['generated_tokens']} tok in {stats['decode_s']:.2f} s "
             f"({stats['decode_tok_s']:.1f} tok/s), windows {stats['windows']}, "
             f"accepted {stats['accepted']}/{stats['proposed']} ({mean:.2f} per window)")
@@ -112,6 +113,10 @@ def run(
         if vram_limit_mib is not None:
             over["vram_limit_mib"] = vram_limit_mib
         engine = Engine.from_config(path, **over)
+        if engine.target_why.startswith("not built"):       # CPU: setup builds it; a config made without does here
+            typer.echo("strata-run: compiling the target's step for this CPU (once per machine, about 20 s a "
+                       "step; STRATA_COMPILE=0 skips it)", err=True)
+            engine.compile_target(build=True)
         if threads is None and engine.device.type == "cpu":
             torch.set_num_threads(engine.choose_threads().threads)
         if chat:

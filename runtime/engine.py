@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from runtime import target_compiled
 from runtime.artifact_check import check_config_artifacts
 from runtime.config import StrataConfig, load, parse
 from runtime.detok import IncrementalDetokenizer
@@ -108,13 +109,17 @@ class Engine:
                  prefill_chunk: int = 512, graphs: bool = True) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
-        self.steps: dict[int, Any] = {}   # runtime.gpu.static_step.StaticStep by width (built when used)
+        # runtime.gpu.static_step.StaticStep by width, target_compiled.CompiledTargetStep by ("compiled", width)
+        self.steps: dict[Any, Any] = {}
         self.step = None                  # the step the last generate used
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
         self.compiled_why = ""               # why the drafter runs eagerly on a CPU (`compile_drafter`)
         self.compile_s = 0.0                 # what the last `compile_drafter` took (a build, or a load)
+        self.target_packages: dict[str, Any] = {}   # CPU: the target step's compiled packages by mode (`compile_target`)
+        self.target_why = ""                 # why a target step runs eagerly on a CPU ("" when none does)
+        self.target_compile_s = 0.0
         rows = drafter.max_block if drafter is not None else 1
         self.logits_buf = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=device)
 
@@ -163,8 +168,10 @@ class Engine:
         experts.place(model)
         cfg = model.cfg
         try:
+            # a float CPU cache gets the compiled step's room past its end (runtime/target_compiled.py)
+            spare = target_compiled.spare_slots(int(context)) if dev.type == "cpu" and kv_quant is None else 0
             kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, int(context), dtype=kdt,
-                         device=dev, quant=kv_quant)
+                         device=dev, quant=kv_quant, spare=spare)
         except ValueError as e:
             raise EngineConfigError(str(e)) from None
         kind = KINDS[drafter_kind]
@@ -187,8 +194,31 @@ class Engine:
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
                    prefill_chunk=prefill_chunk, graphs=graphs)
+        eng.compile_target(build=False)
         eng.compile_drafter(build=False)
         return eng
+
+    @property
+    def target_taps(self) -> tuple[int, ...]:
+        """The layers whose outputs this engine's drafter reads from the target's step."""
+        return tuple(getattr(self.drafter, "tap_layers", ())) if self.drafter is not None else ()
+
+    def compile_target(self, build: bool = False) -> str:
+        """CPU: attach the target step's compiled packages from the store (compiled/, runtime/paths.py): the one-row
+        step, and with a drafter the wide one (runtime/target_compiled.py); built first when `build` is set and
+        this machine has none (strata-setup does, before calibrating). Returns "" when every step this engine runs
+        is compiled, else why not (`target_why`)."""
+        t0 = time.perf_counter()
+        if self.device.type != "cpu":
+            self.target_packages, self.target_why = {}, "not on a CPU"
+        else:
+            modes = ("one", "wide") if self.drafter is not None else ("one",)
+            self.target_packages, self.target_why = target_compiled.attach(
+                self.model, self.kv, self.target_taps, modes, compiled_dir(), build)
+        self.steps.clear()
+        self.step = None
+        self.target_compile_s = time.perf_counter() - t0
+        return self.target_why
 
     def compile_drafter(self, build: bool = False) -> str:
         """Attach the drafter's compiled CPU step from the store (compiled/, runtime/paths.py), building it first
@@ -286,6 +316,7 @@ class Engine:
         stats = dict(res.stats)
         stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
                      drafter_compiled=use is not None and self.drafter_compiled,
+                     target_compiled=isinstance(self.step, target_compiled.CompiledTargetStep),
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
@@ -301,7 +332,8 @@ class Engine:
         captured step graphs are dropped so the next ones include (or leave out) the counting."""
         self.experts.record_routing(on)
         for st in self.steps.values():
-            st.graphs.clear()
+            if hasattr(st, "graphs"):
+                st.graphs.clear()
 
     def room(self, n_prompt: int) -> int:
         """How many tokens a prompt of `n_prompt` tokens leaves room for: the first comes from the prompt's last
@@ -356,6 +388,16 @@ class Engine:
         rows it never fills (docs/models.md, "Numerics")."""
         cuda = self.device.type == "cuda"
         w = int(width if width is not None else self.step_width)
+        mode = target_compiled.mode_for(w)
+        if mode in self.target_packages and target_compiled.fits(self.model, self.kv) is None:
+            # CPU: every window of the run through the compiled package (runtime/target_compiled.py)
+            key = ("compiled", w)
+            if key not in self.steps:
+                self.steps[key] = target_compiled.CompiledTargetStep(self.model, self.kv, w,
+                                                                     self.target_packages[mode], mode,
+                                                                     self.target_taps)
+            self.step = self.steps[key]
+            return self.step
         if w not in self.steps:
             from runtime.gpu.static_step import StaticStep
 

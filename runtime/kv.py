@@ -140,8 +140,10 @@ class LayerKV:
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *, batch: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 quant: str | None = None) -> None:
-        """`dtype` is the compute dtype (what reads return); `quant` = "q8_0" stores 8-bit blocks instead."""
+                 quant: str | None = None, spare: int = 0) -> None:
+        """`dtype` is the compute dtype (what reads return); `quant` = "q8_0" stores 8-bit blocks instead.
+        `spare`: slots past `capacity` that hold no position (runtime/target_compiled.py writes a window's padding
+        rows there and reads whole chunks); the capacity is what positions may use."""
         if capacity <= 0:
             raise ValueError(f"KV cache capacity must be positive, got {capacity}.")
         if quant is not None and quant not in KV_QUANTS:
@@ -149,7 +151,7 @@ class KVCache:
         if quant == "q8_0" and head_dim % Q8_BLOCK:
             raise ValueError(f"a q8_0 KV cache needs a head_dim that is a multiple of {Q8_BLOCK}, "
                              f"not {head_dim}; use a 16-bit kv_dtype for this model.")
-        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+        shape = (n_layers, batch, n_kv_heads, capacity + max(0, int(spare)), head_dim)
         store = torch.int8 if quant else dtype
         self.k: Tensor = torch.zeros(shape, dtype=store, device=device)
         self.v: Tensor = torch.zeros(shape, dtype=store, device=device)

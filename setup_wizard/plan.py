@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from runtime.drafters import mtp_compiled
+from runtime import aoti
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
 from runtime.errors import UsageError
@@ -75,8 +75,9 @@ class Plan:
         if offloaded and self.record_routing:
             s.append("record the routing profile (which experts the GPU slots hold)")
         if self.calibrate and self.drafter != "none":
-            if self.drafter == "mtp" and self.hardware.device_type == "cpu" and mtp_compiled.wanted():
-                s.append("compile the MTP drafter's step for this CPU (once per machine; reused after)")
+            if self.hardware.device_type == "cpu" and aoti.wanted():
+                what = "the target's steps" + (" and the MTP drafter's" if self.drafter == "mtp" else "")
+                s.append(f"compile {what} for this CPU (once per machine; reused after)")
             s.append("calibrate block and spec_min_p")
         s.append(f"write config {self.config_path}")
         return s

@@ -23,9 +23,6 @@ every shape and constant the code holds); `load` finds it or says why not, and t
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,16 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# the compiled chain on a CPU (False, or STRATA_COMPILE=0 in the environment: the eager chain everywhere)
-ENABLED = True
+from runtime import aoti
 
 # the most rows one step takes: the pending committed rows of a window (at most the block) and the anchor
 MAX_ROWS = 64
 
 
 def wanted() -> bool:
-    """Whether CPU MTP drafters use (and setup builds) the compiled step: the switch and the environment's say."""
-    return ENABLED and os.environ.get("STRATA_COMPILE", "1") != "0"
+    """Whether CPU MTP drafters use (and setup builds) the compiled step (runtime/aoti.py's switch)."""
+    return aoti.wanted()
 
 
 def fits(drafter) -> str | None:
@@ -161,13 +157,8 @@ class _Step(torch.nn.Module):
 
 
 def key(drafter) -> str:
-    """The package's name: a hash of torch's version, the CPU (its model and feature flags: a package built for one
-    vector ISA may crash on another) and `shape_of`. Made without importing inductor (a second at start-up)."""
-    from runtime.hostinfo import cpu_flags, cpu_name
-
-    desc = {"torch": torch.__version__, "cpu": cpu_name(), "flags": hashlib.sha256(cpu_flags().encode()).hexdigest(),
-            "format": 2, **shape_of(drafter)}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
+    """The package's name (runtime/aoti.py `key`: torch, this CPU, `shape_of`)."""
+    return aoti.key("mtp-step", shape_of(drafter), 3)
 
 
 def package_path(drafter, root: Path) -> Path:
@@ -196,15 +187,7 @@ def build(drafter, path: Path) -> float:
     dyn = ({0: R}, {0: R}, {1: S}, {1: S}) + (None,) * (len(args) - 4)
     with torch.no_grad():
         ep = export(_Step(shape), args, dynamic_shapes=dyn)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
-    try:
-        out = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-        loader = _loader(str(out))
-        check(drafter, lambda *a: loader.boxed_run(list(a)))
-        os.replace(out, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    aoti.write_package(ep, path, lambda runner: check(drafter, runner))
     return time.perf_counter() - t0
 
 
@@ -238,22 +221,12 @@ def check(drafter, runner) -> None:
         kv.k[0, 0, :, :start], kv.v[0, 0, :, :start] = keep
 
 
-def _loader(path: str):
-    """The package's loader (`boxed_run(list of tensors)` -> list), straight from torch's C++ API: importing inductor
-    for its Python wrapper would cost a second at every start."""
-    aoti = getattr(torch._C, "_aoti", None)
-    if aoti is not None and hasattr(aoti, "AOTIModelPackageLoader"):
-        return aoti.AOTIModelPackageLoader(path, "model", False, 1, -1)
-    return torch._inductor.aoti_load_package(path).loader
-
-
 class CompiledStep:
     """A loaded package for one drafter: `__call__(tok, g, start)` -> (h [1, H], logits [1, V] fp32, the greedy
     token [1], its probability [1]); the rows' K and V [nkv, r, hd] are left in `k_out`, `v_out` for the caller."""
 
     def __init__(self, drafter, loader, path: Path) -> None:
-        # the loader called with the flat inputs: inductor's wrapper parses the input and output specs from JSON on
-        # every call (a fifth of the step's time); the step's inputs and outputs are flat already
+        # the loader called with the flat inputs (runtime/aoti.py `loader`)
         self.boxed, self.path = loader.boxed_run, path
         self.w = weights(drafter)
         self.kc, self.vc = drafter.kv.k[0, 0], drafter.kv.v[0, 0]
@@ -273,15 +246,7 @@ def load(drafter, root: Path) -> tuple[CompiledStep | None, str]:
     why = fits(drafter)
     if why is not None:
         return None, why
-    path = package_path(drafter, root)
-    if not path.is_file():
-        return None, "not built for this machine yet (strata-setup builds it)"
-    try:
-        loader = _loader(str(path))
-    except Exception as exc:                  # a damaged or foreign package: eager, and the reason
-        return None, f"the package {path.name} would not load ({type(exc).__name__})"
-    try:            # a file is not trusted for being there: it must compute the step (a few milliseconds)
-        check(drafter, lambda *a: loader.boxed_run(list(a)))
-    except Exception as exc:
-        return None, f"the package {path.name} does not compute the step ({str(exc).strip()[:200]})"
-    return CompiledStep(drafter, loader, path), ""
+    loader, why = aoti.open_package(package_path(drafter, root), lambda runner: check(drafter, runner), "the step")
+    if loader is None:
+        return None, why
+    return CompiledStep(drafter, loader, package_path(drafter, root)), ""

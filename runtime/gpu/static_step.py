@@ -289,9 +289,9 @@ class StaticStep:
         s = torch.bmm(qg, keys[:, :N].transpose(1, 2))                          # [nkv, W * grp, N]
         s.view(nkv, W, grp, N).masked_fill_(mask[None, :, None, :], float("-inf"))
         p = torch.softmax(s, -1)
-        o = torch.bmm(p[:, :, :C], vals[:, :C])
+        o = torch.bmm(p[:, :, :C], vals[:, :min(C, N)])       # (the cache may hold spare slots past N)
         for c0 in range(C, N, C):
-            o.baddbmm_(p[:, :, c0:c0 + C], vals[:, c0:c0 + C])
+            o.baddbmm_(p[:, :, c0:c0 + C], vals[:, c0:min(c0 + C, N)])
         return o.view(nkv, W, grp, hd).transpose(0, 1).reshape(W, nh, hd)
 
     def _attend_bmm(self, q: Tensor, keys: Tensor, vals: Tensor, o: Tensor, nkv: int) -> None:

@@ -89,7 +89,7 @@ def test_real_mtp_calibration_honours_a_small_budget(models, tmp_path):
     assert rec["seconds"] <= rec["search_budget_s"] + 0.1 * budget
     assert rec["threads"]["threads"] >= 1 and "usable" in rec["threads"]         # measured here (no --threads)
     lines = summary_lines(res)
-    assert f"of its {budget:g} s budget" in lines[-1] or f"of its {budget:g} s budget" in lines[-2]
+    assert any(f"of its {budget:g} s budget" in line for line in lines)
     if rec["budget_hit"]:
         assert rec["timed_runs"] < 60 * len(TASKS)                              # the sweep was cut
         assert any("give it more time" in line for line in lines)

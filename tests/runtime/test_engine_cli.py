@@ -11,6 +11,7 @@ from runtime.engine import Engine, EngineConfigError, SamplingParams
 from runtime.experts import ExpertCache
 from runtime.loading import load_target
 from runtime.memory import NAMES
+from runtime.target_compiled import spare_slots
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -50,7 +51,9 @@ def test_memory_report_is_real(engine):
     rep = engine.memory_report()
     assert set(NAMES) <= rep.keys()
     c = engine.model.cfg
-    assert rep["target_kv"] == c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4 * 256
+    # a float CPU cache: the context and the compiled step's spare slots (runtime/target_compiled.py)
+    assert rep["target_kv"] == c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4 * (256 + 256)
+    assert spare_slots(256) == 256
     assert rep["drafter_kv"] == 1 * 2 * c.num_key_value_heads * c.head_dim * 4 * 256
     n_params = {id(p): p for p in engine.model.parameters()}
     total = sum(p.numel() * 4 for p in n_params.values())

@@ -180,7 +180,9 @@ def test_switch_and_calibration_key(built, monkeypatch):
     cfg = {"target": {"sha256": "a" * 64}, "drafter": {"kind": "mtp"}, "memory": {"context": 1024},
            "device": {"type": "cpu"}}
     on = key_for_config(cfg, device=("cpu", 1))
-    assert on.drafter_step == "compiled"
+    assert on.drafter_step == "target+compiled"      # the target's step and the chain (a bf16 target: float here)
+    q4 = dict(cfg, target={"sha256": "a" * 64, "quantization": "q4_0"})
+    assert key_for_config(q4, device=("cpu", 1)).drafter_step == "compiled"      # the chain alone
     monkeypatch.setenv("STRATA_COMPILE", "0")
     step = eng.drafter.compiled
     try:

@@ -1,0 +1,135 @@
+"""The target's CPU step compiled ahead of time (runtime/target_compiled.py): it computes the eager step's logits
+within fp32 rounding, keeps a row's bits whatever the window around it (padding, window position, a chunk boundary),
+so greedy speculative output equals the target alone at the engine's width, and every way it can be missing,
+unfit or wrong leaves the eager step serving with a reason."""
+
+import shutil
+
+import pytest
+import torch
+
+from bench.common import NANO, task_prompts
+from runtime import aoti, target_compiled
+from runtime.engine import Engine
+from runtime.gpu.static_step import StaticStep
+from tests.runtime.tiny import single_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A CPU engine with the pack's MTP drafter and both target packages built once into a store of its own."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the compiled step cannot be built here (the eager step serves)")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STRATA_COMPILE", "1")
+    home = tmp_path_factory.mktemp("home")
+    mp.setenv("STRATA_HOME", str(home))
+    torch.set_num_threads(1)
+    eng = Engine.build(NANO, "mtp", device="cpu", context=512, block=4)
+    assert eng.target_why == "not built for this machine yet (strata-setup builds it)"
+    assert eng.compile_target(build=True) == ""
+    assert sorted(eng.target_packages) == ["one", "wide"]
+    yield eng, home / "compiled"
+    mp.undo()
+
+
+def _logits(step, kv, ids: list[int], start: int) -> torch.Tensor:
+    kv.length = start
+    return step(torch.tensor([ids]), kv).logits[0].clone()
+
+
+def test_logits_match_the_eager_step(built):
+    eng, _ = built
+    ids = eng.encode(task_prompts()["code"])
+    eng.generate(ids, max_new_tokens=1, draft=False, width=1)       # the prompt's K/V in the cache
+    start = len(ids) - 4
+    for w in (1, 4):
+        comp = eng.static_step(w)
+        assert isinstance(comp, target_compiled.CompiledTargetStep)
+        eager = StaticStep(eng.model, eng.kv, w, graph=False)
+        win = ids[start:start + w]
+        want, got = _logits(eager, eng.kv, win, start), _logits(comp, eng.kv, win, start)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_rows_bits_do_not_depend_on_its_window(built):
+    """Padding after a row and the row's place in the window leave its logits' bits alone, also when the window
+    crosses a 128-position chunk boundary (positions 126..129)."""
+    eng, _ = built
+    gen = torch.Generator().manual_seed(5)
+    toks = torch.randint(0, eng.model.cfg.vocab_size, (140,), generator=gen).tolist()
+    eng.generate(toks[:126], max_new_tokens=1, draft=False, width=4)
+    step = eng.static_step(4)
+    for start in (100, 126):
+        full = _logits(step, eng.kv, toks[start:start + 4], start)           # writes rows start..start+3
+        for j in range(4):
+            alone = _logits(step, eng.kv, [toks[start + j]], start + j)       # one real row, three padding rows
+            assert torch.equal(alone[0], full[j]), (start, j)
+        part = _logits(step, eng.kv, toks[start:start + 2], start)           # two real rows, two padding
+        assert torch.equal(part, full[:2])
+
+
+def test_greedy_speculation_equals_the_target_alone_at_the_width(built):
+    eng, _ = built
+    p = task_prompts()["math"]
+    alone = eng.generate(p, max_new_tokens=48, draft=False, width=4)
+    spec = eng.generate(p, max_new_tokens=48, draft=True, width=4)
+    assert alone.stats["target_compiled"] and spec.stats["target_compiled"]
+    assert spec.stats["accepted"] > 0
+    assert spec.token_ids == alone.token_ids
+
+
+def test_switched_off_or_recording_runs_the_eager_step(built, monkeypatch):
+    eng, _ = built
+    eng.record_routing(True)
+    try:
+        assert target_compiled.fits(eng.model, eng.kv) == "routing is being recorded"
+        assert isinstance(eng.static_step(4), StaticStep)
+    finally:
+        eng.record_routing(False)
+    assert isinstance(eng.static_step(4), target_compiled.CompiledTargetStep)
+    monkeypatch.setattr(aoti, "ENABLED", False)
+    try:
+        assert eng.compile_target(build=False) == "switched off (STRATA_COMPILE=0)"
+        r = eng.generate("def f(x):", max_new_tokens=4, draft=False)
+        assert r.stats["target_compiled"] is False
+    finally:
+        monkeypatch.setattr(aoti, "ENABLED", True)
+        assert eng.compile_target(build=False) == ""
+
+
+def test_a_foreign_or_damaged_package_is_refused_with_a_reason(built, tmp_path):
+    eng, root = built
+    taps = eng.target_taps
+    other = Engine.build(NANO, "none", device="cpu", context=1024)      # another cache size: another package name
+    assert target_compiled.key(other.model, other.kv, "one", taps) != target_compiled.key(eng.model, eng.kv, "one",
+                                                                                          taps)
+    shutil.copy(target_compiled.package_path(eng.model, eng.kv, "one", taps, root),
+                target_compiled.package_path(other.model, other.kv, "one", taps, tmp_path))
+    ld, why = target_compiled.load(other.model, other.kv, "one", taps, tmp_path)
+    assert ld is None and why.startswith("the package target-step-one-") and "does not compute the target step" in why
+    target_compiled.package_path(other.model, other.kv, "one", taps, tmp_path).write_bytes(b"not a package")
+    ld, why = target_compiled.load(other.model, other.kv, "one", taps, tmp_path)
+    assert ld is None and "would not load" in why
+    assert list(tmp_path.glob(".*tmp*")) == []
+
+
+def test_a_quantized_or_unspared_cache_does_not_fit(built):
+    eng, _ = built
+    q = Engine.build(NANO, "none", device="cpu", context=256, kv_dtype="q8_0")
+    assert target_compiled.fits(q.model, q.kv) == "the KV cache is quantized"
+    from runtime.kv import KVCache
+
+    cfg = eng.model.cfg
+    bare = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 256)
+    assert target_compiled.fits(eng.model, bare) == "the KV cache has no room past its end for the compiled step"
+
+
+def test_spare_slots_cover_every_window():
+    for cap in (2, 127, 128, 129, 4096, 4097):
+        s = target_compiled.spare_slots(cap)
+        last_end = -(-(cap - 1 + target_compiled.WIDE_MAX) // target_compiled.CHUNK) * target_compiled.CHUNK
+        assert cap + s >= last_end + target_compiled.CHUNK and s < 3 * target_compiled.CHUNK
