@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines: dict[tuple, Any] = {}
         wanted = [w for w in args.only.split(",") if w]
         for arm in arms(gdir, tuple(int(b) for b in args.dflash_blocks.split(",") if b)):
-            if wanted and arm["arm"] != "target-only" and not any(w in arm["arm"] for w in wanted):
+            if wanted and not arm["arm"].startswith("target-only") and not any(w in arm["arm"] for w in wanted):
                 continue
             if deadline.over():
                 break

@@ -48,14 +48,30 @@ def loader(path: str | Path):
     return torch._inductor.aoti_load_package(str(path)).loader
 
 
+def export(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple):
+    """torch.export of `module` without torch's own deprecation chatter (a setup's output is for the user)."""
+    import warnings
+
+    from torch.export import export as _export
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        return _export(module, args, dynamic_shapes=dynamic_shapes)
+
+
 def write_package(ep, path: Path, check: Callable[[Callable[..., list]], None]) -> None:
     """Compile the exported program `ep` into `path`: under a temporary name first, `check(runner)` run on it
     (raises when it does not compute its step), then renamed, so a half-written or wrong package never sits under
     a name a later run would load."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    import warnings
+
     try:
-        out = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            out = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
         ld = loader(out)
         check(lambda *a: ld.boxed_run(list(a)))
         os.replace(out, path)

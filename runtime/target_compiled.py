@@ -228,7 +228,7 @@ def _structured(flat: list[Tensor], layers: int) -> tuple:
 def build(model, kv, mode: str, taps: tuple[int, ...], path: Path) -> float:
     """Compile the step for this model, cache and mode into `path` (checked against the eager module on a probe
     before it is renamed into place). Returns the seconds it took; raises on any failure."""
-    from torch.export import Dim, export
+    from torch.export import Dim
 
     t0 = time.perf_counter()
     shape = shape_of(model, kv, mode, taps)
@@ -243,8 +243,7 @@ def build(model, kv, mode: str, taps: tuple[int, ...], path: Path) -> float:
         R = Dim("rows", min=2, max=WIDE_MAX)
         rows = {0: R}
     dyn = (rows, rows, {0: S}, {0: C}, [None] * L, [None] * L, [None] * 4, [None] * len(args[7]))
-    with torch.no_grad():
-        ep = export(_Step(shape), args, dynamic_shapes=dyn)
+    ep = aoti.export(_Step(shape), args, dyn)
     aoti.write_package(ep, path, lambda runner: check(model, kv, mode, taps, runner))
     return time.perf_counter() - t0
 

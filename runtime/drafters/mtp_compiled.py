@@ -177,7 +177,7 @@ def _example(drafter, rows: int = 2, start: int = 8) -> tuple[Tensor, ...]:
 def build(drafter, path: Path) -> float:
     """Compile the step for this drafter's shape into `path` (written under a temporary name, checked against the
     eager module on a probe, then renamed). Returns the seconds it took; raises on any failure."""
-    from torch.export import Dim, export
+    from torch.export import Dim
 
     t0 = time.perf_counter()
     shape = shape_of(drafter)
@@ -185,8 +185,7 @@ def build(drafter, path: Path) -> float:
     R = Dim("rows", min=1, max=MAX_ROWS)
     S = Dim("start", min=1, max=shape["capacity"] - MAX_ROWS)
     dyn = ({0: R}, {0: R}, {1: S}, {1: S}) + (None,) * (len(args) - 4)
-    with torch.no_grad():
-        ep = export(_Step(shape), args, dynamic_shapes=dyn)
+    ep = aoti.export(_Step(shape), args, dyn)
     aoti.write_package(ep, path, lambda runner: check(drafter, runner))
     return time.perf_counter() - t0
 

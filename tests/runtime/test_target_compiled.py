@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from bench.common import NANO, task_prompts
+from bench.common import NANO, NANO_DFLASH2, task_prompts
 from runtime import aoti, target_compiled
 from runtime.engine import Engine
 from runtime.gpu.static_step import StaticStep
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A CPU engine with the pack's MTP drafter and both target packages built once into a store of its own."""
+    """A CPU engine with the pack's DFlash2 drafter (it taps three target layers) and both target packages built
+    once into a store of its own."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the compiled step cannot be built here (the eager step serves)")
     mp = pytest.MonkeyPatch()
@@ -27,7 +28,8 @@ def built(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     mp.setenv("STRATA_HOME", str(home))
     torch.set_num_threads(1)
-    eng = Engine.build(NANO, "mtp", device="cpu", context=512, block=4)
+    eng = Engine.build(NANO, "dflash2", drafter_path=NANO_DFLASH2, device="cpu", context=512, block=4)
+    assert eng.target_taps == (1, 3, 5)
     assert eng.target_why == "not built for this machine yet (strata-setup builds it)"
     assert eng.compile_target(build=True) == ""
     assert sorted(eng.target_packages) == ["one", "wide"]
@@ -80,6 +82,23 @@ def test_greedy_speculation_equals_the_target_alone_at_the_width(built):
     assert alone.stats["target_compiled"] and spec.stats["target_compiled"]
     assert spec.stats["accepted"] > 0
     assert spec.token_ids == alone.token_ids
+
+
+def test_taps_are_the_tapped_layers_outputs(built):
+    """The drafter's taps come out of the package: each tapped layer's output, next to the eager step's."""
+    eng, _ = built
+    ids = eng.encode(task_prompts()["code"])[:40]
+    eng.generate(ids, max_new_tokens=1, draft=False, width=4)
+    taps = eng.target_taps
+    comp, eager = eng.static_step(4), StaticStep(eng.model, eng.kv, 4, graph=False)
+    outs = []
+    for step in (comp, eager):
+        eng.kv.length = 36
+        outs.append(step(torch.tensor([ids[36:40]]), eng.kv, taps).taps[0].clone())
+    H = eng.model.cfg.hidden_size
+    assert outs[0].shape == (4, len(taps) * H)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-4 * float(outs[1].abs().max()))
+    assert comp.accepts(4, taps) and comp.accepts(4, ()) and not comp.accepts(4, (0,)) and not comp.accepts(5, ())
 
 
 def test_switched_off_or_recording_runs_the_eager_step(built, monkeypatch):
