@@ -113,10 +113,7 @@ def run(
         if vram_limit_mib is not None:
             over["vram_limit_mib"] = vram_limit_mib
         engine = Engine.from_config(path, **over)
-        if engine.target_why.startswith("not built"):       # CPU: setup builds it; a config made without does here
-            typer.echo("strata-run: compiling the target's step for this CPU (once per machine, about 20 s a "
-                       "step; STRATA_COMPILE=0 skips it)", err=True)
-            engine.compile_target(build=True)
+        engine.compile_missing(lambda m: typer.echo(f"strata-run: {m}", err=True))
         if threads is None and engine.device.type == "cpu":
             torch.set_num_threads(engine.choose_threads().threads)
         if chat:

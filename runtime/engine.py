@@ -231,6 +231,18 @@ class Engine:
         self.compile_s = time.perf_counter() - t0
         return self.compiled_why
 
+    def compile_missing(self, say: Callable[[str], None]) -> None:
+        """CPU: build the compiled steps this machine has not got yet (a config set up without calibration, or a
+        context changed since), telling `say` first: strata-setup normally builds them."""
+        missing = "not built for this machine yet"
+        if self.target_why.startswith(missing):
+            say("compiling the target's step for this CPU (once per machine, about 20 s a package; "
+                "STRATA_COMPILE=0 skips it)")
+            self.compile_target(build=True)
+        if self.compiled_why.startswith(missing):
+            say("compiling the drafter's step for this CPU (once per machine, about 10 s)")
+            self.compile_drafter(build=True)
+
     @property
     def drafter_compiled(self) -> bool:
         return getattr(self.drafter, "compiled", None) is not None

@@ -619,6 +619,7 @@ def serve(
             _fail("--vram-limit-mib caps GPU memory, but no CUDA GPU is usable here; drop the flag.", 2, False)
         typer.echo(f"strata-serve: loading {path} ...", err=True)
         engine = Engine.from_config(path, **({"vram_limit_mib": vram_limit_mib} if vram_limit_mib else {}))
+        engine.compile_missing(lambda m: typer.echo(f"strata-serve: {m}", err=True))
         app = create_app(engine, model_name=model_name or path.stem, api_key=api_key, max_queue=max_queue,
                          max_request_bytes=max_request_bytes, debug=debug)
     except KeyboardInterrupt:

@@ -302,7 +302,8 @@ def attach(model, kv, taps: tuple[int, ...], modes: tuple[str, ...], root: Path,
             try:
                 build(model, kv, mode, taps, package_path(model, kv, mode, taps, root))
             except Exception as exc:       # a compiler missing or failing: the eager step, and the reason
-                why = f"compiling the {mode}-row step failed ({type(exc).__name__}: {str(exc).strip()[:200]})"
+                what = "one-row" if mode == "one" else "wide"
+                why = f"compiling the {what} step failed ({type(exc).__name__}: {str(exc).strip()[:200]})"
             else:
                 ld, why = load(model, kv, mode, taps, root)
         if ld is not None:

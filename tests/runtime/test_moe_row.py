@@ -2,6 +2,7 @@
 the four shipped kernels and float32 math (tests/runtime/kernels_check.py moe_row), and its grid sizing."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ from runtime.gpu import moe_row
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(not moe_row.ENABLED and not os.environ.get("STRATA_CHECK_OFF_PATHS"),
+                    reason="moe_row is off (timed slower than the four launches on an H200, docs/models.md): its "
+                           "54 s interpreter check runs when it is on, or with STRATA_CHECK_OFF_PATHS=1")
 @pytest.mark.timeout(300)
 def test_moe_row_in_interpreter():
     script = Path(__file__).with_name("kernels_check.py")

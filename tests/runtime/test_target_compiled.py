@@ -152,3 +152,25 @@ def test_spare_slots_cover_every_window():
         s = target_compiled.spare_slots(cap)
         last_end = -(-(cap - 1 + target_compiled.WIDE_MAX) // target_compiled.CHUNK) * target_compiled.CHUNK
         assert cap + s >= last_end + target_compiled.CHUNK and s < 3 * target_compiled.CHUNK
+
+
+def test_a_missing_package_is_built_at_the_first_run_or_the_reason_kept(built, tmp_path, monkeypatch):
+    """A config set up without calibration has no packages: strata-run and strata-serve build them first
+    (`compile_missing`), saying so; a failing build leaves the eager step and says why, with nothing left in the
+    store."""
+    eng, _ = built
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
+    assert eng.compile_target(build=False) == "not built for this machine yet (strata-setup builds it)"
+
+    def fails(*a, **k):
+        raise RuntimeError("C++ compile error")
+    monkeypatch.setattr(target_compiled, "build", fails)
+    said: list[str] = []
+    eng.compiled_why = ""
+    eng.compile_missing(said.append)
+    assert len(said) == 1 and said[0].startswith("compiling the target's step for this CPU")
+    assert eng.target_why == "compiling the one-row step failed (RuntimeError: C++ compile error)"
+    assert isinstance(eng.static_step(4), StaticStep)
+    assert not (tmp_path / "compiled").exists() or list((tmp_path / "compiled").iterdir()) == []
+    monkeypatch.undo()
+    assert eng.compile_target(build=False) == ""
