@@ -38,6 +38,9 @@ from runtime.models.qwen3_moe import TargetOutput
 CHUNK = 128          # the attention's values are summed in chunks of this many positions, fixed by position
 WIDE_MAX = 16        # the most rows the "wide" package takes (the drafters' largest window)
 MODES = ("one", "wide")
+# the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
+# rebuilt rather than loaded (the load check would catch a different result, not a slower one)
+FORMAT = 2
 
 
 def spare_slots(capacity: int) -> int:
@@ -151,10 +154,14 @@ class _Step(torch.nn.Module):
             kc[:, start:start + W].copy_(kt)                         # padding rows too: past the real rows, unread
             vc[:, start:start + W].copy_(v.reshape(W, nkv, hd).transpose(0, 1))
             qg = q.reshape(W, nkv, grp, hd).permute(1, 0, 2, 3).reshape(nkv, W * grp, hd)
-            sc = torch.bmm(qg, kc[:, :N].transpose(1, 2)).view(nkv, W, grp, N)
-            sc = sc.masked_fill(hide[None, :, None, :], float("-inf")).view(nkv, W * grp, N)
-            pr = torch.softmax(sc, -1).view(nkv, W * grp, N // CHUNK, CHUNK).transpose(1, 2)
-            o = torch.matmul(pr, vc[:, :N].reshape(nkv, N // CHUNK, CHUNK, hd)).sum(1)    # in chunk order
+            if s["mode"] == "one":    # one row: keys 0..start, one product each way (a row's bits need no window)
+                pr = torch.softmax(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), -1)
+                o = torch.bmm(pr, vc[:, :start + 1])
+            else:
+                sc = torch.bmm(qg, kc[:, :N].transpose(1, 2)).view(nkv, W, grp, N)
+                sc = sc.masked_fill(hide[None, :, None, :], float("-inf")).view(nkv, W * grp, N)
+                pr = torch.softmax(sc, -1).view(nkv, W * grp, N // CHUNK, CHUNK).transpose(1, 2)
+                o = torch.matmul(pr, vc[:, :N].reshape(nkv, N // CHUNK, CHUNK, hd)).sum(1)    # in chunk order
             x = x + o.view(nkv, W, grp, hd).permute(1, 0, 2, 3).reshape(W, nh * hd) @ wo
             h = F.rms_norm(x, (Hd,), ln2, eps)
             lg = h @ wr
@@ -190,7 +197,7 @@ def _in_order(tapped: list[Tensor], taps: list[int]) -> list[Tensor]:
 
 
 def key(model, kv, mode: str, taps: tuple[int, ...]) -> str:
-    return aoti.key("target-step", shape_of(model, kv, mode, taps), 1)
+    return aoti.key("target-step", shape_of(model, kv, mode, taps), FORMAT)
 
 
 def package_path(model, kv, mode: str, taps: tuple[int, ...], root: Path) -> Path:
@@ -235,7 +242,9 @@ def build(model, kv, mode: str, taps: tuple[int, ...], path: Path) -> float:
     slots, L = shape["slots"], shape["L"]
     width = 1 if mode == "one" else 4
     args = _structured(_example(model, kv, mode, width, 130), L)
-    S = Dim("start2", min=2, max=slots - CHUNK - WIDE_MAX)
+    # the one-row step reads keys 0..start, so start >= 1 there (a decode window follows at least one prompt
+    # token): a length of 1 would be a fixed size to the exporter
+    S = Dim("start2", min=3 if mode == "one" else 2, max=slots - CHUNK - WIDE_MAX)
     C = Dim("chunks", min=2, max=slots // CHUNK - 1)
     if mode == "one":
         rows = None
@@ -342,6 +351,8 @@ class CompiledTargetStep:
                              f"({self.width} rows, taps {self.taps}).")
         if start + T > kv.capacity:
             raise ValueError(f"{start + T} positions exceed the KV cache capacity {kv.capacity}; raise the context.")
+        if start < 1:
+            raise ValueError("the compiled step runs decode windows, which follow at least one prompt token.")
         self.ids[:T] = window[0]
         self.ids[T:] = 0
         pos = torch.where(self.ar < T, start + self.ar, -1)
