@@ -8,8 +8,8 @@ repeats, so that a drifting machine moves both sides alike), tokens committed pe
 drafter on the fly (setup_wizard.convert; needs the `gguf` package, else those rows are skipped). On a CPU each MTP
 arm runs twice: its chain eager, and ` compiled` (the head's step compiled ahead of time, runtime/drafters/
 mtp_compiled.py; built into the store's compiled/ on first use, about 15 s), and target-only and the compiled MTP
-arms once more with the target's step compiled too (", target compiled": runtime/target_compiled.py, about 45 s
-to build once).
+arms and DFlash2 BF16 once more with the target's step compiled too (", target compiled": runtime/target_compiled.py,
+about 45 s to build once).
 Also the greedy-equality check of docs/models.md ("Speculative decoding") in BF16 on the GPU: every drafted arm's tokens against target-only
 tokens of the same engine (the fixed-width step: runtime/static_step.py), and, for contrast, the plain eager path
 (no static step: a 1-row decode vs k-row verify in cuBLAS/SDPA) — `eager mismatches` counts prompts that differ there.
@@ -54,7 +54,7 @@ def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dic
     # and the target's fixed-width step compiled too (runtime/target_compiled.py): target-only and the MTP arms
     # again with ", target compiled" (the other arms run the eager target step)
     out += [dict(a, arm=a["arm"] + ", target compiled", target=True) for a in out
-            if a["kind"] == "none" or a.get("compiled")]
+            if a["kind"] == "none" or a.get("compiled") or a["arm"] == "DFlash2 bf16"]
     out += [{"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "path": NANO_DFLASH2, "block": b, "min_p": 0.0}
             for b in dflash_blocks]
     if gguf_dir is not None:

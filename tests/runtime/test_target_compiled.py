@@ -59,13 +59,14 @@ def test_logits_match_the_eager_step(built):
 
 def test_a_rows_bits_do_not_depend_on_its_window(built):
     """Padding after a row and the row's place in the window leave its logits' bits alone, also when the window
-    crosses a 128-position chunk boundary (positions 126..129)."""
+    crosses a 128-position chunk boundary (positions 126..129) and when the row alone reads one more chunk of keys
+    than the window did (a window at 252 reads keys 0..255; row 1 alone at 253, with its padding, reads 0..383)."""
     eng, _ = built
     gen = torch.Generator().manual_seed(5)
-    toks = torch.randint(0, eng.model.cfg.vocab_size, (140,), generator=gen).tolist()
-    eng.generate(toks[:126], max_new_tokens=1, draft=False, width=4)
+    toks = torch.randint(0, eng.model.cfg.vocab_size, (270,), generator=gen).tolist()
+    eng.generate(toks[:252], max_new_tokens=1, draft=False, width=4)
     step = eng.static_step(4)
-    for start in (100, 126):
+    for start in (100, 126, 252):
         full = _logits(step, eng.kv, toks[start:start + 4], start)           # writes rows start..start+3
         for j in range(4):
             alone = _logits(step, eng.kv, [toks[start + j]], start + j)       # one real row, three padding rows
