@@ -52,6 +52,21 @@ def spare_slots(capacity: int) -> int:
     return end + CHUNK - capacity
 
 
+def may_fit(geo, weight_bytes: int = 4) -> str | None:
+    """Why a target of this geometry (runtime/models/target_config.py `TargetGeometry`) cannot run the compiled
+    step, or None when it may: float weights, every layer sparse, each layer's experts small enough to be packed
+    for the CPU (`SparseMoe.pack_dense`, runtime/models/layers.py). Setup asks before loading a model for it."""
+    from runtime.models.layers import DENSE_EXPERT_BYTES
+
+    if geo.quant != "bf16":
+        return "the target's weights are quantized (the compiled step takes float weights)"
+    if len(geo.sparse_layers) != geo.layers:
+        return "the target has dense MLP layers"
+    if 3 * geo.experts * geo.hidden * geo.moe_intermediate * weight_bytes > DENSE_EXPERT_BYTES:
+        return "the target's experts are too large to pack for the compiled step"
+    return None
+
+
 def mode_for(width: int) -> str | None:
     """Which package serves steps of `width` rows (None: none does)."""
     return "one" if width == 1 else "wide" if 2 <= width <= WIDE_MAX else None

@@ -74,13 +74,22 @@ class Plan:
         offloaded = self.budget is not None and self.budget.offloaded
         if offloaded and self.record_routing:
             s.append("record the routing profile (which experts the GPU slots hold)")
+        if self.compile_step:
+            s.append(self.compile_step)
         if self.calibrate and self.drafter != "none":
-            if self.hardware.device_type == "cpu" and aoti.wanted():
-                what = "the target's steps" + (" and the MTP drafter's" if self.drafter == "mtp" else "")
-                s.append(f"compile {what} for this CPU (once per machine; reused after)")
             s.append("calibrate block and spec_min_p")
         s.append(f"write config {self.config_path}")
         return s
+
+    @property
+    def compile_step(self) -> str | None:
+        """The step that builds the compiled CPU steps (runtime/target_compiled.py) before calibrating, so that
+        calibration and the first run find them: a CPU setup with float target weights; None otherwise."""
+        if self.hardware.device_type != "cpu" or not aoti.wanted() or self.target_quant != "bf16" \
+                or self.target_is_gguf:
+            return None
+        what = "the target's steps" + (" and the MTP drafter's" if self.drafter == "mtp" else "")
+        return f"compile {what} for this CPU (once per machine; reused after)"
 
     def download_bytes(self) -> int:
         n = 0 if self.target.available else self.target.size_bytes

@@ -73,6 +73,7 @@ class Services(Protocol):
     def convert(self, head_dir: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def convert_target(self, folder: Path, quant: str, *, source: Artifact) -> Artifact: ...
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult: ...
+    def compile_steps(self, doc: dict[str, Any]) -> str: ...
     def add_from_hub(self, repo: str, *, name: str | None, kind: str | None, show: Callable[[Any], None],
                      confirm: Callable[[Any], bool],
                      choose_file: Callable[[list[tuple[str, int]]], str | None] | None = None) -> Any | None: ...
@@ -167,6 +168,20 @@ class RealServices:
             files[res.mtp_path.name] = {"sha256": res.mtp_sha256, "size": res.mtp_size}
         return Artifact(path=Path(res.path), sha256=res.sha256, size=res.total_size, files=files, reused=res.reused,
                         source_sha256=res.source_sha256, revision=source.revision, repo=source.repo)
+
+    def compile_steps(self, doc: dict[str, Any]) -> str:
+        """Build the compiled CPU steps this config runs (the target's, and the MTP chain's) into the store, or
+        load them when this machine has them. Returns "" when the target's are there, else why not."""
+        from runtime.engine import Engine
+
+        what = "compiling the CPU steps (once per machine)"
+        if self.on_progress is not None:
+            self.on_progress(what, 0, 1)
+        eng = Engine.from_config(doc)
+        eng.compile_missing(lambda m: None)
+        if self.on_progress is not None:
+            self.on_progress(what, 1, 1)
+        return eng.target_why
 
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
         budget = DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds

@@ -19,6 +19,7 @@ from runtime.errors import UsageError, WorkError
 from runtime.loading import check_target_tensors
 from runtime.loading_gguf import check_target_gguf
 from runtime.paths import strata_home
+from runtime.target_compiled import may_fit
 from runtime.version import __version__
 from setup_wizard import budget as B
 from setup_wizard.config import sha256_file, write_config
@@ -165,6 +166,11 @@ def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_c
         kept = ((previous or {}).get("memory") or {}).get("routing_profile")
         if budget.offloaded and kept and Path(kept).is_file():
             doc["memory"]["routing_profile"] = kept
+    if plan.compile_step:     # before calibrating: it measures the steps strata-run will run
+        step = plan.compile_step
+        mark(step, "start")
+        why = may_fit(geo) or services.compile_steps(doc)
+        mark(step, "skipped" if why else "done", **({"reason": why} if why else {}))
     calibrated: CalibrationResult | None = None
     profile_only = plan.drafter == "none" and budget.offloaded and plan.record_routing
     if (plan.calibrate and plan.drafter != "none") or profile_only:

@@ -310,7 +310,8 @@ def test_a_second_setup_with_another_quantization_gets_its_own_config(machine, h
 @pytest.mark.parametrize("cpu, compile_on, drafter, listed", [
     (True, "1", "mtp", "compile the target's steps and the MTP drafter's for this CPU (once per machine; reused after)"),
     (True, "1", "dflash2", "compile the target's steps for this CPU (once per machine; reused after)"),
-    (True, "0", "mtp", None), (True, "1", "none", None), (False, "1", "mtp", None)])
+    (True, "1", "none", "compile the target's steps for this CPU (once per machine; reused after)"),
+    (True, "0", "mtp", None), (False, "1", "mtp", None)])
 def test_dry_run_lists_the_compile_step_for_a_cpu_setup(machine, home, services, monkeypatch, cpu, compile_on,
                                                          drafter, listed):
     if cpu:
@@ -322,3 +323,34 @@ def test_dry_run_lists_the_compile_step_for_a_cpu_setup(machine, home, services,
     compiling = [s for s in steps if s.startswith("compile ")]
     assert compiling == ([listed] if listed else [])
     assert files_under(home) == [] and services.calls == []
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "none"])
+def test_a_cpu_setup_compiles_its_steps_before_calibrating(machine, home, services, monkeypatch, drafter):
+    """On a CPU with compiling on, setup builds the compiled steps (services.compile_steps) before it calibrates,
+    with or without a drafter; the JSON step list says so."""
+    machine["hw"] = fake_cpu()
+    monkeypatch.setenv("STRATA_COMPILE", "1")
+    res = run("--yes", "--json", "--drafter", drafter, "--context", "256")
+    assert res.exit_code == 0, res.output
+    order = [c[0] for c in services.calls if c[0] in ("compile_steps", "calibrate")]
+    assert order == (["compile_steps", "calibrate"] if drafter == "mtp" else ["compile_steps"])
+    steps = {s["step"]: s for s in json.loads(res.stdout)["steps"]}
+    name = next(s for s in steps if s.startswith("compile "))
+    assert steps[name]["status"] == "done"
+
+
+def test_a_target_too_large_to_pack_skips_the_compile_step_with_the_reason(machine, home, services, monkeypatch):
+    from runtime import target_compiled
+    from setup_wizard.inspection import target_geometry
+
+    machine["hw"] = fake_cpu()
+    monkeypatch.setenv("STRATA_COMPILE", "1")
+    monkeypatch.setattr("runtime.models.layers.DENSE_EXPERT_BYTES", 1)
+    assert target_compiled.may_fit(target_geometry(services.pack["nano"])) \
+        == "the target's experts are too large to pack for the compiled step"
+    res = run("--yes", "--json", "--drafter", "none", "--context", "256")
+    assert res.exit_code == 0, res.output
+    assert "compile_steps" not in [c[0] for c in services.calls]
+    step = next(s for s in json.loads(res.stdout)["steps"] if s["step"].startswith("compile "))
+    assert step["status"] == "skipped" and "too large to pack" in step["reason"]

@@ -111,6 +111,11 @@ class FakeServices:
         return Artifact(path=res.path, sha256=res.sha256, size=res.total_size, files=files, reused=res.reused,
                         source_sha256=res.source_sha256)
 
+    def compile_steps(self, doc: dict[str, Any]) -> str:
+        self.calls.append(("compile_steps", doc["target"]["path"]))
+        self._check("compile_steps")
+        return ""
+
     def calibrate(self, doc: dict[str, Any], *, force: bool, max_seconds: float | None) -> CalibrationResult:
         self.calls.append(("calibrate", doc["target"]["path"]))
         self._check("calibrate")
