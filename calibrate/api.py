@@ -372,9 +372,9 @@ def _profile_file(record: dict[str, Any]) -> str | None:
 def result_from_search(key: CalibrationKey | None, sr: SearchResult, facts: dict[str, Any]) -> CalibrationResult:
     """The stored record and the result object for one finished search."""
     body = sr.to_dict()
-    decided = sr.decision in ("winner", "kept_default", "default_is_best")
+    decided = sr.decision in ("winner", "kept_default", "default_is_best", "target_alone")
     facts = {k: v for k, v in facts.items() if k != "references" and not k.startswith("_")}
     record = {**body, **facts, "source": "calibrated" if decided else "default",
               "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    return CalibrationResult(block=sr.chosen.block, spec_min_p=sr.chosen.spec_min_p, source=record["source"],
+    return CalibrationResult(block=sr.settings.block, spec_min_p=sr.settings.spec_min_p, source=record["source"],
                              decision=sr.decision, reason=sr.reason, reused=False, key=key, record=record)

@@ -91,7 +91,9 @@ def summary_lines(result: Any) -> list[str]:
     else:               # stage 7 did not run: the target's reference runs, timed before the sweep
         tgt, geo = result.record.get("target_only_geomean_tok_s"), result.record.get("geomean_tok_s")
         how = "the target alone timed before the sweep"
-    if tgt and geo and geo < tgt:
+    if result.decision == "target_alone":
+        pass            # the first line says it: the config drafts nothing
+    elif tgt and geo and geo < tgt:
         lines.append(f"note: the target alone decoded faster ({tgt:.1f} vs {geo:.1f} tok/s geomean, {how}); this "
                      f"drafter does not pay off here (try --no-draft or another drafter)")
     elif tgt and geo:

@@ -41,6 +41,9 @@ from runtime.errors import WorkError
 
 FLOORS: tuple[float, ...] = (0.0, 0.3, 0.5, 0.7)
 MIN_GAIN = 0.03
+# stage 7: below this speed-up over the target alone (head to head) the config drafts nothing (block 1): a drafter
+# that loses more than run-to-run noise would only slow the default run down (docs/calibration.md, "target_alone")
+PAYS_MIN = 0.95
 
 
 class LosslessError(WorkError, RuntimeError):
@@ -190,7 +193,7 @@ class SearchResult:
     default: Arm
     chosen: Arm
     winner: Arm | None
-    decision: str                  # "winner" | "kept_default" | "default_is_best" | "budget"
+    decision: str                  # "winner" | "kept_default" | "default_is_best" | "target_alone" | "budget"
     reason: str
     arms: dict[Arm, ArmStats]
     confirm: dict[Arm, ArmStats]
@@ -203,6 +206,14 @@ class SearchResult:
     step_cost: dict[int, float] = field(default_factory=dict)   # target step time by width, width 1 = 1.0
     pruned: list[Arm] = field(default_factory=list)              # refine arms the cost bound ruled out
     pays: dict[Arm | None, ArmStats] = field(default_factory=dict)   # stage 7: the chosen arm and None (the target)
+    # stage 7 found the target alone clearly faster (`PAYS_MIN`): the settings draft nothing (block 1), and `chosen`
+    # stays the best drafted arm measured
+    draft_off: bool = False
+
+    @property
+    def settings(self) -> Arm:
+        """What the config gets: the chosen arm, or block 1 (no drafting) when drafting did not pay."""
+        return Arm(block=1, spec_min_p=self.chosen.spec_min_p) if self.draft_off else self.chosen
 
     @property
     def gain(self) -> float | None:
@@ -259,7 +270,8 @@ class SearchResult:
         ch = self.chosen_stats()
         acc, prop = ch.accepted_proposed() if ch else (0, 0)
         return {
-            "settings": self.chosen.to_dict(),
+            "settings": self.settings.to_dict(),
+            "drafted_settings": self.chosen.to_dict() if self.draft_off else None,
             "decision": self.decision,
             "reason": self.reason,
             "default": side(self.default),
@@ -483,6 +495,14 @@ class Search:
             if res.decision != "budget" and self.plan.pays_repeats > 0:
                 res.pays = self._pays(res.chosen)
                 res.seconds, res.budget_hit = self.elapsed(), self.budget_hit
+                h = res._head_to_head()
+                if h is not None and h["speedup"] < PAYS_MIN:
+                    res.draft_off, res.decision = True, "target_alone"
+                    res.reason = (f"the target alone decoded {1 / h['speedup'] - 1:.0%} faster than the best drafted "
+                                  f"setting (block={res.chosen.block} spec_min_p={res.chosen.spec_min_p:g}) head to "
+                                  f"head ({h['target_only_geomean_tok_s']:.1f} vs {h['geomean_tok_s']:.1f} tok/s "
+                                  f"geomean), so the config drafts nothing (block 1); strata-run --block "
+                                  f"{res.chosen.block} drafts anyway")
             return res
         finally:
             if hook:

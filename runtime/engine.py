@@ -326,8 +326,9 @@ class Engine:
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)
         stats = dict(res.stats)
-        stats.update(drafter=self.drafter_kind if use is not None else "none", device=self.device_name,
-                     drafter_compiled=use is not None and self.drafter_compiled,
+        drafted = use is not None and blk > 1           # block 1 (calibration's "target_alone"): no drafting
+        stats.update(drafter=self.drafter_kind if drafted else "none", device=self.device_name,
+                     drafter_compiled=drafted and self.drafter_compiled,
                      target_compiled=isinstance(self.step, target_compiled.CompiledTargetStep),
                      stop_reason=res.stop_reason, expert_cache=self.experts.stats())
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)

@@ -383,3 +383,29 @@ def test_without_the_head_to_head_the_report_says_what_it_compared():
     assert not [s for s in sr.samples if s.phase == "pays"] and sr.to_dict()["head_to_head"] is None
     text = "\n".join(_summary(sr))
     assert "the target alone decoded faster" in text and "timed before the sweep" in text
+
+
+def test_a_drafter_that_loses_head_to_head_is_turned_off():
+    """Stage 7 finds the target alone clearly faster (a drafter at 30 tok/s at best against 40): the settings draft
+    nothing (block 1, decision target_alone), the best drafted arm stays in the record, and the summary says how to
+    draft anyway. At 0.97x (within noise) drafting stays on."""
+    from calibrate.api import result_from_search
+    from calibrate.report import summary_lines
+    from calibrate.search import PAYS_MIN
+
+    clock = FakeClock()
+    sr = run(FakeEngine(bowl_speed(5, 0.3, peak=30.0), clock, max_block=8), clock)
+    d = sr.to_dict()
+    assert d["head_to_head"]["speedup"] == pytest.approx(0.75, rel=1e-3) and 0.75 < PAYS_MIN
+    assert sr.decision == "target_alone" and sr.draft_off
+    assert d["settings"] == {"block": 1, "spec_min_p": sr.chosen.spec_min_p}
+    assert d["drafted_settings"] == sr.chosen.to_dict() and sr.chosen.block > 1
+    res = result_from_search(None, sr, {})
+    assert (res.block, res.source, res.decision) == (1, "calibrated", "target_alone")
+    text = "\n".join(summary_lines(res))
+    assert "the target alone decoded 33% faster" in text and "drafts nothing (block 1)" in text
+    assert f"strata-run --block {sr.chosen.block} drafts anyway" in text
+    clock = FakeClock()
+    near = run(FakeEngine(bowl_speed(5, 0.3, peak=38.8), clock, max_block=8), clock)
+    assert near.to_dict()["head_to_head"]["speedup"] == pytest.approx(0.97, rel=1e-3)
+    assert not near.draft_off and near.settings == near.chosen
