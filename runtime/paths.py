@@ -36,7 +36,8 @@ def configs_dir() -> Path:
 
 
 def compiled_dir() -> Path:
-    """Code compiled for this machine (the MTP drafter's CPU step, runtime/drafters/mtp_compiled.py)."""
+    """Code compiled for this machine: the target's CPU step (runtime/target_compiled.py) and the MTP drafter's
+    (runtime/drafters/mtp_compiled.py)."""
     return strata_home() / "compiled"
 
 

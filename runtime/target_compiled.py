@@ -39,9 +39,10 @@ from runtime.models.qwen3_moe import TargetOutput
 CHUNK = 128          # the attention's values are summed in chunks of this many positions, fixed by position
 WIDE_MAX = 16        # the most rows the "wide" package takes (the drafters' largest window)
 MODES = ("one", "wide")
+MIN_CONTEXT = 128    # shorter caches leave the exporter no range of at least two chunks
 # the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
 # rebuilt rather than loaded (the load check would catch a different result, not a slower one)
-FORMAT = 2
+FORMAT = 3
 
 
 def spare_slots(capacity: int) -> int:
@@ -82,6 +83,8 @@ def fits(model, kv) -> str | None:
         return "not on a CPU"
     if kv.quant is not None:
         return "the KV cache is quantized"
+    if kv.capacity < MIN_CONTEXT:
+        return f"the context is under {MIN_CONTEXT} tokens"
     if kv.k.shape[3] - kv.capacity < spare_slots(kv.capacity) or kv.batch != 1:
         return "the KV cache has no room past its end for the compiled step"
     layers = model.model.layers
@@ -257,10 +260,10 @@ def build(model, kv, mode: str, taps: tuple[int, ...], path: Path) -> float:
     shape = shape_of(model, kv, mode, taps)
     slots, L = shape["slots"], shape["L"]
     width = 1 if mode == "one" else 4
-    args = _structured(_example(model, kv, mode, width, 130), L)
-    # the one-row step reads keys 0..start, so start >= 1 there (a decode window follows at least one prompt
-    # token): a length of 1 would be a fixed size to the exporter
-    S = Dim("start2", min=3 if mode == "one" else 2, max=slots - CHUNK - WIDE_MAX)
+    args = _structured(_example(model, kv, mode, width, min(130, kv.capacity - width)), L)
+    # start + 2 for every window start 0..capacity-1 (the one-row step reads keys 0..start, so start >= 1 there:
+    # a decode window follows at least one prompt token, and a length of 1 would be a fixed size to the exporter)
+    S = Dim("start2", min=3 if mode == "one" else 2, max=shape["capacity"] + 1)
     C = Dim("chunks", min=2, max=slots // CHUNK - 1)
     if mode == "one":
         rows = None
@@ -284,6 +287,7 @@ def check(model, kv, mode: str, taps: tuple[int, ...], runner) -> None:
     scratch = SimpleNamespace(k=torch.randn(kv.k.shape, generator=gen).to(kv.k.dtype),
                               v=torch.randn(kv.v.shape, generator=gen).to(kv.v.dtype))
     width, start = (1, 150) if mode == "one" else (3, 200)
+    start = min(start, kv.capacity - width)
     inputs = _Inputs(model, scratch, mode)
     ids = torch.randint(0, shape["V"], (width,), generator=gen)
     real = max(1, width - 1)                     # a wide probe carries a padding row

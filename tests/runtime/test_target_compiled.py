@@ -141,6 +141,9 @@ def test_a_quantized_or_unspared_cache_does_not_fit(built):
     eng, _ = built
     q = Engine.build(NANO, "none", device="cpu", context=256, kv_dtype="q8_0")
     assert target_compiled.fits(q.model, q.kv) == "the KV cache is quantized"
+    short = Engine.build(NANO, "none", device="cpu", context=64)
+    assert target_compiled.fits(short.model, short.kv) == "the context is under 128 tokens"
+    assert short.target_why == "the context is under 128 tokens"
     from runtime.kv import KVCache
 
     cfg = eng.model.cfg
@@ -175,3 +178,18 @@ def test_a_missing_package_is_built_at_the_first_run_or_the_reason_kept(built, t
     assert not (tmp_path / "compiled").exists() or list((tmp_path / "compiled").iterdir()) == []
     monkeypatch.undo()
     assert eng.compile_target(build=False) == ""
+
+
+def test_windows_at_the_end_of_the_context_run(built):
+    """The last positions of the cache: a one-row step at capacity - 1 and a 4-row window ending at the capacity
+    run through the packages (the exporter's ranges cover every start)."""
+    eng, _ = built
+    cap = eng.kv.capacity
+    gen = torch.Generator().manual_seed(9)
+    toks = torch.randint(0, eng.model.cfg.vocab_size, (cap,), generator=gen).tolist()
+    eng.generate(toks[:cap - 4], max_new_tokens=1, draft=False, width=4)
+    for w, start in ((4, cap - 4), (1, cap - 1)):
+        eng.kv.length = start
+        out = eng.static_step(w)(torch.tensor([toks[start:start + w]]), eng.kv)
+        assert out.logits.shape == (1, w, eng.model.cfg.vocab_size) and torch.isfinite(out.logits).all()
+        assert eng.kv.length == cap
