@@ -260,7 +260,7 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
 
         engine = Engine.from_config(source)
     build_s = time.perf_counter() - t0
-    compile_s = _compile_drafter(engine, on_progress)
+    compile_s = _compile_steps(engine, on_progress)
     t0 += compile_s               # once per machine, and not what the budget is for: it starts after
     with _cpu_threads(engine, threads) as thread_facts:
         res = _calibrate_built(engine, cfg, kind, key, store, t0, build_s, max_seconds=max_seconds,
@@ -270,7 +270,7 @@ def calibrate_for_config(config: dict[str, Any] | str | Path, *, engine: Any = N
     return res
 
 
-def _compile_drafter(engine: Any, on_progress: ProgressFn | None) -> float:
+def _compile_steps(engine: Any, on_progress: ProgressFn | None) -> float:
     """On a CPU: the target's compiled steps (runtime/target_compiled.py) and the drafter's
     (runtime/drafters/mtp_compiled.py), built into the store when this machine has none yet, so that calibration
     measures the steps strata-run will run. Returns the seconds it took (a build: about 20 a step; a load:
