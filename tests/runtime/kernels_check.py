@@ -6,6 +6,7 @@ Run by tests/runtime/test_static_step.py in a subprocess (the interpreter must b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -46,12 +47,55 @@ def _row_invariant_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 _interp.InterpreterBuilder.create_dot = _row_invariant_dot
 
+# The interpreter patches triton.language for a kernel's launch (GridExecutor) and again on every call of a nested
+# @triton.jit helper, each time scanning the language modules (inspect.getmembers): over a third of a K-quant
+# check's time. Within one launch a helper whose module was patched already skips it (a helper from another module,
+# such as triton.language.standard's, which reaches the builtins through triton.language.core, is patched once).
+_orig_patch_lang = getattr(_interp, "_patch_lang", None)
+_patched_modules: set[int] | None = None         # the modules patched in the running launch (None: no launch)
+
+
+def _patch_lang_once(fn):
+    global _patched_modules
+    if _patched_modules is not None and id(fn.__globals__) in _patched_modules:
+        return None          # a helper's call (InterpretedFunction.__call__ ignores what this returns)
+    scope = _orig_patch_lang(fn)
+    if _patched_modules is not None:             # a helper's first call in this launch
+        _patched_modules.add(id(fn.__globals__))
+        return scope
+    _patched_modules = {id(fn.__globals__)}      # a launch
+    restore = scope.restore
+
+    def _restore():
+        global _patched_modules
+        _patched_modules = None
+        restore()
+    scope.restore = _restore
+    return scope
+
+
+if _orig_patch_lang is not None:
+    _interp._patch_lang = _patch_lang_once
+
 from runtime.formats.quant_linear import QuantLinear  # noqa: E402
-from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, moe_kernels  # noqa: E402
+from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels, moe_kernels  # noqa: E402
 from runtime.kv import dequantize_q8_0, quantize_q8_0  # noqa: E402
 
 KQ = ("q4_k", "q6_k", "q5_k", "q3_k", "q2_k")    # the K-quants (rows of 256 values)
 SB = (*KQ, "iq4_xs")                             # every format of 256-value super-blocks
+
+
+@contextlib.contextmanager
+def plain():
+    """The references' forwards in plain torch (runtime/gpu/kernels.py's switch off): a reference that ran the
+    kernels under test would check them against themselves, and the interpreter takes minutes where torch takes
+    milliseconds."""
+    saved = kernels.ENABLED
+    kernels.ENABLED = False
+    try:
+        yield
+    finally:
+        kernels.ENABLED = saved
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -505,8 +549,9 @@ def _fused_step_matches_forward(model, label: str) -> None:
             seen.append(role)
         return y
     with torch.no_grad():
-        model(prompt, kv=kv_a)
-        model(prompt, kv=kv_b)
+        with plain():
+            model(prompt, kv=kv_a)
+            model(prompt, kv=kv_b)
         dense_kernels.quant_one_row = spy
         try:
             for width, wins in ((4, ([[12]], [[3, 4, 5]])), (1, ([[8]],))):
@@ -514,7 +559,8 @@ def _fused_step_matches_forward(model, label: str) -> None:
                 assert step.fused
                 for win in wins:
                     wt = torch.tensor(win)
-                    ref = model(wt, kv=kv_a, taps=(1,))
+                    with plain():
+                        ref = model(wt, kv=kv_a, taps=(1,))
                     got = step(wt, kv_b, (1,))
                     err = (got.logits - ref.logits).abs().max()
                     assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (label, width, err)
@@ -688,13 +734,15 @@ def check_dense_step_q8() -> None:
     kv_a, kv_b = kv(), kv()
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
     with torch.no_grad():
-        model(prompt, kv=kv_a)
-        model(prompt, kv=kv_b)
+        with plain():
+            model(prompt, kv=kv_a)
+            model(prompt, kv=kv_b)
         step = StaticStep(model, kv_b, width=4, graph=False)
         assert step.use_kernels and not step.fused
         for win in ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]):
             w = torch.tensor(win)
-            ref = model(w, kv=kv_a, taps=(1,))
+            with plain():
+                ref = model(w, kv=kv_a, taps=(1,))
             got = step(w, kv_b, (1,))
             assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
             kv_a.rollback(kv_a.length - 1)
@@ -892,14 +940,16 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
     kv_a, kv_b = kv(), kv()
     prompt = torch.tensor([[5, 9, 11, 2, 7, 30]])
     with torch.no_grad():
-        model(prompt, kv=kv_a)
-        model(prompt, kv=kv_b)
+        with plain():
+            model(prompt, kv=kv_a)
+            model(prompt, kv=kv_b)
         step = StaticStep(model, kv_b, width=width, graph=False)
         assert step.fused
         wins = ([[12]], [[3, 4, 5]], [[40, 41, 42, 43]]) if width == 4 else ([[12]], [[3]], [[40]])
         for win in wins:
             w = torch.tensor(win)
-            ref = model(w, kv=kv_a, taps=(1,))
+            with plain():
+                ref = model(w, kv=kv_a, taps=(1,))
             got = step(w, kv_b, (1,))
             assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
             assert torch.allclose(got.taps, ref.taps, atol=2e-4, rtol=0)
@@ -932,7 +982,8 @@ def check_prefill_chunk(quant: str | None = None) -> None:
     with torch.no_grad():
         for n in (70, 9):        # 70 rows: the many-row q/k-norm + RoPE kernel (a BF16 cache), then one-row programs
             ids = torch.randint(0, c.vocab_size, (1, n), generator=g)
-            ref = model(ids, kv=kv_a, taps=taps)
+            with plain():
+                ref = model(ids, kv=kv_a, taps=taps)
             got = prefill_chunk.forward(model, kv_b, ids, taps, 0)
             for name in ("logits", "hidden", "taps"):
                 a, b = getattr(got, name), getattr(ref, name)
@@ -1196,7 +1247,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["moe_gemv"]:   # its own runs (tests/runtime/test_moe_kernels.py): moe_gemv [0|1]
         half = int(sys.argv[2]) if len(sys.argv) > 2 else None
         check_moe_gemv(half)
-        if half != 0:
+        if half != 1:         # half 1's formats take the interpreter longer
             check_gemv_one_step(torch.float16)
         for dt in (torch.float32, torch.float16):
             if half is None or half == (dt == torch.float16):      # one dtype a half: the halves take alike

@@ -308,7 +308,7 @@ def test_quantized_fused_step_in_interpreter():
 def test_kquant_mix_fused_step_in_interpreter(mix):
     """A Q4_K_M-style target (q and k Q4_K, v and the experts' down Q6_K in one layer) runs the fused step, q and k
     stacked alone, against the plain forward (tests/runtime/kernels_check.py kquant_mix). The Q5_K_M and Q3_K_M
-    mixes pass the same check (`kernels_check.py kquant_mix q5_k_m`, `... q3_k_m`, 3-5 minutes each; `... q3_k_m
+    mixes pass the same check (`kernels_check.py kquant_mix q5_k_m`, `... q3_k_m`; `... q3_k_m
     dot`: the Q3_K products off the matrix-vector tiles, a path no shipped format takes since every format has GEMV
     code) but stay out of CI's time: their products are the kernels check_moe_gemv, check_moe_quant and
     check_dequant test."""
