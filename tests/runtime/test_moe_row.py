@@ -17,7 +17,7 @@ from runtime.gpu import moe_row
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.skipif(not moe_row.ENABLED and not os.environ.get("STRATA_CHECK_OFF_PATHS"),
                     reason="moe_row is off (timed slower than the four launches on an H200, docs/models.md): its "
-                           "54 s interpreter check runs when it is on, or with STRATA_CHECK_OFF_PATHS=1")
+                           "30 s interpreter check runs when it is on, or with STRATA_CHECK_OFF_PATHS=1")
 @pytest.mark.timeout(300)
 def test_moe_row_in_interpreter():
     script = Path(__file__).with_name("kernels_check.py")
