@@ -58,7 +58,7 @@ _patched_modules: set[int] | None = None         # the modules patched in the ru
 def _patch_lang_once(fn):
     global _patched_modules
     if _patched_modules is not None and id(fn.__globals__) in _patched_modules:
-        return None          # a helper's call (InterpretedFunction.__call__ ignores what this returns)
+        return _interp._LangPatchScope()         # a helper's call: nothing to patch, nothing to restore
     scope = _orig_patch_lang(fn)
     if _patched_modules is not None:             # a helper's first call in this launch
         _patched_modules.add(id(fn.__globals__))
@@ -74,7 +74,7 @@ def _patch_lang_once(fn):
     return scope
 
 
-if _orig_patch_lang is not None:
+if _orig_patch_lang is not None and hasattr(_interp, "_LangPatchScope"):    # another Triton: left as it is
     _interp._patch_lang = _patch_lang_once
 
 from runtime.formats.quant_linear import QuantLinear  # noqa: E402
