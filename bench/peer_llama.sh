@@ -17,11 +17,11 @@ if [ "${1:-1}" = 1 ]; then
   if [ ! -x "$B/bin/llama-bench" ]; then
     echo "--- building llama-bench ($(( $(date +%s) - start )) s)"
     cmake -B "$B" -S "$L" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release \
       > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
     cmake --build "$B" -j 16 --target llama-bench > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   fi
-  git -C "$L" log -1 --format=%H 2>/dev/null > "$OUT/llama_cpp_commit.txt" || true
+  grep -m1 "ggml version" "$OUT/cmake.log" 2>/dev/null > "$OUT/llama_cpp_version.txt" || true   # the sdist has no git
   if [ ! -f /tmp/a3b.gguf ]; then
     echo "--- writing the A3B-shaped Q4_0 model ($(( $(date +%s) - start )) s)"
     PYTHONPATH="$L/gguf-py" python3 bench/peer_a3b_gguf.py /tmp/a3b.gguf > "$OUT/model.log" 2>&1 \
