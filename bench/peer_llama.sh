@@ -17,7 +17,8 @@ if [ "${1:-1}" = 1 ]; then
   if [ ! -x "$B/bin/llama-bench" ]; then
     echo "--- building llama-bench ($(( $(date +%s) - start )) s)"
     cmake -B "$B" -S "$L" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+      -DCMAKE_BUILD_TYPE=Release \
       > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
     cmake --build "$B" -j 16 --target llama-bench > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   fi
@@ -31,7 +32,7 @@ if [ "${1:-1}" = 1 ]; then
   timeout 400 "$B/bin/llama-bench" -m /tmp/a3b.gguf -ngl 99 -fa 1 -p 512,8192 -n 128 -d 0,4096,32768 -r 2 -o md \
     2> "$OUT/llama_bench.err" | tee "$OUT/llama_bench.md"
   python3 -c "
-import json, torch, sys
+import json, sys
 sys.path.insert(0, '.')
 from bench.common import copy_bandwidth
 json.dump({'copy_GBs': copy_bandwidth() / 1e9}, open('$OUT/copy.json', 'w'))
