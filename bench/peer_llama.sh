@@ -35,8 +35,9 @@ if [ "${1:-1}" = 1 ]; then
 import json, sys
 sys.path.insert(0, '.')
 from bench.common import copy_bandwidth
-json.dump({'copy_GBs': copy_bandwidth() / 1e9}, open('$OUT/copy.json', 'w'))
-print('copy bandwidth', round(copy_bandwidth() / 1e9), 'GB/s')"
+bw = copy_bandwidth() / 1e9
+json.dump({'copy_GBs': bw}, open('$OUT/copy.json', 'w'))
+print('copy bandwidth', round(bw), 'GB/s')"
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
