@@ -9,9 +9,11 @@ The lossless promise holds because every window of a run goes through the same p
 beside it or where it sits in the window. The step keeps that as the eager CPU step does: every product has the
 window's fixed shape, the window's K/V are written into the cache first (in place: AOTInductor writes a mutated
 input where it lies), then every row's scores against keys 0..N-1 (N: the window's end rounded up to CHUNK, at least
-two chunks), the keys past a row's position masked, one softmax, and the values in CHUNK-position chunks summed in
-chunk order (tests/runtime/test_target_compiled.py checks padding and window position bit for bit). Its bits are
-inductor's, not the eager step's: an engine runs every window of a run through one of them.
+two chunks), and each row's softmax over keys 0..its position and its values summed in key order by the C++
+attention op (runtime/cpu_attention.py); where the op is not built, the keys past a row's position masked, one
+softmax, and the values in CHUNK-position chunks summed in chunk order (tests/runtime/test_target_compiled.py checks
+padding and window position bit for bit). Its bits are inductor's and the op's, not the eager step's: an engine
+runs every window of a run through one of them.
 
 Two packages per model and cache: "one" (a target decoding alone: one row, its k experts gathered, its attention
 over keys 0..start in one product each way, since a one-row engine's rows never share a window) and "wide"
@@ -33,16 +35,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime import aoti
+from runtime import aoti, cpu_attention
 from runtime.models.qwen3_moe import TargetOutput
 
 CHUNK = 128          # the attention's values are summed in chunks of this many positions, fixed by position
 WIDE_MAX = 16        # the most rows the "wide" package takes (the drafters' largest window)
 MODES = ("one", "wide")
+# which modes take the C++ attention op where it is loaded: not the one-row step, whose one product each way was
+# faster (0.867 against 0.884 ms at 382 tokens, 1.63 against 1.72 at 3,047; docs/models.md, "Compiled CPU steps")
+_OP_MODES = {"one": False, "wide": True}
 MIN_CONTEXT = 128    # shorter caches leave the exporter no range of at least two chunks
 # the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
 # rebuilt rather than loaded (the load check would catch a different result, not a slower one)
-FORMAT = 3
+FORMAT = 4
 
 
 def spare_slots(capacity: int) -> int:
@@ -108,7 +113,8 @@ def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
                 hd=a.hd, E=mlp.n_exp, inter=mlp.inter, k=mlp.top_k, norm_topk=bool(mlp.norm_topk),
                 eps=float(la.input_layernorm.eps), qk_eps=float(a.q_norm.eps), out_eps=float(model.model.norm.eps),
                 rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype),
-                capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps))
+                capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps),
+                attn="op" if cpu_attention.registered() and _OP_MODES.get(mode) else "torch")
 
 
 def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -173,9 +179,13 @@ class _Step(torch.nn.Module):
             kc[:, start:start + W].copy_(kt)                         # padding rows too: past the real rows, unread
             vc[:, start:start + W].copy_(v.reshape(W, nkv, hd).transpose(0, 1))
             qg = q.reshape(W, nkv, grp, hd).permute(1, 0, 2, 3).reshape(nkv, W * grp, hd)
-            if s["mode"] == "one":    # one row: keys 0..start, one product each way (a row's bits need no window)
+            if s["mode"] == "one" and s["attn"] == "op":
+                o = torch.ops.strata.window_values(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), vc, seen, grp)
+            elif s["mode"] == "one":  # one row: keys 0..start, one product each way (a row's bits need no window)
                 pr = torch.softmax(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), -1)
                 o = torch.bmm(pr, vc[:, :start + 1])
+            elif s["attn"] == "op":   # scores against keys 0..N-1; each row's softmax and values by the C++ op
+                o = torch.ops.strata.window_values(torch.bmm(qg, kc[:, :N].transpose(1, 2)), vc, seen, grp)
             else:
                 sc = torch.bmm(qg, kc[:, :N].transpose(1, 2)).view(nkv, W, grp, N)
                 sc = sc.masked_fill(hide[None, :, None, :], float("-inf")).view(nkv, W * grp, N)
@@ -315,6 +325,7 @@ def load(model, kv, mode: str, taps: tuple[int, ...], root: Path) -> tuple[Any, 
     why = fits(model, kv)
     if why is not None:
         return None, why
+    cpu_attention.ensure(root, build=False)      # before the key is made: a package with the op names it
     return aoti.open_package(package_path(model, kv, mode, taps, root),
                              lambda runner: check(model, kv, mode, taps, runner), "the target step")
 
@@ -325,6 +336,10 @@ def attach(model, kv, taps: tuple[int, ...], modes: tuple[str, ...], root: Path,
     why any mode is not there ("" when all are)."""
     got: dict[str, Any] = {}
     why_all = ""
+    if aoti.wanted() and fits(model, kv) is None:
+        # the attention op first (its own library, built once per machine): where it cannot be had, the packages
+        # take the torch-op attention and say nothing of it (the op is a speed-up, not a requirement)
+        cpu_attention.ensure(root, build=build_missing)
     for mode in modes:
         ld, why = load(model, kv, mode, taps, root)
         if ld is None and build_missing and aoti.wanted() and fits(model, kv) is None:

@@ -33,6 +33,11 @@ def built(tmp_path_factory):
     assert eng.target_why == "not built for this machine yet (strata-setup builds it)"
     assert eng.compile_target(build=True) == ""
     assert sorted(eng.target_packages) == ["one", "wide"]
+    # the wide package calls the attention op (runtime/cpu_attention.py), built into the same store; the one-row
+    # package keeps its two products
+    assert len(list((home / "compiled").glob("attention-op-*.so"))) == 1
+    assert target_compiled.shape_of(eng.model, eng.kv, "wide", eng.target_taps)["attn"] == "op"
+    assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "torch"
     yield eng, home / "compiled"
     mp.undo()
 
@@ -175,7 +180,8 @@ def test_a_missing_package_is_built_at_the_first_run_or_the_reason_kept(built, t
     assert len(said) == 1 and said[0].startswith("compiling the target's step for this CPU")
     assert eng.target_why == "compiling the one-row step failed (RuntimeError: C++ compile error)"
     assert isinstance(eng.static_step(4), StaticStep)
-    assert not (tmp_path / "compiled").exists() or list((tmp_path / "compiled").iterdir()) == []
+    left = list((tmp_path / "compiled").iterdir()) if (tmp_path / "compiled").exists() else []
+    assert [p.name for p in left if not p.name.startswith("attention-op-")] == []     # no package, no temporary
     monkeypatch.undo()
     assert eng.compile_target(build=False) == ""
 

@@ -1,0 +1,123 @@
+"""The compiled CPU step's attention op (runtime/cpu_attention.py, runtime/csrc/window_values.cpp): it computes each
+row's softmax and value sum to float32 accuracy, a row's bits do not depend on the rows beside it or on how many
+keys were scored, and building or loading it fails with a reason and leaves nothing half-written."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime import cpu_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def op(tmp_path_factory):
+    """The op built into a store of its own (or, where this process has it already, copied there)."""
+    if cpu_attention.compiler() is None:
+        pytest.skip("no C++ compiler: the op cannot be built here (the packages keep the torch-op attention)")
+    root = tmp_path_factory.mktemp("compiled")
+    assert cpu_attention.ensure(root, build=True) == ""
+    assert cpu_attention.registered()
+    return root
+
+
+def _case(gen: torch.Generator, nkv: int, grp: int, hd: int, N: int, positions: list[int]):
+    sc = torch.randn(nkv, len(positions) * grp, N, generator=gen) * 4
+    vc = torch.randn(nkv, N + 8, hd, generator=gen)
+    return sc, vc, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("nkv,grp,hd,N,positions", [
+    (2, 2, 64, 160, [0, 15, 16, 159]),          # key counts on and off the 16-lane blocks
+    (1, 4, 128, 37, [36, 20]),                  # scores not a multiple of 16 long
+    (4, 1, 256, 300, [299, 1, 128, 64, 200]),
+    (2, 8, 128, 1024, [1000, 1001, 1002, 1003]),
+])
+def test_matches_float64_softmax_attention(op, nkv, grp, hd, N, positions):
+    sc, vc, seen = _case(torch.Generator().manual_seed(N), nkv, grp, hd, N, positions)
+    got = torch.ops.strata.window_values(sc, vc, seen, grp)
+    want = cpu_attention.reference(sc, vc, seen, grp)
+    assert got.shape == (nkv, len(positions) * grp, hd)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.integers(0, 299), min_size=1, max_size=16), pick=st.integers(0, 15),
+       extra=st.integers(0, 200), grp=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_a_rows_bits_do_not_depend_on_its_window(op, rows, pick, extra, grp, seed):
+    """Row `pick` of a window of random rows gives the same bits alone, scored against just enough keys, as in the
+    window scored against `extra` keys more (what the wide step's padding rows, window positions and rounded key
+    count vary)."""
+    pick %= len(rows)
+    gen = torch.Generator().manual_seed(seed)
+    N = max(rows) + 1 + extra
+    sc, vc, seen = _case(gen, 2, grp, 64, N, rows)
+    full = torch.ops.strata.window_values(sc, vc, seen, grp)
+    n = rows[pick] + 1
+    lines = slice(pick * grp, (pick + 1) * grp)
+    alone = torch.ops.strata.window_values(sc[:, lines, :n].contiguous(), vc, seen[pick:pick + 1], grp)
+    assert torch.equal(alone, full[:, lines])
+
+
+def test_bad_input_is_refused_with_a_sentence(op):
+    sc, vc, seen = _case(torch.Generator().manual_seed(1), 2, 2, 64, 32, [31, 40])
+    with pytest.raises(RuntimeError, match="a position is outside the scores"):
+        torch.ops.strata.window_values(sc, vc, seen, 2)
+    with pytest.raises(RuntimeError, match="head size 48 is not 64, 128 or 256"):
+        torch.ops.strata.window_values(sc, torch.randn(2, 64, 48), torch.tensor([3, 4]), 2)
+    with pytest.raises(RuntimeError, match="float32 scores"):
+        torch.ops.strata.window_values(sc.double(), vc, torch.tensor([3, 4]), 2)
+
+
+def test_the_library_lives_in_the_store_and_is_shared(op, tmp_path):
+    libs = list(op.glob("attention-op-*.so"))
+    assert len(libs) == 1 and libs[0] == cpu_attention.library_path(op, cpu_attention.compiler())
+    assert cpu_attention.ensure(tmp_path, build=False) == ""          # loaded already: nothing to do
+    assert cpu_attention.ensure(tmp_path, build=True) == ""           # ... and a store that builds gets a copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([libs[0].name, libs[0].with_suffix(".sha256").name])
+    assert (tmp_path / libs[0].name).read_bytes() == libs[0].read_bytes()
+
+
+def test_no_compiler_or_a_failing_one_gives_a_reason_and_no_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_state", {"path": None, "failed": ""})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_attention.ensure(tmp_path, build=True) == "no C++ compiler (c++, g++ or clang++) on the PATH"
+    bad = tmp_path / "bad-cxx"
+    bad.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("CXX", str(bad))
+    store = tmp_path / "compiled"
+    why = cpu_attention.ensure(store, build=True)
+    assert why == "building the attention op failed (RuntimeError: error: this compiler is broken)"
+    assert cpu_attention.ensure(store, build=True) == why            # not retried in this process
+    assert not store.exists() or list(store.iterdir()) == []
+    assert not cpu_attention.registered()
+
+
+def test_a_damaged_library_is_refused_in_a_fresh_process(op, tmp_path):
+    """A file under the library's name that is not what was built (a truncated copy, which would crash the process
+    that loads it): it is hashed before loading and refused with a reason, and the packages keep the torch-op
+    attention; a fresh process with the intact library loads and checks it."""
+    lib = cpu_attention.library_path(tmp_path, cpu_attention.compiler())
+    good = next(op.glob("attention-op-*.so"))
+    lib.write_bytes(good.read_bytes()[:4096])
+    lib.with_suffix(".sha256").write_bytes(good.with_suffix(".sha256").read_bytes())
+    code = ("from pathlib import Path; from runtime import cpu_attention as c; "
+            f"print(c.ensure(Path({str(tmp_path)!r}), build=False)); print(c.registered())")
+
+    def fresh() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.rstrip("\n").split("\n")
+    assert fresh() == [f"the attention op {lib.name} is damaged (its sha256 is not the one recorded when it was "
+                       "built)", "False"]
+    lib.write_bytes(good.read_bytes())
+    assert fresh() == ["", "True"]
