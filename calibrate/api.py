@@ -352,7 +352,8 @@ def _calibrate_built(engine: Any, cfg: dict[str, Any], kind: str, key: Any, stor
                                  "compile_s": round(float(getattr(engine, "compile_s", 0.0)), 2)}
     if hasattr(engine, "compile_target") and getattr(getattr(engine, "device", None), "type", None) == "cpu":
         facts["target_step"] = {"compiled": sorted(engine.target_packages), "why_not": engine.target_why or None,
-                                "compile_s": round(float(engine.target_compile_s), 2)}
+                                "compile_s": round(float(engine.target_compile_s), 2),
+                                "attention_op_why_not": getattr(engine, "attention_why", "") or None}
     if prof is not None:
         facts["routing_profile"] = {"path": str(prof.path), "reused": prof.reused, "key": prof.key,
                                     "expected_hit_rate": engine.experts.expected_hit_rate()}

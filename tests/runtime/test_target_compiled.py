@@ -38,6 +38,7 @@ def built(tmp_path_factory):
     assert len(list((home / "compiled").glob("attention-op-*.so"))) == 1
     assert target_compiled.shape_of(eng.model, eng.kv, "wide", eng.target_taps)["attn"] == "op"
     assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "torch"
+    assert eng.attention_why == ""
     yield eng, home / "compiled"
     mp.undo()
 
