@@ -1,10 +1,10 @@
-"""The compiled CPU target step's attention op (`strata::window_values`, runtime/csrc/window_values.cpp): each
-window row's softmax and value sum in C++, with a fixed per-row order of operations (docs/models.md, "Compiled CPU
-steps").
+"""The compiled CPU target step's attention op (`strata::window_attention`, runtime/csrc/window_attention.cpp): each
+window row's scores, softmax and value sum in C++, with a fixed per-row order of operations (docs/models.md,
+"Compiled CPU steps", "The attention op").
 
 Why: in the wide step (a verify window) the attention written as torch ops took three quarters of the step at 3k
-tokens of context, mostly in the 128-position chunk products that kept a row's sum order fixed; the op keeps it
-fixed by construction at a fraction of the cost. It is built with this machine's C++ compiler (the one AOTInductor
+tokens of context, mostly in the 128-position chunk products that kept a row's sum order fixed, and a small BLAS
+product's fixed costs; the op keeps the order fixed by construction and reads each key and value row once. It is built with this machine's C++ compiler (the one AOTInductor
 uses for the packages) into the store's compiled/ directory next to the packages that call it, and loaded into
 the process, checked, before any of them: a package built with the op calls it through the dispatcher. Where it
 cannot be built or fails its check, the packages keep the torch-op attention (`registered()` is part of their key).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "window_values.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "window_attention.cpp"
 FORMAT = 1
 # -ffp-contract=off: the source's products and sums stay separate roundings in every loop (a row's arithmetic must
 # not depend on which loop ran it); -march=native: the library is keyed by this CPU's model and flags
@@ -146,9 +146,9 @@ def _build(cxx: str, path: Path) -> None:
 def _load(path: Path) -> None:
     torch.ops.load_library(str(path))
 
-    @torch.library.register_fake("strata::window_values")
-    def _(sc, vc, seen, grp):
-        return sc.new_empty((sc.shape[0], sc.shape[1], vc.shape[2]))
+    @torch.library.register_fake("strata::window_attention")
+    def _(q, kc, vc, seen, grp):
+        return torch.empty_like(q)
 
     why = check()
     if why:
@@ -156,29 +156,29 @@ def _load(path: Path) -> None:
     _state["path"] = str(path)
 
 
-def reference(sc: torch.Tensor, vc: torch.Tensor, seen: torch.Tensor, grp: int) -> torch.Tensor:
-    """What the op computes, in float64 torch: each line's softmax over keys 0..its row's position, times the
-    values."""
-    nkv, L, N = sc.shape
-    keys = torch.arange(N)
-    pos = seen.repeat_interleave(grp)                                    # [L]
-    s = sc.double().masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
+def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seen: torch.Tensor, grp: int) -> torch.Tensor:
+    """What the op computes, in float64 torch: each line's softmax over keys 0..its row's position of its scores
+    against the cache, times the values."""
+    N = int(seen.max()) + 1
+    pos = seen.repeat_interleave(grp)                                    # [lines]
+    s = q.double() @ kc[:, :N].double().transpose(1, 2)
+    s = s.masked_fill(torch.arange(N)[None, None, :] > pos[None, :, None], float("-inf"))
     return (torch.softmax(s, -1) @ vc[:, :N].double()).float()
 
 
 def check() -> str:
-    """Why the loaded op does not compute its attention ("" when it does): against `reference` on random inputs,
-    and one row's bits alone and inside a window of other rows."""
+    """Why the loaded op does not compute its attention ("" when it does): against `reference` on random inputs
+    (the cache's last slot included), and one row's bits alone and inside a window of other rows."""
     gen = torch.Generator().manual_seed(0)
-    nkv, grp, hd, N = 2, 2, 64, 160
-    vc = torch.randn(nkv, N + 16, hd, generator=gen)
-    seen = torch.tensor([37, 150, 151, 0])
-    sc = torch.randn(nkv, 4 * grp, N, generator=gen) * 3
-    got = torch.ops.strata.window_values(sc, vc, seen, grp)
-    want = reference(sc, vc, seen, grp)
+    nkv, grp, hd, slots = 2, 2, 64, 170
+    kc, vc = torch.randn(nkv, slots, hd, generator=gen), torch.randn(nkv, slots, hd, generator=gen)
+    seen = torch.tensor([37, 150, 169, 0])
+    q = torch.randn(nkv, 4 * grp, hd, generator=gen)
+    got = torch.ops.strata.window_attention(q, kc, vc, seen, grp)
+    want = reference(q, kc, vc, seen, grp)
     if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
         return f"the attention op is off by {float((got - want).abs().max()):.1e} from float64"
-    alone = torch.ops.strata.window_values(sc[:, 2:4, :152].contiguous(), vc, seen[1:2], grp)
+    alone = torch.ops.strata.window_attention(q[:, 2:4].contiguous(), kc, vc, seen[1:2], grp)
     if not torch.equal(alone, got[:, 2:4]):
         return "the attention op gives a row other bits inside a window than alone"
     return ""

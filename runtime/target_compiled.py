@@ -41,9 +41,8 @@ from runtime.models.qwen3_moe import TargetOutput
 CHUNK = 128          # the attention's values are summed in chunks of this many positions, fixed by position
 WIDE_MAX = 16        # the most rows the "wide" package takes (the drafters' largest window)
 MODES = ("one", "wide")
-# which modes take the C++ attention op where it is loaded: not the one-row step, whose one product each way was
-# faster (0.867 against 0.884 ms at 382 tokens, 1.63 against 1.72 at 3,047; docs/models.md, "Compiled CPU steps")
-_OP_MODES = {"one": False, "wide": True}
+# which modes take the C++ attention op where it is loaded (docs/models.md, "The attention op")
+_OP_MODES = {"one": True, "wide": True}
 MIN_CONTEXT = 128    # shorter caches leave the exporter no range of at least two chunks
 # the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
 # rebuilt rather than loaded (the load check would catch a different result, not a slower one)
@@ -179,13 +178,11 @@ class _Step(torch.nn.Module):
             kc[:, start:start + W].copy_(kt)                         # padding rows too: past the real rows, unread
             vc[:, start:start + W].copy_(v.reshape(W, nkv, hd).transpose(0, 1))
             qg = q.reshape(W, nkv, grp, hd).permute(1, 0, 2, 3).reshape(nkv, W * grp, hd)
-            if s["mode"] == "one" and s["attn"] == "op":
-                o = torch.ops.strata.window_values(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), vc, seen, grp)
+            if s["attn"] == "op":     # each row over keys 0..its position, by the C++ op (runtime/cpu_attention.py)
+                o = torch.ops.strata.window_attention(qg.contiguous(), kc, vc, seen, grp)
             elif s["mode"] == "one":  # one row: keys 0..start, one product each way (a row's bits need no window)
                 pr = torch.softmax(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), -1)
                 o = torch.bmm(pr, vc[:, :start + 1])
-            elif s["attn"] == "op":   # scores against keys 0..N-1; each row's softmax and values by the C++ op
-                o = torch.ops.strata.window_values(torch.bmm(qg, kc[:, :N].transpose(1, 2)), vc, seen, grp)
             else:
                 sc = torch.bmm(qg, kc[:, :N].transpose(1, 2)).view(nkv, W, grp, N)
                 sc = sc.masked_fill(hide[None, :, None, :], float("-inf")).view(nkv, W * grp, N)

@@ -1,6 +1,6 @@
-"""The compiled CPU step's attention op (runtime/cpu_attention.py, runtime/csrc/window_values.cpp): it computes each
-row's softmax and value sum to float32 accuracy, a row's bits do not depend on the rows beside it or on how many
-keys were scored, and building or loading it fails with a reason and leaves nothing half-written."""
+"""The compiled CPU step's attention op (runtime/cpu_attention.py, runtime/csrc/window_attention.cpp): it computes each
+row's attention over the cache to float32 accuracy, a row's bits do not depend on the rows beside it, and building
+or loading it fails with a reason and leaves nothing half-written."""
 
 import os
 import subprocess
@@ -28,52 +28,60 @@ def op(tmp_path_factory):
     return root
 
 
-def _case(gen: torch.Generator, nkv: int, grp: int, hd: int, N: int, positions: list[int]):
-    sc = torch.randn(nkv, len(positions) * grp, N, generator=gen) * 4
-    vc = torch.randn(nkv, N + 8, hd, generator=gen)
-    return sc, vc, torch.tensor(positions)
+def _case(gen: torch.Generator, nkv: int, grp: int, hd: int, slots: int, positions: list[int]):
+    q = torch.randn(nkv, len(positions) * grp, hd, generator=gen) * 0.5
+    kc = torch.randn(nkv, slots, hd, generator=gen)
+    vc = torch.randn(nkv, slots, hd, generator=gen)
+    return q, kc, vc, torch.tensor(positions)
 
 
-@pytest.mark.parametrize("nkv,grp,hd,N,positions", [
-    (2, 2, 64, 160, [0, 15, 16, 159]),          # key counts on and off the 16-lane blocks
-    (1, 4, 128, 37, [36, 20]),                  # scores not a multiple of 16 long
+@pytest.mark.parametrize("nkv,grp,hd,slots,positions", [
+    (2, 2, 64, 170, [0, 15, 16, 159]),          # key counts on and off the 16-key blocks
+    (1, 4, 128, 37, [36, 20]),                  # the cache's last slot, in a block it does not fill
     (4, 1, 256, 300, [299, 1, 128, 64, 200]),
-    (2, 8, 128, 1024, [1000, 1001, 1002, 1003]),
+    (2, 8, 128, 1030, [1000, 1001, 1002, 1003]),
 ])
-def test_matches_float64_softmax_attention(op, nkv, grp, hd, N, positions):
-    sc, vc, seen = _case(torch.Generator().manual_seed(N), nkv, grp, hd, N, positions)
-    got = torch.ops.strata.window_values(sc, vc, seen, grp)
-    want = cpu_attention.reference(sc, vc, seen, grp)
-    assert got.shape == (nkv, len(positions) * grp, hd)
+def test_matches_float64_softmax_attention(op, nkv, grp, hd, slots, positions):
+    q, kc, vc, seen = _case(torch.Generator().manual_seed(slots), nkv, grp, hd, slots, positions)
+    got = torch.ops.strata.window_attention(q, kc, vc, seen, grp)
+    want = cpu_attention.reference(q, kc, vc, seen, grp)
+    assert got.shape == q.shape
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_strided_cache_view_is_read_as_the_package_passes_it(op):
+    """The package hands the op one layer of the engine's cache ([kv heads, slots, hd] views of a larger tensor)."""
+    q, _, _, seen = _case(torch.Generator().manual_seed(3), 2, 2, 64, 200, [150, 151])
+    big = torch.randn(3, 2, 2, 200, 64)
+    kc, vc = big[1, 0], big[2, 1]
+    got = torch.ops.strata.window_attention(q, kc, vc, seen, 2)
+    torch.testing.assert_close(got, cpu_attention.reference(q, kc, vc, seen, 2), rtol=2e-5, atol=2e-6)
 
 
 @settings(max_examples=40, deadline=None)
 @given(rows=st.lists(st.integers(0, 299), min_size=1, max_size=16), pick=st.integers(0, 15),
-       extra=st.integers(0, 200), grp=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
-def test_a_rows_bits_do_not_depend_on_its_window(op, rows, pick, extra, grp, seed):
-    """Row `pick` of a window of random rows gives the same bits alone, scored against just enough keys, as in the
-    window scored against `extra` keys more (what the wide step's padding rows, window positions and rounded key
-    count vary)."""
+       grp=st.sampled_from([1, 2, 4]), hd=st.sampled_from([64, 128]), seed=st.integers(0, 2**16))
+def test_a_rows_bits_do_not_depend_on_its_window(op, rows, pick, grp, hd, seed):
+    """Row `pick` of a window of random rows gives the same bits alone as inside the window (what the wide step's
+    padding rows, window positions and widths vary)."""
     pick %= len(rows)
     gen = torch.Generator().manual_seed(seed)
-    N = max(rows) + 1 + extra
-    sc, vc, seen = _case(gen, 2, grp, 64, N, rows)
-    full = torch.ops.strata.window_values(sc, vc, seen, grp)
-    n = rows[pick] + 1
+    q, kc, vc, seen = _case(gen, 2, grp, hd, 300, rows)
+    full = torch.ops.strata.window_attention(q, kc, vc, seen, grp)
     lines = slice(pick * grp, (pick + 1) * grp)
-    alone = torch.ops.strata.window_values(sc[:, lines, :n].contiguous(), vc, seen[pick:pick + 1], grp)
+    alone = torch.ops.strata.window_attention(q[:, lines].contiguous(), kc, vc, seen[pick:pick + 1], grp)
     assert torch.equal(alone, full[:, lines])
 
 
 def test_bad_input_is_refused_with_a_sentence(op):
-    sc, vc, seen = _case(torch.Generator().manual_seed(1), 2, 2, 64, 32, [31, 40])
-    with pytest.raises(RuntimeError, match="a position is outside the scores"):
-        torch.ops.strata.window_values(sc, vc, seen, 2)
+    q, kc, vc, _ = _case(torch.Generator().manual_seed(1), 2, 2, 64, 32, [31, 30])
+    with pytest.raises(RuntimeError, match="a position is outside the cache"):
+        torch.ops.strata.window_attention(q, kc, vc, torch.tensor([31, 32]), 2)
     with pytest.raises(RuntimeError, match="head size 48 is not 64, 128 or 256"):
-        torch.ops.strata.window_values(sc, torch.randn(2, 64, 48), torch.tensor([3, 4]), 2)
-    with pytest.raises(RuntimeError, match="float32 scores"):
-        torch.ops.strata.window_values(sc.double(), vc, torch.tensor([3, 4]), 2)
+        torch.ops.strata.window_attention(torch.randn(2, 4, 48), torch.randn(2, 8, 48), torch.randn(2, 8, 48),
+                                          torch.tensor([3, 4]), 2)
+    with pytest.raises(RuntimeError, match="float32 queries"):
+        torch.ops.strata.window_attention(q.double(), kc, vc, torch.tensor([3, 4]), 2)
 
 
 def test_the_library_lives_in_the_store_and_is_shared(op, tmp_path):

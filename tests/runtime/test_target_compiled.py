@@ -33,11 +33,10 @@ def built(tmp_path_factory):
     assert eng.target_why == "not built for this machine yet (strata-setup builds it)"
     assert eng.compile_target(build=True) == ""
     assert sorted(eng.target_packages) == ["one", "wide"]
-    # the wide package calls the attention op (runtime/cpu_attention.py), built into the same store; the one-row
-    # package keeps its two products
+    # both packages call the attention op (runtime/cpu_attention.py), built into the same store
     assert len(list((home / "compiled").glob("attention-op-*.so"))) == 1
     assert target_compiled.shape_of(eng.model, eng.kv, "wide", eng.target_taps)["attn"] == "op"
-    assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "torch"
+    assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "op"
     assert eng.attention_why == ""
     yield eng, home / "compiled"
     mp.undo()

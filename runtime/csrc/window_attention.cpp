@@ -1,0 +1,261 @@
+// strata::window_attention: a window's attention on a CPU for the compiled target step (runtime/cpu_attention.py
+// builds it; docs/models.md, "Compiled CPU steps", "The attention op").
+//
+// Every line (a query head of a window row) gets the same arithmetic whatever the other lines hold: its scores
+// q . k_j for keys 0..p (p: its row's position), each a fixed sum (the head's 16-value slices multiplied and added
+// in slice order, then the 16 lanes by a fixed tree); their maximum; exp(score - max) in 16-lane vectors whose lanes
+// are fixed by key position, summed lane-wise in key order and then by a fixed tree; and its values summed one key
+// after another in key order, times 1 / that sum. So a row's bits depend on its query, its position and the cache,
+// never on the window's width or the rows beside it: the compiled step's lossless promise. Built with
+// -ffp-contract=off, so the compiler fuses no product into a sum in one loop and not in another (the fused
+// multiply-adds below are explicit and the same everywhere).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vi splat_i(int64_t x) { return vi{} + static_cast<int32_t>(x); }
+inline vf loadu(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vi bits(vf v) { vi b; std::memcpy(&b, &v, sizeof(b)); return b; }
+inline vf floats(vi b) { vf v; std::memcpy(&v, &b, sizeof(v)); return v; }
+inline vf select(vi mask, vf a, vf b) { return floats((mask & bits(a)) | (~mask & bits(b))); }
+
+// a * b + c: one rounding where the CPU fuses it, else two; the same in every loop of a build (the compiler fuses
+// nothing by itself: -ffp-contract=off)
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
+}
+
+// a fixed tree: lanes 0..7 + 8..15, then 0..3 + 4..7, ...
+inline float hsum(vf v) {
+  float a[LANES];
+  std::memcpy(a, &v, sizeof(a));
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
+  return a[0];
+}
+
+// exp(x) for x <= 0 (Cephes' single-precision polynomial), the same operations on every lane
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.33654f);
+  x = select(x < lo, lo, x);
+  const vf magic = splat(12582912.f);             // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vf r = (x * splat(1.44269504088896341f) + magic) - magic;
+  x = x - r * splat(0.693359375f) - r * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * x * x + x + splat(1.f);
+  return floats(bits(y) + (__builtin_convertvector(r, vi) << 23));
+}
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+// four levels of pairwise sums: 16 vectors of 16 partial sums (one per key) -> one vector of 16 keys' sums, lane k
+// holding key k's; each key's lanes are summed by the same fixed tree
+inline vf reduce16(vf* a) {
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUF(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUF(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// one KV head's scores: s[l][j] = q_l . k_j for keys 0..n-1 (rounded up to 16), each a fixed sum: the head's 16-value
+// slices multiplied and added in slice order, then the slice's lanes by reduce16's tree. The keys stream through
+// once in blocks of 16, every line of the head reading a block from L1.
+template <int D>
+void head_scores(const float* Q, const float* K, int64_t kr, int64_t n, int64_t slots, int64_t L, float* S,
+                 int64_t np) {
+  float tail[LANES * D * LANES];
+  for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+    const float* kb = K + j0 * kr;
+    int64_t stride = kr;
+    if (j0 + LANES > slots) {                    // the cache's last keys: a zero-padded copy
+      std::memset(tail, 0, sizeof(tail));
+      for (int64_t j = j0; j < slots; ++j) std::memcpy(tail + (j - j0) * D * LANES, K + j * kr, D * LANES * 4);
+      kb = tail;
+      stride = D * LANES;
+    } else if (j0 + 2 * LANES <= slots) {
+      for (int j = 0; j < LANES; ++j)
+        for (int d = 0; d < D; ++d) __builtin_prefetch(kb + (LANES + j) * kr + d * LANES);
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      const float* q = Q + l * D * LANES;
+      vf qv[D];
+      for (int d = 0; d < D; ++d) qv[d] = loadu(q + d * LANES);
+      vf acc[LANES];
+      for (int j = 0; j < LANES; ++j) {
+        const float* k = kb + j * stride;
+        vf a = qv[0] * loadu(k);
+        for (int d = 1; d < D; ++d) a = fmadd(qv[d], loadu(k + d * LANES), a);
+        acc[j] = a;
+      }
+      storeu(S + l * np + j0, reduce16(acc));
+    }
+  }
+}
+
+// one KV head: each line's probabilities into pr (row stride np), 1 / their sum into inv, then its output row
+template <int D>
+void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, const int64_t* n, int64_t L,
+          float* O, float* pr, int64_t np, float* inv) {
+  vi iota;
+  for (int i = 0; i < LANES; ++i) iota[i] = i;
+  float tail[LANES];
+  for (int64_t l = 0; l < L; ++l) {
+    const float* s = S + l * sl;
+    float* p = pr + l * np;
+    const int64_t nl = n[l];
+    auto load = [&](int64_t j) {                   // scores j..j+15 (those past the scores' end read as 0)
+      if (j + LANES <= N) return loadu(s + j);
+      for (int i = 0; i < LANES; ++i) tail[i] = j + i < N ? s[j + i] : 0.f;
+      return loadu(tail);
+    };
+    vf mv = splat(-INFINITY);
+    for (int64_t j = 0; j < nl; j += LANES) {
+      const vf x = load(j);
+      mv = select((iota + splat_i(j) < splat_i(nl)) & (x > mv), x, mv);
+    }
+    float m = mv[0];
+    for (int i = 1; i < LANES; ++i) m = mv[i] > m ? mv[i] : m;
+    vf sum = splat(0.f);
+    for (int64_t j = 0; j < nl; j += LANES) {
+      const vf x = select(iota + splat_i(j) < splat_i(nl), vexp(load(j) - splat(m)), splat(0.f));
+      storeu(p + j, x);
+      sum += x;
+    }
+    inv[l] = 1.f / hsum(sum);
+  }
+  // the values: G lines share each value row's loads; a line's sum runs over its keys in order either way
+  constexpr int G = D <= 4 ? 4 : 2;
+  for (int64_t l0 = 0; l0 < L; l0 += G) {
+    const int64_t g = std::min<int64_t>(G, L - l0);
+    vf o[G][D];
+    int64_t lo = n[l0];
+    for (int64_t i = 0; i < g; ++i) {
+      lo = std::min(lo, n[l0 + i]);
+      for (int d = 0; d < D; ++d) o[i][d] = splat(0.f);
+    }
+    int64_t j = 0;
+    if (g == G) {
+      for (; j < lo; ++j) {
+        const float* vj = V + j * vr;
+        if (j + 16 < lo)
+          for (int d = 0; d < D; ++d) __builtin_prefetch(vj + 16 * vr + d * LANES);
+        vf pj[G];
+        for (int i = 0; i < G; ++i) pj[i] = splat(pr[(l0 + i) * np + j]);
+        for (int d = 0; d < D; ++d) {
+          const vf v = loadu(vj + d * LANES);
+          for (int i = 0; i < G; ++i) o[i][d] = fmadd(pj[i], v, o[i][d]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < g; ++i) {
+      const float* p = pr + (l0 + i) * np;
+      for (int64_t jj = j; jj < n[l0 + i]; ++jj) {
+        const float* vj = V + jj * vr;
+        const vf pj = splat(p[jj]);
+        for (int d = 0; d < D; ++d) o[i][d] = fmadd(pj, loadu(vj + d * LANES), o[i][d]);
+      }
+      float* ov = O + (l0 + i) * D * LANES;
+      for (int d = 0; d < D; ++d) storeu(ov + d * LANES, o[i][d] * splat(inv[l0 + i]));
+    }
+  }
+}
+
+// q [kv heads, lines, hd] (lines row-major: row r's query heads at r * grp ..), kc and vc [kv heads, slots, hd] the
+// cache, seen [rows] each row's position: out [kv heads, lines, hd], each line attending over keys 0..its position
+at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& seen,
+                            int64_t grp) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 3 && vc.dim() == 3 && seen.dim() == 1 && q.size(0) == kc.size(0) &&
+              kc.sizes() == vc.sizes() && q.size(2) == kc.size(2), "window_attention: shapes do not match");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat &&
+              seen.scalar_type() == at::kLong, "window_attention takes float32 queries and cache and int64 positions");
+  TORCH_CHECK(q.is_contiguous() && kc.stride(2) == 1 && vc.stride(2) == 1 && seen.is_contiguous() && grp > 0 &&
+              seen.size(0) * grp == q.size(1), "window_attention: unexpected layout");
+  const int64_t nkv = q.size(0), L = q.size(1), hd = q.size(2), slots = kc.size(1);
+  TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "window_attention: head size ", hd, " is not 64, 128 or 256");
+  at::Tensor out = at::empty({nkv, L, hd}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const float* K = kc.data_ptr<float>();
+  const float* V = vc.data_ptr<float>();
+  const int64_t* P = seen.data_ptr<int64_t>();
+  float* O = out.data_ptr<float>();
+  const int64_t ks = kc.stride(0), kr = kc.stride(1), vs = vc.stride(0), vr = vc.stride(1);
+  std::vector<int64_t> n(L);
+  int64_t nmax = 1;
+  for (int64_t l = 0; l < L; ++l) {
+    n[l] = P[l / grp] + 1;
+    TORCH_CHECK(n[l] >= 1 && n[l] <= slots, "window_attention: a position is outside the cache");
+    nmax = std::max(nmax, n[l]);
+  }
+  const int64_t np = (nmax + LANES - 1) / LANES * LANES;
+  at::parallel_for(0, nkv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> sc(L * np), inv(L);
+    for (int64_t h = b; h < e; ++h) {
+      const float* Qh = Q + h * L * hd;
+      const float* Kh = K + h * ks;
+      const float* Vh = V + h * vs;
+      float* Oh = O + h * L * hd;
+      switch (hd) {
+        case 64:
+          head_scores<4>(Qh, Kh, kr, nmax, slots, L, sc.data(), np);
+          head<4>(sc.data(), np, np, Vh, vr, n.data(), L, Oh, sc.data(), np, inv.data());
+          break;
+        case 128:
+          head_scores<8>(Qh, Kh, kr, nmax, slots, L, sc.data(), np);
+          head<8>(sc.data(), np, np, Vh, vr, n.data(), L, Oh, sc.data(), np, inv.data());
+          break;
+        default:
+          head_scores<16>(Qh, Kh, kr, nmax, slots, L, sc.data(), np);
+          head<16>(sc.data(), np, np, Vh, vr, n.data(), L, Oh, sc.data(), np, inv.data());
+          break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(strata, m) {
+  m.def("window_attention(Tensor q, Tensor kc, Tensor vc, Tensor seen, int grp) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(strata, CPU, m) { m.impl("window_attention", &window_attention); }
