@@ -16,7 +16,8 @@ padding and window position bit for bit). Its bits are inductor's and the op's, 
 runs every window of a run through one of them.
 
 Two packages per model and cache: "one" (a target decoding alone: one row, its k experts gathered, its attention
-over keys 0..start in one product each way, since a one-row engine's rows never share a window) and "wide"
+over keys 0..start by the op, or else in one product each way, since a one-row engine's rows never share a
+window) and "wide"
 (2..WIDE_MAX rows, the width a dynamic size called at the engine's one width: every expert on every row weighted by
 the routing, as `SparseMoe.dense` does). The weights and the cache are inputs: a package depends only on the shapes
 (`shape_of`), holds no checkpoint bytes, and is kept in the store under compiled/ (runtime/paths.py).
