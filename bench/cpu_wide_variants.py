@@ -6,7 +6,7 @@ fixed width, on the bundled pack with a real prompt in the cache.
 
 Variants (each compiled for the width alone, where the shipped package takes 2..16 rows; edits of the shipped
 forward's text, and the script stops with the variant's name if the code moved):
-- `static width`: the shipped forward as it is (its attention the C++ op where it is built, runtime/cpu_attention.py);
+- `static width`: the shipped forward as it is (its attention the C++ op where it is built, runtime/cpu_ops.py);
 - `torch-op attention`: the attention as it was before the op: scores, mask and softmax as torch ops and the values
   in 128-position chunk products summed in chunk order (what a package takes where the op cannot be built);
 - `experts per row`: each row's k experts selected by index (views, no gather copy; the width fixed in the

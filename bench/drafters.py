@@ -10,7 +10,8 @@ arm runs twice: its chain eager, and ` compiled` (the head's step compiled ahead
 mtp_compiled.py; built into the store's compiled/ on first use, about 15 s), and target-only and the compiled MTP
 arms and DFlash2 BF16 once more with the target's step compiled too (", target compiled": runtime/target_compiled.py,
 about 45 s to build once), and those drafted arms again with the wide step's attention as torch ops (", torch-op
-attention": the attention before runtime/cpu_attention.py's op, what a machine that cannot build it runs).
+attention": the attention before runtime/cpu_ops.py's op, what a machine that cannot build it runs), and the
+compiled MTP arms with the chain's int8 head through torch's kernel (", torch int8 head": before the C++ head).
 Also the greedy-equality check of docs/models.md ("Speculative decoding") in BF16 on the GPU: every drafted arm's tokens against target-only
 tokens of the same engine (the fixed-width step: runtime/static_step.py), and, for contrast, the plain eager path
 (no static step: a 1-row decode vs k-row verify in cuBLAS/SDPA) — `eager mismatches` counts prompts that differ there.
@@ -41,6 +42,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from runtime import target_compiled  # noqa: E402
+from runtime.drafters import head8  # noqa: E402
 
 EAGER_ARMS = ("MTP b4", "DFlash2 bf16")
 
@@ -57,10 +59,14 @@ def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dic
     # again with ", target compiled" (the other arms run the eager target step)
     out += [dict(a, arm=a["arm"] + ", target compiled", target=True) for a in out
             if a["kind"] == "none" or a.get("compiled") or a["arm"] == "DFlash2 bf16"]
-    # and the drafted ones once more with the wide step's attention as torch ops (runtime/cpu_attention.py: what a
+    # and the drafted ones once more with the wide step's attention as torch ops (runtime/cpu_ops.py: what a
     # package takes where the C++ op cannot be built; the attention before the op)
     out += [dict(a, arm=a["arm"] + ", torch-op attention", attn_op=False) for a in out
             if a.get("target") and a["kind"] != "none"]
+    # and the compiled MTP arms with the chain's int8 head through torch's kernel (runtime/drafters/head8.py
+    # USE_OP: before the C++ int8 head)
+    out += [dict(a, arm=a["arm"] + ", torch int8 head", head_op=False) for a in out
+            if a.get("target") and a.get("compiled") and "torch-op" not in a["arm"]]
     out += [{"arm": f"DFlash2 bf16 b{b}", "kind": "dflash2", "path": NANO_DFLASH2, "block": b, "min_p": 0.0}
             for b in dflash_blocks]
     if gguf_dir is not None:
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             eng = engines[key]
             if args.device == "cpu":     # the target step compiled (built once into the store) or eager
                 target_compiled._OP_MODES["wide"] = arm.get("attn_op", True)
+                head8.USE_OP = arm.get("head_op", True)
                 arm["target_why"] = eng.compile_target(build=True) if arm.get("target") else "eager arm"
                 if not arm.get("target"):
                     eng.target_packages = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from runtime import cpu_attention, target_compiled
+from runtime import cpu_ops, target_compiled
 from runtime.artifact_check import check_config_artifacts
 from runtime.config import StrataConfig, load, parse
 from runtime.detok import IncrementalDetokenizer
@@ -217,8 +217,8 @@ class Engine:
             modes = ("one", "wide") if self.drafter is not None else ("one",)
             self.target_packages, self.target_why = target_compiled.attach(
                 self.model, self.kv, self.target_taps, modes, compiled_dir(), build)
-            if "wide" in self.target_packages:    # whether its attention is the C++ op (runtime/cpu_attention.py)
-                self.attention_why = cpu_attention.ensure(compiled_dir(), build=False)
+            if "wide" in self.target_packages:    # whether its attention is the C++ op (runtime/cpu_ops.py)
+                self.attention_why = cpu_ops.ensure(compiled_dir(), build=False)
         self.steps.clear()
         self.step = None
         self.target_compile_s = time.perf_counter() - t0

@@ -10,7 +10,7 @@ beside it or where it sits in the window. The step keeps that as the eager CPU s
 window's fixed shape, the window's K/V are written into the cache first (in place: AOTInductor writes a mutated
 input where it lies), then every row's scores against keys 0..N-1 (N: the window's end rounded up to CHUNK, at least
 two chunks), and each row's softmax over keys 0..its position and its values summed in key order by the C++
-attention op (runtime/cpu_attention.py); where the op is not built, the keys past a row's position masked, one
+attention op (runtime/cpu_ops.py); where the op is not built, the keys past a row's position masked, one
 softmax, and the values in CHUNK-position chunks summed in chunk order (tests/runtime/test_target_compiled.py checks
 padding and window position bit for bit). Its bits are inductor's and the op's, not the eager step's: an engine
 runs every window of a run through one of them.
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime import aoti, cpu_attention
+from runtime import aoti, cpu_ops
 from runtime.models.qwen3_moe import TargetOutput
 
 CHUNK = 128          # the attention's values are summed in chunks of this many positions, fixed by position
@@ -114,7 +114,7 @@ def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
                 eps=float(la.input_layernorm.eps), qk_eps=float(a.q_norm.eps), out_eps=float(model.model.norm.eps),
                 rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype),
                 capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps),
-                attn="op" if cpu_attention.registered() and _OP_MODES.get(mode) else "torch")
+                attn="op" if cpu_ops.registered() and _OP_MODES.get(mode) else "torch")
 
 
 def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -179,7 +179,7 @@ class _Step(torch.nn.Module):
             kc[:, start:start + W].copy_(kt)                         # padding rows too: past the real rows, unread
             vc[:, start:start + W].copy_(v.reshape(W, nkv, hd).transpose(0, 1))
             qg = q.reshape(W, nkv, grp, hd).permute(1, 0, 2, 3).reshape(nkv, W * grp, hd)
-            if s["attn"] == "op":     # each row over keys 0..its position, by the C++ op (runtime/cpu_attention.py)
+            if s["attn"] == "op":     # each row over keys 0..its position, by the C++ op (runtime/cpu_ops.py)
                 o = torch.ops.strata.window_attention(qg.contiguous(), kc, vc, seen, grp)
             elif s["mode"] == "one":  # one row: keys 0..start, one product each way (a row's bits need no window)
                 pr = torch.softmax(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), -1)
@@ -323,7 +323,7 @@ def load(model, kv, mode: str, taps: tuple[int, ...], root: Path) -> tuple[Any, 
     why = fits(model, kv)
     if why is not None:
         return None, why
-    cpu_attention.ensure(root, build=False)      # before the key is made: a package with the op names it
+    cpu_ops.ensure(root, build=False)      # before the key is made: a package with the op names it
     return aoti.open_package(package_path(model, kv, mode, taps, root),
                              lambda runner: check(model, kv, mode, taps, runner), "the target step")
 
@@ -337,7 +337,7 @@ def attach(model, kv, taps: tuple[int, ...], modes: tuple[str, ...], root: Path,
     if aoti.wanted() and fits(model, kv) is None:
         # the attention op first (its own library, built once per machine): where it cannot be had, the packages
         # take the torch-op attention and say nothing of it (the op is a speed-up, not a requirement)
-        cpu_attention.ensure(root, build=build_missing)
+        cpu_ops.ensure(root, build=build_missing)
     for mode in modes:
         ld, why = load(model, kv, mode, taps, root)
         if ld is None and build_missing and aoti.wanted() and fits(model, kv) is None:

@@ -1,5 +1,6 @@
 """The MTP chain's vocabulary head in 8 bits on a CPU (runtime/drafters/mtp.py): int8 rows with one bf16 scale
-each, multiplied by torch's weight-only int8 kernel (docs/models.md, "MTP head").
+each, multiplied by the C++ int8 head where it is loaded (runtime/cpu_ops.py) or torch's weight-only int8 kernel
+(docs/models.md, "MTP head").
 
 Why: on a CPU the chain's vocabulary product streams the head once a step (4 MB in fp32 on the bundled pack, past
 a core's L2); 8 bits read a quarter of that. A draft needs no particular bits: verification decides, so the output
@@ -13,6 +14,15 @@ from torch import Tensor
 
 # False: the chain uses the target's own head on a CPU too
 CPU_INT8_HEAD = True
+# False: torch's weight-only int8 kernel even where the C++ int8 head is loaded (bench/drafters.py compares them)
+USE_OP = True
+
+
+def op_fits(hidden: int) -> bool:
+    """Whether the C++ int8 head (runtime/cpu_ops.py) serves a head of input width `hidden` in this process."""
+    from runtime import cpu_ops
+
+    return USE_OP and cpu_ops.registered() and hidden % 64 == 0
 
 
 def usable(hidden: int) -> bool:
@@ -42,7 +52,11 @@ def int8_head(head) -> tuple[Tensor, Tensor] | None:
 
 
 def logits(h: Tensor, head: tuple[Tensor, Tensor], cast: bool = True) -> Tensor:
-    """h [n, H] -> logits [n, V] (the product in bf16 activations, as the kernel takes them), in fp32 unless
-    `cast` is False (bf16: for a caller that copies them into an fp32 buffer anyway)."""
+    """h [n, H] -> logits [n, V]: through the C++ int8 head (runtime/cpu_ops.py: h in int8 too, integer products)
+    where this process has it loaded, as the compiled chain's package does, else torch's weight-only kernel (the
+    product in bf16 activations), in fp32 unless `cast` is False (then bf16 from torch's kernel: for a caller that
+    copies them into an fp32 buffer anyway)."""
+    if h.device.type == "cpu" and op_fits(h.shape[-1]):
+        return torch.ops.strata.int8_head(h.float().contiguous(), *head)
     out = torch._weight_int8pack_mm(h.to(torch.bfloat16), *head)
     return out.float() if cast else out

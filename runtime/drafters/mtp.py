@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from runtime import cpu_ops
 from runtime.drafters import head8 as _head8
 from runtime.drafters import mtp_compiled
 from runtime.drafters.base import Proposal, floor_keep
@@ -148,6 +149,8 @@ class MTPDrafter:
         self.compiled = None
         if not self.host_cut:
             return "not on a CPU"
+        if build and mtp_compiled.wanted() and mtp_compiled.fits(self) is None:
+            cpu_ops.ensure(root, build=True)      # the head op's library first (runtime/cpu_ops.py); optional
         step, why = mtp_compiled.load(self, root)
         if step is None and build and mtp_compiled.wanted() and mtp_compiled.fits(self) is None:
             try:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime import aoti
+from runtime import aoti, cpu_ops
 
 # the most rows one step takes: the pending committed rows of a window (at most the block) and the anchor
 MAX_ROWS = 64
@@ -95,7 +95,16 @@ def shape_of(drafter) -> dict[str, Any]:
                 k=mlp.top_k, norm_topk=bool(mlp.norm_topk), eps=float(cfg.rms_norm_eps),
                 qk_eps=float(a.q_norm.eps), rscale=float(drafter.model.rotary.scale),
                 head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
-                capacity=int(drafter.kv.capacity))
+                capacity=int(drafter.kv.capacity), head_op=head_op(drafter))
+
+
+def head_op(drafter) -> bool:
+    """Whether the package's int8 head goes through the C++ op (runtime/cpu_ops.py: integer dot products from an
+    int8 input) rather than torch's weight-only int8 kernel: where the ops are loaded and the head's width fits
+    the op (a multiple of 64)."""
+    from runtime.drafters import head8
+
+    return drafter.head8 is not None and head8.op_fits(drafter.model.cfg.hidden_size)
 
 
 class _Step(torch.nn.Module):
@@ -147,7 +156,9 @@ class _Step(torch.nn.Module):
         gt, up = gu_.split(s["inter"], -1)
         y = torch.bmm(F.silu(gt) * up, dn[idx[0]])                                        # [k, 1, H]
         hn = F.rms_norm(x + (y * w[0][:, None, None]).sum(0), (Hd,), norm, eps)
-        if s["head8"]:
+        if s["head8"] and s["head_op"]:
+            logits = torch.ops.strata.int8_head(hn.float(), head, head_scale)
+        elif s["head8"]:
             logits = torch._weight_int8pack_mm(hn.to(torch.bfloat16), head, head_scale).float()
         else:
             logits = (hn @ head).float()
@@ -158,7 +169,7 @@ class _Step(torch.nn.Module):
 
 def key(drafter) -> str:
     """The package's name (runtime/aoti.py `key`: torch, this CPU, `shape_of`)."""
-    return aoti.key("mtp-step", shape_of(drafter), 3)
+    return aoti.key("mtp-step", shape_of(drafter), 4)
 
 
 def package_path(drafter, root: Path) -> Path:
@@ -245,6 +256,7 @@ def load(drafter, root: Path) -> tuple[CompiledStep | None, str]:
     why = fits(drafter)
     if why is not None:
         return None, why
+    cpu_ops.ensure(root, build=False)           # before the key is made: a package with the head op names it
     loader, why = aoti.open_package(package_path(drafter, root), lambda runner: check(drafter, runner), "the step")
     if loader is None:
         return None, why

@@ -176,6 +176,8 @@ def test_mtp_first_proposal_matches_teacher_forced_head(model, int8, monkeypatch
     the bf16-rounded hidden row with the dequantized head, rounded to bf16, and the head's rounding is within
     half a scale step of each weight."""
     monkeypatch.setattr(head8_mod, "CPU_INT8_HEAD", int8)
+    # torch's int8 kernel, whatever else this process loaded (the C++ head's own products: tests/runtime/test_cpu_ops.py)
+    monkeypatch.setattr(head8_mod, "USE_OP", False)
     seq = torch.tensor([[5, 9, 13, 2, 44, 17, 8]])
     with torch.no_grad():
         out = model(seq)

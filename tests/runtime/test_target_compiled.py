@@ -33,8 +33,8 @@ def built(tmp_path_factory):
     assert eng.target_why == "not built for this machine yet (strata-setup builds it)"
     assert eng.compile_target(build=True) == ""
     assert sorted(eng.target_packages) == ["one", "wide"]
-    # both packages call the attention op (runtime/cpu_attention.py), built into the same store
-    assert len(list((home / "compiled").glob("attention-op-*.so"))) == 1
+    # both packages call the attention op (runtime/cpu_ops.py), built into the same store
+    assert len(list((home / "compiled").glob("cpu-ops-*.so"))) == 1
     assert target_compiled.shape_of(eng.model, eng.kv, "wide", eng.target_taps)["attn"] == "op"
     assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "op"
     assert eng.attention_why == ""
@@ -181,7 +181,7 @@ def test_a_missing_package_is_built_at_the_first_run_or_the_reason_kept(built, t
     assert eng.target_why == "compiling the one-row step failed (RuntimeError: C++ compile error)"
     assert isinstance(eng.static_step(4), StaticStep)
     left = list((tmp_path / "compiled").iterdir()) if (tmp_path / "compiled").exists() else []
-    assert [p.name for p in left if not p.name.startswith("attention-op-")] == []     # no package, no temporary
+    assert [p.name for p in left if not p.name.startswith("cpu-ops-")] == []     # no package, no temporary
     monkeypatch.undo()
     assert eng.compile_target(build=False) == ""
 

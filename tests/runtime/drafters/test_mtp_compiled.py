@@ -170,7 +170,8 @@ def test_failed_build_leaves_the_eager_chain_and_no_file(built, tmp_path, monkey
     try:
         assert eng.compile_drafter(build=True) == "building it failed (RuntimeError: C++ compile error)"
         assert not eng.drafter_compiled
-        assert list((tmp_path / "compiled").iterdir()) == []
+        left = [p.name for p in (tmp_path / "compiled").iterdir() if not p.name.startswith("cpu-ops-")]
+        assert left == []                     # no package, no temporary (the C++ ops' library may be there)
     finally:
         eng.drafter.compiled = step
 

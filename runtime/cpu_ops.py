@@ -1,13 +1,17 @@
-"""The compiled CPU target step's attention op (`strata::window_attention`, runtime/csrc/window_attention.cpp): each
-window row's scores, softmax and value sum in C++, with a fixed per-row order of operations (docs/models.md,
-"Compiled CPU steps", "The attention op").
+"""The compiled CPU steps' own ops (runtime/csrc/cpu_ops.cpp; docs/models.md, "Compiled CPU steps", "The attention
+op" and "MTP head"):
+- `strata::window_attention`: the target step's attention, each window row's scores, softmax and value sum with a
+  fixed per-row order of operations. Why: in the wide step (a verify window) the attention written as torch ops
+  took three quarters of the step at 3k tokens of context, mostly in the 128-position chunk products that kept a
+  row's sum order fixed and in a small BLAS product's fixed costs; the op keeps the order fixed by construction and
+  reads each key and value row once.
+- `strata::int8_head`: the MTP chain's vocabulary product from its int8 rows with the input in int8 too (integer
+  dot products): a third of torch's weight-only int8 kernel's time on the bundled pack's head.
 
-Why: in the wide step (a verify window) the attention written as torch ops took three quarters of the step at 3k
-tokens of context, mostly in the 128-position chunk products that kept a row's sum order fixed, and a small BLAS
-product's fixed costs; the op keeps the order fixed by construction and reads each key and value row once. It is built with this machine's C++ compiler (the one AOTInductor
-uses for the packages) into the store's compiled/ directory next to the packages that call it, and loaded into
-the process, checked, before any of them: a package built with the op calls it through the dispatcher. Where it
-cannot be built or fails its check, the packages keep the torch-op attention (`registered()` is part of their key).
+They are built with this machine's C++ compiler (the one AOTInductor uses for the packages) into the store's
+compiled/ directory next to the packages that call them, and loaded into the process, checked, before any of them:
+a package built with an op calls it through the dispatcher. Where they cannot be built or fail their check, the
+packages keep torch's ops (`registered()` is part of their keys).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "window_attention.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 FORMAT = 1
 # -ffp-contract=off: the source's products and sums stay separate roundings in every loop (a row's arithmetic must
 # not depend on which loop ran it); -march=native: the library is keyed by this CPU's model and flags
@@ -43,21 +47,21 @@ def _compiler_id(cxx: str) -> str:
 
 
 def library_path(root: Path, cxx: str) -> Path:
-    """Where the op's library for this machine, source, torch and compiler lives under `root`."""
+    """Where the ops' library for this machine, source, torch and compiler lives under `root`."""
     from runtime import aoti
 
     desc = {"source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(), "cxx": _compiler_id(cxx), "flags": FLAGS}
-    return root / f"attention-op-{aoti.key('cpu-attention', desc, FORMAT)}.so"
+    return root / f"cpu-ops-{aoti.key('cpu-ops', desc, FORMAT)}.so"
 
 
 def registered() -> bool:
-    """Whether this process has the op loaded and checked (the compiled target step then calls it)."""
+    """Whether this process has the ops loaded and checked (the compiled steps then call them)."""
     return _state["path"] is not None
 
 
 def ensure(root: Path, build: bool) -> str:
-    """Load the op from the store under `root` (built there first when missing or damaged and `build`): "" once it
-    is registered in this process and its library is under `root`, else why not."""
+    """Load the ops from the store under `root` (built there first when missing or damaged and `build`): "" once
+    they are registered in this process and their library is under `root`, else why not."""
     if _state["failed"]:
         return _state["failed"]
     cxx = compiler()
@@ -79,13 +83,13 @@ def ensure(root: Path, build: bool) -> str:
         try:
             _build(cxx, path)
         except Exception as exc:
-            _state["failed"] = f"building the attention op failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
+            _state["failed"] = f"building the CPU ops failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
             return _state["failed"]
         return ""
     try:
         _load(path)
     except Exception as exc:                     # not the op this source makes: the torch-op attention
-        _state["failed"] = f"the attention op {path.name} would not load ({str(exc).strip()[:200]})"
+        _state["failed"] = f"the CPU ops library {path.name} would not load ({str(exc).strip()[:200]})"
         return _state["failed"]
     return ""
 
@@ -101,7 +105,7 @@ def _damaged(path: Path) -> str:
     if not path.is_file() or not dg.is_file():
         return "not built for this machine yet (strata-setup builds it)"
     if hashlib.sha256(path.read_bytes()).hexdigest() != dg.read_text().strip():
-        return f"the attention op {path.name} is damaged (its sha256 is not the one recorded when it was built)"
+        return f"the CPU ops library {path.name} is damaged (its sha256 is not the one recorded when it was built)"
     return ""
 
 
@@ -150,6 +154,10 @@ def _load(path: Path) -> None:
     def _(q, kc, vc, seen, grp):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("strata::int8_head")
+    def _(x, w, scale):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
     why = check()
     if why:
         raise RuntimeError(why)
@@ -166,9 +174,19 @@ def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seen: torch.T
     return (torch.softmax(s, -1) @ vc[:, :N].double()).float()
 
 
+def head_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What `int8_head` computes: x rounded to int8 per row (its largest magnitude to 127), the integer dot products
+    with w's rows, times the rows' scales and x's (in float64)."""
+    sx = x.abs().amax(1, keepdim=True) / 127
+    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    xq = torch.round(x / sx)
+    return ((xq.double() @ w.double().t()) * (scale.double()[None] * sx.double())).float()
+
+
 def check() -> str:
-    """Why the loaded op does not compute its attention ("" when it does): against `reference` on random inputs
-    (the cache's last slot included), and one row's bits alone and inside a window of other rows."""
+    """Why the loaded ops do not compute what they should ("" when they do): the attention against `reference` on
+    random inputs (the cache's last slot included) and one row's bits alone and inside a window of other rows; the
+    head against `head_reference` over a row count that is not a multiple of 16."""
     gen = torch.Generator().manual_seed(0)
     nkv, grp, hd, slots = 2, 2, 64, 170
     kc, vc = torch.randn(nkv, slots, hd, generator=gen), torch.randn(nkv, slots, hd, generator=gen)
@@ -181,4 +199,10 @@ def check() -> str:
     alone = torch.ops.strata.window_attention(q[:, 2:4].contiguous(), kc, vc, seen[1:2], grp)
     if not torch.equal(alone, got[:, 2:4]):
         return "the attention op gives a row other bits inside a window than alone"
+    w = torch.randint(-127, 128, (37, 128), generator=gen, dtype=torch.int8)
+    scale = torch.rand(37, generator=gen) / 100
+    x = torch.randn(2, 128, generator=gen)
+    got, want = torch.ops.strata.int8_head(x, w, scale), head_reference(x, w, scale)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return f"the int8 head op is off by {float((got - want).abs().max()):.1e} from its integer reference"
     return ""

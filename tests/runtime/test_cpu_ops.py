@@ -1,6 +1,7 @@
-"""The compiled CPU step's attention op (runtime/cpu_attention.py, runtime/csrc/window_attention.cpp): it computes each
-row's attention over the cache to float32 accuracy, a row's bits do not depend on the rows beside it, and building
-or loading it fails with a reason and leaves nothing half-written."""
+"""The compiled CPU steps' ops (runtime/cpu_ops.py, runtime/csrc/cpu_ops.cpp): the attention op computes each row's
+attention over the cache to float32 accuracy and a row's bits do not depend on the rows beside it; the int8 head
+computes its integer dot products exactly; building or loading the library fails with a reason and leaves nothing
+half-written."""
 
 import os
 import subprocess
@@ -12,19 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import cpu_attention
+from runtime import cpu_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def op(tmp_path_factory):
-    """The op built into a store of its own (or, where this process has it already, copied there)."""
-    if cpu_attention.compiler() is None:
-        pytest.skip("no C++ compiler: the op cannot be built here (the packages keep the torch-op attention)")
+    """The ops built into a store of its own (or, where this process has them already, copied there)."""
+    if cpu_ops.compiler() is None:
+        pytest.skip("no C++ compiler: the ops cannot be built here (the packages keep torch's ops)")
     root = tmp_path_factory.mktemp("compiled")
-    assert cpu_attention.ensure(root, build=True) == ""
-    assert cpu_attention.registered()
+    assert cpu_ops.ensure(root, build=True) == ""
+    assert cpu_ops.registered()
     return root
 
 
@@ -44,7 +45,7 @@ def _case(gen: torch.Generator, nkv: int, grp: int, hd: int, slots: int, positio
 def test_matches_float64_softmax_attention(op, nkv, grp, hd, slots, positions):
     q, kc, vc, seen = _case(torch.Generator().manual_seed(slots), nkv, grp, hd, slots, positions)
     got = torch.ops.strata.window_attention(q, kc, vc, seen, grp)
-    want = cpu_attention.reference(q, kc, vc, seen, grp)
+    want = cpu_ops.reference(q, kc, vc, seen, grp)
     assert got.shape == q.shape
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
@@ -55,7 +56,7 @@ def test_a_strided_cache_view_is_read_as_the_package_passes_it(op):
     big = torch.randn(3, 2, 2, 200, 64)
     kc, vc = big[1, 0], big[2, 1]
     got = torch.ops.strata.window_attention(q, kc, vc, seen, 2)
-    torch.testing.assert_close(got, cpu_attention.reference(q, kc, vc, seen, 2), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got, cpu_ops.reference(q, kc, vc, seen, 2), rtol=2e-5, atol=2e-6)
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,40 +85,64 @@ def test_bad_input_is_refused_with_a_sentence(op):
         torch.ops.strata.window_attention(q.double(), kc, vc, torch.tensor([3, 4]), 2)
 
 
+@pytest.mark.parametrize("V,H,n", [(4096, 256, 1), (4100, 256, 2), (37, 128, 3), (16, 64, 1)])
+def test_the_int8_head_is_its_integer_products(op, V, H, n):
+    """Every row, the last ones past a multiple of 16 included (a vectorized form of the tail loop once gave those
+    rows wrong values), equals the exact integer dot product times the two scales."""
+    gen = torch.Generator().manual_seed(V + H)
+    w = torch.randint(-127, 128, (V, H), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(V, generator=gen) / 50).to(torch.bfloat16)
+    x = torch.randn(n, H, generator=gen)
+    x[0, 3] = 40.0                                        # one large value: the rest round to small integers
+    got = torch.ops.strata.int8_head(x, w, scale)
+    assert got.shape == (n, V) and got.dtype == torch.float32
+    torch.testing.assert_close(got, cpu_ops.head_reference(x, w, scale), rtol=1e-6, atol=1e-7)
+    zero = torch.ops.strata.int8_head(torch.zeros(1, H), w, scale)
+    assert torch.equal(zero, torch.zeros(1, V))
+
+
+def test_the_int8_head_refuses_what_it_cannot_take(op):
+    w = torch.zeros(8, 96, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="a multiple of 64 wide"):
+        torch.ops.strata.int8_head(torch.zeros(1, 96), w, torch.ones(8))
+    with pytest.raises(RuntimeError, match="takes float rows and int8 weights"):
+        torch.ops.strata.int8_head(torch.zeros(1, 64), torch.zeros(8, 64), torch.ones(8))
+
+
 def test_the_library_lives_in_the_store_and_is_shared(op, tmp_path):
-    libs = list(op.glob("attention-op-*.so"))
-    assert len(libs) == 1 and libs[0] == cpu_attention.library_path(op, cpu_attention.compiler())
-    assert cpu_attention.ensure(tmp_path, build=False) == ""          # loaded already: nothing to do
-    assert cpu_attention.ensure(tmp_path, build=True) == ""           # ... and a store that builds gets a copy
+    libs = list(op.glob("cpu-ops-*.so"))
+    assert len(libs) == 1 and libs[0] == cpu_ops.library_path(op, cpu_ops.compiler())
+    assert cpu_ops.ensure(tmp_path, build=False) == ""          # loaded already: nothing to do
+    assert cpu_ops.ensure(tmp_path, build=True) == ""           # ... and a store that builds gets a copy
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([libs[0].name, libs[0].with_suffix(".sha256").name])
     assert (tmp_path / libs[0].name).read_bytes() == libs[0].read_bytes()
 
 
 def test_no_compiler_or_a_failing_one_gives_a_reason_and_no_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_attention, "_state", {"path": None, "failed": ""})
+    monkeypatch.setattr(cpu_ops, "_state", {"path": None, "failed": ""})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert cpu_attention.ensure(tmp_path, build=True) == "no C++ compiler (c++, g++ or clang++) on the PATH"
+    assert cpu_ops.ensure(tmp_path, build=True) == "no C++ compiler (c++, g++ or clang++) on the PATH"
     bad = tmp_path / "bad-cxx"
     bad.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
     bad.chmod(0o755)
     monkeypatch.setenv("CXX", str(bad))
     store = tmp_path / "compiled"
-    why = cpu_attention.ensure(store, build=True)
-    assert why == "building the attention op failed (RuntimeError: error: this compiler is broken)"
-    assert cpu_attention.ensure(store, build=True) == why            # not retried in this process
+    why = cpu_ops.ensure(store, build=True)
+    assert why == "building the CPU ops failed (RuntimeError: error: this compiler is broken)"
+    assert cpu_ops.ensure(store, build=True) == why            # not retried in this process
     assert not store.exists() or list(store.iterdir()) == []
-    assert not cpu_attention.registered()
+    assert not cpu_ops.registered()
 
 
 def test_a_damaged_library_is_refused_in_a_fresh_process(op, tmp_path):
     """A file under the library's name that is not what was built (a truncated copy, which would crash the process
     that loads it): it is hashed before loading and refused with a reason, and the packages keep the torch-op
     attention; a fresh process with the intact library loads and checks it."""
-    lib = cpu_attention.library_path(tmp_path, cpu_attention.compiler())
-    good = next(op.glob("attention-op-*.so"))
+    lib = cpu_ops.library_path(tmp_path, cpu_ops.compiler())
+    good = next(op.glob("cpu-ops-*.so"))
     lib.write_bytes(good.read_bytes()[:4096])
     lib.with_suffix(".sha256").write_bytes(good.with_suffix(".sha256").read_bytes())
-    code = ("from pathlib import Path; from runtime import cpu_attention as c; "
+    code = ("from pathlib import Path; from runtime import cpu_ops as c; "
             f"print(c.ensure(Path({str(tmp_path)!r}), build=False)); print(c.registered())")
 
     def fresh() -> list[str]:
@@ -125,7 +150,7 @@ def test_a_damaged_library_is_refused_in_a_fresh_process(op, tmp_path):
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert out.returncode == 0, out.stderr
         return out.stdout.rstrip("\n").split("\n")
-    assert fresh() == [f"the attention op {lib.name} is damaged (its sha256 is not the one recorded when it was "
-                       "built)", "False"]
+    assert fresh() == [f"the CPU ops library {lib.name} is damaged (its sha256 is not the one recorded when it "
+                       "was built)", "False"]
     lib.write_bytes(good.read_bytes())
     assert fresh() == ["", "True"]

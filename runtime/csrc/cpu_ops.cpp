@@ -1,14 +1,18 @@
-// strata::window_attention: a window's attention on a CPU for the compiled target step (runtime/cpu_attention.py
-// builds it; docs/models.md, "Compiled CPU steps", "The attention op").
+// The compiled CPU steps' own ops (runtime/cpu_ops.py builds and loads them; docs/models.md, "Compiled CPU steps",
+// "The attention op" and "MTP head").
 //
-// Every line (a query head of a window row) gets the same arithmetic whatever the other lines hold: its scores
-// q . k_j for keys 0..p (p: its row's position), each a fixed sum (the head's 16-value slices multiplied and added
-// in slice order, then the 16 lanes by a fixed tree); their maximum; exp(score - max) in 16-lane vectors whose lanes
-// are fixed by key position, summed lane-wise in key order and then by a fixed tree; and its values summed one key
-// after another in key order, times 1 / that sum. So a row's bits depend on its query, its position and the cache,
-// never on the window's width or the rows beside it: the compiled step's lossless promise. Built with
-// -ffp-contract=off, so the compiler fuses no product into a sum in one loop and not in another (the fused
-// multiply-adds below are explicit and the same everywhere).
+// strata::window_attention: a window's attention for the compiled target step. Every line (a query head of a
+// window row) gets the same arithmetic whatever the other lines hold: its scores q . k_j for keys 0..p (p: its
+// row's position), each a fixed sum (the head's 16-value slices multiplied and added in slice order, then the 16
+// lanes by a fixed tree); their maximum; exp(score - max) in 16-lane vectors whose lanes are fixed by key position,
+// summed lane-wise in key order and then by a fixed tree; and its values summed one key after another in key order,
+// times 1 / that sum. So a row's bits depend on its query, its position and the cache, never on the window's width
+// or the rows beside it: the compiled step's lossless promise. Built with -ffp-contract=off, so the compiler fuses
+// no product into a sum in one loop and not in another (the fused multiply-adds below are explicit and the same
+// everywhere).
+//
+// strata::int8_head: the MTP chain's vocabulary product from int8 rows, its input quantized to int8 too, in exact
+// integer sums (a draft needs no particular bits; the integers make every code path give the same ones).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -95,6 +99,23 @@ inline vf reduce16(vf* a) {
            SHUF(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// reduce16 on int32 lanes carried in float vectors (the bits moved by the same shuffles, summed as integers)
+inline vf reduce16i(vf* a) {
+  auto add = [](vf x, vf y) { return floats(bits(x) + bits(y)); };
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = add(SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+               SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+  for (int i = 0; i < 4; ++i)
+    c[i] = add(SHUF(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+               SHUF(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31));
+  for (int i = 0; i < 2; ++i)
+    d[i] = add(SHUF(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+               SHUF(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+  return add(SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+             SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
 
 // one KV head's scores: s[l][j] = q_l . k_j for keys 0..n-1 (rounded up to 16), each a fixed sum: the head's 16-value
@@ -253,9 +274,79 @@ at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   return out;
 }
 
+
+// x [n, H] float, w [V, H] int8 rows, scale [V] (bf16 or float): out [n, V] = (x quantized to int8 per row) . w_v,
+// in exact int32 sums, times scale_v and x's scale. With AVX512-VNNI the products take vpdpbusd (unsigned x signed
+// bytes: x offset by 128, then 128 * sum(w) taken off, lane by lane); elsewhere a plain loop over the signed bytes
+// (written that way: GCC 12 vectorized the offset form of this loop wrongly for the last rows).
+at::Tensor int8_head(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1 && x.size(1) == w.size(1) &&
+              scale.size(0) == w.size(0), "int8_head: shapes do not match");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar, "int8_head takes float rows and int8 "
+              "weights");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.size(1) % 64 == 0, "int8_head: the rows must be "
+              "contiguous and a multiple of 64 wide");
+  const int64_t n = x.size(0), H = x.size(1), V = w.size(0);
+  const at::Tensor sc = scale.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({n, V}, x.options());
+  const float* X = x.data_ptr<float>();
+  const int8_t* Wt = w.data_ptr<int8_t>();
+  const float* S = sc.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  std::vector<uint8_t> xu(H);
+  std::vector<int8_t> xs(H);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = X + r * H;
+    float amax = 0.f;
+    for (int64_t h = 0; h < H; ++h) amax = std::max(amax, std::fabs(xr[h]));
+    const float sx = amax > 0.f ? amax / 127.f : 1.f;
+    for (int64_t h = 0; h < H; ++h) {         // x / sx rounded to an integer in [-127, 127], and offset by 128
+      xs[h] = static_cast<int8_t>(std::nearbyint(xr[h] / sx));
+      xu[h] = static_cast<uint8_t>(xs[h] + 128);
+    }
+    float* orow = O + r * V;
+    at::parallel_for(0, V, 256, [&](int64_t b, int64_t e) {
+      int64_t v = b;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      const __m512i ones = _mm512_set1_epi8(1);
+      for (; v + LANES <= e; v += LANES) {          // 16 rows at a time, their lane sums by one tree
+        vf a[LANES];
+        for (int i = 0; i < LANES; ++i) {
+          const int8_t* wv = Wt + (v + i) * H;
+          __m512i acc = _mm512_setzero_si512(), accs = _mm512_setzero_si512();
+          for (int64_t h = 0; h < H; h += 64) {
+            const __m512i wq = _mm512_loadu_si512(wv + h);
+            acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu.data() + h), wq);
+            accs = _mm512_dpbusd_epi32(accs, ones, wq);
+          }
+          // x . w = (x + 128) . w - 128 * sum(w), lane by lane (exact int32), as floats for the tree
+          const __m512i d = _mm512_sub_epi32(acc, _mm512_slli_epi32(accs, 7));
+          a[i] = (vf)_mm512_castsi512_ps(d);
+        }
+        int32_t t[LANES];
+        const vf r = reduce16i(a);
+        std::memcpy(t, &r, sizeof(t));
+        for (int i = 0; i < LANES; ++i) orow[v + i] = static_cast<float>(t[i]) * (S[v + i] * sx);
+      }
+#endif
+      for (; v < e; ++v) {
+        const int8_t* wv = Wt + v * H;
+        int32_t dot = 0;
+        for (int64_t h = 0; h < H; ++h) dot += static_cast<int32_t>(xs[h]) * static_cast<int32_t>(wv[h]);
+        orow[v] = static_cast<float>(dot) * (S[v] * sx);
+      }
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(strata, m) {
   m.def("window_attention(Tensor q, Tensor kc, Tensor vc, Tensor seen, int grp) -> Tensor");
+  m.def("int8_head(Tensor x, Tensor w, Tensor scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(strata, CPU, m) { m.impl("window_attention", &window_attention); }
+TORCH_LIBRARY_IMPL(strata, CPU, m) {
+  m.impl("window_attention", &window_attention);
+  m.impl("int8_head", &int8_head);
+}
