@@ -93,7 +93,7 @@ def test_the_int8_head_is_its_integer_products(op, V, H, n):
     w = torch.randint(-127, 128, (V, H), generator=gen, dtype=torch.int8)
     scale = (torch.rand(V, generator=gen) / 50).to(torch.bfloat16)
     x = torch.randn(n, H, generator=gen)
-    x[0, 3] = 40.0                                        # one large value: the rest round to small integers
+    x[0, 3] = 40.0                                        # one large value: the rest round to smaller integers
     got = torch.ops.strata.int8_head(x, w, scale)
     assert got.shape == (n, V) and got.dtype == torch.float32
     torch.testing.assert_close(got, cpu_ops.head_reference(x, w, scale), rtol=1e-6, atol=1e-7)
