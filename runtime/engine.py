@@ -120,7 +120,7 @@ class Engine:
         self.target_packages: dict[str, Any] = {}   # CPU: the target step's compiled packages by mode (`compile_target`)
         self.target_why = ""                 # why a target step runs eagerly on a CPU ("" when none does)
         self.target_compile_s = 0.0
-        self.attention_why = "no wide compiled step"   # why the wide step's attention is not the C++ op ("": it is)
+        self.attention_why = "no compiled target step"  # why its attention is not the C++ op ("": it is)
         rows = drafter.max_block if drafter is not None else 1
         self.logits_buf = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=device)
 
@@ -210,14 +210,14 @@ class Engine:
         this machine has none (strata-setup does, before calibrating). Returns "" when every step this engine runs
         is compiled, else why not (`target_why`)."""
         t0 = time.perf_counter()
-        self.attention_why = "no wide compiled step"
+        self.attention_why = "no compiled target step"
         if self.device.type != "cpu":
             self.target_packages, self.target_why = {}, "not on a CPU"
         else:
             modes = ("one", "wide") if self.drafter is not None else ("one",)
             self.target_packages, self.target_why = target_compiled.attach(
                 self.model, self.kv, self.target_taps, modes, compiled_dir(), build)
-            if "wide" in self.target_packages:    # whether its attention is the C++ op (runtime/cpu_ops.py)
+            if self.target_packages:              # whether their attention is the C++ op (runtime/cpu_ops.py)
                 self.attention_why = cpu_ops.ensure(compiled_dir(), build=False)
         self.steps.clear()
         self.step = None

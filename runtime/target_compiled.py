@@ -8,12 +8,12 @@ The lossless promise holds because every window of a run goes through the same p
 (runtime/gpu/static_step.py): a row's bits depend on its token, its position and the cache only, never on the rows
 beside it or where it sits in the window. The step keeps that as the eager CPU step does: every product has the
 window's fixed shape, the window's K/V are written into the cache first (in place: AOTInductor writes a mutated
-input where it lies), then every row's scores against keys 0..N-1 (N: the window's end rounded up to CHUNK, at least
-two chunks), and each row's softmax over keys 0..its position and its values summed in key order by the C++
-attention op (runtime/cpu_ops.py); where the op is not built, the keys past a row's position masked, one
-softmax, and the values in CHUNK-position chunks summed in chunk order (tests/runtime/test_target_compiled.py checks
-padding and window position bit for bit). Its bits are inductor's and the op's, not the eager step's: an engine
-runs every window of a run through one of them.
+input where it lies), then each row's attention over keys 0..its position by the C++ attention op
+(runtime/cpu_ops.py: scores, softmax and values in a fixed order a row). Where the op is not built: every row's
+scores against keys 0..N-1 (N: the window's end rounded up to CHUNK, at least two chunks), the keys past a row's
+position masked, one softmax, and the values in CHUNK-position chunks summed in chunk order
+(tests/runtime/test_target_compiled.py checks padding and window position bit for bit). Its bits are inductor's and
+the op's, not the eager step's: an engine runs every window of a run through one of them.
 
 Two packages per model and cache: "one" (a target decoding alone: one row, its k experts gathered, its attention
 over keys 0..start by the op, or else in one product each way, since a one-row engine's rows never share a

@@ -100,7 +100,7 @@ def shape_of(drafter) -> dict[str, Any]:
 
 def head_op(drafter) -> bool:
     """Whether the package's int8 head goes through the C++ op (runtime/cpu_ops.py: integer dot products from an
-    int8 input) rather than torch's weight-only int8 kernel: where the ops are loaded and the head's width fits
+    int16 input) rather than torch's weight-only int8 kernel: where the ops are loaded and the head's width fits
     the op (a multiple of 64)."""
     from runtime.drafters import head8
 
