@@ -5,6 +5,8 @@ op" and "MTP head"):
   took three quarters of the step at 3k tokens of context, mostly in the 128-position chunk products that kept a
   row's sum order fixed and in a small BLAS product's fixed costs; the op keeps the order fixed by construction and
   reads each key and value row once.
+- `strata::moe_rows`: the target step's routed experts, each row's own k experts in top-k order (no expert
+  computed for a row that did not pick it), with a fixed per-row order of operations.
 - `strata::int8_head`: the MTP chain's vocabulary product from its int8 rows with the input in int16 (integer
   dot products): under half of torch's weight-only int8 kernel's time on the bundled pack's head.
 
@@ -158,6 +160,10 @@ def _load(path: Path) -> None:
     def _(x, w, scale):
         return x.new_empty((x.shape[0], w.shape[0]))
 
+    @torch.library.register_fake("strata::moe_rows")
+    def _(h, gu, dn, idx, wt, inter):
+        return torch.empty_like(h)
+
     why = check()
     if why:
         raise RuntimeError(why)
@@ -184,6 +190,20 @@ def head_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> tor
     return ((xq.double() @ w.double().t()) * (scale.double()[None] * sx.double())).float()
 
 
+def moe_reference(h: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor,
+                  inter: int) -> torch.Tensor:
+    """What `moe_rows` computes, in float64: each row's experts in top-k order, down_e(silu(gate_e h) * up_e h *
+    weight), summed (gu [H, E * 2I], dn [E * I, H])."""
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    for r in range(h.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[r, j])
+            g = h[r].double() @ gu[:, e * 2 * inter:(e + 1) * 2 * inter].double()
+            act = torch.nn.functional.silu(g[:inter]) * g[inter:] * float(wt[r, j])
+            out[r] += act @ dn[e * inter:(e + 1) * inter].double()
+    return out.float()
+
+
 def check() -> str:
     """Why the loaded ops do not compute what they should ("" when they do): the attention against `reference` on
     random inputs (the cache's last slot included) and one row's bits alone and inside a window of other rows; the
@@ -206,4 +226,14 @@ def check() -> str:
     got, want = torch.ops.strata.int8_head(x, w, scale), head_reference(x, w, scale)
     if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
         return f"the int8 head op is off by {float((got - want).abs().max()):.1e} from its integer reference"
+    E, inter, H = 4, 32, 64
+    gu, dn = torch.randn(H, E * 2 * inter, generator=gen) / 8, torch.randn(E * inter, H, generator=gen) / 8
+    h = torch.randn(3, H, generator=gen)
+    idx, wt = torch.tensor([[2, 0], [3, 1], [0, 3]]), torch.rand(3, 2, generator=gen)
+    got, want = torch.ops.strata.moe_rows(h, gu, dn, idx, wt, inter), moe_reference(h, gu, dn, idx, wt, inter)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return f"the experts op is off by {float((got - want).abs().max()):.1e} from float64"
+    alone = torch.ops.strata.moe_rows(h[1:2], gu, dn, idx[1:2], wt[1:2], inter)
+    if not torch.equal(alone, got[1:2]):
+        return "the experts op gives a row other bits inside a window than alone"
     return ""

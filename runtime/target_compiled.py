@@ -44,6 +44,8 @@ WIDE_MAX = 16        # the most rows the "wide" package takes (the drafters' lar
 MODES = ("one", "wide")
 # which modes take the C++ attention op where it is loaded (docs/models.md, "The attention op")
 _OP_MODES = {"one": True, "wide": True}
+# and which take the C++ routed-experts op (runtime/cpu_ops.py `moe_rows`)
+_MOE_OP_MODES = {"one": True, "wide": True}
 MIN_CONTEXT = 128    # shorter caches leave the exporter no range of at least two chunks
 # the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
 # rebuilt rather than loaded (the load check would catch a different result, not a slower one)
@@ -114,7 +116,9 @@ def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
                 eps=float(la.input_layernorm.eps), qk_eps=float(a.q_norm.eps), out_eps=float(model.model.norm.eps),
                 rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype),
                 capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps),
-                attn="op" if cpu_ops.registered() and _OP_MODES.get(mode) else "torch")
+                attn="op" if cpu_ops.registered() and _OP_MODES.get(mode) else "torch",
+                moe="op" if cpu_ops.registered() and _MOE_OP_MODES.get(mode) and cfg.hidden_size % 16 == 0
+                and mlp.inter % 16 == 0 else "torch")
 
 
 def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -199,7 +203,12 @@ class _Step(torch.nn.Module):
                 w, idx = torch.topk(torch.softmax(lg.float(), -1), s["k"], -1)
                 w = w.to(h.dtype)
             inter = s["inter"]
-            if s["mode"] == "one":                                   # the row's k experts, gathered
+            if s["moe"] == "op":                                     # each row's k experts, by the C++ op
+                E = s["E"]
+                if s["mode"] == "one":                               # the per-expert views back to [H, E*2I], [E*I, H]
+                    gu, dn = gu.permute(1, 0, 2).reshape(Hd, E * 2 * inter), dn.reshape(E * inter, Hd)
+                x = x + torch.ops.strata.moe_rows(h.contiguous(), gu, dn, idx, w.contiguous(), inter)
+            elif s["mode"] == "one":                                 # the row's k experts, gathered
                 g2 = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])
                 y = torch.bmm(F.silu(g2[..., :inter]) * g2[..., inter:], dn[idx[0]])      # [k, 1, H]
                 x = x + (y * w[0][:, None, None]).sum(0)

@@ -61,10 +61,11 @@ inline float hsum(vf v) {
   return a[0];
 }
 
-// exp(x) for x <= 0 (Cephes' single-precision polynomial), the same operations on every lane
+// exp(x) (Cephes' single-precision polynomial, x clamped to [-87.3, 88]), the same operations on every lane
 inline vf vexp(vf x) {
-  const vf lo = splat(-87.33654f);
+  const vf lo = splat(-87.33654f), hi = splat(88.f);
   x = select(x < lo, lo, x);
+  x = select(x > hi, hi, x);
   const vf magic = splat(12582912.f);             // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const vf r = (x * splat(1.44269504088896341f) + magic) - magic;
   x = x - r * splat(0.693359375f) - r * splat(-2.12194440e-4f);
@@ -275,6 +276,68 @@ at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at:
 }
 
 
+// ---- the routed experts of a window's rows ------------------------------------------------------------------------
+
+// h [W, H] the rows' normed inputs, gu [H, E * 2I] (expert e's gate columns then its up columns from e*2I), dn
+// [E * I, H] (expert e's down rows from e*I), idx [W, k] and wt [W, k] the rows' experts and routing weights:
+// out [W, H] = for each row, in top-k order, the sum of down_e(silu(gate_e h) * up_e h * weight). The weights are
+// in the layout the packages hold them in (rows of outputs: each product is a sum of scaled rows, one input value
+// after another in order, 16 outputs a vector). A row's arithmetic is fixed by its own inputs, whatever rows share
+// the call: the compiled wide step's lossless promise, without computing every expert for every row.
+at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor& dn, const at::Tensor& idx,
+                    const at::Tensor& wt, int64_t inter) {
+  TORCH_CHECK(h.dim() == 2 && gu.dim() == 2 && dn.dim() == 2 && idx.dim() == 2 && wt.sizes() == idx.sizes() &&
+              idx.size(0) == h.size(0) && gu.size(0) == h.size(1) && dn.size(1) == h.size(1) && inter > 0 &&
+              gu.size(1) % (2 * inter) == 0 && dn.size(0) * 2 == gu.size(1), "moe_rows: shapes do not match");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && gu.scalar_type() == at::kFloat && dn.scalar_type() == at::kFloat &&
+              wt.scalar_type() == at::kFloat && idx.scalar_type() == at::kLong, "moe_rows takes float32 tensors and "
+              "int64 expert ids");
+  TORCH_CHECK(h.is_contiguous() && gu.stride(1) == 1 && dn.stride(1) == 1 && idx.is_contiguous() &&
+              wt.is_contiguous(), "moe_rows: unexpected layout");
+  const int64_t W = h.size(0), H = h.size(1), k = idx.size(1), E = gu.size(1) / (2 * inter);
+  TORCH_CHECK(H % LANES == 0 && inter % LANES == 0 && inter <= 4096, "moe_rows: the widths must be multiples of 16 "
+              "(the experts' at most 4096)");
+  const int64_t* ID = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < W * k; ++i) TORCH_CHECK(ID[i] >= 0 && ID[i] < E, "moe_rows: an expert id is out of range");
+  at::Tensor out = at::empty({W, H}, h.options());
+  const float* X = h.data_ptr<float>();
+  const float* GU = gu.data_ptr<float>();
+  const float* DN = dn.data_ptr<float>();
+  const float* WT = wt.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t lg = gu.stride(0), ld = dn.stride(0), G = 2 * inter / LANES, D = H / LANES;
+  at::parallel_for(0, W, 1, [&](int64_t b, int64_t e) {
+    std::vector<vf> g(G), y(D);
+    for (int64_t r = b; r < e; ++r) {
+      const float* x = X + r * H;
+      float* o = O + r * H;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t ex = ID[r * k + j];
+        const float* gw = GU + ex * 2 * inter;
+        for (int64_t t = 0; t < G; ++t) g[t] = splat(x[0]) * loadu(gw + t * LANES);
+        for (int64_t c = 1; c < H; ++c) {
+          const vf xc = splat(x[c]);
+          const float* row = gw + c * lg;
+          for (int64_t t = 0; t < G; ++t) g[t] = fmadd(xc, loadu(row + t * LANES), g[t]);
+        }
+        const vf wj = splat(WT[r * k + j]);
+        float act[4096];
+        for (int64_t t = 0; t < G / 2; ++t)            // silu(gate) * up * weight
+          storeu(act + t * LANES, g[t] / (splat(1.f) + vexp(splat(0.f) - g[t])) * g[G / 2 + t] * wj);
+        const float* dw = DN + ex * inter * ld;
+        for (int64_t t = 0; t < D; ++t) y[t] = splat(act[0]) * loadu(dw + t * LANES);
+        for (int64_t i = 1; i < inter; ++i) {
+          const vf ai = splat(act[i]);
+          const float* row = dw + i * ld;
+          for (int64_t t = 0; t < D; ++t) y[t] = fmadd(ai, loadu(row + t * LANES), y[t]);
+        }
+        for (int64_t t = 0; t < D; ++t) storeu(o + t * LANES, j == 0 ? y[t] : loadu(o + t * LANES) + y[t]);
+      }
+    }
+  });
+  return out;
+}
+
 // x [n, H] float, w [V, H] int8 rows, scale [V] (bf16 or float): out [n, V] = (x quantized to int16 per row) . w_v,
 // in exact int32 sums, times scale_v and x's scale. x's largest magnitude goes to Q = min(32767, (2^31 - 1) /
 // (127 H)), so no sum can overflow; 15 bits keep the product within about 1e-4 of the float one (8-bit inputs had
@@ -339,8 +402,10 @@ at::Tensor int8_head(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 TORCH_LIBRARY(strata, m) {
   m.def("window_attention(Tensor q, Tensor kc, Tensor vc, Tensor seen, int grp) -> Tensor");
   m.def("int8_head(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("moe_rows(Tensor h, Tensor gu, Tensor dn, Tensor idx, Tensor wt, int inter) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("window_attention", &window_attention);
   m.impl("int8_head", &int8_head);
+  m.impl("moe_rows", &moe_rows);
 }

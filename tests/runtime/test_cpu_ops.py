@@ -109,6 +109,44 @@ def test_the_int8_head_refuses_what_it_cannot_take(op):
         torch.ops.strata.int8_head(torch.zeros(1, 64), torch.zeros(8, 64), torch.ones(8))
 
 
+def _moe_case(gen: torch.Generator, E: int, inter: int, H: int, W: int, k: int):
+    gu = torch.randn(H, E * 2 * inter, generator=gen) / 8
+    dn = torch.randn(E * inter, H, generator=gen) / 8
+    h = torch.randn(W, H, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(W)])
+    wt = torch.softmax(torch.randn(W, k, generator=gen), -1)
+    return h, gu, dn, idx, wt
+
+
+@pytest.mark.parametrize("E,inter,H,W,k", [(8, 64, 256, 4, 2), (128, 16, 64, 16, 8), (4, 32, 48, 1, 1)])
+def test_the_experts_op_is_each_rows_own_experts(op, E, inter, H, W, k):
+    h, gu, dn, idx, wt = _moe_case(torch.Generator().manual_seed(E * W), E, inter, H, W, k)
+    got = torch.ops.strata.moe_rows(h, gu, dn, idx, wt, inter)
+    torch.testing.assert_close(got, cpu_ops.moe_reference(h, gu, dn, idx, wt, inter), rtol=1e-4, atol=2e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(W=st.integers(1, 16), pick=st.integers(0, 15), seed=st.integers(0, 2**16))
+def test_an_experts_rows_bits_do_not_depend_on_its_window(op, W, pick, seed):
+    """A row gives the same bits alone as among other rows (the compiled wide step's row invariance)."""
+    pick %= W
+    h, gu, dn, idx, wt = _moe_case(torch.Generator().manual_seed(seed), 8, 32, 64, W, 2)
+    full = torch.ops.strata.moe_rows(h, gu, dn, idx, wt, 32)
+    one = slice(pick, pick + 1)
+    alone = torch.ops.strata.moe_rows(h[one].contiguous(), gu, dn, idx[one].contiguous(), wt[one].contiguous(), 32)
+    assert torch.equal(alone, full[one])
+
+
+def test_the_experts_op_refuses_what_it_cannot_take(op):
+    h, gu, dn, idx, wt = _moe_case(torch.Generator().manual_seed(0), 4, 32, 64, 2, 2)
+    with pytest.raises(RuntimeError, match="an expert id is out of range"):
+        torch.ops.strata.moe_rows(h, gu, dn, idx + 4, wt, 32)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.strata.moe_rows(h, gu, dn, idx, wt, 48)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        torch.ops.strata.moe_rows(h, torch.randn(64, 4 * 2 * 8), torch.randn(4 * 8, 64), idx, wt, 8)
+
+
 def test_the_library_lives_in_the_store_and_is_shared(op, tmp_path):
     libs = list(op.glob("cpu-ops-*.so"))
     assert len(libs) == 1 and libs[0] == cpu_ops.library_path(op, cpu_ops.compiler())

@@ -33,10 +33,11 @@ def built(tmp_path_factory):
     assert eng.target_why == "not built for this machine yet (strata-setup builds it)"
     assert eng.compile_target(build=True) == ""
     assert sorted(eng.target_packages) == ["one", "wide"]
-    # both packages call the attention op (runtime/cpu_ops.py), built into the same store
+    # both packages call the attention and experts ops (runtime/cpu_ops.py), built into the same store
     assert len(list((home / "compiled").glob("cpu-ops-*.so"))) == 1
     assert target_compiled.shape_of(eng.model, eng.kv, "wide", eng.target_taps)["attn"] == "op"
     assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "op"
+    assert {target_compiled.shape_of(eng.model, eng.kv, m, eng.target_taps)["moe"] for m in ("one", "wide")} == {"op"}
     assert eng.attention_why == ""
     yield eng, home / "compiled"
     mp.undo()
