@@ -15,11 +15,11 @@ position masked, one softmax, and the values in CHUNK-position chunks summed in 
 (tests/runtime/test_target_compiled.py checks padding and window position bit for bit). Its bits are inductor's and
 the op's, not the eager step's: an engine runs every window of a run through one of them.
 
-Two packages per model and cache: "one" (a target decoding alone: one row, its k experts gathered, its attention
-over keys 0..start by the op, or else in one product each way, since a one-row engine's rows never share a
-window) and "wide"
-(2..WIDE_MAX rows, the width a dynamic size called at the engine's one width: every expert on every row weighted by
-the routing, as `SparseMoe.dense` does). The weights and the cache are inputs: a package depends only on the shapes
+Two packages per model and cache: "one" (a target decoding alone: one row, its k experts by the experts op or
+else gathered, its attention over keys 0..start by the attention op or else in one product each way, since a
+one-row engine's rows never share a window) and "wide" (2..WIDE_MAX rows, the width a dynamic size called at the
+engine's one width: each row's own k experts by the experts op, or else every expert on every row weighted by the
+routing, as `SparseMoe.dense` does). The weights and the cache are inputs: a package depends only on the shapes
 (`shape_of`), holds no checkpoint bytes, and is kept in the store under compiled/ (runtime/paths.py).
 
 The cache needs room past its capacity (`spare_slots`): a window's padding rows are written past its real rows, and
