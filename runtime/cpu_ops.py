@@ -18,6 +18,7 @@ packages keep torch's ops (`registered()` is part of their keys).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -43,6 +44,7 @@ def compiler() -> str | None:
     return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
 
 
+@functools.lru_cache(maxsize=8)
 def _compiler_id(cxx: str) -> str:
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
     return (out.stdout.splitlines() or [""])[0]

@@ -1,5 +1,5 @@
 // The compiled CPU steps' own ops (runtime/cpu_ops.py builds and loads them; docs/models.md, "Compiled CPU steps",
-// "The attention op" and "MTP head").
+// "The attention op", "The experts op" and "MTP head").
 //
 // strata::window_attention: a window's attention for the compiled target step. Every line (a query head of a
 // window row) gets the same arithmetic whatever the other lines hold: its scores q . k_j for keys 0..p (p: its
@@ -10,6 +10,9 @@
 // or the rows beside it: the compiled step's lossless promise. Built with -ffp-contract=off, so the compiler fuses
 // no product into a sum in one loop and not in another (the fused multiply-adds below are explicit and the same
 // everywhere).
+//
+// strata::moe_rows: the target step's routed experts, each row's own k experts in top-k order with a fixed order of
+// operations of its own (the same promise, without every expert computed for every row).
 //
 // strata::int8_head: the MTP chain's vocabulary product from int8 rows, its input quantized to int16, in exact
 // integer sums (a draft needs no particular bits; the integers make every code path give the same ones).
@@ -85,26 +88,10 @@ inline vf vexp(vf x) {
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-// four levels of pairwise sums: 16 vectors of 16 partial sums (one per key) -> one vector of 16 keys' sums, lane k
-// holding key k's; each key's lanes are summed by the same fixed tree
-inline vf reduce16(vf* a) {
-  vf b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           SHUF(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    d[i] = SHUF(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           SHUF(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// reduce16 on int32 lanes carried in float vectors (the bits moved by the same shuffles, summed as integers)
-inline vf reduce16i(vf* a) {
-  auto add = [](vf x, vf y) { return floats(bits(x) + bits(y)); };
+// four levels of pairwise sums: 16 vectors of 16 partial sums (one per key or output) -> one vector, lane k holding
+// vector k's sum; every vector's lanes are summed by the same fixed tree (`add` sums two vectors lane by lane)
+template <class Add>
+inline vf tree16(vf* a, Add add) {
   vf b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = add(SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
@@ -118,6 +105,11 @@ inline vf reduce16i(vf* a) {
   return add(SHUF(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
              SHUF(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31));
 }
+
+inline vf reduce16(vf* a) { return tree16(a, [](vf x, vf y) { return x + y; }); }
+
+// the same on int32 lanes carried in float vectors (the bits moved by the same shuffles, summed as integers)
+inline vf reduce16i(vf* a) { return tree16(a, [](vf x, vf y) { return floats(bits(x) + bits(y)); }); }
 
 // one KV head's scores: s[l][j] = q_l . k_j for keys 0..n-1 (rounded up to 16), each a fixed sum: the head's 16-value
 // slices multiplied and added in slice order, then the slice's lanes by reduce16's tree. The keys stream through
