@@ -35,6 +35,8 @@ from runtime import aoti, cpu_ops
 
 # the most rows one step takes: the pending committed rows of a window (at most the block) and the anchor
 MAX_ROWS = 64
+# False: the step's routed experts as torch ops even where the C++ experts op is loaded (runtime/cpu_ops.py)
+MOE_OP = True
 
 
 def wanted() -> bool:
@@ -95,7 +97,8 @@ def shape_of(drafter) -> dict[str, Any]:
                 k=mlp.top_k, norm_topk=bool(mlp.norm_topk), eps=float(cfg.rms_norm_eps),
                 qk_eps=float(a.q_norm.eps), rscale=float(drafter.model.rotary.scale),
                 head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
-                capacity=int(drafter.kv.capacity), head_op=head_op(drafter))
+                capacity=int(drafter.kv.capacity), head_op=head_op(drafter),
+                moe_op=MOE_OP and cpu_ops.registered() and cfg.hidden_size % 16 == 0 and mlp.inter % 16 == 0)
 
 
 def head_op(drafter) -> bool:
@@ -152,10 +155,16 @@ class _Step(torch.nn.Module):
             w = torch.softmax(lw, -1)
         else:
             w, idx = torch.topk(torch.softmax(lg, -1), s["k"], -1)
-        gu_ = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])                              # [k, 1, 2I]
-        gt, up = gu_.split(s["inter"], -1)
-        y = torch.bmm(F.silu(gt) * up, dn[idx[0]])                                        # [k, 1, H]
-        hn = F.rms_norm(x + (y * w[0][:, None, None]).sum(0), (Hd,), norm, eps)
+        if s["moe_op"]:       # the row's k experts by the C++ op (runtime/cpu_ops.py), from the packed layout
+            E, inter = s["E"], s["inter"]
+            y = torch.ops.strata.moe_rows(h.contiguous(), gu.permute(1, 0, 2).reshape(Hd, E * 2 * inter),
+                                          dn.reshape(E * inter, Hd), idx, w.contiguous(), inter)
+            hn = F.rms_norm(x + y, (Hd,), norm, eps)
+        else:
+            gu_ = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])                          # [k, 1, 2I]
+            gt, up = gu_.split(s["inter"], -1)
+            y = torch.bmm(F.silu(gt) * up, dn[idx[0]])                                    # [k, 1, H]
+            hn = F.rms_norm(x + (y * w[0][:, None, None]).sum(0), (Hd,), norm, eps)
         if s["head8"] and s["head_op"]:
             logits = torch.ops.strata.int8_head(hn.float(), head, head_scale)
         elif s["head8"]:
