@@ -92,7 +92,7 @@ def ensure(root: Path, build: bool) -> str:
         return ""
     try:
         _load(path)
-    except Exception as exc:                     # not the op this source makes: the torch-op attention
+    except Exception as exc:                     # not the ops this source makes: torch's ops serve
         _state["failed"] = f"the CPU ops library {path.name} would not load ({str(exc).strip()[:200]})"
         return _state["failed"]
     return ""

@@ -52,7 +52,7 @@ def int8_head(head) -> tuple[Tensor, Tensor] | None:
 
 
 def logits(h: Tensor, head: tuple[Tensor, Tensor], cast: bool = True) -> Tensor:
-    """h [n, H] -> logits [n, V]: through the C++ int8 head (runtime/cpu_ops.py: h in int8 too, integer products)
+    """h [n, H] -> logits [n, V]: through the C++ int8 head (runtime/cpu_ops.py: h in int16, integer products)
     where this process has it loaded, as the compiled chain's package does, else torch's weight-only kernel (the
     product in bf16 activations), in fp32 unless `cast` is False (then bf16 from torch's kernel: for a caller that
     copies them into an fp32 buffer anyway)."""
