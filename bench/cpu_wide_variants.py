@@ -6,10 +6,12 @@ fixed width, on the bundled pack with a real prompt in the cache.
 
 Variants (each compiled for the width alone, where the shipped package takes 2..16 rows; edits of the shipped
 forward's text, and the script stops with the variant's name if the code moved):
-- `static width`: the shipped forward as it is (its attention the C++ op where it is built, runtime/cpu_ops.py);
+- `static width`: the shipped forward as it is (its attention and experts the C++ ops where they are built,
+  runtime/cpu_ops.py);
+- `torch-op experts`: the experts as before the op: every expert on every row weighted by the routing;
 - `torch-op attention`: the attention as it was before the op: scores, mask and softmax as torch ops and the values
   in 128-position chunk products summed in chunk order (what a package takes where the op cannot be built);
-- `experts per row`: each row's k experts selected by index (views, no gather copy; the width fixed in the
+- `experts per row` (torch ops): each row's k experts selected by index (views, no gather copy; the width fixed in the
   package) instead of every expert on every row weighted by the routing;
 - `values chunk-major` (torch ops): scores, softmax and values laid out by 128-position chunk ([kv heads, chunks, rows,
   positions]) so no transposed copy of the probabilities is made;
@@ -68,14 +70,15 @@ _CHUNK_MAJOR = '''                C = N // CHUNK
 _ONE_PRODUCT = '''                o = torch.bmm(torch.softmax(sc, -1), vc[:, :N])'''
 _NONE = '''                o = qg * kc[:, :1] + hide.sum() * 0'''
 
-# name -> (edits of runtime/target_compiled.py's text, the attention the variant's shape names)
+# name -> (edits of runtime/target_compiled.py's text, what the variant's shape names: its attention and experts)
 VARIANTS = {
-    "static width": ([], None),
-    "torch-op attention (chunked; before the op)": ([], "torch"),
-    "experts per row": ([(_EXPERTS, _EXPERTS_PER_ROW)], None),
-    "values chunk-major (torch ops)": ([(_ATTENTION, _CHUNK_MAJOR)], "torch"),
-    "values in one product (not row-invariant)": ([(_VALUES, _ONE_PRODUCT)], "torch"),
-    "no attention (floor)": ([(_ATTENTION, _NONE)], "torch"),
+    "static width": ([], {}),
+    "torch-op attention (chunked; before the op)": ([], {"attn": "torch"}),
+    "torch-op experts (every expert on every row; before the op)": ([], {"moe": "torch"}),
+    "experts per row (torch ops)": ([(_EXPERTS, _EXPERTS_PER_ROW)], {"moe": "torch"}),
+    "values chunk-major (torch ops)": ([(_ATTENTION, _CHUNK_MAJOR)], {"attn": "torch"}),
+    "values in one product (not row-invariant)": ([(_VALUES, _ONE_PRODUCT)], {"attn": "torch"}),
+    "no attention (floor)": ([(_ATTENTION, _NONE)], {"attn": "torch"}),
 }
 
 
@@ -95,7 +98,7 @@ def variant_module(edits: list[tuple[str, str]], name: str) -> types.ModuleType:
     return mod
 
 
-def compile_variant(mod, model, kv, width: int, per_row: bool, attn: str | None, home: Path):
+def compile_variant(mod, model, kv, width: int, per_row: bool, names: dict, home: Path):
     """The variant's step exported and compiled at `width` rows (weights and cache as inputs, as shipped)."""
     from torch.export import Dim
 
@@ -104,8 +107,7 @@ def compile_variant(mod, model, kv, width: int, per_row: bool, attn: str | None,
     mode = "one" if per_row else "wide"          # per-row experts read the per-expert weight layout
     shape = mod.shape_of(model, kv, "wide", ())
     shape["mode"], shape["W"] = "wide", width
-    if attn is not None:
-        shape["attn"] = attn
+    shape.update(names)
     inputs = mod._Inputs(model, kv, mode)
     L = shape["L"]
     args = mod._structured(inputs.args(torch.zeros(width, dtype=torch.long), torch.arange(130, 130 + width), 130,
@@ -157,9 +159,10 @@ def main() -> None:
             eng.kv.length = start
             step(win[None], eng.kv)
         arms = {"shipped wide step": (run_shipped, 0.0, True)}
-        for name, (edits, attn) in VARIANTS.items():
+        for name, (edits, names) in VARIANTS.items():
             mod = variant_module(edits, name)
-            runner, inputs = compile_variant(mod, eng.model, eng.kv, W, name == "experts per row", attn, home)
+            runner, inputs = compile_variant(mod, eng.model, eng.kv, W, name.startswith("experts per row"), names,
+                                             home)
             flat = inputs.args(win, pos, start, W)
             got = runner(*flat)[0]
             arms[name] = (lambda runner=runner, flat=flat: runner(*flat),
