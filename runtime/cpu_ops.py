@@ -63,6 +63,20 @@ def registered() -> bool:
     return _state["path"] is not None
 
 
+def experts_fit(hidden: int, inter: int) -> bool:
+    """Whether `moe_rows` serves experts of these widths in this process (multiples of 16)."""
+    return registered() and hidden % 16 == 0 and inter % 16 == 0
+
+
+def moe_rows_per_expert(h: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                        inter: int) -> torch.Tensor:
+    """`moe_rows` from the packed experts' per-expert views (gu [E, H, 2I], dn [E, I, H], as the compiled steps'
+    one-row inputs hold them): the views back to [H, E * 2I] and [E * I, H], no copy."""
+    E, H = gu.shape[0], gu.shape[1]
+    return torch.ops.strata.moe_rows(h.contiguous(), gu.permute(1, 0, 2).reshape(H, E * 2 * inter),
+                                     dn.reshape(E * inter, H), idx, w.contiguous(), inter)
+
+
 def ensure(root: Path, build: bool) -> str:
     """Load the ops from the store under `root` (built there first when missing or damaged and `build`): "" once
     they are registered in this process and their library is under `root`, else why not."""

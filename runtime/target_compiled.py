@@ -117,8 +117,7 @@ def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
                 rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype),
                 capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps),
                 attn="op" if cpu_ops.registered() and _OP_MODES.get(mode) else "torch",
-                moe="op" if cpu_ops.registered() and _MOE_OP_MODES.get(mode) and cfg.hidden_size % 16 == 0
-                and mlp.inter % 16 == 0 else "torch")
+                moe="op" if _MOE_OP_MODES.get(mode) and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter) else "torch")
 
 
 def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -203,10 +202,9 @@ class _Step(torch.nn.Module):
                 w, idx = torch.topk(torch.softmax(lg.float(), -1), s["k"], -1)
                 w = w.to(h.dtype)
             inter = s["inter"]
-            if s["moe"] == "op":                                     # each row's k experts, by the C++ op
-                E = s["E"]
-                if s["mode"] == "one":                               # the per-expert views back to [H, E*2I], [E*I, H]
-                    gu, dn = gu.permute(1, 0, 2).reshape(Hd, E * 2 * inter), dn.reshape(E * inter, Hd)
+            if s["moe"] == "op" and s["mode"] == "one":             # the row's k experts, by the C++ op
+                x = x + cpu_ops.moe_rows_per_expert(h, gu, dn, idx, w, inter)
+            elif s["moe"] == "op":                                   # each row's k experts, by the C++ op
                 x = x + torch.ops.strata.moe_rows(h.contiguous(), gu, dn, idx, w.contiguous(), inter)
             elif s["mode"] == "one":                                 # the row's k experts, gathered
                 g2 = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])

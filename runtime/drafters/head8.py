@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime import cpu_ops
+
 # False: the chain uses the target's own head on a CPU too
 CPU_INT8_HEAD = True
 # False: torch's weight-only int8 kernel even where the C++ int8 head is loaded (bench/drafters.py compares them)
@@ -20,8 +22,6 @@ USE_OP = True
 
 def op_fits(hidden: int) -> bool:
     """Whether the C++ int8 head (runtime/cpu_ops.py) serves a head of input width `hidden` in this process."""
-    from runtime import cpu_ops
-
     return USE_OP and cpu_ops.registered() and hidden % 64 == 0
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime import aoti, cpu_ops
+from runtime.drafters import head8
 
 # the most rows one step takes: the pending committed rows of a window (at most the block) and the anchor
 MAX_ROWS = 64
@@ -98,15 +99,13 @@ def shape_of(drafter) -> dict[str, Any]:
                 qk_eps=float(a.q_norm.eps), rscale=float(drafter.model.rotary.scale),
                 head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
                 capacity=int(drafter.kv.capacity), head_op=head_op(drafter),
-                moe_op=MOE_OP and cpu_ops.registered() and cfg.hidden_size % 16 == 0 and mlp.inter % 16 == 0)
+                moe_op=MOE_OP and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter))
 
 
 def head_op(drafter) -> bool:
     """Whether the package's int8 head goes through the C++ op (runtime/cpu_ops.py: integer dot products from an
     int16 input) rather than torch's weight-only int8 kernel: where the ops are loaded and the head's width fits
     the op (a multiple of 64)."""
-    from runtime.drafters import head8
-
     return drafter.head8 is not None and head8.op_fits(drafter.model.cfg.hidden_size)
 
 
@@ -156,10 +155,7 @@ class _Step(torch.nn.Module):
         else:
             w, idx = torch.topk(torch.softmax(lg, -1), s["k"], -1)
         if s["moe_op"]:       # the row's k experts by the C++ op (runtime/cpu_ops.py), from the packed layout
-            E, inter = s["E"], s["inter"]
-            y = torch.ops.strata.moe_rows(h.contiguous(), gu.permute(1, 0, 2).reshape(Hd, E * 2 * inter),
-                                          dn.reshape(E * inter, Hd), idx, w.contiguous(), inter)
-            hn = F.rms_norm(x + y, (Hd,), norm, eps)
+            hn = F.rms_norm(x + cpu_ops.moe_rows_per_expert(h, gu, dn, idx, w, s["inter"]), (Hd,), norm, eps)
         else:
             gu_ = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])                          # [k, 1, 2I]
             gt, up = gu_.split(s["inter"], -1)
