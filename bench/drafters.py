@@ -50,6 +50,7 @@ EAGER_ARMS = ("MTP b4", "DFlash2 bf16")
 def arms(gguf_dir: Path | None, dflash_blocks: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     mtp = [{"arm": "MTP b4", "kind": "mtp", "path": None, "block": 4, "min_p": 0.0},
            {"arm": "MTP b3", "kind": "mtp", "path": None, "block": 3, "min_p": 0.0},
+           {"arm": "MTP b5", "kind": "mtp", "path": None, "block": 5, "min_p": 0.0},
            {"arm": "MTP b6 p.5", "kind": "mtp", "path": None, "block": 6, "min_p": 0.5}]
     # on a CPU the MTP chain's step compiled ahead of time (runtime/drafters/mtp_compiled.py): each arm both ways
     out = [{"arm": "target-only", "kind": "none", "path": None, "block": 1, "min_p": 0.0},
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-eager-check", dest="eager_check", action="store_false")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", default="", help="comma-separated substrings of arm names to run (default: all)")
+    ap.add_argument("--exact", action="store_true",
+                    help="--only names whole arms, separated by ';' (arm names hold commas)")
     ap.add_argument("--tasks", default="", help="comma-separated task prompts (default: all four)")
     ap.add_argument("--clock", choices=("wall", "process"), default="wall",
                     help="process: tok/s from this process's CPU time (1-thread CPU runs on a shared machine)")
@@ -198,9 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gdir = convert_ggufs(Path(td))
         prompts: dict[str, list[int]] | None = None
         engines: dict[tuple, Any] = {}
-        wanted = [w for w in args.only.split(",") if w]
+        wanted = [w.strip() for w in args.only.split(";" if args.exact else ",") if w.strip()]
         for arm in arms(gdir, tuple(int(b) for b in args.dflash_blocks.split(",") if b)):
-            if wanted and not arm["arm"].startswith("target-only") and not any(w in arm["arm"] for w in wanted):
+            hit = arm["arm"] in wanted if args.exact else any(w in arm["arm"] for w in wanted)
+            if wanted and not arm["arm"].startswith("target-only") and not hit:
                 continue
             if deadline.over():
                 break

@@ -5,9 +5,9 @@
 
 For each chain length: `MTPDrafter.propose` of that many drafts at the prompt's end (no floor, greedy), with the
 compiled step attached and without, alternating for `rounds` rounds; median ms of process time per call. Also the
-compiled step alone (one row), whether both chains draft the same tokens, and the bound: the bytes one chained
-step must read (the head's layer with its k routed experts, fc, the int8 vocabulary head, an embedding row, the
-head's cache up to the prompt) at this machine's one-thread copy bandwidth of a buffer that size (measured here:
+compiled step alone (one row), whether both chains draft the same tokens, and the bound: the bytes one compiled
+chained step must read (the head's layer with its k routed experts, fc, in int8 where the step takes them so, the
+int8 vocabulary head, an embedding row, the head's cache up to the prompt) at this machine's one-thread copy bandwidth of a buffer that size (measured here:
 a chain rereads those few MB every step, so they stay in cache; the DRAM copy bandwidth is reported beside it). The package is built
 into the store's compiled/ on first use ($STRATA_HOME; about 15 s). Writes `mtp_cpu_chain.json`.
 """
@@ -36,12 +36,14 @@ def step_bytes(eng, context: int) -> int:
     a = layer.self_attn
     el = layer.input_layernorm.weight.element_size()
     H = cfg.hidden_size
-    attn = H * (a.nh + 2 * a.nkv) * a.hd + a.nh * a.hd * H
     experts = mlp.top_k * 3 * H * mlp.inter + H * mlp.n_exp
-    fc = 2 * H * H
     head = sum(t.numel() * t.element_size() for t in d.head8) if d.head8 is not None else cfg.vocab_size * H * el
     cache = 2 * a.nkv * a.hd * context * d.kv.k.element_size()
-    return (attn + experts + fc + H) * el + head + cache
+    if d.dense8 is not None:          # the compiled step's int8 fc, q/k/v and o_proj with their scales
+        dense = sum(t.numel() * t.element_size() for t in d.dense8)
+    else:
+        dense = (H * (a.nh + 2 * a.nkv) * a.hd + a.nh * a.hd * H + 2 * H * H) * el
+    return (experts + H) * el + dense + head + cache
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -36,6 +36,26 @@ def nbytes(vocab: int, hidden: int) -> int:
     return vocab * hidden + 2 * vocab if usable(hidden) else 0
 
 
+def dense_nbytes(hidden: int, q_width: int, kv_width: int) -> int:
+    """What the compiled chain's int8 copies of the head's layer matrices hold (runtime/drafters/mtp_compiled.py:
+    fc [H, 2H], q/k/v [q + 2 kv, H], o_proj [H, q]): a byte per weight and an fp32 scale per row, where the widths
+    fit the C++ product (multiples of 64; 0 elsewhere). Counted wherever the int8 head is: a machine that cannot
+    build the ops holds less than its budget says, never more."""
+    if not usable(hidden) or any(k % 64 for k in (hidden, q_width)):
+        return 0
+    rows = hidden + q_width + 2 * kv_width + hidden
+    return 2 * hidden * hidden + (q_width + 2 * kv_width) * hidden + hidden * q_width + 4 * rows
+
+
+def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of w [N, K] as int8 and one bf16 scale each (the scale as the kernels read it, rounded up so that
+    no weight leaves [-127, 127]: every weight is then within half a step of its int8 value)."""
+    w = w.detach().float()
+    scale = ((w.abs().amax(1) / 127).clamp(min=1e-30) * (1 + 2 ** -8)).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
 def int8_head(head) -> tuple[Tensor, Tensor] | None:
     """The head's weight [V, H] as int8 rows and their bf16 scales, for `logits`; None for a head that is not a
     float nn.Linear without bias (a block-format GGUF head stays as it is) or when `usable` says no."""
@@ -43,12 +63,7 @@ def int8_head(head) -> tuple[Tensor, Tensor] | None:
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or w is None or not w.dtype.is_floating_point \
             or not usable(w.shape[1]):
         return None
-    w = w.detach().float()
-    # the scale as the kernel reads it (bf16), rounded up so that no weight leaves [-127, 127]: every weight is
-    # then within half a step of its int8 value
-    scale = ((w.abs().amax(1) / 127).clamp(min=1e-30) * (1 + 2 ** -8)).to(torch.bfloat16)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return q, scale
+    return quantize(w)
 
 
 def logits(h: Tensor, head: tuple[Tensor, Tensor], cast: bool = True) -> Tensor:

@@ -66,6 +66,8 @@ class MTPDrafter:
         # CPU: the chain's step compiled ahead of time (runtime/drafters/mtp_compiled.py), attached by the engine
         # when this machine has its package; None: the eager rows
         self.compiled: mtp_compiled.CompiledStep | None = None
+        # the compiled step's int8 copies of fc, q/k/v and o_proj with their scales (mtp_compiled.dense8), made once
+        self.dense8: tuple[Tensor, ...] | None = None
 
     def reset(self) -> None:
         self.kv.reset()
@@ -365,8 +367,9 @@ class MTPDrafter:
         mlp = self.mtp.layers[0].mlp
         if getattr(mlp, "fmt", None) is not None:        # experts as ggml block stacks (not registered tensors)
             w += sum(t.numel() * t.element_size() for t in (mlp.gate_up, mlp.down))
-        if self.head8 is not None:                       # the CPU chain's 8-bit head
-            w += sum(t.numel() * t.element_size() for t in self.head8)
+        for int8 in (self.head8, self.dense8):           # the CPU chain's 8-bit head and layer matrices
+            if int8 is not None:
+                w += sum(t.numel() * t.element_size() for t in int8)
         return {"drafter_weights": w, "drafter_kv": self.kv.nbytes,
                 "logits": self.logits_buf.numel() * self.logits_buf.element_size()}
 

@@ -38,6 +38,10 @@ from runtime.drafters import head8
 MAX_ROWS = 64
 # False: the step's routed experts as torch ops even where the C++ experts op is loaded (runtime/cpu_ops.py)
 MOE_OP = True
+# False: the step's fc, q/k/v and o_proj as float products even where the C++ int8 product is loaded
+DENSE8 = True
+# False: the step's attention as torch ops even where the C++ row attention is loaded
+ATTN_OP = True
 
 
 def wanted() -> bool:
@@ -69,8 +73,32 @@ def fits(drafter) -> str | None:
     return None
 
 
+def dense8(drafter) -> bool:
+    """Whether the step's fc, q/k/v and o_proj go through the C++ int8 product (runtime/cpu_ops.py) from int8
+    copies of their rows: with the int8 head's op, an fp32 step and widths the op takes (multiples of 64). Why: a
+    chained step rereads its layer's matrices (1.3 MB in fp32 on the bundled pack, past a core's L2 with the rest
+    of the step); a quarter of the bytes cut the step by about a third there (docs/models.md, "MTP head")."""
+    a = drafter.mtp.layers[0].self_attn
+    H = drafter.model.cfg.hidden_size
+    return DENSE8 and head_op(drafter) and drafter.kv.k.dtype == torch.float32 and (a.nh * a.hd) % 64 == 0 \
+        and H % 64 == 0
+
+
+def _dense8_weights(drafter, fc: Tensor, wqkv: Tensor, wo: Tensor) -> tuple[Tensor, ...]:
+    """(fc, its scales, q/k/v, scales, o_proj, scales) as the int8 product takes them ([out, in] rows, fp32 scales),
+    quantized once per drafter and kept on it (`MTPDrafter.dense8`)."""
+    if drafter.dense8 is None:
+        out: list[Tensor] = []
+        for w in (fc, wqkv, wo):                        # x @ w: the rows are w's columns
+            q, s = head8.quantize(w.t())
+            out += [q, s.float()]
+        drafter.dense8 = tuple(out)
+    return drafter.dense8
+
+
 def weights(drafter) -> tuple[Tensor, ...]:
-    """The step's weight inputs, in `_Step.forward`'s order (views of the drafter's tensors, no copies)."""
+    """The step's weight inputs, in `_Step.forward`'s order (views of the drafter's tensors, no copies; the int8
+    copies of `dense8`, made once)."""
     from runtime.models import cpu_plan
 
     m, mtp = drafter.model, drafter.mtp
@@ -82,8 +110,13 @@ def weights(drafter) -> tuple[Tensor, ...]:
     head = drafter.head8 if drafter.head8 is not None else (m.lm_head.weight.t(), torch.ones(0))
     # q-norm's weight carries the attention scale, as the eager rows' (cpu_rows.qk_norm_weight: [nh + nkv, hd])
     qkn = L.qkn[0], L.qkn[L.nh]
+    fc, wo = mtp.fc.weight.t(), L.wo
+    if dense8(drafter):
+        fc, fc_s, wqkv, qkv_s, wo, wo_s = _dense8_weights(drafter, fc, wqkv, wo)
+    else:
+        fc_s = qkv_s = wo_s = torch.ones(0)
     return (m.model.embed_tokens.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight,
-            mtp.fc.weight.t(), layer.input_layernorm.weight, wqkv, qkn[0], qkn[1], L.wo,
+            fc, fc_s, layer.input_layernorm.weight, wqkv, qkv_s, qkn[0], qkn[1], wo, wo_s,
             layer.post_attention_layernorm.weight, L.router,
             mlp.dense_gu.view(E, 2 * inter, H).transpose(1, 2), mlp.dense_down.view(H, E, inter).permute(1, 2, 0),
             mtp.norm.weight, m.rotary.inv_freq.float(), head[0], head[1])
@@ -99,7 +132,15 @@ def shape_of(drafter) -> dict[str, Any]:
                 qk_eps=float(a.q_norm.eps), rscale=float(drafter.model.rotary.scale),
                 head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
                 capacity=int(drafter.kv.capacity), head_op=head_op(drafter),
-                moe_op=MOE_OP and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter))
+                moe_op=MOE_OP and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter), dense8=dense8(drafter),
+                attn_op=attn_op(drafter))
+
+
+def attn_op(drafter) -> bool:
+    """Whether the step's attention goes through the C++ row attention (runtime/cpu_ops.py): where the ops are
+    loaded, for an fp32 cache and a head size the op takes."""
+    return ATTN_OP and cpu_ops.registered() and drafter.kv.k.dtype == torch.float32 and \
+        drafter.mtp.layers[0].self_attn.hd in (64, 128, 256)
 
 
 def head_op(drafter) -> bool:
@@ -117,15 +158,19 @@ class _Step(torch.nn.Module):
         self.s = shape
 
     def forward(self, tok: Tensor, g: Tensor, k_old: Tensor, v_old: Tensor, emb_w: Tensor, ne: Tensor,
-                ng: Tensor, fc: Tensor, ln1: Tensor, wqkv: Tensor, qn: Tensor, kn: Tensor, wo: Tensor, ln2: Tensor,
-                wr: Tensor, gu: Tensor, dn: Tensor, norm: Tensor, inv: Tensor, head: Tensor, head_scale: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                ng: Tensor, fc: Tensor, fc_s: Tensor, ln1: Tensor, wqkv: Tensor, qkv_s: Tensor, qn: Tensor,
+                kn: Tensor, wo: Tensor, wo_s: Tensor, ln2: Tensor, wr: Tensor, gu: Tensor, dn: Tensor, norm: Tensor,
+                inv: Tensor, head: Tensor, head_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         s = self.s
         eps, nh, nkv, hd = s["eps"], s["nh"], s["nkv"], s["hd"]
         r, Hd = g.shape
         start = k_old.shape[1]
+
+        def lin(x: Tensor, w: Tensor, sc: Tensor) -> Tensor:    # x @ w, from int8 rows w [out, in] with `dense8`
+            return torch.ops.strata.int8_head(x.contiguous(), w, sc) if s["dense8"] else x @ w
+
         e = F.rms_norm(emb_w[tok], (Hd,), ne, eps)
-        x = torch.cat((e, F.rms_norm(g, (Hd,), ng, eps)), -1) @ fc                       # [r, H]
+        x = lin(torch.cat((e, F.rms_norm(g, (Hd,), ng, eps)), -1), fc, fc_s)            # [r, H]
         pos = torch.arange(r, device=x.device) + (start + 1)
         f = pos[:, None].float() * inv[None, :]
         ang = torch.cat((f, f), -1)
@@ -135,18 +180,21 @@ class _Step(torch.nn.Module):
             h2 = hd // 2
             return t * c[:, None] + torch.cat((-t[..., h2:], t[..., :h2]), -1) * sn[:, None]
 
-        p = F.rms_norm(x, (Hd,), ln1, eps) @ wqkv
+        p = lin(F.rms_norm(x, (Hd,), ln1, eps), wqkv, qkv_s)
         q, k, v = p.split((nh * hd, nkv * hd, nkv * hd), -1)
         kt = rope(F.rms_norm(k.reshape(r, nkv, hd), (hd,), kn, s["qk_eps"]), cos, sin).transpose(0, 1)
         vt = v.reshape(r, nkv, hd).transpose(0, 1)                                      # [nkv, r, hd]
         # the last row alone goes on: the rows before it are committed rows, wanted for their entries
         ql = rope(F.rms_norm(q[-1:].reshape(1, nh, hd), (hd,), qn, s["qk_eps"]), cos[-1:], sin[-1:])
         qg = ql.reshape(nkv, nh // nkv, hd)
-        s_old = torch.bmm(qg, k_old.transpose(1, 2))                                    # [nkv, grp, start]
-        s_new = torch.bmm(qg, kt.transpose(1, 2))                                       # [nkv, grp, r]
-        pr = torch.softmax(torch.cat((s_old, s_new), -1), -1)
-        o = torch.bmm(pr[..., :start], v_old) + torch.bmm(pr[..., start:], vt)
-        x = x[-1:] + o.reshape(1, nh * hd) @ wo
+        if s["attn_op"]:      # the cache's slots, then the rows' own entries (runtime/cpu_ops.py)
+            o = torch.ops.strata.row_attention(qg.contiguous(), k_old, v_old, kt, vt)
+        else:
+            s_old = torch.bmm(qg, k_old.transpose(1, 2))                                # [nkv, grp, start]
+            s_new = torch.bmm(qg, kt.transpose(1, 2))                                   # [nkv, grp, r]
+            pr = torch.softmax(torch.cat((s_old, s_new), -1), -1)
+            o = torch.bmm(pr[..., :start], v_old) + torch.bmm(pr[..., start:], vt)
+        x = x[-1:] + lin(o.reshape(1, nh * hd), wo, wo_s)
         h = F.rms_norm(x, (Hd,), ln2, eps)
         lg = h @ wr
         if s["norm_topk"]:
@@ -174,7 +222,7 @@ class _Step(torch.nn.Module):
 
 def key(drafter) -> str:
     """The package's name (runtime/aoti.py `key`: torch, this CPU, `shape_of`)."""
-    return aoti.key("mtp-step", shape_of(drafter), 4)
+    return aoti.key("mtp-step", shape_of(drafter), 5)
 
 
 def package_path(drafter, root: Path) -> Path:

@@ -156,6 +156,45 @@ def test_the_library_lives_in_the_store_and_is_shared(op, tmp_path):
     assert (tmp_path / libs[0].name).read_bytes() == libs[0].read_bytes()
 
 
+def test_a_changed_source_does_not_get_the_loaded_library(op, tmp_path, monkeypatch):
+    """A process holding the library of one source (its key) must not file it under another source's key."""
+    src = tmp_path / "cpu_ops.cpp"
+    src.write_text(cpu_ops.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_ops, "SOURCE", src)
+    store = tmp_path / "store"
+    assert cpu_ops.ensure(store, build=True) == ""             # this process keeps the ops it loaded
+    assert not store.exists() or list(store.iterdir()) == []
+
+
+@pytest.mark.parametrize("nkv,grp,hd,start,r", [
+    (2, 2, 64, 382, 1),           # the pack's chained step
+    (2, 2, 64, 40, 4),            # committed rows with the anchor
+    (1, 4, 128, 0, 3),            # nothing in the cache yet
+    (4, 1, 256, 17, 20),          # more new rows than one 16-key block
+])
+def test_row_attention_matches_float64(op, nkv, grp, hd, start, r):
+    gen = torch.Generator().manual_seed(start + r)
+    big_k, big_v = torch.randn(nkv, 600, hd, generator=gen), torch.randn(nkv, 600, hd, generator=gen)
+    # the new entries as the MTP step makes them: [rows, kv heads, hd] seen through a transpose
+    kn = torch.randn(r, nkv, hd, generator=gen).transpose(0, 1)
+    vn = torch.randn(r, nkv, hd, generator=gen).transpose(0, 1)
+    q = torch.randn(nkv, grp, hd, generator=gen) * 0.5
+    kc, vc = big_k[:, :start], big_v[:, :start]
+    got = torch.ops.strata.row_attention(q, kc, vc, kn, vn)
+    torch.testing.assert_close(got, cpu_ops.row_reference(q, kc, vc, kn, vn), rtol=2e-5, atol=2e-6)
+
+
+def test_row_attention_refuses_what_it_cannot_take(op):
+    q, kc, kn = torch.randn(2, 2, 64), torch.randn(2, 10, 64), torch.randn(2, 1, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.strata.row_attention(q, kc, kc, kn[:, :0], kn[:, :0])
+    with pytest.raises(RuntimeError, match="head size 32"):
+        torch.ops.strata.row_attention(q[..., :32].contiguous(), kc[..., :32], kc[..., :32], kn[..., :32],
+                                       kn[..., :32])
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.strata.row_attention(q, kc.double(), kc, kn, kn)
+
+
 def test_no_compiler_or_a_failing_one_gives_a_reason_and_no_file(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_ops, "_state", {"path": None, "failed": ""})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

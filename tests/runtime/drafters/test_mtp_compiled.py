@@ -3,6 +3,7 @@ module path computes, a chain through it keeps greedy output equal to the target
 missing or wrong leaves the eager chain serving with a reason (a missing, damaged or failed package, the switch)."""
 
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from bench.common import NANO, task_prompts
 from calibrate.key import CalibrationKey, key_for_config
-from runtime.drafters import mtp_compiled
+from runtime.drafters import head8, mtp_compiled
 from runtime.engine import Engine
 from tests.runtime.tiny import single_thread  # noqa: F401
 
@@ -36,10 +37,30 @@ def built(tmp_path_factory):
     mp.undo()
 
 
+@contextmanager
+def _int8_matrices(model, on: bool):
+    """The head's fc, q/k/v and o_proj replaced by their int8 rows dequantized (what the compiled step multiplies
+    by, `mtp_compiled.dense8`), restored after; nothing changes when `on` is False."""
+    a = model.mtp.layers[0].self_attn
+    mods = (model.mtp.fc, a.q_proj, a.k_proj, a.v_proj, a.o_proj) if on else ()
+    kept = [m.weight.detach().clone() for m in mods]
+    try:
+        with torch.no_grad():
+            for m in mods:
+                q, sc = head8.quantize(m.weight)
+                m.weight.copy_(q.float() * sc.float()[:, None])
+        yield
+    finally:
+        with torch.no_grad():
+            for m, w in zip(mods, kept, strict=True):
+                m.weight.copy_(w)
+
+
 def test_step_equals_the_module_path(built):
     eng, _ = built
     d, model = eng.drafter, eng.model
     gen = torch.Generator().manual_seed(3)
+    assert mtp_compiled.dense8(d) and mtp_compiled.attn_op(d)      # the shipped form, where the ops load
     with torch.no_grad():
         d.kv.k.normal_(generator=gen)
         d.kv.v.normal_(generator=gen)
@@ -49,15 +70,18 @@ def test_step_equals_the_module_path(built):
             h, lg, t, conf = d.compiled(tok, g, 9)
             k, v = d.compiled.k_out, d.compiled.v_out
             pos = torch.arange(10, 10 + n)[None]
-            ref = model.mtp(model.model.embed_tokens(tok)[None], g[None], pos, model.rotary, (d.kv.layer(0), 9))[0]
+            # the module with the int8 matrices' values: what is left is the int16 rounding of their inputs
+            with _int8_matrices(model, mtp_compiled.dense8(d)):
+                ref = model.mtp(model.model.embed_tokens(tok)[None], g[None], pos, model.rotary,
+                                (d.kv.layer(0), 9))[0]
             want_lg = torch._weight_int8pack_mm(ref[-1:].to(torch.bfloat16), *d.head8).float()
-            torch.testing.assert_close(h, ref[-1:], rtol=0, atol=1e-4)
+            torch.testing.assert_close(h, ref[-1:], rtol=0, atol=2e-3)
             torch.testing.assert_close(lg, want_lg, rtol=0, atol=0.05 * float(want_lg.abs().max()) + 1e-3)
             assert int(lg.argmax()) == int(want_lg.argmax()) == int(t)
             torch.testing.assert_close(conf, torch.softmax(lg, -1).amax(-1), rtol=1e-5, atol=1e-6)
             # the module wrote the rows' entries at slots 9..: the compiled step returns the same ones
-            torch.testing.assert_close(k, d.kv.k[0, 0, :, 9:9 + n], rtol=0, atol=1e-5)
-            torch.testing.assert_close(v, d.kv.v[0, 0, :, 9:9 + n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(k, d.kv.k[0, 0, :, 9:9 + n], rtol=0, atol=2e-3)
+            torch.testing.assert_close(v, d.kv.v[0, 0, :, 9:9 + n], rtol=0, atol=2e-3)
 
 
 def test_chain_through_it_is_lossless(built):
@@ -98,7 +122,9 @@ def test_floor_cuts_where_the_eager_chain_does(built):
     assert lengths[0] == 6 and lengths[2] < 6          # the floor cut somewhere on this prompt
     for (tc, cc), (te, ce) in zip(out["compiled"], out["eager"], strict=True):
         assert tc == te
-        torch.testing.assert_close(cc, ce, rtol=0, atol=5e-3)
+        # the compiled step's int8 fc, q/k/v and o_proj move a probability by about 1e-2 here (the eager chain's
+        # are float); none sits that close to a floor on this prompt
+        torch.testing.assert_close(cc, ce, rtol=0, atol=3e-2)
 
 
 def test_sampled_drafts_carry_their_distribution(built):
@@ -125,15 +151,18 @@ def test_key_names_what_the_code_holds(built):
     assert other.compile_drafter() == "not built for this machine yet (strata-setup builds it)"
 
 
-def test_package_under_a_wrong_name_is_caught(built, tmp_path):
-    # the package of a 1024-slot cache passed off as a 2048-slot one's: it loads and runs, reading the cache with
-    # the wrong stride (the loader checks no strides), and the check at load refuses it
+def test_package_under_a_wrong_name_is_caught(built, tmp_path, monkeypatch):
+    # the package of a step with int8 matrices passed off as one with float matrices (the same inputs, other
+    # tensors in them): it loads, and the check at load refuses it
     eng, root = built
-    other = Engine.build(NANO, "mtp", device="cpu", context=2048, block=4)
-    shutil.copy(mtp_compiled.package_path(eng.drafter, root), mtp_compiled.package_path(other.drafter, tmp_path))
+    shipped = mtp_compiled.package_path(eng.drafter, root)
+    monkeypatch.setattr(mtp_compiled, "DENSE8", False)
+    other = Engine.build(NANO, "mtp", device="cpu", context=1024, block=4)
+    assert mtp_compiled.package_path(other.drafter, root) != shipped
+    shutil.copy(shipped, mtp_compiled.package_path(other.drafter, tmp_path))
     step, why = mtp_compiled.load(other.drafter, tmp_path)
     assert step is None
-    assert why.startswith("the package mtp-step-") and "does not compute the step (the compiled MTP step's" in why
+    assert why.startswith("the package mtp-step-") and "does not compute the step (" in why
 
 
 def test_damaged_package_is_refused(built, tmp_path):
