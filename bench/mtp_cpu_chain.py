@@ -40,10 +40,14 @@ def step_bytes(eng, context: int) -> int:
     head = sum(t.numel() * t.element_size() for t in d.head8) if d.head8 is not None else cfg.vocab_size * H * el
     cache = 2 * a.nkv * a.hd * context * d.kv.k.element_size()
     if d.dense8 is not None:          # the compiled step's int8 fc, q/k/v and o_proj with their scales
-        dense = sum(t.numel() * t.element_size() for t in d.dense8)
+        dense = sum(t.numel() * t.element_size() for t in d.dense8[:6])
     else:
         dense = (H * (a.nh + 2 * a.nkv) * a.hd + a.nh * a.hd * H + 2 * H * H) * el
-    return (experts + H) * el + dense + head + cache
+    if d.dense8 is not None and len(d.dense8) > 6:      # ... and its experts' int8 rows: k of the E read
+        experts = sum(t.numel() * t.element_size() for t in d.dense8[6:]) * mlp.top_k // mlp.n_exp + H * mlp.n_exp * el
+    else:
+        experts *= el
+    return experts + H * el + dense + head + cache
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

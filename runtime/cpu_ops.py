@@ -10,7 +10,10 @@ op" and "MTP head"):
 - `strata::moe_rows`: the target step's routed experts, each row's own k experts in top-k order (no expert
   computed for a row that did not pick it), with a fixed per-row order of operations.
 - `strata::int8_head`: the MTP chain's vocabulary product from its int8 rows with the input in int16 (integer
-  dot products): under half of torch's weight-only int8 kernel's time on the bundled pack's head.
+  dot products): under half of torch's weight-only int8 kernel's time on the bundled pack's head. The chain's
+  fc, q/k/v and o_proj go through it too; `strata::int8_head_top` adds each row's greedy token and probability
+  (the draft and the floor's statistic) while the logits are in cache, and `strata::moe_rows8` computes the
+  chain's routed experts from int8 rows by the same product.
 
 They are built with this machine's C++ compiler (the one AOTInductor uses for the packages) into the store's
 compiled/ directory next to the packages that call them, and loaded into the process, checked, before any of them:
@@ -188,6 +191,15 @@ def _load(path: Path) -> None:
     def _(q, kc, vc, kn, vn):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("strata::int8_head_top")
+    def _(x, w, scale):
+        n = x.shape[0]
+        return x.new_empty((n, w.shape[0])), x.new_empty((n,), dtype=torch.long), x.new_empty((n,))
+
+    @torch.library.register_fake("strata::moe_rows8")
+    def _(h, gu, gus, dn, dns, idx, wt, inter):
+        return torch.empty_like(h)
+
     why = check()
     if why:
         raise RuntimeError(why)
@@ -220,6 +232,29 @@ def head_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> tor
     sx = torch.where(sx > 0, sx, torch.ones_like(sx))
     xq = torch.round(x / sx)
     return ((xq.double() @ w.double().t()) * (scale.double()[None] * sx.double())).float()
+
+
+def head_top_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `int8_head_top` computes: `head_reference`'s logits, each row's first maximum and its softmax
+    probability."""
+    lg = head_reference(x, w, scale)
+    return lg, lg.argmax(-1), torch.softmax(lg.double(), -1).amax(-1).float()
+
+
+def moe8_reference(h: torch.Tensor, gu: torch.Tensor, gus: torch.Tensor, dn: torch.Tensor, dns: torch.Tensor,
+                   idx: torch.Tensor, wt: torch.Tensor, inter: int) -> torch.Tensor:
+    """What `moe_rows8` computes: each row's experts through `head_reference` products (gu [E * 2I, H] and dn
+    [E * H, I] int8 rows), the activation silu(gate) * up * weight quantized again for the down product."""
+    H = h.shape[1]
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    for r in range(h.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[r, j])
+            g = head_reference(h[r:r + 1], gu[e * 2 * inter:(e + 1) * 2 * inter], gus[e * 2 * inter:(e + 1) * 2 * inter])
+            act = torch.nn.functional.silu(g[:, :inter]) * g[:, inter:] * float(wt[r, j])
+            out[r] += head_reference(act, dn[e * H:(e + 1) * H], dns[e * H:(e + 1) * H])[0].double()
+    return out.float()
 
 
 def moe_reference(h: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor,
@@ -275,4 +310,16 @@ def check() -> str:
     alone = torch.ops.strata.moe_rows(h[1:2], gu, dn, idx[1:2], wt[1:2], inter)
     if not torch.equal(alone, got[1:2]):
         return "the experts op gives a row other bits inside a window than alone"
+    lg, tok, conf = torch.ops.strata.int8_head_top(x, w, scale)
+    want = head_top_reference(x, w, scale)
+    if not (torch.equal(lg, torch.ops.strata.int8_head(x, w, scale)) and torch.equal(tok, want[1])
+            and torch.allclose(conf, want[2], rtol=1e-5, atol=1e-7)):
+        return "the int8 head's token or probability is not its logits' first maximum and its probability"
+    gu8 = torch.randint(-127, 128, (E * 2 * inter, H), generator=gen, dtype=torch.int8)
+    dn8 = torch.randint(-127, 128, (E * H, inter), generator=gen, dtype=torch.int8)
+    gus, dns = torch.rand(E * 2 * inter, generator=gen) / 500, torch.rand(E * H, generator=gen) / 500
+    got = torch.ops.strata.moe_rows8(h, gu8, gus, dn8, dns, idx, wt, inter)
+    want = moe8_reference(h, gu8, gus, dn8, dns, idx, wt, inter)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+        return f"the int8 experts op is off by {float((got - want).abs().max()):.1e} from its integer reference"
     return ""

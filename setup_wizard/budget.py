@@ -434,7 +434,8 @@ def compute_budget(
     if drafter == "mtp" and inputs.device_type == "cpu" and target.float_head:
         # the chain's int8 head and its layer's int8 matrices (runtime/drafters/head8.py)
         items["drafter_weights"] += head8.nbytes(target.vocab, target.hidden) + head8.dense_nbytes(
-            target.hidden, target.heads * target.head_dim, target.kv_heads * target.head_dim)
+            target.hidden, target.heads * target.head_dim, target.kv_heads * target.head_dim,
+            target.experts if target.sparse_layers else 0, target.moe_intermediate)
     # a float CPU cache holds the compiled step's spare slots past the context (runtime/target_compiled.py)
     slots = ctx + (spare_slots(ctx) if inputs.device_type == "cpu" and inputs.kv_quant is None else 0)
     items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * slots

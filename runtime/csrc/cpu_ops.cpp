@@ -18,7 +18,9 @@
 // operations of its own (the same promise, without every expert computed for every row).
 //
 // strata::int8_head: the MTP chain's vocabulary product from int8 rows, its input quantized to int16, in exact
-// integer sums (a draft needs no particular bits; the integers make every code path give the same ones).
+// integer sums (a draft needs no particular bits; the integers make every code path give the same ones); the same
+// product serves the chain's fc, q/k/v and o_proj. strata::int8_head_top adds each row's greedy token and its
+// probability; strata::moe_rows8 is the chain's routed experts from int8 rows by the same product.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -394,56 +397,135 @@ at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor&
 // (127 H)), so no sum can overflow; 15 bits keep the product within about 1e-4 of the float one (8-bit inputs had
 // lowered the pack's prose acceptance). With AVX512-VNNI the products take vpdpwssd (pairs of int16 products
 // into int32 lanes); elsewhere a plain loop over the same integers, so every path gives the same bits.
-at::Tensor int8_head(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+// x[0..H) to int16: its largest magnitude to Q (see int8_head); returns x's scale
+inline float quantize16(const float* x, int64_t H, int16_t* xq) {
+  const float Q = static_cast<float>(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * H)));
+  float amax = 0.f;
+  for (int64_t h = 0; h < H; ++h) amax = std::max(amax, std::fabs(x[h]));
+  const float sx = amax > 0.f ? amax / Q : 1.f;
+  for (int64_t h = 0; h < H; ++h) xq[h] = static_cast<int16_t>(std::nearbyint(x[h] / sx));
+  return sx;
+}
+
+// out[v] = (xq . w_v) * S[v] * sx for rows v in [b, e) of W [.., H] int8 (H a multiple of 32)
+inline void int8_rows(const int16_t* xq, float sx, const int8_t* Wt, const float* S, int64_t H, int64_t b, int64_t e,
+                      float* out) {
+  int64_t v = b;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  for (; v + LANES <= e; v += LANES) {          // 16 rows at a time, their lane sums by one tree
+    vf a[LANES];
+    for (int i = 0; i < LANES; ++i) {
+      const int8_t* wv = Wt + (v + i) * H;
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t h = 0; h < H; h += 32) {
+        const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wv + h)));
+        acc = _mm512_dpwssd_epi32(acc, w16, _mm512_loadu_si512(xq + h));
+      }
+      a[i] = (vf)_mm512_castsi512_ps(acc);
+    }
+    int32_t t[LANES];
+    const vf r16 = reduce16i(a);
+    std::memcpy(t, &r16, sizeof(t));
+    for (int i = 0; i < LANES; ++i) out[v + i] = static_cast<float>(t[i]) * (S[v + i] * sx);
+  }
+#endif
+  for (; v < e; ++v) {
+    const int8_t* wv = Wt + v * H;
+    int32_t dot = 0;
+    for (int64_t h = 0; h < H; ++h) dot += static_cast<int32_t>(xq[h]) * static_cast<int32_t>(wv[h]);
+    out[v] = static_cast<float>(dot) * (S[v] * sx);
+  }
+}
+
+void check_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const char* name) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 1 && x.size(1) == w.size(1) &&
-              scale.size(0) == w.size(0), "int8_head: shapes do not match");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar, "int8_head takes float rows and int8 "
+              scale.size(0) == w.size(0), name, ": shapes do not match");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar, name, " takes float rows and int8 "
               "weights");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.size(1) % 64 == 0 && w.size(1) <= 65536,
-              "int8_head: the rows must be contiguous and a multiple of 64 wide (at most 65536)");
+              name, ": the rows must be contiguous and a multiple of 64 wide (at most 65536)");
+}
+
+at::Tensor int8_head(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_int8(x, w, scale, "int8_head");
   const int64_t n = x.size(0), H = x.size(1), V = w.size(0);
   const at::Tensor sc = scale.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({n, V}, x.options());
-  const float* X = x.data_ptr<float>();
-  const int8_t* Wt = w.data_ptr<int8_t>();
-  const float* S = sc.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const float Q = static_cast<float>(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * H)));
   std::vector<int16_t> xq(H);
   for (int64_t r = 0; r < n; ++r) {
-    const float* xr = X + r * H;
-    float amax = 0.f;
-    for (int64_t h = 0; h < H; ++h) amax = std::max(amax, std::fabs(xr[h]));
-    const float sx = amax > 0.f ? amax / Q : 1.f;
-    for (int64_t h = 0; h < H; ++h) xq[h] = static_cast<int16_t>(std::nearbyint(xr[h] / sx));
-    float* orow = O + r * V;
+    const float sx = quantize16(x.data_ptr<float>() + r * H, H, xq.data());
+    float* orow = out.data_ptr<float>() + r * V;
     at::parallel_for(0, V, 256, [&](int64_t b, int64_t e) {
-      int64_t v = b;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      for (; v + LANES <= e; v += LANES) {          // 16 rows at a time, their lane sums by one tree
-        vf a[LANES];
-        for (int i = 0; i < LANES; ++i) {
-          const int8_t* wv = Wt + (v + i) * H;
-          __m512i acc = _mm512_setzero_si512();
-          for (int64_t h = 0; h < H; h += 32) {
-            const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wv + h)));
-            acc = _mm512_dpwssd_epi32(acc, w16, _mm512_loadu_si512(xq.data() + h));
-          }
-          a[i] = (vf)_mm512_castsi512_ps(acc);
-        }
-        int32_t t[LANES];
-        const vf r16 = reduce16i(a);
-        std::memcpy(t, &r16, sizeof(t));
-        for (int i = 0; i < LANES; ++i) orow[v + i] = static_cast<float>(t[i]) * (S[v + i] * sx);
-      }
-#endif
-      for (; v < e; ++v) {
-        const int8_t* wv = Wt + v * H;
-        int32_t dot = 0;
-        for (int64_t h = 0; h < H; ++h) dot += static_cast<int32_t>(xq[h]) * static_cast<int32_t>(wv[h]);
-        orow[v] = static_cast<float>(dot) * (S[v] * sx);
-      }
+      int8_rows(xq.data(), sx, w.data_ptr<int8_t>(), sc.data_ptr<float>(), H, b, e, orow);
     });
+  }
+  return out;
+}
+
+// int8_head and, per row, its greedy token (the first of equal maxima) and that token's probability at temperature 1
+// (1 / the sum of exp(logit - max), Cephes' exp in 16-lane vectors): the MTP chain's draft and its floor statistic
+// while the logits are still in cache
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_head_top(const at::Tensor& x, const at::Tensor& w,
+                                                             const at::Tensor& scale) {
+  at::Tensor out = int8_head(x, w, scale);
+  const int64_t n = out.size(0), V = out.size(1);
+  at::Tensor tok = at::empty({n}, x.options().dtype(at::kLong));
+  at::Tensor conf = at::empty({n}, x.options());
+  for (int64_t r = 0; r < n; ++r) {
+    const float* l = out.data_ptr<float>() + r * V;
+    int64_t best = 0;
+    for (int64_t v = 1; v < V; ++v) best = l[v] > l[best] ? v : best;
+    const vf m = splat(l[best]);
+    vf sum = splat(0.f);
+    int64_t v = 0;
+    for (; v + LANES <= V; v += LANES) sum += vexp(loadu(l + v) - m);
+    float rest = 0.f;
+    for (; v < V; ++v) rest += std::exp(l[v] - l[best]);
+    tok.data_ptr<int64_t>()[r] = best;
+    conf.data_ptr<float>()[r] = 1.f / (hsum(sum) + rest);
+  }
+  return {out, tok, conf};
+}
+
+// The MTP chain's routed experts from int8 rows: h [W, H] float, gu [E * 2I, H] int8 (expert e's gate rows then its
+// up rows from e * 2I) and gus [E * 2I] their scales, dn [E * H, I] int8 (expert e's output rows over its I inputs
+// from e * H) and dns [E * H], idx and wt [W, k]: out [W, H] = for each row, the sum over its k experts of
+// down_e(silu(gate_e h) * up_e h * weight), each product an int8_head one (the input to int16, exact integer sums).
+// Drafts need no particular bits; a quarter of the float experts' bytes.
+at::Tensor moe_rows8(const at::Tensor& h, const at::Tensor& gu, const at::Tensor& gus, const at::Tensor& dn,
+                     const at::Tensor& dns, const at::Tensor& idx, const at::Tensor& wt, int64_t inter) {
+  TORCH_CHECK(h.dim() == 2 && gu.dim() == 2 && dn.dim() == 2 && idx.dim() == 2 && wt.sizes() == idx.sizes() &&
+              idx.size(0) == h.size(0) && gu.size(1) == h.size(1) && dn.size(1) == inter && inter > 0 &&
+              gu.size(0) % (2 * inter) == 0 && dn.size(0) == gu.size(0) / (2 * inter) * h.size(1) &&
+              gus.numel() == gu.size(0) && dns.numel() == dn.size(0), "moe_rows8: shapes do not match");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && gu.scalar_type() == at::kChar && dn.scalar_type() == at::kChar &&
+              gus.scalar_type() == at::kFloat && dns.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat &&
+              idx.scalar_type() == at::kLong, "moe_rows8 takes float rows, int8 weights with float32 scales and "
+              "int64 expert ids");
+  TORCH_CHECK(h.is_contiguous() && gu.is_contiguous() && dn.is_contiguous() && gus.is_contiguous() &&
+              dns.is_contiguous() && idx.is_contiguous() && wt.is_contiguous(), "moe_rows8: unexpected layout");
+  const int64_t W = h.size(0), H = h.size(1), k = idx.size(1), E = gu.size(0) / (2 * inter);
+  TORCH_CHECK(H % 32 == 0 && inter % 32 == 0, "moe_rows8: the widths must be multiples of 32");
+  const int64_t* ID = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < W * k; ++i) TORCH_CHECK(ID[i] >= 0 && ID[i] < E, "moe_rows8: an expert id is out of range");
+  at::Tensor out = at::empty({W, H}, h.options());
+  std::memset(out.data_ptr<float>(), 0, sizeof(float) * W * H);
+  std::vector<int16_t> xq(H), aq(inter);
+  std::vector<float> g(2 * inter), y(H);
+  for (int64_t r = 0; r < W; ++r) {
+    float* o = out.data_ptr<float>() + r * H;
+    const float sx = quantize16(h.data_ptr<float>() + r * H, H, xq.data());
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t ex = ID[r * k + j];
+      int8_rows(xq.data(), sx, gu.data_ptr<int8_t>() + ex * 2 * inter * H, gus.data_ptr<float>() + ex * 2 * inter, H,
+                0, 2 * inter, g.data());
+      const float wj = wt.data_ptr<float>()[r * k + j];
+      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i] * wj;
+      const float sa = quantize16(g.data(), inter, aq.data());
+      int8_rows(aq.data(), sa, dn.data_ptr<int8_t>() + ex * H * inter, dns.data_ptr<float>() + ex * H, inter, 0, H,
+                y.data());
+      for (int64_t t = 0; t < H; ++t) o[t] += y[t];
+    }
   }
   return out;
 }
@@ -455,10 +537,15 @@ TORCH_LIBRARY(strata, m) {
   m.def("int8_head(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("moe_rows(Tensor h, Tensor gu, Tensor dn, Tensor idx, Tensor wt, int inter) -> Tensor");
   m.def("row_attention(Tensor q, Tensor kc, Tensor vc, Tensor kn, Tensor vn) -> Tensor");
+  m.def("int8_head_top(Tensor x, Tensor w, Tensor scale) -> (Tensor, Tensor, Tensor)");
+  m.def("moe_rows8(Tensor h, Tensor gu, Tensor gus, Tensor dn, Tensor dns, Tensor idx, Tensor wt, int inter) -> "
+        "Tensor");
 }
 TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("window_attention", &window_attention);
   m.impl("int8_head", &int8_head);
   m.impl("moe_rows", &moe_rows);
   m.impl("row_attention", &row_attention);
+  m.impl("int8_head_top", &int8_head_top);
+  m.impl("moe_rows8", &moe_rows8);
 }

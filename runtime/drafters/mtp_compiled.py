@@ -84,13 +84,24 @@ def dense8(drafter) -> bool:
         and H % 64 == 0
 
 
-def _dense8_weights(drafter, fc: Tensor, wqkv: Tensor, wo: Tensor) -> tuple[Tensor, ...]:
-    """(fc, its scales, q/k/v, scales, o_proj, scales) as the int8 product takes them ([out, in] rows, fp32 scales),
-    quantized once per drafter and kept on it (`MTPDrafter.dense8`)."""
+def experts8(drafter) -> bool:
+    """Whether the step's routed experts go through the C++ int8 experts op (runtime/cpu_ops.py `moe_rows8`) from
+    int8 copies of their rows: with `dense8`, the experts op's switch, and widths that op takes (multiples of 32)."""
+    mlp = drafter.mtp.layers[0].mlp
+    return dense8(drafter) and MOE_OP and mlp.inter % 32 == 0
+
+
+def _int8_weights(drafter, fc: Tensor, wqkv: Tensor, wo: Tensor, gu: Tensor, dn: Tensor) -> tuple[Tensor, ...]:
+    """(fc, its scales, q/k/v, scales, o_proj, scales) as the int8 product takes them ([out, in] rows, fp32
+    scales), then with `experts8` (gate/up [E * 2I, H], scales, down [E * H, I], scales), quantized once per drafter
+    and kept on it (`MTPDrafter.dense8`)."""
     if drafter.dense8 is None:
         out: list[Tensor] = []
-        for w in (fc, wqkv, wo):                        # x @ w: the rows are w's columns
-            q, s = head8.quantize(w.t())
+        rows = [w.t() for w in (fc, wqkv, wo)]          # x @ w: the rows are w's columns
+        if experts8(drafter):                            # gu [E, H, 2I], dn [E, I, H]: each expert's output rows
+            rows += [gu.transpose(1, 2).reshape(-1, gu.shape[1]), dn.transpose(1, 2).reshape(-1, dn.shape[1])]
+        for w in rows:
+            q, s = head8.quantize(w)
             out += [q, s.float()]
         drafter.dense8 = tuple(out)
     return drafter.dense8
@@ -111,14 +122,16 @@ def weights(drafter) -> tuple[Tensor, ...]:
     # q-norm's weight carries the attention scale, as the eager rows' (cpu_rows.qk_norm_weight: [nh + nkv, hd])
     qkn = L.qkn[0], L.qkn[L.nh]
     fc, wo = mtp.fc.weight.t(), L.wo
+    gu, dn = mlp.dense_gu.view(E, 2 * inter, H).transpose(1, 2), mlp.dense_down.view(H, E, inter).permute(1, 2, 0)
+    fc_s = qkv_s = wo_s = gu_s = dn_s = torch.ones(0)
     if dense8(drafter):
-        fc, fc_s, wqkv, qkv_s, wo, wo_s = _dense8_weights(drafter, fc, wqkv, wo)
-    else:
-        fc_s = qkv_s = wo_s = torch.ones(0)
+        q8 = _int8_weights(drafter, fc, wqkv, wo, gu, dn)
+        fc, fc_s, wqkv, qkv_s, wo, wo_s = q8[:6]
+        if experts8(drafter):
+            gu, gu_s, dn, dn_s = q8[6:]
     return (m.model.embed_tokens.weight, mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight,
             fc, fc_s, layer.input_layernorm.weight, wqkv, qkv_s, qkn[0], qkn[1], wo, wo_s,
-            layer.post_attention_layernorm.weight, L.router,
-            mlp.dense_gu.view(E, 2 * inter, H).transpose(1, 2), mlp.dense_down.view(H, E, inter).permute(1, 2, 0),
+            layer.post_attention_layernorm.weight, L.router, gu, gu_s, dn, dn_s,
             mtp.norm.weight, m.rotary.inv_freq.float(), head[0], head[1])
 
 
@@ -133,7 +146,7 @@ def shape_of(drafter) -> dict[str, Any]:
                 head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
                 capacity=int(drafter.kv.capacity), head_op=head_op(drafter),
                 moe_op=MOE_OP and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter), dense8=dense8(drafter),
-                attn_op=attn_op(drafter))
+                experts8=experts8(drafter), attn_op=attn_op(drafter))
 
 
 def attn_op(drafter) -> bool:
@@ -159,8 +172,9 @@ class _Step(torch.nn.Module):
 
     def forward(self, tok: Tensor, g: Tensor, k_old: Tensor, v_old: Tensor, emb_w: Tensor, ne: Tensor,
                 ng: Tensor, fc: Tensor, fc_s: Tensor, ln1: Tensor, wqkv: Tensor, qkv_s: Tensor, qn: Tensor,
-                kn: Tensor, wo: Tensor, wo_s: Tensor, ln2: Tensor, wr: Tensor, gu: Tensor, dn: Tensor, norm: Tensor,
-                inv: Tensor, head: Tensor, head_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                kn: Tensor, wo: Tensor, wo_s: Tensor, ln2: Tensor, wr: Tensor, gu: Tensor, gu_s: Tensor, dn: Tensor,
+                dn_s: Tensor, norm: Tensor, inv: Tensor, head: Tensor, head_scale: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         s = self.s
         eps, nh, nkv, hd = s["eps"], s["nh"], s["nkv"], s["hd"]
         r, Hd = g.shape
@@ -202,16 +216,20 @@ class _Step(torch.nn.Module):
             w = torch.softmax(lw, -1)
         else:
             w, idx = torch.topk(torch.softmax(lg, -1), s["k"], -1)
-        if s["moe_op"]:       # the row's k experts by the C++ op (runtime/cpu_ops.py), from the packed layout
+        if s["experts8"]:     # the row's k experts from int8 rows (runtime/cpu_ops.py)
+            y = torch.ops.strata.moe_rows8(h.contiguous(), gu, gu_s, dn, dn_s, idx, w.contiguous(), s["inter"])
+            hn = F.rms_norm(x + y, (Hd,), norm, eps)
+        elif s["moe_op"]:     # the row's k experts by the C++ op (runtime/cpu_ops.py), from the packed layout
             hn = F.rms_norm(x + cpu_ops.moe_rows_per_expert(h, gu, dn, idx, w, s["inter"]), (Hd,), norm, eps)
         else:
             gu_ = torch.bmm(h.expand(s["k"], 1, Hd), gu[idx[0]])                          # [k, 1, 2I]
             gt, up = gu_.split(s["inter"], -1)
             y = torch.bmm(F.silu(gt) * up, dn[idx[0]])                                    # [k, 1, H]
             hn = F.rms_norm(x + (y * w[0][:, None, None]).sum(0), (Hd,), norm, eps)
-        if s["head8"] and s["head_op"]:
-            logits = torch.ops.strata.int8_head(hn.float(), head, head_scale)
-        elif s["head8"]:
+        if s["head8"] and s["head_op"]:     # the token and its probability in the op, the logits in cache
+            logits, tok, conf = torch.ops.strata.int8_head_top(hn.float(), head, head_scale)
+            return hn, logits, kt, vt, tok, conf
+        if s["head8"]:
             logits = torch._weight_int8pack_mm(hn.to(torch.bfloat16), head, head_scale).float()
         else:
             logits = (hn @ head).float()
@@ -222,7 +240,7 @@ class _Step(torch.nn.Module):
 
 def key(drafter) -> str:
     """The package's name (runtime/aoti.py `key`: torch, this CPU, `shape_of`)."""
-    return aoti.key("mtp-step", shape_of(drafter), 5)
+    return aoti.key("mtp-step", shape_of(drafter), 6)
 
 
 def package_path(drafter, root: Path) -> Path:

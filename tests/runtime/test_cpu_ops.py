@@ -195,6 +195,49 @@ def test_row_attention_refuses_what_it_cannot_take(op):
         torch.ops.strata.row_attention(q, kc.double(), kc, kn, kn)
 
 
+def _moe8_case(gen: torch.Generator, E: int, inter: int, H: int, W: int, k: int):
+    gu = torch.randint(-127, 128, (E * 2 * inter, H), generator=gen, dtype=torch.int8)
+    dn = torch.randint(-127, 128, (E * H, inter), generator=gen, dtype=torch.int8)
+    gus, dns = torch.rand(E * 2 * inter, generator=gen) / 500, torch.rand(E * H, generator=gen) / 500
+    h = torch.randn(W, H, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(W)])
+    return h, gu, gus, dn, dns, idx, torch.rand(W, k, generator=gen)
+
+
+@pytest.mark.parametrize("E,inter,H,W,k", [(8, 64, 256, 1, 2), (8, 64, 256, 3, 2), (4, 32, 64, 2, 4)])
+def test_int8_experts_match_their_integer_reference(op, E, inter, H, W, k):
+    case = _moe8_case(torch.Generator().manual_seed(E + W), E, inter, H, W, k)
+    got = torch.ops.strata.moe_rows8(*case, inter)
+    want = cpu_ops.moe8_reference(*case, inter)
+    # the activation is rounded to int16 in float32 by the op and in float64 by the reference: an integer apart
+    # at a half-way point, a 1/32767 of its largest value
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_int8_experts_refuse_what_they_cannot_take(op):
+    h, gu, gus, dn, dns, idx, wt = _moe8_case(torch.Generator().manual_seed(0), 4, 32, 64, 2, 2)
+    with pytest.raises(RuntimeError, match="an expert id is out of range"):
+        torch.ops.strata.moe_rows8(h, gu, gus, dn, dns, idx + 4, wt, 32)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.strata.moe_rows8(h, gu, gus, dn, dns, idx, wt, 16)
+    with pytest.raises(RuntimeError, match="int8 weights"):
+        torch.ops.strata.moe_rows8(h, gu.float(), gus, dn, dns, idx, wt, 32)
+
+
+def test_int8_head_top_is_the_first_maximum_and_its_probability(op):
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randint(-127, 128, (4096, 256), generator=gen, dtype=torch.int8)
+    w[3000] = w[77]                      # two rows the same: the same logit, the first one wins
+    scale = torch.full((4096,), 1e-3)
+    x = torch.randn(3, 256, generator=gen)
+    x[1] = w[77].float()                 # a row whose largest logit is the tied pair
+    lg, tok, conf = torch.ops.strata.int8_head_top(x, w, scale)
+    assert torch.equal(lg, torch.ops.strata.int8_head(x, w, scale))
+    want_lg, want_tok, want_conf = cpu_ops.head_top_reference(x, w, scale)
+    assert torch.equal(tok, want_tok) and int(tok[1]) == 77
+    torch.testing.assert_close(conf, want_conf, rtol=1e-5, atol=1e-7)
+
+
 def test_no_compiler_or_a_failing_one_gives_a_reason_and_no_file(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_ops, "_state", {"path": None, "failed": ""})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

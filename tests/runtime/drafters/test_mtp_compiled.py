@@ -38,29 +38,38 @@ def built(tmp_path_factory):
 
 
 @contextmanager
-def _int8_matrices(model, on: bool):
-    """The head's fc, q/k/v and o_proj replaced by their int8 rows dequantized (what the compiled step multiplies
-    by, `mtp_compiled.dense8`), restored after; nothing changes when `on` is False."""
-    a = model.mtp.layers[0].self_attn
-    mods = (model.mtp.fc, a.q_proj, a.k_proj, a.v_proj, a.o_proj) if on else ()
-    kept = [m.weight.detach().clone() for m in mods]
+def _int8_matrices(model, on: bool, experts: bool):
+    """The head's fc, q/k/v and o_proj (and with `experts` its experts) replaced by their int8 rows dequantized
+    (what the compiled step multiplies by, `mtp_compiled.dense8`), restored after; nothing changes when `on` is
+    False."""
+    a, mlp = model.mtp.layers[0].self_attn, model.mtp.layers[0].mlp
+    H, E, inter = model.cfg.hidden_size, mlp.n_exp, mlp.inter
+    # (tensor, its rows as the step quantizes them, back to the tensor's shape)
+    rows = [(w, lambda t: t, lambda t: t) for w in (model.mtp.fc.weight, a.q_proj.weight, a.k_proj.weight,
+                                                     a.v_proj.weight, a.o_proj.weight)] if on else []
+    if on and experts:        # gate/up rows as they lie; down's rows are one expert's inputs to one output
+        rows += [(mlp.dense_gu, lambda t: t, lambda t: t),
+                 (mlp.dense_down, lambda t: t.view(H, E, inter).transpose(0, 1).reshape(E * H, inter),
+                  lambda t: t.view(E, H, inter).transpose(0, 1).reshape(H, E * inter))]
+    kept = [w.detach().clone() for w, _, _ in rows]
     try:
         with torch.no_grad():
-            for m in mods:
-                q, sc = head8.quantize(m.weight)
-                m.weight.copy_(q.float() * sc.float()[:, None])
+            for w, to_rows, back in rows:
+                q, sc = head8.quantize(to_rows(w))
+                w.copy_(back(q.float() * sc.float()[:, None]))
         yield
     finally:
         with torch.no_grad():
-            for m, w in zip(mods, kept, strict=True):
-                m.weight.copy_(w)
+            for (w, _, _), k in zip(rows, kept, strict=True):
+                w.copy_(k)
 
 
 def test_step_equals_the_module_path(built):
     eng, _ = built
     d, model = eng.drafter, eng.model
     gen = torch.Generator().manual_seed(3)
-    assert mtp_compiled.dense8(d) and mtp_compiled.attn_op(d)      # the shipped form, where the ops load
+    # the shipped form, where the ops load
+    assert mtp_compiled.dense8(d) and mtp_compiled.experts8(d) and mtp_compiled.attn_op(d)
     with torch.no_grad():
         d.kv.k.normal_(generator=gen)
         d.kv.v.normal_(generator=gen)
@@ -71,7 +80,7 @@ def test_step_equals_the_module_path(built):
             k, v = d.compiled.k_out, d.compiled.v_out
             pos = torch.arange(10, 10 + n)[None]
             # the module with the int8 matrices' values: what is left is the int16 rounding of their inputs
-            with _int8_matrices(model, mtp_compiled.dense8(d)):
+            with _int8_matrices(model, mtp_compiled.dense8(d), mtp_compiled.experts8(d)):
                 ref = model.mtp(model.model.embed_tokens(tok)[None], g[None], pos, model.rotary,
                                 (d.kv.layer(0), 9))[0]
             want_lg = torch._weight_int8pack_mm(ref[-1:].to(torch.bfloat16), *d.head8).float()
