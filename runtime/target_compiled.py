@@ -393,14 +393,20 @@ class CompiledTargetStep:
             raise ValueError(f"{start + T} positions exceed the KV cache capacity {kv.capacity}; raise the context.")
         if start < 1:
             raise ValueError("the compiled step runs decode windows, which follow at least one prompt token.")
-        self.ids[:T] = window[0]
-        self.ids[T:] = 0
-        pos = torch.where(self.ar < T, start + self.ar, -1)
-        out = self.boxed(self.inputs.args(self.ids, pos, start, self.width))
+        if T == self.width and window.dtype == torch.long and window.stride(-1) == 1:    # a full window: no padding
+            ids, pos = window[0], self.ar + start
+        else:
+            self.ids[:T] = window[0]
+            self.ids[T:] = 0
+            ids, pos = self.ids, torch.where(self.ar < T, start + self.ar, -1)
+        out = self.boxed(self.inputs.args(ids, pos, start, self.width))
         self.replays += 1
         for mlp in self.counters:
             if mlp.counter is not None:
                 mlp.counter(mlp.layer_idx, T)
         kv.length = start + T
+        if T == self.width:
+            tap_t = out[2][None] if taps and len(out) > 2 else None
+            return TargetOutput(logits=out[0][None], hidden=out[1][None], taps=tap_t)
         tap_t = out[2][None, :T] if taps and len(out) > 2 else None
         return TargetOutput(logits=out[0][None, :T], hidden=out[1][None, :T], taps=tap_t)
