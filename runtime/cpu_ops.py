@@ -196,6 +196,10 @@ def _load(path: Path) -> None:
         n = x.shape[0]
         return x.new_empty((n, w.shape[0])), x.new_empty((n,), dtype=torch.long), x.new_empty((n,))
 
+    @torch.library.register_fake("strata::rows16")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]))
+
     @torch.library.register_fake("strata::moe_rows8")
     def _(h, gu, gus, dn, dns, idx, wt, inter):
         return torch.empty_like(h)
@@ -232,6 +236,19 @@ def head_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> tor
     sx = torch.where(sx > 0, sx, torch.ones_like(sx))
     xq = torch.round(x / sx)
     return ((xq.double() @ w.double().t()) * (scale.double()[None] * sx.double())).float()
+
+
+def blocks16(w: torch.Tensor) -> torch.Tensor:
+    """w [K, N] (x @ w; N a multiple of 64) as `rows16` reads it: bf16 in blocks of 64 columns, [N / 64, K, 64],
+    each block's K rows contiguous."""
+    K, N = w.shape
+    return w.detach().to(torch.bfloat16).reshape(K, N // 64, 64).transpose(0, 1).contiguous()
+
+
+def rows16_reference(x: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """What `rows16` computes, in float64: x @ the blocks' bf16 values."""
+    w = wb.transpose(0, 1).reshape(wb.shape[1], -1)
+    return (x.double() @ w.double()).float()
 
 
 def head_top_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor
@@ -310,6 +327,17 @@ def check() -> str:
     alone = torch.ops.strata.moe_rows(h[1:2], gu, dn, idx[1:2], wt[1:2], inter)
     if not torch.equal(alone, got[1:2]):
         return "the experts op gives a row other bits inside a window than alone"
+    wb = blocks16(torch.randn(96, 128, generator=gen))
+    xs = torch.randn(5, 96, generator=gen)
+    got = torch.ops.strata.rows16(xs, wb)
+    if not torch.allclose(got, rows16_reference(xs, wb), rtol=1e-5, atol=1e-4):
+        return "the bf16 product is off from float64"
+    if not torch.equal(torch.ops.strata.rows16(xs[4:5], wb), got[4:5]):
+        return "the bf16 product gives a row other bits inside a window than alone"
+    got = torch.ops.strata.moe_rows(h, gu.bfloat16(), dn.bfloat16(), idx, wt, inter)
+    want = moe_reference(h, gu.bfloat16().float(), dn.bfloat16().float(), idx, wt, inter)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return f"the experts op with bf16 weights is off by {float((got - want).abs().max()):.1e} from float64"
     lg, tok, conf = torch.ops.strata.int8_head_top(x, w, scale)
     want = head_top_reference(x, w, scale)
     if not (torch.equal(lg, torch.ops.strata.int8_head(x, w, scale)) and torch.equal(tok, want[1])

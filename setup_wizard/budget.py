@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime import aoti
 from runtime.drafters import head8
 from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 from runtime.drafters.registry import KINDS, kv_cache_bytes
@@ -432,10 +433,13 @@ def compute_budget(
     items: dict[str, int] = {"target_dense_weights": target.dense_bytes(wb)}
     items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
     if drafter == "mtp" and inputs.device_type == "cpu" and target.float_head:
-        # the chain's int8 head and its layer's int8 matrices (runtime/drafters/head8.py)
-        items["drafter_weights"] += head8.nbytes(target.vocab, target.hidden) + head8.dense_nbytes(
-            target.hidden, target.heads * target.head_dim, target.kv_heads * target.head_dim,
-            target.experts if target.sparse_layers else 0, target.moe_intermediate)
+        # the chain's int8 head (runtime/drafters/head8.py), and its layer's int8 matrices where the chain's step
+        # is compiled (runtime/drafters/mtp_compiled.py: its package takes them)
+        items["drafter_weights"] += head8.nbytes(target.vocab, target.hidden)
+        if aoti.wanted():
+            items["drafter_weights"] += head8.dense_nbytes(
+                target.hidden, target.heads * target.head_dim, target.kv_heads * target.head_dim,
+                target.experts if target.sparse_layers else 0, target.moe_intermediate)
     # a float CPU cache holds the compiled step's spare slots past the context (runtime/target_compiled.py)
     slots = ctx + (spare_slots(ctx) if inputs.device_type == "cpu" and inputs.kv_quant is None else 0)
     items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * slots

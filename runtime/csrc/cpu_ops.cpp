@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -68,6 +69,18 @@ inline float hsum(vf v) {
   for (int w = LANES / 2; w > 0; w /= 2)
     for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
   return a[0];
+}
+
+// 16 bf16 values as floats (a bf16 is a float's top half: exact)
+inline vf load_bf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  vi b;
+  for (int i = 0; i < LANES; ++i) b[i] = static_cast<int32_t>(static_cast<uint32_t>(p[i]) << 16);
+  return floats(b);
+#endif
 }
 
 // exp(x) (Cephes' single-precision polynomial, x clamped to [-87.3, 88]), the same operations on every lane
@@ -332,20 +345,64 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& kc, const at::Te
 
 // ---- the routed experts of a window's rows ------------------------------------------------------------------------
 
+template <class T>
+inline vf load_w(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return loadu(p);
+  else return load_bf16(p);
+}
+
+// moe_rows's loops for float or bf16 (uint16_t) weights: the same arithmetic on the weights' float values
+template <class T>
+void moe_rows_impl(const float* X, const T* GU, const T* DN, const float* WT, const int64_t* ID, float* O, int64_t W,
+                   int64_t H, int64_t k, int64_t inter, int64_t lg, int64_t ld) {
+  const int64_t G = 2 * inter / LANES, D = H / LANES;
+  at::parallel_for(0, W, 1, [&](int64_t b, int64_t e) {
+    std::vector<vf> g(G), y(D);
+    for (int64_t r = b; r < e; ++r) {
+      const float* x = X + r * H;
+      float* o = O + r * H;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t ex = ID[r * k + j];
+        const T* gw = GU + ex * 2 * inter;
+        for (int64_t t = 0; t < G; ++t) g[t] = splat(x[0]) * load_w(gw + t * LANES);
+        for (int64_t c = 1; c < H; ++c) {
+          const vf xc = splat(x[c]);
+          const T* row = gw + c * lg;
+          for (int64_t t = 0; t < G; ++t) g[t] = fmadd(xc, load_w(row + t * LANES), g[t]);
+        }
+        const vf wj = splat(WT[r * k + j]);
+        float act[4096];
+        for (int64_t t = 0; t < G / 2; ++t)            // silu(gate) * up * weight
+          storeu(act + t * LANES, g[t] / (splat(1.f) + vexp(splat(0.f) - g[t])) * g[G / 2 + t] * wj);
+        const T* dw = DN + ex * inter * ld;
+        for (int64_t t = 0; t < D; ++t) y[t] = splat(act[0]) * load_w(dw + t * LANES);
+        for (int64_t i = 1; i < inter; ++i) {
+          const vf ai = splat(act[i]);
+          const T* row = dw + i * ld;
+          for (int64_t t = 0; t < D; ++t) y[t] = fmadd(ai, load_w(row + t * LANES), y[t]);
+        }
+        for (int64_t t = 0; t < D; ++t) storeu(o + t * LANES, j == 0 ? y[t] : loadu(o + t * LANES) + y[t]);
+      }
+    }
+  });
+}
+
 // h [W, H] the rows' normed inputs, gu [H, E * 2I] (expert e's gate columns then its up columns from e*2I), dn
 // [E * I, H] (expert e's down rows from e*I), idx [W, k] and wt [W, k] the rows' experts and routing weights:
 // out [W, H] = for each row, in top-k order, the sum of down_e(silu(gate_e h) * up_e h * weight). The weights are
-// in the layout the packages hold them in (rows of outputs: each product is a sum of scaled rows, one input value
-// after another in order, 16 outputs a vector). A row's arithmetic is fixed by its own inputs, whatever rows share
-// the call: the compiled wide step's lossless promise, without computing every expert for every row.
+// in the layout the packages hold them in, float32 or bf16 (rows of outputs: each product is a sum of scaled rows,
+// one input value after another in order, 16 outputs a vector). A row's arithmetic is fixed by its own inputs,
+// whatever rows share the call: the compiled wide step's lossless promise, without computing every expert for every
+// row.
 at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor& dn, const at::Tensor& idx,
                     const at::Tensor& wt, int64_t inter) {
   TORCH_CHECK(h.dim() == 2 && gu.dim() == 2 && dn.dim() == 2 && idx.dim() == 2 && wt.sizes() == idx.sizes() &&
               idx.size(0) == h.size(0) && gu.size(0) == h.size(1) && dn.size(1) == h.size(1) && inter > 0 &&
               gu.size(1) % (2 * inter) == 0 && dn.size(0) * 2 == gu.size(1), "moe_rows: shapes do not match");
-  TORCH_CHECK(h.scalar_type() == at::kFloat && gu.scalar_type() == at::kFloat && dn.scalar_type() == at::kFloat &&
-              wt.scalar_type() == at::kFloat && idx.scalar_type() == at::kLong, "moe_rows takes float32 tensors and "
-              "int64 expert ids");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && wt.scalar_type() == at::kFloat && idx.scalar_type() == at::kLong &&
+              (gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kBFloat16) &&
+              dn.scalar_type() == gu.scalar_type(), "moe_rows takes float32 rows and weights in float32 or bf16 "
+              "(both alike) and int64 expert ids");
   TORCH_CHECK(h.is_contiguous() && gu.stride(1) == 1 && dn.stride(1) == 1 && idx.is_contiguous() &&
               wt.is_contiguous(), "moe_rows: unexpected layout");
   const int64_t W = h.size(0), H = h.size(1), k = idx.size(1), E = gu.size(1) / (2 * inter);
@@ -355,48 +412,69 @@ at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor&
   for (int64_t i = 0; i < W * k; ++i) TORCH_CHECK(ID[i] >= 0 && ID[i] < E, "moe_rows: an expert id is out of range");
   at::Tensor out = at::empty({W, H}, h.options());
   const float* X = h.data_ptr<float>();
-  const float* GU = gu.data_ptr<float>();
-  const float* DN = dn.data_ptr<float>();
   const float* WT = wt.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  const int64_t lg = gu.stride(0), ld = dn.stride(0), G = 2 * inter / LANES, D = H / LANES;
-  at::parallel_for(0, W, 1, [&](int64_t b, int64_t e) {
-    std::vector<vf> g(G), y(D);
-    for (int64_t r = b; r < e; ++r) {
-      const float* x = X + r * H;
-      float* o = O + r * H;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t ex = ID[r * k + j];
-        const float* gw = GU + ex * 2 * inter;
-        for (int64_t t = 0; t < G; ++t) g[t] = splat(x[0]) * loadu(gw + t * LANES);
-        for (int64_t c = 1; c < H; ++c) {
-          const vf xc = splat(x[c]);
-          const float* row = gw + c * lg;
-          for (int64_t t = 0; t < G; ++t) g[t] = fmadd(xc, loadu(row + t * LANES), g[t]);
+  const int64_t lg = gu.stride(0), ld = dn.stride(0);
+  if (gu.scalar_type() == at::kFloat)
+    moe_rows_impl<float>(X, gu.data_ptr<float>(), dn.data_ptr<float>(), WT, ID, O, W, H, k, inter, lg, ld);
+  else
+    moe_rows_impl<uint16_t>(X, reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>()),
+                            reinterpret_cast<const uint16_t*>(dn.data_ptr<at::BFloat16>()), WT, ID, O, W, H, k,
+                            inter, lg, ld);
+  return out;
+}
+
+// ---- products with bf16 weights in fp32 arithmetic -------------------------------------------------------------------
+
+// x [W, K] float, w [N / 64, K, 64] bf16 (x @ w's columns in blocks of 64, each block's K rows contiguous):
+// out [W, N] = x @ w in fp32, each output the sum over k in order of x[r, k] * w[k, n] (the first a product, then
+// fused multiply-adds), whatever rows share the call: a row's bits are its own (the compiled target step's
+// promise). Rows go four at a time over a block, sharing its loads.
+at::Tensor rows16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 64 && w.size(1) == x.size(1) && x.size(1) >= 1,
+              "rows16: shapes do not match");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16, "rows16 takes float rows and "
+              "bf16 weights");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rows16: unexpected layout");
+  const int64_t W = x.size(0), K = x.size(1), NB = w.size(0), N = NB * 64;
+  at::Tensor out = at::empty({W, N}, x.options());
+  const float* X = x.data_ptr<float>();
+  const uint16_t* Wt = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, NB, 8, [&](int64_t b, int64_t e) {
+    for (int64_t nb = b; nb < e; ++nb) {
+      const uint16_t* blk = Wt + nb * K * 64;
+      for (int64_t r0 = 0; r0 < W; r0 += 4) {
+        const int64_t g = std::min<int64_t>(4, W - r0);
+        vf acc[4][4];
+        {
+          vf wv[4];
+          for (int t = 0; t < 4; ++t) wv[t] = load_bf16(blk + t * LANES);
+          for (int64_t i = 0; i < g; ++i) {
+            const vf xs = splat(X[(r0 + i) * K]);
+            for (int t = 0; t < 4; ++t) acc[i][t] = xs * wv[t];
+          }
         }
-        const vf wj = splat(WT[r * k + j]);
-        float act[4096];
-        for (int64_t t = 0; t < G / 2; ++t)            // silu(gate) * up * weight
-          storeu(act + t * LANES, g[t] / (splat(1.f) + vexp(splat(0.f) - g[t])) * g[G / 2 + t] * wj);
-        const float* dw = DN + ex * inter * ld;
-        for (int64_t t = 0; t < D; ++t) y[t] = splat(act[0]) * loadu(dw + t * LANES);
-        for (int64_t i = 1; i < inter; ++i) {
-          const vf ai = splat(act[i]);
-          const float* row = dw + i * ld;
-          for (int64_t t = 0; t < D; ++t) y[t] = fmadd(ai, loadu(row + t * LANES), y[t]);
+        for (int64_t k = 1; k < K; ++k) {
+          const uint16_t* row = blk + k * 64;
+          if (k + 8 < K) __builtin_prefetch(row + 8 * 64);
+          vf wv[4];
+          for (int t = 0; t < 4; ++t) wv[t] = load_bf16(row + t * LANES);
+          for (int64_t i = 0; i < g; ++i) {
+            const vf xs = splat(X[(r0 + i) * K + k]);
+            for (int t = 0; t < 4; ++t) acc[i][t] = fmadd(xs, wv[t], acc[i][t]);
+          }
         }
-        for (int64_t t = 0; t < D; ++t) storeu(o + t * LANES, j == 0 ? y[t] : loadu(o + t * LANES) + y[t]);
+        for (int64_t i = 0; i < g; ++i)
+          for (int t = 0; t < 4; ++t) storeu(O + (r0 + i) * N + nb * 64 + t * LANES, acc[i][t]);
       }
     }
   });
   return out;
 }
 
-// x [n, H] float, w [V, H] int8 rows, scale [V] (bf16 or float): out [n, V] = (x quantized to int16 per row) . w_v,
-// in exact int32 sums, times scale_v and x's scale. x's largest magnitude goes to Q = min(32767, (2^31 - 1) /
-// (127 H)), so no sum can overflow; 15 bits keep the product within about 1e-4 of the float one (8-bit inputs had
-// lowered the pack's prose acceptance). With AVX512-VNNI the products take vpdpwssd (pairs of int16 products
-// into int32 lanes); elsewhere a plain loop over the same integers, so every path gives the same bits.
+// ---- int8 products (the MTP chain's) ------------------------------------------------------------------------------
+
 // x[0..H) to int16: its largest magnitude to Q (see int8_head); returns x's scale
 inline float quantize16(const float* x, int64_t H, int16_t* xq) {
   const float Q = static_cast<float>(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * H)));
@@ -446,6 +524,11 @@ void check_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
               name, ": the rows must be contiguous and a multiple of 64 wide (at most 65536)");
 }
 
+// x [n, H] float, w [V, H] int8 rows, scale [V] (bf16 or float): out [n, V] = (x quantized to int16 per row) . w_v,
+// in exact int32 sums, times scale_v and x's scale. x's largest magnitude goes to Q = min(32767, (2^31 - 1) /
+// (127 H)), so no sum can overflow; 15 bits keep the product within about 1e-4 of the float one (8-bit inputs had
+// lowered the pack's prose acceptance). With AVX512-VNNI the products take vpdpwssd (pairs of int16 products
+// into int32 lanes); elsewhere a plain loop over the same integers, so every path gives the same bits.
 at::Tensor int8_head(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   check_int8(x, w, scale, "int8_head");
   const int64_t n = x.size(0), H = x.size(1), V = w.size(0);
@@ -538,6 +621,7 @@ TORCH_LIBRARY(strata, m) {
   m.def("moe_rows(Tensor h, Tensor gu, Tensor dn, Tensor idx, Tensor wt, int inter) -> Tensor");
   m.def("row_attention(Tensor q, Tensor kc, Tensor vc, Tensor kn, Tensor vn) -> Tensor");
   m.def("int8_head_top(Tensor x, Tensor w, Tensor scale) -> (Tensor, Tensor, Tensor)");
+  m.def("rows16(Tensor x, Tensor w) -> Tensor");
   m.def("moe_rows8(Tensor h, Tensor gu, Tensor gus, Tensor dn, Tensor dns, Tensor idx, Tensor wt, int inter) -> "
         "Tensor");
 }
@@ -547,5 +631,6 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("moe_rows", &moe_rows);
   m.impl("row_attention", &row_attention);
   m.impl("int8_head_top", &int8_head_top);
+  m.impl("rows16", &rows16);
   m.impl("moe_rows8", &moe_rows8);
 }

@@ -93,6 +93,15 @@ def test_step_equals_the_module_path(built):
             torch.testing.assert_close(v, d.kv.v[0, 0, :, 9:9 + n], rtol=0, atol=2e-3)
 
 
+def test_the_int8_copies_are_what_the_budget_counts(built):
+    eng, _ = built
+    d, cfg = eng.drafter, eng.model.cfg
+    a, mlp = d.mtp.layers[0].self_attn, d.mtp.layers[0].mlp
+    held = sum(t.numel() * t.element_size() for t in d.dense8)
+    assert held == head8.dense_nbytes(cfg.hidden_size, a.nh * a.hd, a.nkv * a.hd, mlp.n_exp, mlp.inter) > 0
+    assert d.memory_report()["drafter_weights"] >= held + sum(t.numel() * t.element_size() for t in d.head8)
+
+
 def test_chain_through_it_is_lossless(built):
     eng, _ = built
     ids = eng.tokenizer.encode(task_prompts()["code"]).ids[:200]
