@@ -434,7 +434,8 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         """Persistent buffers by name (bytes), measured on the real tensors."""
         rep = dict.fromkeys(NAMES, 0)
-        rep["target_dense_weights"] = target_dense_bytes(self.model)
+        # with the compiled CPU step's bf16 copies of the products' weights (runtime/target_compiled.py)
+        rep["target_dense_weights"] = target_dense_bytes(self.model) + target_compiled.copies_nbytes(self.model)
         rep["expert_cache"] = self.experts.resident_nbytes
         rep["target_kv"] = self.kv.nbytes
         rep["logits"] = self.logits_buf.numel() * self.logits_buf.element_size()

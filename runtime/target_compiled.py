@@ -29,6 +29,7 @@ the chunks read may pass the last position. The engine allocates it on the CPU.
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,13 @@ _MOE_OP_MODES = {"one": True, "wide": True}
 MIN_CONTEXT = 128    # shorter caches leave the exporter no range of at least two chunks
 # the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
 # rebuilt rather than loaded (the load check would catch a different result, not a slower one)
-FORMAT = 4
+FORMAT = 5
+# the step's products (q/k/v, o_proj, the experts, the vocabulary head) read bf16 copies of the weights where they
+# are bf16 values (a bf16 checkpoint's: exact) and the C++ ops are loaded (docs/models.md, "bf16 weights"); False:
+# the fp32 weights
+W16 = True
+# model -> its bf16 copies (`_copies`), made once and shared by the engine's packages
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def spare_slots(capacity: int) -> int:
@@ -106,6 +113,69 @@ def fits(model, kv) -> str | None:
     return None
 
 
+def _matrices(model) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
+    """The products' float weights as the step multiplies by them: the head [H, V] (x @ head), and per layer q/k/v
+    [H, q + 2 kv], o_proj [q, H], the experts' gate/up [H, E * 2I] and down [E * I, H]."""
+    from runtime.models import cpu_plan
+
+    layers = []
+    for la in model.model.layers:
+        L = cpu_plan.layer_plan(la)
+        wqkv = L.qkv[0] if len(L.qkv) == 1 else torch.cat(L.qkv, 1)
+        layers.append((wqkv, L.wo, la.mlp.dense_gu.t(), la.mlp.dense_down.t()))
+    return [model.lm_head.weight.t()], layers
+
+
+def _copies(model) -> dict[str, Any] | None:
+    """The bf16 copies of the step's weights (`W16`), made once per model: None where they would not be the same
+    values (a weight that is not a bf16 value), the widths do not fit the ops (multiples of 64 for the dense
+    products, 16 for the experts) or the ops are not loaded."""
+    if not (W16 and cpu_ops.registered()):
+        return None
+    if model in _COPIES:
+        return _COPIES[model]
+    cfg = model.cfg
+    la = model.model.layers[0]
+    fit = fits_w16(cfg.hidden_size, la.self_attn.nh * la.self_attn.hd, la.self_attn.nkv * la.self_attn.hd,
+                   cfg.vocab_size, la.mlp.inter)
+    got = None
+    if fit and la.input_layernorm.weight.dtype == torch.float32:
+        heads, layers = _matrices(model)
+        exact = all(torch.equal(w.to(torch.bfloat16).float(), w) for ws in [heads, *layers] for w in ws)
+        if exact:
+            got = {"head": cpu_ops.blocks16(heads[0]),
+                   "layers": [(cpu_ops.blocks16(q), cpu_ops.blocks16(o), g.to(torch.bfloat16).contiguous(),
+                               d.to(torch.bfloat16).contiguous()) for q, o, g, d in layers]}
+    _COPIES[model] = got
+    return got
+
+
+def fits_w16(hidden: int, q_width: int, kv_width: int, vocab: int, inter: int) -> bool:
+    """Whether the bf16 products take a model of these widths (the dense products' outputs in blocks of 64, the
+    experts' widths multiples of 16)."""
+    return all(n % 64 == 0 for n in (q_width + 2 * kv_width, hidden, vocab)) and hidden % 16 == 0 and inter % 16 == 0
+
+
+def copies_bytes_for(geo) -> int:
+    """What `_copies` would hold for a target of this geometry (runtime/models/target_config.py `TargetGeometry`):
+    2 bytes a weight of the head, q/k/v, o_proj and every expert; 0 where the widths do not fit. The budget counts
+    it for a compiled CPU step (a checkpoint whose weights are not bf16 values gets none: the budget is then
+    above, never below, what the runtime holds)."""
+    H, q, kv = geo.hidden, geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
+    if not fits_w16(H, q, kv, geo.vocab, geo.moe_intermediate):
+        return 0
+    per_layer = H * (q + 2 * kv) + q * H + geo.experts * 3 * H * geo.moe_intermediate
+    return 2 * (geo.vocab * H + geo.layers * per_layer)
+
+
+def copies_nbytes(model) -> int:
+    """What the bf16 copies hold (0 where there are none): memory_report adds them to target_dense_weights."""
+    got = _COPIES.get(model)
+    if not got:
+        return 0
+    return sum(t.numel() * t.element_size() for t in [got["head"], *(t for ws in got["layers"] for t in ws)])
+
+
 def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
     """What the compiled code holds as constants: shapes, epsilons, RoPE's scale, the mode and the tapped layers."""
     cfg = model.cfg
@@ -117,7 +187,8 @@ def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
                 rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype),
                 capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps),
                 attn="op" if cpu_ops.registered() and _OP_MODES.get(mode) else "torch",
-                moe="op" if _MOE_OP_MODES.get(mode) and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter) else "torch")
+                moe="op" if _MOE_OP_MODES.get(mode) and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter) else "torch",
+                w16=_copies(model) is not None and bool(_MOE_OP_MODES.get(mode)))
 
 
 def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -127,9 +198,11 @@ def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
     from runtime.models import cpu_plan
 
     m = model
-    glob = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight.t(), m.rotary.inv_freq.float()]
+    w16 = _copies(m) if _MOE_OP_MODES.get(mode) else None
+    glob = [m.model.embed_tokens.weight, m.model.norm.weight, m.lm_head.weight.t() if w16 is None else w16["head"],
+            m.rotary.inv_freq.float()]
     per: list[Tensor] = []
-    for la in m.model.layers:
+    for i, la in enumerate(m.model.layers):
         L = cpu_plan.layer_plan(la)
         mlp = la.mlp
         H, E, inter = m.cfg.hidden_size, mlp.n_exp, mlp.inter
@@ -138,8 +211,11 @@ def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
             gu, dn = mlp.dense_gu.view(E, 2 * inter, H).transpose(1, 2), mlp.dense_down.view(H, E, inter).permute(1, 2, 0)
         else:                  # every expert at once: [H, E * 2I], [E * I, H]
             gu, dn = mlp.dense_gu.t(), mlp.dense_down.t()
+        wo = L.wo
+        if w16 is not None:    # bf16: q/k/v and o_proj in blocks of 64 columns, the experts [H, E * 2I], [E * I, H]
+            wqkv, wo, gu, dn = w16["layers"][i]
         # q-norm's weight carries the attention scale (cpu_rows.qk_norm_weight: [nh + nkv, hd])
-        per += [la.input_layernorm.weight, wqkv, L.qkn[0], L.qkn[L.nh], L.wo, la.post_attention_layernorm.weight,
+        per += [la.input_layernorm.weight, wqkv, L.qkn[0], L.qkn[L.nh], wo, la.post_attention_layernorm.weight,
                 L.router, gu, dn]
     return glob, per
 
@@ -170,12 +246,15 @@ class _Step(torch.nn.Module):
             h2 = hd // 2
             return t * cos[:, None] + torch.cat((-t[..., h2:], t[..., :h2]), -1) * sin[:, None]
 
+        def mm(a: Tensor, w: Tensor) -> Tensor:                    # a @ w, from bf16 blocks with `w16`
+            return torch.ops.strata.rows16(a.contiguous(), w) if s["w16"] else a @ w
+
         hide = torch.arange(N, device=ids.device)[None, :] > seen[:, None]        # [W, N]: keys past a row
         x = emb[ids]
         tapped = []
         for i, (kc, vc) in enumerate(zip(kcs, vcs, strict=True)):
             ln1, wqkv, qn, kn, wo, ln2, wr, gu, dn = per[9 * i:9 * i + 9]
-            p = F.rms_norm(x, (Hd,), ln1, eps) @ wqkv
+            p = mm(F.rms_norm(x, (Hd,), ln1, eps), wqkv)
             q, k, v = p.split((nh * hd, nkv * hd, nkv * hd), -1)
             q = rope(F.rms_norm(q.reshape(W, nh, hd), (hd,), qn, s["qk_eps"]))
             kt = rope(F.rms_norm(k.reshape(W, nkv, hd), (hd,), kn, s["qk_eps"])).transpose(0, 1)
@@ -192,7 +271,7 @@ class _Step(torch.nn.Module):
                 sc = sc.masked_fill(hide[None, :, None, :], float("-inf")).view(nkv, W * grp, N)
                 pr = torch.softmax(sc, -1).view(nkv, W * grp, N // CHUNK, CHUNK).transpose(1, 2)
                 o = torch.matmul(pr, vc[:, :N].reshape(nkv, N // CHUNK, CHUNK, hd)).sum(1)    # in chunk order
-            x = x + o.view(nkv, W, grp, hd).permute(1, 0, 2, 3).reshape(W, nh * hd) @ wo
+            x = x + mm(o.view(nkv, W, grp, hd).permute(1, 0, 2, 3).reshape(W, nh * hd), wo)
             h = F.rms_norm(x, (Hd,), ln2, eps)
             lg = h @ wr
             if s["norm_topk"]:
@@ -202,7 +281,9 @@ class _Step(torch.nn.Module):
                 w, idx = torch.topk(torch.softmax(lg.float(), -1), s["k"], -1)
                 w = w.to(h.dtype)
             inter = s["inter"]
-            if s["moe"] == "op" and s["mode"] == "one":             # the row's k experts, by the C++ op
+            if s["w16"]:                                             # each row's k experts, bf16, by the C++ op
+                x = x + torch.ops.strata.moe_rows(h.contiguous(), gu, dn, idx, w.contiguous(), inter)
+            elif s["moe"] == "op" and s["mode"] == "one":           # the row's k experts, by the C++ op
                 x = x + cpu_ops.moe_rows_per_expert(h, gu, dn, idx, w, inter)
             elif s["moe"] == "op":                                   # each row's k experts, by the C++ op
                 x = x + torch.ops.strata.moe_rows(h.contiguous(), gu, dn, idx, w.contiguous(), inter)
@@ -218,7 +299,7 @@ class _Step(torch.nn.Module):
             if i in s["taps"]:
                 tapped.append(x)
         hidden = F.rms_norm(x, (Hd,), out_norm, s["out_eps"])
-        logits = (hidden @ head).float()
+        logits = mm(hidden, head).float()
         if not s["taps"]:
             return logits, hidden
         return logits, hidden, torch.cat(_in_order(tapped, s["taps"]), -1)

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime import aoti
+from runtime import aoti, target_compiled
 from runtime.drafters import head8
 from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 from runtime.drafters.registry import KINDS, kv_cache_bytes
@@ -431,6 +431,10 @@ def compute_budget(
     wb, kb, ctx = inputs.weight_bytes, inputs.kv_bytes, inputs.context
     block = inputs.block if drafter != "none" else 1
     items: dict[str, int] = {"target_dense_weights": target.dense_bytes(wb)}
+    if inputs.device_type == "cpu" and inputs.kv_quant is None and aoti.wanted() and wb == 4 \
+            and target_compiled.may_fit(target) is None:
+        # the compiled CPU step's bf16 copies of its products' weights (runtime/target_compiled.py `_copies`)
+        items["target_dense_weights"] += target_compiled.copies_bytes_for(target)
     items["drafter_weights"] = kind.weight_bytes(target, dflash2, quant, wb)
     if drafter == "mtp" and inputs.device_type == "cpu" and target.float_head:
         # the chain's int8 head (runtime/drafters/head8.py), and its layer's int8 matrices where the chain's step

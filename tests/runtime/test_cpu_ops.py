@@ -118,23 +118,58 @@ def _moe_case(gen: torch.Generator, E: int, inter: int, H: int, W: int, k: int):
     return h, gu, dn, idx, wt
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,inter,H,W,k", [(8, 64, 256, 4, 2), (128, 16, 64, 16, 8), (4, 32, 48, 1, 1)])
-def test_the_experts_op_is_each_rows_own_experts(op, E, inter, H, W, k):
+def test_the_experts_op_is_each_rows_own_experts(op, E, inter, H, W, k, dtype):
     h, gu, dn, idx, wt = _moe_case(torch.Generator().manual_seed(E * W), E, inter, H, W, k)
+    gu, dn = gu.to(dtype), dn.to(dtype)
     got = torch.ops.strata.moe_rows(h, gu, dn, idx, wt, inter)
-    torch.testing.assert_close(got, cpu_ops.moe_reference(h, gu, dn, idx, wt, inter), rtol=1e-4, atol=2e-6)
+    want = cpu_ops.moe_reference(h, gu.float(), dn.float(), idx, wt, inter)      # bf16 weights: their values
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-6)
 
 
 @settings(max_examples=30, deadline=None)
-@given(W=st.integers(1, 16), pick=st.integers(0, 15), seed=st.integers(0, 2**16))
-def test_an_experts_rows_bits_do_not_depend_on_its_window(op, W, pick, seed):
+@given(W=st.integers(1, 16), pick=st.integers(0, 15), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_an_experts_rows_bits_do_not_depend_on_its_window(op, W, pick, seed, dtype):
     """A row gives the same bits alone as among other rows (the compiled wide step's row invariance)."""
     pick %= W
     h, gu, dn, idx, wt = _moe_case(torch.Generator().manual_seed(seed), 8, 32, 64, W, 2)
+    gu, dn = gu.to(dtype), dn.to(dtype)
     full = torch.ops.strata.moe_rows(h, gu, dn, idx, wt, 32)
     one = slice(pick, pick + 1)
     alone = torch.ops.strata.moe_rows(h[one].contiguous(), gu, dn, idx[one].contiguous(), wt[one].contiguous(), 32)
     assert torch.equal(alone, full[one])
+
+
+@pytest.mark.parametrize("K,N,W", [(256, 512, 1), (256, 4096, 4), (96, 64, 7), (1, 128, 2)])
+def test_the_bf16_product_matches_float64(op, K, N, W):
+    gen = torch.Generator().manual_seed(K + N + W)
+    w = torch.randn(K, N, generator=gen)
+    wb = cpu_ops.blocks16(w)
+    assert wb.shape == (N // 64, K, 64) and torch.equal(wb.transpose(0, 1).reshape(K, N), w.bfloat16())
+    x = torch.randn(W, K, generator=gen)
+    got = torch.ops.strata.rows16(x, wb)
+    torch.testing.assert_close(got, cpu_ops.rows16_reference(x, wb), rtol=1e-5, atol=2e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(W=st.integers(1, 16), pick=st.integers(0, 15), seed=st.integers(0, 2**16))
+def test_a_bf16_product_rows_bits_do_not_depend_on_its_window(op, W, pick, seed):
+    """The rows go four at a time sharing the weights' loads: a row's bits must still be its own."""
+    pick %= W
+    gen = torch.Generator().manual_seed(seed)
+    wb = cpu_ops.blocks16(torch.randn(128, 192, generator=gen))
+    x = torch.randn(W, 128, generator=gen)
+    assert torch.equal(torch.ops.strata.rows16(x[pick:pick + 1].contiguous(), wb),
+                       torch.ops.strata.rows16(x, wb)[pick:pick + 1])
+
+
+def test_the_bf16_product_refuses_what_it_cannot_take(op):
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.strata.rows16(torch.zeros(1, 32), torch.zeros(2, 32, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 weights"):
+        torch.ops.strata.rows16(torch.zeros(1, 32), torch.zeros(2, 32, 64))
 
 
 def test_the_experts_op_refuses_what_it_cannot_take(op):

@@ -3,7 +3,9 @@ within fp32 rounding, keeps a row's bits whatever the window around it (padding,
 so greedy speculative output equals the target alone at the engine's width, and every way it can be missing,
 unfit or wrong leaves the eager step serving with a reason."""
 
+import json
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from bench.common import NANO, NANO_DFLASH2, task_prompts
 from runtime import aoti, target_compiled
 from runtime.engine import Engine
 from runtime.gpu.static_step import StaticStep
+from runtime.models.target_config import TargetGeometry
 from tests.runtime.tiny import single_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -38,6 +41,8 @@ def built(tmp_path_factory):
     assert target_compiled.shape_of(eng.model, eng.kv, "wide", eng.target_taps)["attn"] == "op"
     assert target_compiled.shape_of(eng.model, eng.kv, "one", eng.target_taps)["attn"] == "op"
     assert {target_compiled.shape_of(eng.model, eng.kv, m, eng.target_taps)["moe"] for m in ("one", "wide")} == {"op"}
+    # ... and multiply by bf16 copies of the weights (the pack's checkpoint is bf16: the same values)
+    assert {target_compiled.shape_of(eng.model, eng.kv, m, eng.target_taps)["w16"] for m in ("one", "wide")} == {True}
     assert eng.attention_why == ""
     yield eng, home / "compiled"
     mp.undo()
@@ -46,6 +51,35 @@ def built(tmp_path_factory):
 def _logits(step, kv, ids: list[int], start: int) -> torch.Tensor:
     kv.length = start
     return step(torch.tensor([ids]), kv).logits[0].clone()
+
+
+def test_the_bf16_copies_hold_the_weights_values_and_are_counted(built):
+    eng, _ = built
+    copies = target_compiled._copies(eng.model)
+    heads, layers = target_compiled._matrices(eng.model)
+    unblock = lambda b: b.transpose(0, 1).reshape(b.shape[1], -1).float()     # noqa: E731
+    assert torch.equal(unblock(copies["head"]), heads[0])
+    for (q, o, g, d), (wq, wo, wg, wd) in zip(copies["layers"], layers, strict=True):
+        assert torch.equal(unblock(q), wq) and torch.equal(unblock(o), wo)
+        assert torch.equal(g.float(), wg) and torch.equal(d.float(), wd)
+    geo = TargetGeometry.from_config(json.loads((NANO / "config.json").read_text()))
+    assert target_compiled.copies_nbytes(eng.model) == target_compiled.copies_bytes_for(geo) > 0
+    assert eng.memory_report()["target_dense_weights"] > target_compiled.copies_nbytes(eng.model)
+
+
+def test_a_weight_that_is_not_a_bf16_value_keeps_the_fp32_products(built, monkeypatch):
+    eng, _ = built
+    monkeypatch.setattr(target_compiled, "_COPIES", weakref.WeakKeyDictionary())
+    w = eng.model.model.layers[2].self_attn.o_proj.weight
+    kept = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w[0, 0] += 2.0 ** -20 * (1 + float(w[0, 0].abs()))       # no longer a bf16 value
+        assert target_compiled._copies(eng.model) is None
+        assert target_compiled.shape_of(eng.model, eng.kv, "one", ())["w16"] is False
+    finally:
+        with torch.no_grad():
+            w.copy_(kept)
 
 
 def test_logits_match_the_eager_step(built):
