@@ -430,6 +430,32 @@ at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor&
 // out [W, N] = x @ w in fp32, each output the sum over k in order of x[r, k] * w[k, n] (the first a product, then
 // fused multiply-adds), whatever rows share the call: a row's bits are its own (the compiled target step's
 // promise). Rows go four at a time over a block, sharing its loads.
+// G rows (1..4, a compile-time count: the accumulators stay in registers) over one block of 64 outputs
+template <int G>
+inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* O, int64_t N) {
+  vf acc[G][4];
+  {
+    vf wv[4];
+    for (int t = 0; t < 4; ++t) wv[t] = load_bf16(blk + t * LANES);
+    for (int i = 0; i < G; ++i) {
+      const vf xs = splat(X[i * K]);
+      for (int t = 0; t < 4; ++t) acc[i][t] = xs * wv[t];
+    }
+  }
+  for (int64_t k = 1; k < K; ++k) {
+    const uint16_t* row = blk + k * 64;
+    if (k + 8 < K) __builtin_prefetch(row + 8 * 64);
+    vf wv[4];
+    for (int t = 0; t < 4; ++t) wv[t] = load_bf16(row + t * LANES);
+    for (int i = 0; i < G; ++i) {
+      const vf xs = splat(X[i * K + k]);
+      for (int t = 0; t < 4; ++t) acc[i][t] = fmadd(xs, wv[t], acc[i][t]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int t = 0; t < 4; ++t) storeu(O + i * N + t * LANES, acc[i][t]);
+}
+
 at::Tensor rows16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 64 && w.size(1) == x.size(1) && x.size(1) >= 1,
               "rows16: shapes do not match");
@@ -445,28 +471,14 @@ at::Tensor rows16(const at::Tensor& x, const at::Tensor& w) {
     for (int64_t nb = b; nb < e; ++nb) {
       const uint16_t* blk = Wt + nb * K * 64;
       for (int64_t r0 = 0; r0 < W; r0 += 4) {
-        const int64_t g = std::min<int64_t>(4, W - r0);
-        vf acc[4][4];
-        {
-          vf wv[4];
-          for (int t = 0; t < 4; ++t) wv[t] = load_bf16(blk + t * LANES);
-          for (int64_t i = 0; i < g; ++i) {
-            const vf xs = splat(X[(r0 + i) * K]);
-            for (int t = 0; t < 4; ++t) acc[i][t] = xs * wv[t];
-          }
+        const float* xr = X + r0 * K;
+        float* o = O + r0 * N + nb * 64;
+        switch (std::min<int64_t>(4, W - r0)) {
+          case 1: rows16_block<1>(xr, K, blk, o, N); break;
+          case 2: rows16_block<2>(xr, K, blk, o, N); break;
+          case 3: rows16_block<3>(xr, K, blk, o, N); break;
+          default: rows16_block<4>(xr, K, blk, o, N); break;
         }
-        for (int64_t k = 1; k < K; ++k) {
-          const uint16_t* row = blk + k * 64;
-          if (k + 8 < K) __builtin_prefetch(row + 8 * 64);
-          vf wv[4];
-          for (int t = 0; t < 4; ++t) wv[t] = load_bf16(row + t * LANES);
-          for (int64_t i = 0; i < g; ++i) {
-            const vf xs = splat(X[(r0 + i) * K + k]);
-            for (int t = 0; t < 4; ++t) acc[i][t] = fmadd(xs, wv[t], acc[i][t]);
-          }
-        }
-        for (int64_t i = 0; i < g; ++i)
-          for (int t = 0; t < 4; ++t) storeu(O + (r0 + i) * N + nb * 64 + t * LANES, acc[i][t]);
       }
     }
   });
