@@ -7,7 +7,9 @@ fixed width, on the bundled pack with a real prompt in the cache.
 Variants (each compiled for the width alone, where the shipped package takes 2..16 rows; edits of the shipped
 forward's text, and the script stops with the variant's name if the code moved):
 - `static width`: the shipped forward as it is (its attention and experts the C++ ops where they are built,
-  runtime/cpu_ops.py);
+  runtime/cpu_ops.py, its products from bf16 copies of the weights where they are bf16 values);
+- `fp32 weights`: the same with the products reading the fp32 weights (before the bf16 copies; every variant
+  with torch-op experts below reads fp32 too);
 - `torch-op experts`: the experts as before the op: every expert on every row weighted by the routing;
 - `torch-op attention`: the attention as it was before the op: scores, mask and softmax as torch ops and the values
   in 128-position chunk products summed in chunk order (what a package takes where the op cannot be built);
@@ -73,6 +75,7 @@ _NONE = '''                o = qg * kc[:, :1] + hide.sum() * 0'''
 # name -> (edits of runtime/target_compiled.py's text, what the variant's shape names: its attention and experts)
 VARIANTS = {
     "static width": ([], {}),
+    "fp32 weights (before the bf16 copies)": ([], {"w16": False}),
     "torch-op attention (chunked; before the op)": ([], {"attn": "torch"}),
     "torch-op experts (every expert on every row; before the op)": ([], {"moe": "torch"}),
     "experts per row (torch ops)": ([(_EXPERTS, _EXPERTS_PER_ROW)], {"moe": "torch"}),
@@ -105,6 +108,8 @@ def compile_variant(mod, model, kv, width: int, per_row: bool, names: dict, home
     from runtime import aoti
 
     mode = "one" if per_row else "wide"          # per-row experts read the per-expert weight layout
+    # the bf16 copies go with the experts op: a variant with torch-op experts or named fp32 takes fp32 throughout
+    mod.W16 = names.get("w16", True) and names.get("moe") != "torch"
     shape = mod.shape_of(model, kv, "wide", ())
     shape["mode"], shape["W"] = "wide", width
     shape.update(names)

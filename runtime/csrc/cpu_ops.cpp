@@ -11,9 +11,6 @@
 // no product into a sum in one loop and not in another (the fused multiply-adds below are explicit and the same
 // everywhere).
 //
-// strata::row_attention: the MTP chain's step's attention, one row over the cache's slots and the step's own new
-// entries (which its caller writes into the cache after the step), in the same helpers' order.
-//
 // strata::moe_rows: the target step's routed experts, each row's own k experts in top-k order with a fixed order of
 // operations of its own (the same promise, without every expert computed for every row).
 //
@@ -165,14 +162,10 @@ void head_scores(const float* Q, const float* K, int64_t kr, int64_t n, int64_t 
   }
 }
 
-// one KV head: each line's probabilities into pr (row stride np), 1 / their sum into inv, then its output row.
-// SPLIT: value rows from `split` on come from V2 (row stride vr2), the rows before it from V (the MTP step's new
-// rows, not yet in the cache); without it the loops are the window attention's alone
-template <int D, bool SPLIT = false>
+// one KV head: each line's probabilities into pr (row stride np), 1 / their sum into inv, then its output row
+template <int D>
 void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, const int64_t* n, int64_t L,
-          float* O, float* pr, int64_t np, float* inv, const float* V2 = nullptr, int64_t vr2 = 0,
-          int64_t split = 0) {
-  auto vrow = [&](int64_t j) { return !SPLIT || j < split ? V + j * vr : V2 + (j - split) * vr2; };
+          float* O, float* pr, int64_t np, float* inv) {
   vi iota;
   for (int i = 0; i < LANES; ++i) iota[i] = i;
   float tail[LANES];
@@ -213,8 +206,8 @@ void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, con
     int64_t j = 0;
     if (g == G) {
       for (; j < lo; ++j) {
-        const float* vj = vrow(j);
-        if (j + 16 < (SPLIT ? std::min(lo, split) : lo))
+        const float* vj = V + j * vr;
+        if (j + 16 < lo)
           for (int d = 0; d < D; ++d) __builtin_prefetch(vj + 16 * vr + d * LANES);
         vf pj[G];
         for (int i = 0; i < G; ++i) pj[i] = splat(pr[(l0 + i) * np + j]);
@@ -227,7 +220,7 @@ void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, con
     for (int64_t i = 0; i < g; ++i) {
       const float* p = pr + (l0 + i) * np;
       for (int64_t jj = j; jj < n[l0 + i]; ++jj) {
-        const float* vj = vrow(jj);
+        const float* vj = V + jj * vr;
         const vf pj = splat(p[jj]);
         for (int d = 0; d < D; ++d) o[i][d] = fmadd(pj, loadu(vj + d * LANES), o[i][d]);
       }
@@ -289,59 +282,6 @@ at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   });
   return out;
 }
-
-// the MTP chain's step (a draft: no particular bits are owed): q [kv heads, grp, hd] one row's query heads, kc and
-// vc [kv heads, start, hd] the cache's slots before the step's rows, kn and vn [kv heads, r, hd] those rows' own
-// entries (not yet written): out [kv heads, grp, hd], the row attending over all start + r keys in order
-at::Tensor row_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& kn,
-                         const at::Tensor& vn) {
-  TORCH_CHECK(q.dim() == 3 && kc.dim() == 3 && kn.dim() == 3 && kc.sizes() == vc.sizes() && kn.sizes() == vn.sizes()
-              && q.size(0) == kc.size(0) && q.size(0) == kn.size(0) && q.size(2) == kc.size(2) &&
-              q.size(2) == kn.size(2) && kn.size(1) >= 1, "row_attention: shapes do not match");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat &&
-              kn.scalar_type() == at::kFloat && vn.scalar_type() == at::kFloat, "row_attention takes float32 tensors");
-  TORCH_CHECK(q.is_contiguous() && kc.stride(2) == 1 && vc.stride(2) == 1 && kn.stride(2) == 1 && vn.stride(2) == 1,
-              "row_attention: unexpected layout");
-  const int64_t nkv = q.size(0), L = q.size(1), hd = q.size(2), start = kc.size(1), r = kn.size(1);
-  TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "row_attention: head size ", hd, " is not 64, 128 or 256");
-  at::Tensor out = at::empty({nkv, L, hd}, q.options());
-  const float* Q = q.data_ptr<float>();
-  const float *K = kc.data_ptr<float>(), *V = vc.data_ptr<float>();
-  const float *KN = kn.data_ptr<float>(), *VN = vn.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const int64_t np = (start + LANES - 1) / LANES * LANES + (r + LANES - 1) / LANES * LANES;
-  const std::vector<int64_t> n(L, start + r);
-  std::vector<float> sc(L * np), inv(L);
-  for (int64_t h = 0; h < nkv; ++h) {
-    const float* Qh = Q + h * L * hd;
-    const float *Kh = K + h * kc.stride(0), *Vh = V + h * vc.stride(0);
-    const float *KNh = KN + h * kn.stride(0), *VNh = VN + h * vn.stride(0);
-    float* Oh = O + h * L * hd;
-    // the cache's keys into scores 0..start-1, then the rows' own from start (over the first's zero padding)
-    switch (hd) {
-      case 64:
-        if (start) head_scores<4>(Qh, Kh, kc.stride(1), start, start, L, sc.data(), np);
-        head_scores<4>(Qh, KNh, kn.stride(1), r, r, L, sc.data() + start, np);
-        head<4, true>(sc.data(), np, np, Vh, vc.stride(1), n.data(), L, Oh, sc.data(), np, inv.data(), VNh,
-                      vn.stride(1), start);
-        break;
-      case 128:
-        if (start) head_scores<8>(Qh, Kh, kc.stride(1), start, start, L, sc.data(), np);
-        head_scores<8>(Qh, KNh, kn.stride(1), r, r, L, sc.data() + start, np);
-        head<8, true>(sc.data(), np, np, Vh, vc.stride(1), n.data(), L, Oh, sc.data(), np, inv.data(), VNh,
-                      vn.stride(1), start);
-        break;
-      default:
-        if (start) head_scores<16>(Qh, Kh, kc.stride(1), start, start, L, sc.data(), np);
-        head_scores<16>(Qh, KNh, kn.stride(1), r, r, L, sc.data() + start, np);
-        head<16, true>(sc.data(), np, np, Vh, vc.stride(1), n.data(), L, Oh, sc.data(), np, inv.data(), VNh,
-                       vn.stride(1), start);
-        break;
-    }
-  }
-  return out;
-}
-
 
 // ---- the routed experts of a window's rows ------------------------------------------------------------------------
 
@@ -631,7 +571,6 @@ TORCH_LIBRARY(strata, m) {
   m.def("window_attention(Tensor q, Tensor kc, Tensor vc, Tensor seen, int grp) -> Tensor");
   m.def("int8_head(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("moe_rows(Tensor h, Tensor gu, Tensor dn, Tensor idx, Tensor wt, int inter) -> Tensor");
-  m.def("row_attention(Tensor q, Tensor kc, Tensor vc, Tensor kn, Tensor vn) -> Tensor");
   m.def("int8_head_top(Tensor x, Tensor w, Tensor scale) -> (Tensor, Tensor, Tensor)");
   m.def("rows16(Tensor x, Tensor w) -> Tensor");
   m.def("moe_rows8(Tensor h, Tensor gu, Tensor gus, Tensor dn, Tensor dns, Tensor idx, Tensor wt, int inter) -> "
@@ -641,7 +580,6 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("window_attention", &window_attention);
   m.impl("int8_head", &int8_head);
   m.impl("moe_rows", &moe_rows);
-  m.impl("row_attention", &row_attention);
   m.impl("int8_head_top", &int8_head_top);
   m.impl("rows16", &rows16);
   m.impl("moe_rows8", &moe_rows8);

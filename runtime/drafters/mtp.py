@@ -125,9 +125,7 @@ class MTPDrafter:
         committed = self.kv.length
         for i in range(n):
             s0, r = self.kv.length, int(tok.shape[0])
-            h, lg, t, conf = c(tok, g, s0)
-            c.kc[:, s0:s0 + r] = c.k_out
-            c.vc[:, s0:s0 + r] = c.v_out
+            h, lg, t, conf = c(tok, g, s0)            # the rows' entries written at slots s0..
             self.kv.length = s0 + r
             if i == 0:
                 committed = self.kv.length       # (anchor, g[pos-1]) are true: keep this entry

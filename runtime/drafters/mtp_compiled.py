@@ -8,8 +8,8 @@ guards and wrappers would cost about a fifth of the step again. A draft needs no
 verify decides every token), so the drafter may take inductor's rounding where the target step may not.
 
 The step: rows (tokens [r], g [r, H]) at cache slots start.. (positions start + 1..), their K and V computed and
-returned for the caller to write (the cache goes in as the views of slots 0..start-1, only read), the last row
-alone attending over those slots and the rows' own entries, then o_proj, its routed experts, the norm, the
+written into the cache in place (the cache goes in whole; the start comes as the length of a buffer view), the
+last row alone attending over slots 0..its own, then o_proj, its routed experts, the norm, the
 vocabulary product, and the greedy token with its probability (the floor's statistic). The committed rows that a
 window's first step carries come first (their entries are all the chain needs of them), so one call serves them
 and the first draft, as the eager chain's `last_only` forward does.
@@ -170,15 +170,15 @@ class _Step(torch.nn.Module):
         super().__init__()
         self.s = shape
 
-    def forward(self, tok: Tensor, g: Tensor, k_old: Tensor, v_old: Tensor, emb_w: Tensor, ne: Tensor,
+    def forward(self, tok: Tensor, g: Tensor, st: Tensor, kc: Tensor, vc: Tensor, emb_w: Tensor, ne: Tensor,
                 ng: Tensor, fc: Tensor, fc_s: Tensor, ln1: Tensor, wqkv: Tensor, qkv_s: Tensor, qn: Tensor,
                 kn: Tensor, wo: Tensor, wo_s: Tensor, ln2: Tensor, wr: Tensor, gu: Tensor, gu_s: Tensor, dn: Tensor,
                 dn_s: Tensor, norm: Tensor, inv: Tensor, head: Tensor, head_scale: Tensor
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         s = self.s
         eps, nh, nkv, hd = s["eps"], s["nh"], s["nkv"], s["hd"]
         r, Hd = g.shape
-        start = k_old.shape[1]
+        start = st.shape[0] - 2               # the first row's cache slot (a length the exporter keeps symbolic)
 
         def lin(x: Tensor, w: Tensor, sc: Tensor) -> Tensor:    # x @ w, from int8 rows w [out, in] with `dense8`
             return torch.ops.strata.int8_head(x.contiguous(), w, sc) if s["dense8"] else x @ w
@@ -196,18 +196,18 @@ class _Step(torch.nn.Module):
 
         p = lin(F.rms_norm(x, (Hd,), ln1, eps), wqkv, qkv_s)
         q, k, v = p.split((nh * hd, nkv * hd, nkv * hd), -1)
-        kt = rope(F.rms_norm(k.reshape(r, nkv, hd), (hd,), kn, s["qk_eps"]), cos, sin).transpose(0, 1)
-        vt = v.reshape(r, nkv, hd).transpose(0, 1)                                      # [nkv, r, hd]
+        # the rows' entries into the cache, in place (AOTInductor writes a mutated input where it lies)
+        kc[:, start:start + r].copy_(rope(F.rms_norm(k.reshape(r, nkv, hd), (hd,), kn, s["qk_eps"]), cos, sin)
+                                     .transpose(0, 1))
+        vc[:, start:start + r].copy_(v.reshape(r, nkv, hd).transpose(0, 1))
         # the last row alone goes on: the rows before it are committed rows, wanted for their entries
         ql = rope(F.rms_norm(q[-1:].reshape(1, nh, hd), (hd,), qn, s["qk_eps"]), cos[-1:], sin[-1:])
         qg = ql.reshape(nkv, nh // nkv, hd)
-        if s["attn_op"]:      # the cache's slots, then the rows' own entries (runtime/cpu_ops.py)
-            o = torch.ops.strata.row_attention(qg.contiguous(), k_old, v_old, kt, vt)
+        if s["attn_op"]:      # over slots 0..its own, by the C++ attention op (runtime/cpu_ops.py)
+            o = torch.ops.strata.window_attention(qg.contiguous(), kc, vc, pos[-1:] - 1, nh // nkv)
         else:
-            s_old = torch.bmm(qg, k_old.transpose(1, 2))                                # [nkv, grp, start]
-            s_new = torch.bmm(qg, kt.transpose(1, 2))                                   # [nkv, grp, r]
-            pr = torch.softmax(torch.cat((s_old, s_new), -1), -1)
-            o = torch.bmm(pr[..., :start], v_old) + torch.bmm(pr[..., start:], vt)
+            pr = torch.softmax(torch.bmm(qg, kc[:, :start + r].transpose(1, 2)), -1)  # [nkv, grp, start + r]
+            o = torch.bmm(pr, vc[:, :start + r])
         x = x[-1:] + lin(o.reshape(1, nh * hd), wo, wo_s)
         h = F.rms_norm(x, (Hd,), ln2, eps)
         lg = h @ wr
@@ -228,19 +228,19 @@ class _Step(torch.nn.Module):
             hn = F.rms_norm(x + (y * w[0][:, None, None]).sum(0), (Hd,), norm, eps)
         if s["head8"] and s["head_op"]:     # the token and its probability in the op, the logits in cache
             logits, tok, conf = torch.ops.strata.int8_head_top(hn.float(), head, head_scale)
-            return hn, logits, kt, vt, tok, conf
+            return hn, logits, tok, conf
         if s["head8"]:
             logits = torch._weight_int8pack_mm(hn.to(torch.bfloat16), head, head_scale).float()
         else:
             logits = (hn @ head).float()
         top, tok = logits.max(-1)                               # the greedy draft (the first of equals)
         conf = 1.0 / torch.exp(logits - top[:, None]).sum(-1)   # its probability at temperature 1: the floor's
-        return hn, logits, kt, vt, tok, conf
+        return hn, logits, tok, conf
 
 
 def key(drafter) -> str:
     """The package's name (runtime/aoti.py `key`: torch, this CPU, `shape_of`)."""
-    return aoti.key("mtp-step", shape_of(drafter), 6)
+    return aoti.key("mtp-step", shape_of(drafter), 7)
 
 
 def package_path(drafter, root: Path) -> Path:
@@ -251,9 +251,8 @@ def _example(drafter, rows: int = 2, start: int = 8) -> tuple[Tensor, ...]:
     kv = drafter.kv
     H = drafter.model.cfg.hidden_size
     dt = kv.k.dtype
-    kc, vc = kv.k[0, 0], kv.v[0, 0]
-    return (torch.zeros(rows, dtype=torch.long), torch.zeros(rows, H, dtype=dt), kc[:, :start], vc[:, :start],
-            *weights(drafter))
+    return (torch.zeros(rows, dtype=torch.long), torch.zeros(rows, H, dtype=dt), torch.zeros(start + 2,
+            dtype=torch.int8), kv.k[0, 0], kv.v[0, 0], *weights(drafter))
 
 
 def build(drafter, path: Path) -> float:
@@ -265,8 +264,8 @@ def build(drafter, path: Path) -> float:
     shape = shape_of(drafter)
     args = _example(drafter)
     R = Dim("rows", min=1, max=MAX_ROWS)
-    S = Dim("start", min=1, max=shape["capacity"] - MAX_ROWS)
-    dyn = ({0: R}, {0: R}, {1: S}, {1: S}) + (None,) * (len(args) - 4)
+    S = Dim("start2", min=3, max=shape["capacity"] - MAX_ROWS + 2)
+    dyn = ({0: R}, {0: R}, {0: S}) + (None,) * (len(args) - 3)
     ep = aoti.export(_Step(shape), args, dyn)
     aoti.write_package(ep, path, lambda runner: check(drafter, runner))
     return time.perf_counter() - t0
@@ -280,18 +279,24 @@ def check(drafter, runner) -> None:
     V, H = drafter.model.cfg.vocab_size, drafter.model.cfg.hidden_size
     kv = drafter.kv
     start = min(40, kv.capacity - MAX_ROWS)
-    keep = kv.k[0, 0, :, :start].clone(), kv.v[0, 0, :, :start].clone()
+    kc, vc = kv.k[0, 0], kv.v[0, 0]
+    end = start + 3                            # the probe's rows write slots start..start + 2
+    keep = kc[:, :end].clone(), vc[:, :end].clone()
     try:
-        kv.k[0, 0, :, :start] = torch.randn(keep[0].shape, generator=gen).to(kv.k.dtype)
-        kv.v[0, 0, :, :start] = torch.randn(keep[1].shape, generator=gen).to(kv.v.dtype)
+        kc[:, :start] = torch.randn(kc[:, :start].shape, generator=gen).to(kc.dtype)
+        vc[:, :start] = torch.randn(vc[:, :start].shape, generator=gen).to(vc.dtype)
         for rows in (1, 3):
             args = list(_example(drafter, rows, start))
             args[0] = torch.randint(0, V, (rows,), generator=gen)
             args[1] = torch.randn(rows, H, generator=gen).to(kv.k.dtype)
             with torch.no_grad():
                 want = _Step(shape_of(drafter))(*args)
+                want_kv = kc[:, start:start + rows].clone(), vc[:, start:start + rows].clone()
+                kc[:, start:end], vc[:, start:end] = 0, 0
                 got = runner(*args)
-            for name, a, b in zip(("hidden", "logits", "k", "v", "token", "confidence"), want, got, strict=True):
+            got_kv = kc[:, start:start + rows], vc[:, start:start + rows]
+            for name, a, b in zip(("hidden", "logits", "token", "confidence", "k", "v"), [*want, *want_kv],
+                                  [*got, *got_kv], strict=True):
                 if name == "token":         # a near tie may go either way: the logits' check covers it
                     continue
                 tol = 1e-3 * (1 + float(a.abs().max()))
@@ -299,12 +304,12 @@ def check(drafter, runner) -> None:
                     raise RuntimeError(f"the compiled MTP step's {name} differ from the eager step's "
                                        f"(max |difference| {float((a.float() - b.float()).abs().max()):.2e}).")
     finally:
-        kv.k[0, 0, :, :start], kv.v[0, 0, :, :start] = keep
+        kc[:, :end], vc[:, :end] = keep
 
 
 class CompiledStep:
     """A loaded package for one drafter: `__call__(tok, g, start)` -> (h [1, H], logits [1, V] fp32, the greedy
-    token [1], its probability [1]); the rows' K and V [nkv, r, hd] are left in `k_out`, `v_out` for the caller."""
+    token [1], its probability [1]); the rows' K and V are written into the drafter's cache at slots start.."""
 
     def __init__(self, drafter, loader, path: Path) -> None:
         # the loader called with the flat inputs (runtime/aoti.py `loader`)
@@ -312,11 +317,11 @@ class CompiledStep:
         self.w = weights(drafter)
         self.kc, self.vc = drafter.kv.k[0, 0], drafter.kv.v[0, 0]
         self.dtype = drafter.kv.k.dtype
-        self.k_out = self.v_out = None
+        self.buf = torch.zeros(drafter.kv.capacity + 2, dtype=torch.int8)   # its views' lengths carry the start
 
     def __call__(self, tok: Tensor, g: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        args = [tok, g.to(self.dtype), self.kc[:, :start], self.vc[:, :start], *self.w]
-        h, lg, self.k_out, self.v_out, t, conf = self.boxed(args)
+        g = g if g.dtype == self.dtype else g.to(self.dtype)
+        h, lg, t, conf = self.boxed([tok, g, self.buf[:start + 2], self.kc, self.vc, *self.w])
         return h, lg, t, conf
 
 

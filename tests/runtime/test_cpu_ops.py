@@ -201,35 +201,6 @@ def test_a_changed_source_does_not_get_the_loaded_library(op, tmp_path, monkeypa
     assert not store.exists() or list(store.iterdir()) == []
 
 
-@pytest.mark.parametrize("nkv,grp,hd,start,r", [
-    (2, 2, 64, 382, 1),           # the pack's chained step
-    (2, 2, 64, 40, 4),            # committed rows with the anchor
-    (1, 4, 128, 0, 3),            # nothing in the cache yet
-    (4, 1, 256, 17, 20),          # more new rows than one 16-key block
-])
-def test_row_attention_matches_float64(op, nkv, grp, hd, start, r):
-    gen = torch.Generator().manual_seed(start + r)
-    big_k, big_v = torch.randn(nkv, 600, hd, generator=gen), torch.randn(nkv, 600, hd, generator=gen)
-    # the new entries as the MTP step makes them: [rows, kv heads, hd] seen through a transpose
-    kn = torch.randn(r, nkv, hd, generator=gen).transpose(0, 1)
-    vn = torch.randn(r, nkv, hd, generator=gen).transpose(0, 1)
-    q = torch.randn(nkv, grp, hd, generator=gen) * 0.5
-    kc, vc = big_k[:, :start], big_v[:, :start]
-    got = torch.ops.strata.row_attention(q, kc, vc, kn, vn)
-    torch.testing.assert_close(got, cpu_ops.row_reference(q, kc, vc, kn, vn), rtol=2e-5, atol=2e-6)
-
-
-def test_row_attention_refuses_what_it_cannot_take(op):
-    q, kc, kn = torch.randn(2, 2, 64), torch.randn(2, 10, 64), torch.randn(2, 1, 64)
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        torch.ops.strata.row_attention(q, kc, kc, kn[:, :0], kn[:, :0])
-    with pytest.raises(RuntimeError, match="head size 32"):
-        torch.ops.strata.row_attention(q[..., :32].contiguous(), kc[..., :32], kc[..., :32], kn[..., :32],
-                                       kn[..., :32])
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.strata.row_attention(q, kc.double(), kc, kn, kn)
-
-
 def _moe8_case(gen: torch.Generator, E: int, inter: int, H: int, W: int, k: int):
     gu = torch.randint(-127, 128, (E * 2 * inter, H), generator=gen, dtype=torch.int8)
     dn = torch.randint(-127, 128, (E * H, inter), generator=gen, dtype=torch.int8)

@@ -76,8 +76,9 @@ def test_step_equals_the_module_path(built):
         for n in (1, 4):                     # one chained row; three committed rows and the anchor
             tok = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen)
             g = torch.randn(n, model.cfg.hidden_size, generator=gen)
+            d.kv.k[0, 0, :, 9:9 + n], d.kv.v[0, 0, :, 9:9 + n] = 0, 0
             h, lg, t, conf = d.compiled(tok, g, 9)
-            k, v = d.compiled.k_out, d.compiled.v_out
+            k, v = d.kv.k[0, 0, :, 9:9 + n].clone(), d.kv.v[0, 0, :, 9:9 + n].clone()     # written in place
             pos = torch.arange(10, 10 + n)[None]
             # the module with the int8 matrices' values: what is left is the int16 rounding of their inputs
             with _int8_matrices(model, mtp_compiled.dense8(d), mtp_compiled.experts8(d)):
@@ -88,7 +89,7 @@ def test_step_equals_the_module_path(built):
             torch.testing.assert_close(lg, want_lg, rtol=0, atol=0.05 * float(want_lg.abs().max()) + 1e-3)
             assert int(lg.argmax()) == int(want_lg.argmax()) == int(t)
             torch.testing.assert_close(conf, torch.softmax(lg, -1).amax(-1), rtol=1e-5, atol=1e-6)
-            # the module wrote the rows' entries at slots 9..: the compiled step returns the same ones
+            # the module wrote the rows' entries at slots 9..: the compiled step wrote the same ones
             torch.testing.assert_close(k, d.kv.k[0, 0, :, 9:9 + n], rtol=0, atol=2e-3)
             torch.testing.assert_close(v, d.kv.v[0, 0, :, 9:9 + n], rtol=0, atol=2e-3)
 
@@ -197,12 +198,17 @@ def test_check_catches_a_wrong_step(built):
     runner = torch._inductor.aoti_load_package(str(mtp_compiled.package_path(eng.drafter, root)))
 
     def off_by_a_bit(*args):
-        h, lg, k, v, t, conf = runner(*args)
-        return h, lg + 0.5, k, v, t, conf
+        h, lg, t, conf = runner(*args)
+        return h, lg + 0.5, t, conf
+
+    def writes_nothing(*args):        # the right outputs, but the rows' entries never reach the cache
+        return runner(*args[:3], args[3].clone(), args[4].clone(), *args[5:])
 
     mtp_compiled.check(eng.drafter, runner)                       # the real package passes
     with pytest.raises(RuntimeError, match="the compiled MTP step's logits differ from the eager step's"):
         mtp_compiled.check(eng.drafter, off_by_a_bit)
+    with pytest.raises(RuntimeError, match="the compiled MTP step's k differ from the eager step's"):
+        mtp_compiled.check(eng.drafter, writes_nothing)
 
 
 def test_failed_build_leaves_the_eager_chain_and_no_file(built, tmp_path, monkeypatch):
