@@ -66,7 +66,7 @@ class MTPDrafter:
         # CPU: the chain's step compiled ahead of time (runtime/drafters/mtp_compiled.py), attached by the engine
         # when this machine has its package; None: the eager rows
         self.compiled: mtp_compiled.CompiledStep | None = None
-        # the compiled step's int8 copies of fc, q/k/v and o_proj with their scales (mtp_compiled.dense8), made once
+        # the compiled step's int8 copies of fc, q/k/v, o_proj and the experts with their scales (mtp_compiled.dense8)
         self.dense8: tuple[Tensor, ...] | None = None
 
     def reset(self) -> None:

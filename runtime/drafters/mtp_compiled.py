@@ -40,7 +40,7 @@ MAX_ROWS = 64
 MOE_OP = True
 # False: the step's fc, q/k/v and o_proj as float products even where the C++ int8 product is loaded
 DENSE8 = True
-# False: the step's attention as torch ops even where the C++ row attention is loaded
+# False: the step's attention as torch ops even where the C++ attention op is loaded
 ATTN_OP = True
 
 
@@ -150,8 +150,8 @@ def shape_of(drafter) -> dict[str, Any]:
 
 
 def attn_op(drafter) -> bool:
-    """Whether the step's attention goes through the C++ row attention (runtime/cpu_ops.py): where the ops are
-    loaded, for an fp32 cache and a head size the op takes."""
+    """Whether the step's attention goes through the C++ attention op (runtime/cpu_ops.py `window_attention`, its
+    one row over slots 0..its own): where the ops are loaded, for an fp32 cache and a head size the op takes."""
     return ATTN_OP and cpu_ops.registered() and drafter.kv.k.dtype == torch.float32 and \
         drafter.mtp.layers[0].self_attn.hd in (64, 128, 256)
 
