@@ -7,7 +7,10 @@ op" and "MTP head"):
   reads each key and value row once.
   The MTP chain's step takes it for its row too (over slots 0..its own, once the step has written its rows).
 - `strata::moe_rows`: the target step's routed experts, each row's own k experts in top-k order (no expert
-  computed for a row that did not pick it), with a fixed per-row order of operations.
+  computed for a row that did not pick it), with a fixed per-row order of operations, over fp32 or bf16 weights.
+- `strata::rows16`: the target step's dense products (q/k/v, o_proj, the vocabulary head) from bf16 copies of the
+  weights in fp32 arithmetic, a row's sums in a fixed order of its own: half the bytes of the fp32 products where
+  the weights are bf16 values (runtime/target_compiled.py `W16`).
 - `strata::int8_head`: the MTP chain's vocabulary product from its int8 rows with the input in int16 (integer
   dot products): under half of torch's weight-only int8 kernel's time on the bundled pack's head. The chain's
   fc, q/k/v and o_proj go through it too; `strata::int8_head_top` adds each row's greedy token and probability

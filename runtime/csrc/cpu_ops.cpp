@@ -12,7 +12,9 @@
 // everywhere).
 //
 // strata::moe_rows: the target step's routed experts, each row's own k experts in top-k order with a fixed order of
-// operations of its own (the same promise, without every expert computed for every row).
+// operations of its own (the same promise, without every expert computed for every row), over float32 or bf16
+// weights. strata::rows16: the target step's dense products from bf16 weights in fp32 arithmetic, a row's sums in
+// a fixed order of its own (the same promise).
 //
 // strata::int8_head: the MTP chain's vocabulary product from int8 rows, its input quantized to int16, in exact
 // integer sums (a draft needs no particular bits; the integers make every code path give the same ones); the same
@@ -366,10 +368,6 @@ at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor&
 
 // ---- products with bf16 weights in fp32 arithmetic -------------------------------------------------------------------
 
-// x [W, K] float, w [N / 64, K, 64] bf16 (x @ w's columns in blocks of 64, each block's K rows contiguous):
-// out [W, N] = x @ w in fp32, each output the sum over k in order of x[r, k] * w[k, n] (the first a product, then
-// fused multiply-adds), whatever rows share the call: a row's bits are its own (the compiled target step's
-// promise). Rows go four at a time over a block, sharing its loads.
 // G rows (1..4, a compile-time count: the accumulators stay in registers) over one block of 64 outputs
 template <int G>
 inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* O, int64_t N) {
@@ -396,6 +394,10 @@ inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* 
     for (int t = 0; t < 4; ++t) storeu(O + i * N + t * LANES, acc[i][t]);
 }
 
+// x [W, K] float, w [N / 64, K, 64] bf16 (x @ w's columns in blocks of 64, each block's K rows contiguous):
+// out [W, N] = x @ w in fp32, each output the sum over k in order of x[r, k] * w[k, n] (the first a product, then
+// fused multiply-adds), whatever rows share the call: a row's bits are its own (the compiled target step's
+// promise). Rows go four at a time over a block, sharing its loads.
 at::Tensor rows16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 64 && w.size(1) == x.size(1) && x.size(1) >= 1,
               "rows16: shapes do not match");
