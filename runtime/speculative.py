@@ -190,8 +190,11 @@ def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | N
                           reader: _Read | None = None) -> tuple[int, int, list[int], list[int], Tensor]:
     """Greedy acceptance on the device, one host read: returns (accepted, proposed, new tokens, draft tokens,
     the last new token as a device tensor [1]). Rows at or past `keep` are not proposals."""
-    tgt = torch.argmax(logits, dim=-1)                                    # [m+1]
     m = 0 if draft is None else int(draft.shape[0])
+    if m == 0 and ahead is None:      # target-only: the token alone, one read (a CPU pays per op here)
+        t = logits[:1].max(-1)[1]                                         # [1], the first of equal maxima
+        return 0, 0, [int(t)], [], t
+    tgt = torch.argmax(logits, dim=-1)                                    # [m+1]
     if m == 0:
         acc = torch.zeros((), dtype=torch.long, device=tgt.device)
         a, _, vals = _read(acc, None, tgt[:1], nxt=tgt[:1], ahead=ahead, reader=reader)
