@@ -192,7 +192,8 @@ def _accept_greedy_window(logits: Tensor, draft: Tensor | None, keep: Tensor | N
     the last new token as a device tensor [1]). Rows at or past `keep` are not proposals."""
     m = 0 if draft is None else int(draft.shape[0])
     if m == 0 and ahead is None:      # target-only: the token alone, one read (a CPU pays per op here)
-        t = logits[:1].max(-1)[1]                                         # [1], the first of equal maxima
+        # [1], the first of equal maxima (max's index is the cheaper CPU op; argmax elsewhere, as for windows)
+        t = logits[:1].max(-1)[1] if logits.device.type == "cpu" else torch.argmax(logits[:1], dim=-1)
         return 0, 0, [int(t)], [], t
     tgt = torch.argmax(logits, dim=-1)                                    # [m+1]
     if m == 0:
