@@ -228,17 +228,29 @@ def head_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> tor
     return ((xq.double() @ w.double().t()) * (scale.double()[None] * sx.double())).float()
 
 
+# a block row's stored order: position j of each 64 holds output _INTERLEAVE[j] (in each 32, even positions outputs
+# 0-15 and odd ones 16-31, so the op converts 32 bf16 values to floats in two bit operations)
+_INTERLEAVE = torch.tensor([32 * (j // 32) + 16 * (j % 2) + (j % 32) // 2 for j in range(64)])
+
+
 def blocks16(w: torch.Tensor) -> torch.Tensor:
     """w [K, N] (x @ w; N a multiple of 64) as `rows16` reads it: bf16 in blocks of 64 columns, [N / 64, K, 64],
-    each block's K rows contiguous."""
+    each block's K rows contiguous and each row's 64 values in `_INTERLEAVE` order."""
     K, N = w.shape
-    return w.detach().to(torch.bfloat16).reshape(K, N // 64, 64).transpose(0, 1).contiguous()
+    b = w.detach().to(torch.bfloat16).reshape(K, N // 64, 64).transpose(0, 1)
+    return b[..., _INTERLEAVE].contiguous()
+
+
+def unblocks16(wb: torch.Tensor) -> torch.Tensor:
+    """`blocks16`'s inverse: the [K, N] bf16 matrix."""
+    w = torch.empty_like(wb)
+    w[..., _INTERLEAVE] = wb
+    return w.transpose(0, 1).reshape(wb.shape[1], -1)
 
 
 def rows16_reference(x: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
     """What `rows16` computes, in float64: x @ the blocks' bf16 values."""
-    w = wb.transpose(0, 1).reshape(wb.shape[1], -1)
-    return (x.double() @ w.double()).float()
+    return (x.double() @ unblocks16(wb).double()).float()
 
 
 def head_top_reference(lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -368,13 +368,37 @@ at::Tensor moe_rows(const at::Tensor& h, const at::Tensor& gu, const at::Tensor&
 
 // ---- products with bf16 weights in fp32 arithmetic -------------------------------------------------------------------
 
+// one k's 64 weights of a block as four vectors of floats, outputs 0-15, 16-31, 32-47, 48-63: each 32 are stored
+// interleaved (stored position 2i holds output i, 2i + 1 output 16 + i; runtime/cpu_ops.py `blocks16`), so a
+// 32-bit lane's low half is one vector's value and its high half the next's: two bit operations convert 32
+inline void load64_bf16(const uint16_t* p, vf* w) {
+#if defined(__AVX512F__)
+  const __m512i lo = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int c = 0; c < 2; ++c) {
+    const __m512i v = _mm512_loadu_si512(p + 32 * c);
+    w[2 * c] = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    w[2 * c + 1] = (vf)_mm512_castsi512_ps(_mm512_and_si512(v, lo));
+  }
+#else
+  for (int c = 0; c < 2; ++c) {
+    vi a, b;
+    for (int i = 0; i < LANES; ++i) {
+      a[i] = static_cast<int32_t>(static_cast<uint32_t>(p[32 * c + 2 * i]) << 16);
+      b[i] = static_cast<int32_t>(static_cast<uint32_t>(p[32 * c + 2 * i + 1]) << 16);
+    }
+    w[2 * c] = floats(a);
+    w[2 * c + 1] = floats(b);
+  }
+#endif
+}
+
 // G rows (1..4, a compile-time count: the accumulators stay in registers) over one block of 64 outputs
 template <int G>
 inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* O, int64_t N) {
   vf acc[G][4];
   {
     vf wv[4];
-    for (int t = 0; t < 4; ++t) wv[t] = load_bf16(blk + t * LANES);
+    load64_bf16(blk, wv);
     for (int i = 0; i < G; ++i) {
       const vf xs = splat(X[i * K]);
       for (int t = 0; t < 4; ++t) acc[i][t] = xs * wv[t];
@@ -384,7 +408,7 @@ inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* 
     const uint16_t* row = blk + k * 64;
     if (k + 8 < K) __builtin_prefetch(row + 8 * 64);
     vf wv[4];
-    for (int t = 0; t < 4; ++t) wv[t] = load_bf16(row + t * LANES);
+    load64_bf16(row, wv);
     for (int i = 0; i < G; ++i) {
       const vf xs = splat(X[i * K + k]);
       for (int t = 0; t < 4; ++t) acc[i][t] = fmadd(xs, wv[t], acc[i][t]);
@@ -394,7 +418,8 @@ inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* 
     for (int t = 0; t < 4; ++t) storeu(O + i * N + t * LANES, acc[i][t]);
 }
 
-// x [W, K] float, w [N / 64, K, 64] bf16 (x @ w's columns in blocks of 64, each block's K rows contiguous):
+// x [W, K] float, w [N / 64, K, 64] bf16 (x @ w's columns in blocks of 64, each block's K rows contiguous, each
+// row's 64 values interleaved by 32 as `load64_bf16` reads them):
 // out [W, N] = x @ w in fp32, each output the sum over k in order of x[r, k] * w[k, n] (the first a product, then
 // fused multiply-adds), whatever rows share the call: a row's bits are its own (the compiled target step's
 // promise). Rows go four at a time over a block, sharing its loads.

@@ -147,7 +147,8 @@ def test_the_bf16_product_matches_float64(op, K, N, W):
     gen = torch.Generator().manual_seed(K + N + W)
     w = torch.randn(K, N, generator=gen)
     wb = cpu_ops.blocks16(w)
-    assert wb.shape == (N // 64, K, 64) and torch.equal(wb.transpose(0, 1).reshape(K, N), w.bfloat16())
+    assert wb.shape == (N // 64, K, 64) and torch.equal(cpu_ops.unblocks16(wb), w.bfloat16())
+    assert torch.equal(wb[0, 0, :4], w[0, torch.tensor([0, 16, 1, 17])].bfloat16())     # interleaved by 32
     x = torch.randn(W, K, generator=gen)
     got = torch.ops.strata.rows16(x, wb)
     torch.testing.assert_close(got, cpu_ops.rows16_reference(x, wb), rtol=1e-5, atol=2e-5)

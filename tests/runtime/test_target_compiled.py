@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.common import NANO, NANO_DFLASH2, task_prompts
-from runtime import aoti, target_compiled
+from runtime import aoti, cpu_ops, target_compiled
 from runtime.engine import Engine
 from runtime.gpu.static_step import StaticStep
 from runtime.models.target_config import TargetGeometry
@@ -57,7 +57,9 @@ def test_the_bf16_copies_hold_the_weights_values_and_are_counted(built):
     eng, _ = built
     copies = target_compiled._copies(eng.model)
     heads, layers = target_compiled._matrices(eng.model)
-    unblock = lambda b: b.transpose(0, 1).reshape(b.shape[1], -1).float()     # noqa: E731
+    def unblock(b):
+        return cpu_ops.unblocks16(b).float()
+
     assert torch.equal(unblock(copies["head"]), heads[0])
     for (q, o, g, d), (wq, wo, wg, wd) in zip(copies["layers"], layers, strict=True):
         assert torch.equal(unblock(q), wq) and torch.equal(unblock(o), wo)
