@@ -121,7 +121,7 @@ def _matrices(model) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
     layers = []
     for la in model.model.layers:
         L = cpu_plan.layer_plan(la)
-        wqkv = L.qkv[0] if len(L.qkv) == 1 else torch.cat(L.qkv, 1)
+        wqkv = cpu_plan.stacked_qkv(L)
         layers.append((wqkv, L.wo, la.mlp.dense_gu.t(), la.mlp.dense_down.t()))
     return [model.lm_head.weight.t()], layers
 
@@ -206,7 +206,7 @@ def weights(model, mode: str) -> tuple[list[Tensor], list[Tensor]]:
         L = cpu_plan.layer_plan(la)
         mlp = la.mlp
         H, E, inter = m.cfg.hidden_size, mlp.n_exp, mlp.inter
-        wqkv = L.qkv[0] if len(L.qkv) == 1 else torch.cat(L.qkv, 1)
+        wqkv = cpu_plan.stacked_qkv(L)
         if mode == "one":      # per expert: gate+up [E, H, 2I], down [E, I, H]
             gu, dn = mlp.dense_gu.view(E, 2 * inter, H).transpose(1, 2), mlp.dense_down.view(H, E, inter).permute(1, 2, 0)
         else:                  # every expert at once: [H, E * 2I], [E * I, H]

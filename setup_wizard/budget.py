@@ -49,7 +49,6 @@ from runtime.kv import KV_QUANTS, Q8_BLOCK, kv_row_bytes, split_partials_bytes
 from runtime.memory import default_prefill_chunk
 from runtime.models.target_config import TargetGeometry
 from runtime.sampling import RULE_GRAPHS_KEPT
-from runtime.target_compiled import spare_slots
 
 MIB = 1 << 20
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -445,7 +444,7 @@ def compute_budget(
                 target.hidden, target.heads * target.head_dim, target.kv_heads * target.head_dim,
                 target.experts if target.sparse_layers else 0, target.moe_intermediate)
     # a float CPU cache holds the compiled step's spare slots past the context (runtime/target_compiled.py)
-    slots = ctx + (spare_slots(ctx) if inputs.device_type == "cpu" and inputs.kv_quant is None else 0)
+    slots = ctx + (target_compiled.spare_slots(ctx) if inputs.device_type == "cpu" and inputs.kv_quant is None else 0)
     items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * slots
     items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
     items["logits"] = block * target.vocab * 4 * (2 if kind.makes_logits else 1)

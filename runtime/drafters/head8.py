@@ -40,8 +40,8 @@ def dense_nbytes(hidden: int, q_width: int, kv_width: int, experts: int = 0, int
     """What the compiled chain's int8 copies of the head's layer matrices hold (runtime/drafters/mtp_compiled.py:
     fc [H, 2H], q/k/v [q + 2 kv, H], o_proj [H, q], and with `experts` of width `inter` their gate/up [E * 2I, H]
     and down [E * H, I]): a byte per weight and an fp32 scale per row, where the widths fit the C++ products
-    (multiples of 64, the experts' of 32; 0 elsewhere). Counted wherever the int8 head is: a machine that cannot
-    build the ops holds less than its budget says, never more."""
+    (multiples of 64, the experts' of 32; 0 elsewhere). The budget counts it where the chain's step is compiled: a
+    machine that then cannot build the ops holds less than its budget says, never more."""
     if not usable(hidden) or any(k % 64 for k in (hidden, q_width)):
         return 0
     rows = hidden + q_width + 2 * kv_width + hidden

@@ -117,7 +117,7 @@ def weights(drafter) -> tuple[Tensor, ...]:
     L = cpu_plan.layer_plan(layer)
     mlp = layer.mlp
     H, E, inter = m.cfg.hidden_size, mlp.n_exp, mlp.inter
-    wqkv = L.qkv[0] if len(L.qkv) == 1 else torch.cat(L.qkv, 1)
+    wqkv = cpu_plan.stacked_qkv(L)
     head = drafter.head8 if drafter.head8 is not None else (m.lm_head.weight.t(), torch.ones(0))
     # q-norm's weight carries the attention scale, as the eager rows' (cpu_rows.qk_norm_weight: [nh + nkv, hd])
     qkn = L.qkn[0], L.qkn[L.nh]

@@ -96,6 +96,12 @@ def layer_plan(layer: nn.Module) -> LayerPlan:
     return cpu_rows.derived(layer, "_cpu_plan", sources, make)
 
 
+def stacked_qkv(L: LayerPlan) -> Tensor:
+    """q/k/v as one [H, (nh + 2 nkv) hd] matrix (a copy only where the layer keeps them apart): what the compiled
+    steps take."""
+    return L.qkv[0] if len(L.qkv) == 1 else torch.cat(L.qkv, 1)
+
+
 def qkv(L: LayerPlan, x: Tensor, rot: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`cpu_rows.qkv` of the input-normed rows of x [W, H]: q (times the scale) [W, nh, hd], k and v [W, nkv, hd]."""
     h = cpu_rows.rms_ln(x, L.ln1, L.eps1)
