@@ -8,13 +8,12 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
+from bench.common import NANO
 from runtime.engine import Engine
 from runtime.loading import load_target
 from runtime.sampling import SamplingParams
 from training import finetune_mtp
 from training.common import save_bf16
-
-from bench.common import NANO
 
 PROMPT = "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n    with open(path) as f:\n"
 
