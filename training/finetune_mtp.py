@@ -29,8 +29,17 @@ from runtime.loading import load_target
 from runtime.models.layers import apply_rope
 from runtime.models.qwen3_moe import Qwen3MoeModel
 from training import corpus
-from training.common import Log, StepClock, autocast, lr_at, make_optimizer, pick_device, save_bf16, seed_all
-from training.common import write_json as _write_json
+from training.common import (
+    Log,
+    StepClock,
+    autocast,
+    lr_at,
+    make_optimizer,
+    pick_device,
+    save_bf16,
+    seed_all,
+    write_json,
+)
 from training.distill import make_distill_set
 
 # how much each depth's loss counts: the later drafts are reached less often (only after the earlier are accepted)
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     save_bf16({k: v for k, v in model.state_dict().items() if k.startswith("mtp.")}, args.out / "mtp_head.safetensors")
     st.update(total_s=round(time.time() - t0, 1), sequences=int(seqs.shape[0]), args={k: str(v) for k, v in
                                                                                        vars(args).items()})
-    _write_json(args.out / "finetune_mtp.json", st)
+    write_json(args.out / "finetune_mtp.json", st)
     return 0
 
 
