@@ -145,9 +145,11 @@ def chain_acceptance(model: Qwen3MoeModel, seqs: Tensor, prompt_len: int, depth:
             "block": depth + 1, "anchors": n}
 
 
-def train_chain(model: Qwen3MoeModel, seqs: Tensor, depth: int, *, lr: float, seconds: float, batch: int,
+def train_chain(model: Qwen3MoeModel, sources: list[tuple[Tensor, int]], depth: int, *, lr: float, seconds: float,
                 device: torch.device, log: Log, seed: int, warmup: int = 20) -> dict:
-    """Train `mtp.*` (target frozen) on every depth's loss, weighted by DEPTH_WEIGHTS."""
+    """Train `mtp.*` (target frozen) on every depth's loss, weighted by DEPTH_WEIGHTS. `sources`: (sequences,
+    batch) taken in turn, one a step (short continuations, and long ones so that the head also sees far
+    positions)."""
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("mtp."))
     model.to(device).train()
@@ -159,6 +161,7 @@ def train_chain(model: Qwen3MoeModel, seqs: Tensor, depth: int, *, lr: float, se
     while step < clock.update(step) and not clock.over():
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, clock.total, warmup, lr)
+        seqs, batch = sources[step % len(sources)]
         rows = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
         w = seqs[rows].to(device)
         with autocast(device):
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8192)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--long-prompts", type=int, default=0, help="continuations of long prompts too (0: none)")
+    ap.add_argument("--long-len", type=int, default=1536, help="the long prompts' length")
+    ap.add_argument("--long-every", type=int, default=3, help="every n-th step takes long continuations")
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=150.0)
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -229,12 +235,22 @@ def main(argv: list[str] | None = None) -> int:
                             seed=args.seed + 1, batch=1024)
     eval_seqs = make_distill_set(model, data["eval"], max(64, args.prompts // 32), args.prompt_len, args.new, dev,
                                  log, seed=args.seed + 2)
-    before = chain_acceptance(model, eval_seqs, args.prompt_len, args.depth, dev)
+    sources = [(seqs, args.batch)]
+    evals = {"short": (eval_seqs, args.prompt_len)}
+    if args.long_prompts > 0:
+        long_seqs = make_distill_set(model, data["train"], args.long_prompts, args.long_len, args.new, dev, log,
+                                     seed=args.seed + 4, batch=256)
+        evals["long"] = (make_distill_set(model, data["eval"], 32, args.long_len, args.new, dev, log,
+                                          seed=args.seed + 5), args.long_len)
+        # about as many tokens a step as a short batch
+        long_batch = max(1, args.batch * seqs.shape[1] // long_seqs.shape[1])
+        sources = [(seqs, args.batch)] * (args.long_every - 1) + [(long_seqs, long_batch)]
+    before = {k: chain_acceptance(model, s, n, args.depth, dev, batch=16) for k, (s, n) in evals.items()}
     log(stage="mtp_chain", before=before)
-    st = train_chain(model, seqs, args.depth, lr=args.lr, seconds=args.seconds, batch=args.batch, device=dev,
-                     log=log, seed=args.seed + 3)
+    st = train_chain(model, sources, args.depth, lr=args.lr, seconds=args.seconds, device=dev, log=log,
+                     seed=args.seed + 3)
     st["before"] = before
-    st["after"] = chain_acceptance(model, eval_seqs, args.prompt_len, args.depth, dev)
+    st["after"] = {k: chain_acceptance(model, s, n, args.depth, dev, batch=16) for k, (s, n) in evals.items()}
     log(stage="mtp_chain", after=st["after"])
     save_bf16({k: v for k, v in model.state_dict().items() if k.startswith("mtp.")}, args.out / "mtp_head.safetensors")
     st.update(total_s=round(time.time() - t0, 1), sequences=int(seqs.shape[0]), args={k: str(v) for k, v in
