@@ -164,6 +164,42 @@ void head_scores(const float* Q, const float* K, int64_t kr, int64_t n, int64_t 
   }
 }
 
+// G lines' outputs (each line's probabilities in pr, row stride np, 1 / their sum in inv): the keys all G lines
+// see go once, each value row loaded once for all of them, then each line's own further keys; a line's sum is the
+// same fused multiply-adds in key order whatever G is
+template <int D, int G>
+inline void values_group(const float* V, int64_t vr, const int64_t* n, float* O, const float* pr, int64_t np,
+                         const float* inv) {
+  vf o[G][D];
+  int64_t lo = n[0];
+  for (int i = 0; i < G; ++i) {
+    lo = std::min(lo, n[i]);
+    for (int d = 0; d < D; ++d) o[i][d] = splat(0.f);
+  }
+  int64_t j = 0;
+  for (; j < lo; ++j) {
+    const float* vj = V + j * vr;
+    if (j + 16 < lo)
+      for (int d = 0; d < D; ++d) __builtin_prefetch(vj + 16 * vr + d * LANES);
+    vf pj[G];
+    for (int i = 0; i < G; ++i) pj[i] = splat(pr[i * np + j]);
+    for (int d = 0; d < D; ++d) {
+      const vf v = loadu(vj + d * LANES);
+      for (int i = 0; i < G; ++i) o[i][d] = fmadd(pj[i], v, o[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const float* p = pr + i * np;
+    for (int64_t jj = j; jj < n[i]; ++jj) {
+      const float* vj = V + jj * vr;
+      const vf pj = splat(p[jj]);
+      for (int d = 0; d < D; ++d) o[i][d] = fmadd(pj, loadu(vj + d * LANES), o[i][d]);
+    }
+    float* ov = O + i * D * LANES;
+    for (int d = 0; d < D; ++d) storeu(ov + d * LANES, o[i][d] * splat(inv[i]));
+  }
+}
+
 // one KV head: each line's probabilities into pr (row stride np), 1 / their sum into inv, then its output row
 template <int D>
 void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, const int64_t* n, int64_t L,
@@ -195,39 +231,18 @@ void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, con
     }
     inv[l] = 1.f / hsum(sum);
   }
-  // the values: G lines share each value row's loads; a line's sum runs over its keys in order either way
+  // the values: up to G lines share each value row's loads; a line's sum runs over its keys in order either way
   constexpr int G = D <= 4 ? 4 : 2;
   for (int64_t l0 = 0; l0 < L; l0 += G) {
-    const int64_t g = std::min<int64_t>(G, L - l0);
-    vf o[G][D];
-    int64_t lo = n[l0];
-    for (int64_t i = 0; i < g; ++i) {
-      lo = std::min(lo, n[l0 + i]);
-      for (int d = 0; d < D; ++d) o[i][d] = splat(0.f);
-    }
-    int64_t j = 0;
-    if (g == G) {
-      for (; j < lo; ++j) {
-        const float* vj = V + j * vr;
-        if (j + 16 < lo)
-          for (int d = 0; d < D; ++d) __builtin_prefetch(vj + 16 * vr + d * LANES);
-        vf pj[G];
-        for (int i = 0; i < G; ++i) pj[i] = splat(pr[(l0 + i) * np + j]);
-        for (int d = 0; d < D; ++d) {
-          const vf v = loadu(vj + d * LANES);
-          for (int i = 0; i < G; ++i) o[i][d] = fmadd(pj[i], v, o[i][d]);
-        }
-      }
-    }
-    for (int64_t i = 0; i < g; ++i) {
-      const float* p = pr + (l0 + i) * np;
-      for (int64_t jj = j; jj < n[l0 + i]; ++jj) {
-        const float* vj = V + jj * vr;
-        const vf pj = splat(p[jj]);
-        for (int d = 0; d < D; ++d) o[i][d] = fmadd(pj, loadu(vj + d * LANES), o[i][d]);
-      }
-      float* ov = O + (l0 + i) * D * LANES;
-      for (int d = 0; d < D; ++d) storeu(ov + d * LANES, o[i][d] * splat(inv[l0 + i]));
+    switch (std::min<int64_t>(G, L - l0)) {
+      case 1: values_group<D, 1>(V, vr, n + l0, O + l0 * D * LANES, pr + l0 * np, np, inv + l0); break;
+      case 2: values_group<D, 2>(V, vr, n + l0, O + l0 * D * LANES, pr + l0 * np, np, inv + l0); break;
+      case 3:
+        if constexpr (G > 3) values_group<D, 3>(V, vr, n + l0, O + l0 * D * LANES, pr + l0 * np, np, inv + l0);
+        break;
+      default:
+        if constexpr (G > 3) values_group<D, G>(V, vr, n + l0, O + l0 * D * LANES, pr + l0 * np, np, inv + l0);
+        break;
     }
   }
 }
@@ -392,7 +407,8 @@ inline void load64_bf16(const uint16_t* p, vf* w) {
 #endif
 }
 
-// G rows (1..4, a compile-time count: the accumulators stay in registers) over one block of 64 outputs
+// G rows (1..6, a compile-time count: the 4 G accumulators and the block row's 4 vectors stay in registers) over
+// one block of 64 outputs
 template <int G>
 inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* O, int64_t N) {
   vf acc[G][4];
@@ -422,7 +438,7 @@ inline void rows16_block(const float* X, int64_t K, const uint16_t* blk, float* 
 // row's 64 values interleaved by 32 as `load64_bf16` reads them):
 // out [W, N] = x @ w in fp32, each output the sum over k in order of x[r, k] * w[k, n] (the first a product, then
 // fused multiply-adds), whatever rows share the call: a row's bits are its own (the compiled target step's
-// promise). Rows go four at a time over a block, sharing its loads.
+// promise). Rows go up to six at a time over a block, sharing its loads.
 at::Tensor rows16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == 64 && w.size(1) == x.size(1) && x.size(1) >= 1,
               "rows16: shapes do not match");
@@ -437,15 +453,20 @@ at::Tensor rows16(const at::Tensor& x, const at::Tensor& w) {
   at::parallel_for(0, NB, 8, [&](int64_t b, int64_t e) {
     for (int64_t nb = b; nb < e; ++nb) {
       const uint16_t* blk = Wt + nb * K * 64;
-      for (int64_t r0 = 0; r0 < W; r0 += 4) {
+      for (int64_t r0 = 0; r0 < W;) {
+        const int64_t left = W - r0;
+        const int64_t g = left <= 6 ? left : left < 10 ? (left + 1) / 2 : 6;     // 7 -> 4 + 3, 9 -> 5 + 4, ...
         const float* xr = X + r0 * K;
         float* o = O + r0 * N + nb * 64;
-        switch (std::min<int64_t>(4, W - r0)) {
+        switch (g) {
           case 1: rows16_block<1>(xr, K, blk, o, N); break;
           case 2: rows16_block<2>(xr, K, blk, o, N); break;
           case 3: rows16_block<3>(xr, K, blk, o, N); break;
-          default: rows16_block<4>(xr, K, blk, o, N); break;
+          case 4: rows16_block<4>(xr, K, blk, o, N); break;
+          case 5: rows16_block<5>(xr, K, blk, o, N); break;
+          default: rows16_block<6>(xr, K, blk, o, N); break;
         }
+        r0 += g;
       }
     }
   });
