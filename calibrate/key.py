@@ -37,6 +37,9 @@ class CalibrationKey:
     # which CPU steps run compiled: "compiled" (the MTP chain, runtime/drafters/mtp_compiled.py), "target" (the
     # target's step, runtime/target_compiled.py), "target+compiled" (both): cheaper steps calibrate to other settings
     drafter_step: str = ""
+    # the target's KV cache when it is not in the compute dtype ("bf16" beside fp32 weights on a CPU, "q8_0"): it
+    # changes what a step reads at long contexts, so what pays; "" the compute dtype's cache
+    kv_cache: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,7 +52,7 @@ class CalibrationKey:
                        drafter_sha256=str(d["drafter_sha256"]), quantization=str(d["quantization"]),
                        context=int(d["context"]), runtime_version=str(d["runtime_version"]),
                        target_quantization=str(d.get("target_quantization", "bf16")),
-                       drafter_step=str(d.get("drafter_step", "")))
+                       drafter_step=str(d.get("drafter_step", "")), kv_cache=str(d.get("kv_cache", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationConfigError(f"a calibration key is incomplete or malformed ({e}).") from None
 
@@ -57,8 +60,9 @@ class CalibrationKey:
     def digest(self) -> str:
         """A stable file name for the key: sha256 of its canonical JSON (the stored record repeats the key)."""
         d = self.to_dict()
-        if not d["drafter_step"]:          # the eager step: keys stored before the field existed name this file
-            del d["drafter_step"]
+        for field in ("drafter_step", "kv_cache"):    # empty: keys stored before the field existed name this file
+            if not d[field]:
+                del d[field]
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -130,7 +134,24 @@ def key_for_config(config: dict[str, Any], *, device: tuple[str, int] | None = N
                           drafter_kind=kind, drafter_sha256=dsha if kind != "none" else "",
                           quantization=quant if kind != "none" else "", context=context,
                           runtime_version=RUNTIME_VERSION,
-                          target_quantization=str(target.get("quantization") or "bf16"), drafter_step=step)
+                          target_quantization=str(target.get("quantization") or "bf16"), drafter_step=step,
+                          kv_cache=kv_cache_of(memory, _on_cpu(dev_type)))
+
+
+# the dtype names a config may give (runtime/config.py DTYPES), by the format they mean
+_CANONICAL = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
+              "float16": "fp16"}
+
+
+def kv_cache_of(memory: dict[str, Any], cpu: bool) -> str:
+    """The key's `kv_cache`: "" where the cache is in the compute dtype ([memory] dtype, else fp32 on a CPU and bf16
+    on a GPU), else the cache's format."""
+    kv = str(memory.get("kv_dtype") or "")
+    if not kv:
+        return ""
+    compute = _CANONICAL.get(str(memory.get("dtype") or ""), "fp32" if cpu else "bf16")
+    kv = _CANONICAL.get(kv, kv)
+    return "" if kv == compute else kv
 
 
 def _on_cpu(device_type: str | None) -> bool:

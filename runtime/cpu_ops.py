@@ -305,6 +305,10 @@ def check() -> str:
     alone = torch.ops.strata.window_attention(q[:, 2:4].contiguous(), kc, vc, seen[1:2], grp)
     if not torch.equal(alone, got[:, 2:4]):
         return "the attention op gives a row other bits inside a window than alone"
+    kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    if not torch.equal(torch.ops.strata.window_attention(q, kb, vb, seen, grp),
+                       torch.ops.strata.window_attention(q, kb.float(), vb.float(), seen, grp)):
+        return "the attention op reads a bf16 cache other than as the floats it holds"
     w = torch.randint(-127, 128, (37, 128), generator=gen, dtype=torch.int8)
     scale = torch.rand(37, generator=gen) / 100
     x = torch.randn(2, 128, generator=gen)

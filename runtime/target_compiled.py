@@ -50,7 +50,7 @@ _MOE_OP_MODES = {"one": True, "wide": True}
 MIN_CONTEXT = 128    # shorter caches leave the exporter no range of at least two chunks
 # the compiled code's version, in every package key: bumped whenever `_Step` changes, so that an old package is
 # rebuilt rather than loaded (the load check would catch a different result, not a slower one)
-FORMAT = 5
+FORMAT = 6
 # the step's products (q/k/v, o_proj, the experts, the vocabulary head) read bf16 copies of the weights where they
 # are bf16 values (a bf16 checkpoint's: exact) and the C++ ops are loaded (docs/models.md, "bf16 weights"); False:
 # the fp32 weights
@@ -108,9 +108,17 @@ def fits(model, kv) -> str | None:
         return "routing is being recorded"
     dt = layers[0].input_layernorm.weight.dtype
     head = model.lm_head
-    if kv.k.dtype != dt or type(head) is not torch.nn.Linear or head.weight.dtype != dt or head.bias is not None:
+    if not cache_fits(kv.k.dtype, dt) or type(head) is not torch.nn.Linear or head.weight.dtype != dt \
+            or head.bias is not None:
         return "the weights, the cache and the vocabulary head differ in dtype"
     return None
+
+
+def cache_fits(cache: torch.dtype, weights: torch.dtype) -> bool:
+    """Whether a compiled CPU step takes a cache of this dtype with weights of that one: the weights' own, or bf16
+    beside fp32 weights (`[memory] kv_dtype = "bf16"`: half the bytes a token reads at long contexts; the attention
+    op reads its values as the floats they are, docs/models.md "The attention op")."""
+    return cache == weights or (weights == torch.float32 and cache == torch.bfloat16)
 
 
 def _matrices(model) -> tuple[list[Tensor], list[tuple[Tensor, ...]]]:
@@ -184,7 +192,7 @@ def shape_of(model, kv, mode: str, taps: tuple[int, ...]) -> dict[str, Any]:
     return dict(mode=mode, H=cfg.hidden_size, V=cfg.vocab_size, L=len(model.model.layers), nh=a.nh, nkv=a.nkv,
                 hd=a.hd, E=mlp.n_exp, inter=mlp.inter, k=mlp.top_k, norm_topk=bool(mlp.norm_topk),
                 eps=float(la.input_layernorm.eps), qk_eps=float(a.q_norm.eps), out_eps=float(model.model.norm.eps),
-                rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype),
+                rscale=float(model.rotary.scale), dtype=str(la.input_layernorm.weight.dtype), kv=str(kv.k.dtype),
                 capacity=int(kv.capacity), slots=int(kv.k.shape[3]), taps=list(taps),
                 attn="op" if cpu_ops.registered() and _OP_MODES.get(mode) else "torch",
                 moe="op" if _MOE_OP_MODES.get(mode) and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter) else "torch",
@@ -258,19 +266,19 @@ class _Step(torch.nn.Module):
             q, k, v = p.split((nh * hd, nkv * hd, nkv * hd), -1)
             q = rope(F.rms_norm(q.reshape(W, nh, hd), (hd,), qn, s["qk_eps"]))
             kt = rope(F.rms_norm(k.reshape(W, nkv, hd), (hd,), kn, s["qk_eps"])).transpose(0, 1)
-            kc[:, start:start + W].copy_(kt)                         # padding rows too: past the real rows, unread
-            vc[:, start:start + W].copy_(v.reshape(W, nkv, hd).transpose(0, 1))
+            kc[:, start:start + W].copy_(kt)                  # padding rows too: past the real rows, unread (a bf16
+            vc[:, start:start + W].copy_(v.reshape(W, nkv, hd).transpose(0, 1))      # cache: rounded here)
             qg = q.reshape(W, nkv, grp, hd).permute(1, 0, 2, 3).reshape(nkv, W * grp, hd)
             if s["attn"] == "op":     # each row over keys 0..its position, by the C++ op (runtime/cpu_ops.py)
                 o = torch.ops.strata.window_attention(qg.contiguous(), kc, vc, seen, grp)
             elif s["mode"] == "one":  # one row: keys 0..start, one product each way (a row's bits need no window)
-                pr = torch.softmax(torch.bmm(qg, kc[:, :start + 1].transpose(1, 2)), -1)
-                o = torch.bmm(pr, vc[:, :start + 1])
+                pr = torch.softmax(torch.bmm(qg, kc[:, :start + 1].to(qg.dtype).transpose(1, 2)), -1)
+                o = torch.bmm(pr, vc[:, :start + 1].to(qg.dtype))
             else:
-                sc = torch.bmm(qg, kc[:, :N].transpose(1, 2)).view(nkv, W, grp, N)
+                sc = torch.bmm(qg, kc[:, :N].to(qg.dtype).transpose(1, 2)).view(nkv, W, grp, N)
                 sc = sc.masked_fill(hide[None, :, None, :], float("-inf")).view(nkv, W * grp, N)
                 pr = torch.softmax(sc, -1).view(nkv, W * grp, N // CHUNK, CHUNK).transpose(1, 2)
-                o = torch.matmul(pr, vc[:, :N].reshape(nkv, N // CHUNK, CHUNK, hd)).sum(1)    # in chunk order
+                o = torch.matmul(pr, vc[:, :N].to(qg.dtype).reshape(nkv, N // CHUNK, CHUNK, hd)).sum(1)    # chunks
             x = x + mm(o.view(nkv, W, grp, hd).permute(1, 0, 2, 3).reshape(W, nh * hd), wo)
             h = F.rms_norm(x, (Hd,), ln2, eps)
             lg = h @ wr

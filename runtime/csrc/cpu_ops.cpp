@@ -129,19 +129,26 @@ inline vf reduce16(vf* a) { return tree16(a, [](vf x, vf y) { return x + y; }); 
 // the same on int32 lanes carried in float vectors (the bits moved by the same shuffles, summed as integers)
 inline vf reduce16i(vf* a) { return tree16(a, [](vf x, vf y) { return floats(bits(x) + bits(y)); }); }
 
+// 16 values as floats from float or bf16 (uint16_t) storage (a bf16 value is a float's top half: exact)
+template <class T>
+inline vf load_w(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return loadu(p);
+  else return load_bf16(p);
+}
+
 // one KV head's scores: s[l][j] = q_l . k_j for keys 0..n-1 (rounded up to 16), each a fixed sum: the head's 16-value
 // slices multiplied and added in slice order, then the slice's lanes by reduce16's tree. The keys stream through
 // once in blocks of 16, every line of the head reading a block from L1.
-template <int D>
-void head_scores(const float* Q, const float* K, int64_t kr, int64_t n, int64_t slots, int64_t L, float* S,
+template <int D, class T>
+void head_scores(const float* Q, const T* K, int64_t kr, int64_t n, int64_t slots, int64_t L, float* S,
                  int64_t np) {
-  float tail[LANES * D * LANES];
+  T tail[LANES * D * LANES];
   for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-    const float* kb = K + j0 * kr;
+    const T* kb = K + j0 * kr;
     int64_t stride = kr;
     if (j0 + LANES > slots) {                    // the cache's last keys: a zero-padded copy
       std::memset(tail, 0, sizeof(tail));
-      for (int64_t j = j0; j < slots; ++j) std::memcpy(tail + (j - j0) * D * LANES, K + j * kr, D * LANES * 4);
+      for (int64_t j = j0; j < slots; ++j) std::memcpy(tail + (j - j0) * D * LANES, K + j * kr, D * LANES * sizeof(T));
       kb = tail;
       stride = D * LANES;
     } else if (j0 + 2 * LANES <= slots) {
@@ -154,9 +161,9 @@ void head_scores(const float* Q, const float* K, int64_t kr, int64_t n, int64_t 
       for (int d = 0; d < D; ++d) qv[d] = loadu(q + d * LANES);
       vf acc[LANES];
       for (int j = 0; j < LANES; ++j) {
-        const float* k = kb + j * stride;
-        vf a = qv[0] * loadu(k);
-        for (int d = 1; d < D; ++d) a = fmadd(qv[d], loadu(k + d * LANES), a);
+        const T* k = kb + j * stride;
+        vf a = qv[0] * load_w(k);
+        for (int d = 1; d < D; ++d) a = fmadd(qv[d], load_w(k + d * LANES), a);
         acc[j] = a;
       }
       storeu(S + l * np + j0, reduce16(acc));
@@ -167,8 +174,8 @@ void head_scores(const float* Q, const float* K, int64_t kr, int64_t n, int64_t 
 // G lines' outputs (each line's probabilities in pr, row stride np, 1 / their sum in inv): the keys all G lines
 // see go once, each value row loaded once for all of them, then each line's own further keys; a line's sum is the
 // same fused multiply-adds in key order whatever G is
-template <int D, int G>
-inline void values_group(const float* V, int64_t vr, const int64_t* n, float* O, const float* pr, int64_t np,
+template <int D, int G, class T>
+inline void values_group(const T* V, int64_t vr, const int64_t* n, float* O, const float* pr, int64_t np,
                          const float* inv) {
   vf o[G][D];
   int64_t lo = n[0];
@@ -178,22 +185,22 @@ inline void values_group(const float* V, int64_t vr, const int64_t* n, float* O,
   }
   int64_t j = 0;
   for (; j < lo; ++j) {
-    const float* vj = V + j * vr;
+    const T* vj = V + j * vr;
     if (j + 16 < lo)
       for (int d = 0; d < D; ++d) __builtin_prefetch(vj + 16 * vr + d * LANES);
     vf pj[G];
     for (int i = 0; i < G; ++i) pj[i] = splat(pr[i * np + j]);
     for (int d = 0; d < D; ++d) {
-      const vf v = loadu(vj + d * LANES);
+      const vf v = load_w(vj + d * LANES);
       for (int i = 0; i < G; ++i) o[i][d] = fmadd(pj[i], v, o[i][d]);
     }
   }
   for (int i = 0; i < G; ++i) {
     const float* p = pr + i * np;
     for (int64_t jj = j; jj < n[i]; ++jj) {
-      const float* vj = V + jj * vr;
+      const T* vj = V + jj * vr;
       const vf pj = splat(p[jj]);
-      for (int d = 0; d < D; ++d) o[i][d] = fmadd(pj, loadu(vj + d * LANES), o[i][d]);
+      for (int d = 0; d < D; ++d) o[i][d] = fmadd(pj, load_w(vj + d * LANES), o[i][d]);
     }
     float* ov = O + i * D * LANES;
     for (int d = 0; d < D; ++d) storeu(ov + d * LANES, o[i][d] * splat(inv[i]));
@@ -201,8 +208,8 @@ inline void values_group(const float* V, int64_t vr, const int64_t* n, float* O,
 }
 
 // one KV head: each line's probabilities into pr (row stride np), 1 / their sum into inv, then its output row
-template <int D>
-void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, const int64_t* n, int64_t L,
+template <int D, class T>
+void head(const float* S, int64_t sl, int64_t N, const T* V, int64_t vr, const int64_t* n, int64_t L,
           float* O, float* pr, int64_t np, float* inv) {
   vi iota;
   for (int i = 0; i < LANES; ++i) iota[i] = i;
@@ -247,39 +254,18 @@ void head(const float* S, int64_t sl, int64_t N, const float* V, int64_t vr, con
   }
 }
 
-// q [kv heads, lines, hd] (lines row-major: row r's query heads at r * grp ..), kc and vc [kv heads, slots, hd] the
-// cache, seen [rows] each row's position: out [kv heads, lines, hd], each line attending over keys 0..its position
-at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& seen,
-                            int64_t grp) {
-  TORCH_CHECK(q.dim() == 3 && kc.dim() == 3 && vc.dim() == 3 && seen.dim() == 1 && q.size(0) == kc.size(0) &&
-              kc.sizes() == vc.sizes() && q.size(2) == kc.size(2), "window_attention: shapes do not match");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat &&
-              seen.scalar_type() == at::kLong, "window_attention takes float32 queries and cache and int64 positions");
-  TORCH_CHECK(q.is_contiguous() && kc.stride(2) == 1 && vc.stride(2) == 1 && seen.is_contiguous() && grp > 0 &&
-              seen.size(0) * grp == q.size(1), "window_attention: unexpected layout");
-  const int64_t nkv = q.size(0), L = q.size(1), hd = q.size(2), slots = kc.size(1);
-  TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "window_attention: head size ", hd, " is not 64, 128 or 256");
-  at::Tensor out = at::empty({nkv, L, hd}, q.options());
-  const float* Q = q.data_ptr<float>();
-  const float* K = kc.data_ptr<float>();
-  const float* V = vc.data_ptr<float>();
-  const int64_t* P = seen.data_ptr<int64_t>();
-  float* O = out.data_ptr<float>();
-  const int64_t ks = kc.stride(0), kr = kc.stride(1), vs = vc.stride(0), vr = vc.stride(1);
-  std::vector<int64_t> n(L);
-  int64_t nmax = 1;
-  for (int64_t l = 0; l < L; ++l) {
-    n[l] = P[l / grp] + 1;
-    TORCH_CHECK(n[l] >= 1 && n[l] <= slots, "window_attention: a position is outside the cache");
-    nmax = std::max(nmax, n[l]);
-  }
+// every KV head of every line: scores, softmax and values, the cache's keys and values in float or bf16 (T)
+template <class T>
+void attend(const float* Q, const T* K, const T* V, int64_t ks, int64_t kr, int64_t vs, int64_t vr,
+            const std::vector<int64_t>& n, int64_t nmax, int64_t slots, int64_t nkv, int64_t L, int64_t hd,
+            float* O) {
   const int64_t np = (nmax + LANES - 1) / LANES * LANES;
   at::parallel_for(0, nkv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> sc(L * np), inv(L);
     for (int64_t h = b; h < e; ++h) {
       const float* Qh = Q + h * L * hd;
-      const float* Kh = K + h * ks;
-      const float* Vh = V + h * vs;
+      const T* Kh = K + h * ks;
+      const T* Vh = V + h * vs;
       float* Oh = O + h * L * hd;
       switch (hd) {
         case 64:
@@ -297,16 +283,44 @@ at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at:
       }
     }
   });
+}
+
+// q [kv heads, lines, hd] (lines row-major: row r's query heads at r * grp ..), kc and vc [kv heads, slots, hd] the
+// cache in float32 or bf16 (both alike; a bf16 cache's values are read as the floats they are, so a row's bits are
+// those of the float copy of that cache), seen [rows] each row's position: out [kv heads, lines, hd], each line
+// attending over keys 0..its position
+at::Tensor window_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& seen,
+                            int64_t grp) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 3 && vc.dim() == 3 && seen.dim() == 1 && q.size(0) == kc.size(0) &&
+              kc.sizes() == vc.sizes() && q.size(2) == kc.size(2), "window_attention: shapes do not match");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) &&
+              vc.scalar_type() == kc.scalar_type() && seen.scalar_type() == at::kLong,
+              "window_attention takes float32 queries, a float32 or bf16 cache and int64 positions");
+  TORCH_CHECK(q.is_contiguous() && kc.stride(2) == 1 && vc.stride(2) == 1 && seen.is_contiguous() && grp > 0 &&
+              seen.size(0) * grp == q.size(1), "window_attention: unexpected layout");
+  const int64_t nkv = q.size(0), L = q.size(1), hd = q.size(2), slots = kc.size(1);
+  TORCH_CHECK(hd == 64 || hd == 128 || hd == 256, "window_attention: head size ", hd, " is not 64, 128 or 256");
+  at::Tensor out = at::empty({nkv, L, hd}, q.options());
+  const int64_t* P = seen.data_ptr<int64_t>();
+  std::vector<int64_t> n(L);
+  int64_t nmax = 1;
+  for (int64_t l = 0; l < L; ++l) {
+    n[l] = P[l / grp] + 1;
+    TORCH_CHECK(n[l] >= 1 && n[l] <= slots, "window_attention: a position is outside the cache");
+    nmax = std::max(nmax, n[l]);
+  }
+  const int64_t ks = kc.stride(0), kr = kc.stride(1), vs = vc.stride(0), vr = vc.stride(1);
+  if (kc.scalar_type() == at::kFloat)
+    attend<float>(q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), ks, kr, vs, vr, n, nmax, slots,
+                  nkv, L, hd, out.data_ptr<float>());
+  else
+    attend<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>()),
+                     reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>()), ks, kr, vs, vr, n, nmax, slots,
+                     nkv, L, hd, out.data_ptr<float>());
   return out;
 }
 
 // ---- the routed experts of a window's rows ------------------------------------------------------------------------
-
-template <class T>
-inline vf load_w(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return loadu(p);
-  else return load_bf16(p);
-}
 
 // moe_rows's loops for float or bf16 (uint16_t) weights: the same arithmetic on the weights' float values
 template <class T>

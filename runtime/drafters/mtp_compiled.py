@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime import aoti, cpu_ops
+from runtime import aoti, cpu_ops, target_compiled
 from runtime.drafters import head8
 
 # the most rows one step takes: the pending committed rows of a window (at most the block) and the anchor
@@ -50,8 +50,9 @@ def wanted() -> bool:
 
 
 def fits(drafter) -> str | None:
-    """Why the compiled step cannot serve this drafter, or None when it can: float weights in the cache's dtype,
-    packed experts served in place (`cpu_plan.plannable`), a float cache on the CPU, no routing recorder."""
+    """Why the compiled step cannot serve this drafter, or None when it can: float weights in the cache's dtype (or a
+    bf16 cache beside fp32 weights), packed experts served in place (`cpu_plan.plannable`), a float cache on the
+    CPU, no routing recorder."""
     from runtime.models import cpu_plan
 
     layer = drafter.mtp.layers[0]
@@ -65,7 +66,8 @@ def fits(drafter) -> str | None:
     if not cpu_plan.plannable(layer) or layer.mlp.recorder is not None or layer.mlp.counter is not None:
         return "the head's layer is not a float layer with packed experts"
     dt = layer.input_layernorm.weight.dtype
-    if kv.k.dtype != dt or not isinstance(drafter.mtp.fc, torch.nn.Linear) or drafter.mtp.fc.weight.dtype != dt:
+    if not target_compiled.cache_fits(kv.k.dtype, dt) or not isinstance(drafter.mtp.fc, torch.nn.Linear) \
+            or drafter.mtp.fc.weight.dtype != dt:
         return "the head's weights and cache differ in dtype"
     head = drafter.model.lm_head
     if drafter.head8 is None and (not isinstance(head, torch.nn.Linear) or head.weight.dtype != dt):
@@ -80,8 +82,13 @@ def dense8(drafter) -> bool:
     of the step); a quarter of the bytes cut the step by about a third there (docs/models.md, "MTP head")."""
     a = drafter.mtp.layers[0].self_attn
     H = drafter.model.cfg.hidden_size
-    return DENSE8 and head_op(drafter) and drafter.kv.k.dtype == torch.float32 and (a.nh * a.hd) % 64 == 0 \
+    return DENSE8 and head_op(drafter) and _dtype(drafter) == torch.float32 and (a.nh * a.hd) % 64 == 0 \
         and H % 64 == 0
+
+
+def _dtype(drafter) -> torch.dtype:
+    """The step's activations' dtype: its weights' (the cache may be bf16 beside fp32 weights)."""
+    return drafter.mtp.layers[0].input_layernorm.weight.dtype
 
 
 def experts8(drafter) -> bool:
@@ -144,6 +151,7 @@ def shape_of(drafter) -> dict[str, Any]:
                 k=mlp.top_k, norm_topk=bool(mlp.norm_topk), eps=float(cfg.rms_norm_eps),
                 qk_eps=float(a.q_norm.eps), rscale=float(drafter.model.rotary.scale),
                 head8=drafter.head8 is not None, dtype=str(layer.input_layernorm.weight.dtype),
+                kv=str(drafter.kv.k.dtype),
                 capacity=int(drafter.kv.capacity), head_op=head_op(drafter),
                 moe_op=MOE_OP and cpu_ops.experts_fit(cfg.hidden_size, mlp.inter), dense8=dense8(drafter),
                 experts8=experts8(drafter), attn_op=attn_op(drafter))
@@ -152,8 +160,8 @@ def shape_of(drafter) -> dict[str, Any]:
 def attn_op(drafter) -> bool:
     """Whether the step's attention goes through the C++ attention op (runtime/cpu_ops.py `window_attention`, its
     one row over slots 0..its own): where the ops are loaded, for an fp32 cache and a head size the op takes."""
-    return ATTN_OP and cpu_ops.registered() and drafter.kv.k.dtype == torch.float32 and \
-        drafter.mtp.layers[0].self_attn.hd in (64, 128, 256)
+    return ATTN_OP and cpu_ops.registered() and drafter.kv.k.dtype in (torch.float32, torch.bfloat16) and \
+        _dtype(drafter) == torch.float32 and drafter.mtp.layers[0].self_attn.hd in (64, 128, 256)
 
 
 def head_op(drafter) -> bool:
@@ -206,8 +214,8 @@ class _Step(torch.nn.Module):
         if s["attn_op"]:      # over slots 0..its own, by the C++ attention op (runtime/cpu_ops.py)
             o = torch.ops.strata.window_attention(qg.contiguous(), kc, vc, pos[-1:] - 1, nh // nkv)
         else:
-            pr = torch.softmax(torch.bmm(qg, kc[:, :start + r].transpose(1, 2)), -1)  # [nkv, grp, start + r]
-            o = torch.bmm(pr, vc[:, :start + r])
+            pr = torch.softmax(torch.bmm(qg, kc[:, :start + r].to(qg.dtype).transpose(1, 2)), -1)   # [nkv, grp, n]
+            o = torch.bmm(pr, vc[:, :start + r].to(qg.dtype))
         x = x[-1:] + lin(o.reshape(1, nh * hd), wo, wo_s)
         h = F.rms_norm(x, (Hd,), ln2, eps)
         lg = h @ wr
@@ -240,7 +248,7 @@ class _Step(torch.nn.Module):
 
 def key(drafter) -> str:
     """The package's name (runtime/aoti.py `key`: torch, this CPU, `shape_of`)."""
-    return aoti.key("mtp-step", shape_of(drafter), 7)
+    return aoti.key("mtp-step", shape_of(drafter), 8)
 
 
 def package_path(drafter, root: Path) -> Path:
@@ -250,7 +258,7 @@ def package_path(drafter, root: Path) -> Path:
 def _example(drafter, rows: int = 2, start: int = 8) -> tuple[Tensor, ...]:
     kv = drafter.kv
     H = drafter.model.cfg.hidden_size
-    dt = kv.k.dtype
+    dt = _dtype(drafter)
     return (torch.zeros(rows, dtype=torch.long), torch.zeros(rows, H, dtype=dt), torch.zeros(start + 2,
             dtype=torch.int8), kv.k[0, 0], kv.v[0, 0], *weights(drafter))
 
@@ -288,7 +296,7 @@ def check(drafter, runner) -> None:
         for rows in (1, 3):
             args = list(_example(drafter, rows, start))
             args[0] = torch.randint(0, V, (rows,), generator=gen)
-            args[1] = torch.randn(rows, H, generator=gen).to(kv.k.dtype)
+            args[1] = torch.randn(rows, H, generator=gen).to(_dtype(drafter))
             with torch.no_grad():
                 want = _Step(shape_of(drafter))(*args)
                 want_kv = kc[:, start:start + rows].clone(), vc[:, start:start + rows].clone()
@@ -316,7 +324,7 @@ class CompiledStep:
         self.boxed, self.path = loader.boxed_run, path
         self.w = weights(drafter)
         self.kc, self.vc = drafter.kv.k[0, 0], drafter.kv.v[0, 0]
-        self.dtype = drafter.kv.k.dtype
+        self.dtype = _dtype(drafter)
         self.buf = torch.zeros(drafter.kv.capacity + 2, dtype=torch.int8)   # its views' lengths carry the start
 
     def __call__(self, tok: Tensor, g: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -46,7 +46,7 @@ def test_identical_inputs_give_the_same_key():
     assert k.to_dict() == {"device_name": "NVIDIA H200", "device_total_mib": 143771, "target_sha256": "a" * 64,
                            "drafter_kind": "dflash2", "drafter_sha256": "b" * 64, "quantization": "q4_0",
                            "context": 4096, "runtime_version": __version__, "target_quantization": "bf16",
-                           "drafter_step": ""}
+                           "drafter_step": "", "kv_cache": ""}
     assert CalibrationKey.from_dict(k.to_dict()) == k
 
 
@@ -67,6 +67,23 @@ def test_key_differs_per_drafter_kind_and_device():
     assert key(config("mtp")).drafter_kind == "mtp"
     assert key(config(), device=("NVIDIA H100", 81559)) != key(config())
     assert key(config(), device=(DEV[0], 81559)) != key(config())
+
+
+def test_key_names_a_cache_out_of_the_compute_dtype():
+    """An 8-bit or (on a CPU) bf16 KV cache changes what a step costs at long contexts: its own calibration; a cache
+    named in the compute dtype is the same key as none named (and as the records stored before the field)."""
+    assert key(config(memory__kv_dtype="q8_0")).kv_cache == "q8_0"
+    assert key(config(memory__kv_dtype="q8_0")).digest != key(config()).digest
+    gpu = {"memory__dtype": "bfloat16"}                                        # a GPU config computes in bf16
+    assert key(config(**gpu, memory__kv_dtype="bf16")) == key(config(**gpu))
+    cpu = {"device__type": "cpu"}
+    assert key(config(**cpu, memory__kv_dtype="bf16")).kv_cache == "bf16"
+    assert key(config(**cpu, memory__kv_dtype="bf16")).digest != key(config(**cpu)).digest
+    assert key(config(**cpu, memory__kv_dtype="float32")) == key(config(**cpu))
+    assert key(config(**cpu, memory__kv_dtype="bf16", memory__dtype="bf16")) == key(config(**cpu, memory__dtype="bf16"))
+    k = key(config(**cpu, memory__kv_dtype="bf16"))
+    assert CalibrationKey.from_dict(k.to_dict()) == k
+    assert key(config()).kv_cache == ""
 
 
 def test_key_ignores_what_it_does_not_name():

@@ -59,6 +59,18 @@ def test_a_strided_cache_view_is_read_as_the_package_passes_it(op):
     torch.testing.assert_close(got, cpu_ops.reference(q, kc, vc, seen, 2), rtol=2e-5, atol=2e-6)
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(0, 299), min_size=1, max_size=16), grp=st.sampled_from([1, 2, 4]),
+       hd=st.sampled_from([64, 128, 256]), seed=st.integers(0, 2**16))
+def test_a_bf16_cache_gives_the_bits_of_its_float_copy(op, rows, grp, hd, seed):
+    """A bf16 cache (`[memory] kv_dtype = "bf16"` on a CPU) is read as the floats it holds: the same bits as the op
+    over the float copy of that cache, for every row (the last slots, whose key block is padded, included)."""
+    q, kc, vc, seen = _case(torch.Generator().manual_seed(seed), 2, grp, hd, 300, rows)
+    kb, vb = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    got = torch.ops.strata.window_attention(q, kb, vb, seen, grp)
+    assert torch.equal(got, torch.ops.strata.window_attention(q, kb.float(), vb.float(), seen, grp))
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.lists(st.integers(0, 299), min_size=1, max_size=16), pick=st.integers(0, 15),
        grp=st.sampled_from([1, 2, 4]), hd=st.sampled_from([64, 128]), seed=st.integers(0, 2**16))
