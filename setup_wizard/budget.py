@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime import aoti, target_compiled
-from runtime.drafters import head8
+from runtime.drafters import head8, mtp_compiled
 from runtime.drafters.dflash2.contract import DFlash2Geometry, expected_tensors
 from runtime.drafters.registry import KINDS, kv_cache_bytes
 from runtime.errors import UsageError
@@ -446,7 +446,11 @@ def compute_budget(
     # a float CPU cache holds the compiled step's spare slots past the context (runtime/target_compiled.py)
     slots = ctx + (target_compiled.spare_slots(ctx) if inputs.device_type == "cpu" and inputs.kv_quant is None else 0)
     items["target_kv"] = target.layers * 2 * target.kv_heads * kv_row_bytes(target.head_dim, kb, inputs.kv_quant) * slots
-    items["drafter_kv"] = kind.kv_bytes(target, dflash2, kb, ctx)
+    # the MTP chain's own cache is bf16 beside fp32 weights where its step is compiled (runtime/drafters/mtp.py
+    # `use_compiled`)
+    mtp16 = drafter == "mtp" and inputs.device_type == "cpu" and target.float_head and aoti.wanted() and kb == 4 \
+        and mtp_compiled.BF16_CACHE
+    items["drafter_kv"] = kind.kv_bytes(target, dflash2, 2 if mtp16 else kb, ctx)
     items["logits"] = block * target.vocab * 4 * (2 if kind.makes_logits else 1)
     cuda = inputs.device_type == "cuda"
     attn = attention_scratch_tensors(target, drafter, context=ctx, block=block, wb=wb, cuda=cuda,

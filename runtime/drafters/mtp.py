@@ -149,6 +149,13 @@ class MTPDrafter:
         self.compiled = None
         if not self.host_cut:
             return "not on a CPU"
+        # the chain's own cache in bf16 beside fp32 weights: drafts need no particular bits (verification decides),
+        # and at long contexts the cache is most of what a chained step reads (docs/models.md, "MTP head"); the
+        # eager rows would convert it every step, so it goes back to fp32 where the compiled step does not load
+        to16 = mtp_compiled.wanted() and mtp_compiled.BF16_CACHE and self.kv.quant is None \
+            and self.kv.k.dtype == torch.float32 and self.kv.length == 0 and self.pending is None
+        if to16:
+            self._cache_dtype(torch.bfloat16)
         if build and mtp_compiled.wanted() and mtp_compiled.fits(self) is None:
             cpu_ops.ensure(root, build=True)      # the head op's library first (runtime/cpu_ops.py); optional
         step, why = mtp_compiled.load(self, root)
@@ -159,8 +166,17 @@ class MTPDrafter:
                 return f"building it failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})" \
                     if str(exc).strip() else f"building it failed ({type(exc).__name__})"
             step, why = mtp_compiled.load(self, root)
+        if step is None and to16:
+            self._cache_dtype(torch.float32)
         self.compiled = step
         return why
+
+    def _cache_dtype(self, dtype: torch.dtype) -> None:
+        """The head's cache anew in `dtype` (empty: called before a generation)."""
+        kv = self.kv
+        if kv.k.dtype != dtype:
+            self.kv = KVCache(1, kv.k.shape[2], kv.k.shape[4], kv.capacity, dtype=dtype, device=kv.k.device)
+            self.reset()
 
     def _rows_cpu(self, tok: Tensor, g: Tensor, first: int, last_only: bool = False) -> Tensor:
         """`MTPHead.forward` for rows at consecutive positions first.. on the CPU, through the layer's plan

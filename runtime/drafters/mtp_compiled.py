@@ -42,6 +42,9 @@ MOE_OP = True
 DENSE8 = True
 # False: the step's attention as torch ops even where the C++ attention op is loaded
 ATTN_OP = True
+# the chain's own KV cache in bf16 beside fp32 weights where the compiled step serves (`MTPDrafter.use_compiled`);
+# False: the cache in the weights' dtype
+BF16_CACHE = True
 
 
 def wanted() -> bool:

@@ -130,6 +130,18 @@ def test_target_items_by_hand_cpu_fp32():
     assert list(b.table())[-1] == "expert_cache"
 
 
+def test_a_compiled_chain_counts_its_bf16_cache(monkeypatch):
+    """Where the MTP chain's CPU step is compiled its own cache is bf16 beside fp32 weights (runtime/drafters/mtp.py
+    `use_compiled`): 2 bytes a value; with compiling off, the weights' 4."""
+    t = TargetGeometry.from_config(TINY, has_mtp=True)
+    inp = BudgetInputs(context=128, block=4, device_type="cpu", available_bytes=10 * MIB, total_bytes=10 * MIB,
+                       weight_bytes=4, kv_bytes=4, prefill_chunk=64)
+    monkeypatch.setenv("STRATA_COMPILE", "1")
+    assert compute_budget(t, "mtp", inp).items["drafter_kv"] == 1 * 2 * 2 * 8 * 2 * 128
+    monkeypatch.setenv("STRATA_COMPILE", "0")
+    assert compute_budget(t, "mtp", inp).items["drafter_kv"] == 1 * 2 * 2 * 8 * 4 * 128
+
+
 @pytest.mark.parametrize("kw", [dict(mlp_only_layers=(1,)), dict(decoder_sparse_step=2, tie=True), dict()])
 def test_config_arithmetic_matches_a_real_checkpoint_inventory(tmp_path, kw):
     """Element counts from config.json equal the tensors of a real tiny checkpoint (MTP head included)."""
