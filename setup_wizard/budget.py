@@ -449,7 +449,7 @@ def compute_budget(
     # the MTP chain's own cache is bf16 beside fp32 weights where its step is compiled (runtime/drafters/mtp.py
     # `use_compiled`)
     mtp16 = drafter == "mtp" and inputs.device_type == "cpu" and target.float_head and aoti.wanted() and kb == 4 \
-        and mtp_compiled.BF16_CACHE
+        and mtp_compiled.BF16_CACHE and target_compiled.may_fit(target) is None
     items["drafter_kv"] = kind.kv_bytes(target, dflash2, 2 if mtp16 else kb, ctx)
     items["logits"] = block * target.vocab * 4 * (2 if kind.makes_logits else 1)
     cuda = inputs.device_type == "cuda"

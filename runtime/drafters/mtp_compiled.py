@@ -162,7 +162,8 @@ def shape_of(drafter) -> dict[str, Any]:
 
 def attn_op(drafter) -> bool:
     """Whether the step's attention goes through the C++ attention op (runtime/cpu_ops.py `window_attention`, its
-    one row over slots 0..its own): where the ops are loaded, for an fp32 cache and a head size the op takes."""
+    one row over slots 0..its own): where the ops are loaded, for fp32 weights with an fp32 or bf16 cache and a head
+    size the op takes."""
     return ATTN_OP and cpu_ops.registered() and drafter.kv.k.dtype in (torch.float32, torch.bfloat16) and \
         _dtype(drafter) == torch.float32 and drafter.mtp.layers[0].self_attn.hd in (64, 128, 256)
 
