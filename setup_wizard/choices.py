@@ -16,6 +16,8 @@ QUANTS = QTYPES
 
 
 DRAFTERS = tuple(KINDS)
+# what --kv-dtype takes: the CPU's compute dtype, bf16 (a GPU's compute dtype; beside fp32 weights on a CPU), q8_0
+KV_CACHES = ("fp32", "bf16", "q8_0")
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Choices:
     dflash2_quant: str | None = None
     target_quant: str | None = None   # bf16 | q8_0 | q4_0: how the target is stored (a local .gguf says itself)
     context: int | None = None
+    kv_dtype: str | None = None       # the target's KV cache: the compute dtype (None), bf16 on a CPU, or q8_0
     vram_reserve_mib: int | None = None
     vram_limit_mib: int | None = None
     calibrate: bool | None = None
@@ -49,6 +52,8 @@ class Choices:
         if self.drafter is not None and not KINDS[self.drafter].needs_file and (self.dflash2_head or self.dflash2_quant):
             raise UsageError(f"--drafter {self.drafter} cannot be combined with --dflash2-head/--dflash2-quant; "
                              "pass --drafter dflash2 or drop the DFlash2 flags.")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_CACHES:
+            raise UsageError(f"Unknown KV cache format '{self.kv_dtype}'; use --kv-dtype {one_of(KV_CACHES)}.")
         if self.context is not None and self.context <= 0:
             raise UsageError(f"--context must be a positive number of tokens, not {self.context}.")
         if self.vram_reserve_mib is not None and self.vram_reserve_mib < 0:
@@ -72,7 +77,7 @@ def check_config_out(path: Path) -> None:
 
 
 ANSWER_KEYS = {f: f for f in ("target", "drafter", "dflash2_head", "dflash2_quant", "target_quant", "context",
-                              "vram_reserve_mib", "vram_limit_mib", "calibrate", "offline", "config_out")}
+                              "kv_dtype", "vram_reserve_mib", "vram_limit_mib", "calibrate", "offline", "config_out")}
 
 
 def load_answers(path: Path) -> Choices:

@@ -27,8 +27,8 @@ app = typer.Typer(
 
 FLAGS_HINT = (
     "strata-setup needs a terminal to ask questions; pass --yes to take the recommended answers "
-    "(with any of --target, --target-quant, --drafter, --dflash2-head, --dflash2-quant, --context, --vram-reserve-mib, "
-    "--calibrate/--no-calibrate, --threads, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
+    "(with any of --target, --target-quant, --drafter, --dflash2-head, --dflash2-quant, --context, --kv-dtype, "
+    "--vram-reserve-mib, --calibrate/--no-calibrate, --threads, --offline, --dry-run, --json, --config-out) or --answers FILE.toml."
 )
 
 
@@ -99,6 +99,9 @@ def main_callback(
     dflash2_head: str | None = typer.Option(None, "--dflash2-head", help="DFlash2 head (catalog name or folder)."),
     dflash2_quant: str | None = typer.Option(None, "--dflash2-quant", help=" | ".join(QTYPES) + "."),
     context: int | None = typer.Option(None, help="Context length in tokens (default: recommended from the budget)."),
+    kv_dtype: str | None = typer.Option(
+        None, "--kv-dtype", help="The KV cache's format: bf16 | q8_0 on a GPU, fp32 | bf16 | q8_0 on a CPU "
+        "(default: the compute dtype; q8_0 on a GPU where the bf16 cache does not fit the context)."),
     vram_reserve_mib: int | None = typer.Option(None, "--vram-reserve-mib", help="Memory to keep free, MiB."),
     vram_limit_mib: int | None = typer.Option(
         None, "--vram-limit-mib", help="Use at most this much GPU memory, MiB (a shared card, or to behave like a "
@@ -121,7 +124,8 @@ def main_callback(
     from setup_wizard.choices import Choices, load_answers, merge_choices
 
     flags = Choices(target=target, drafter=drafter, dflash2_head=dflash2_head, dflash2_quant=dflash2_quant,
-                      target_quant=target_quant, context=context, vram_reserve_mib=vram_reserve_mib,
+                      target_quant=target_quant, context=context, kv_dtype=kv_dtype,
+                      vram_reserve_mib=vram_reserve_mib,
                       vram_limit_mib=vram_limit_mib, calibrate=calibrate, offline=offline,
                       config_out=config_out)
     try:

@@ -12,7 +12,8 @@ from typing import Any
 from runtime import aoti
 from runtime.drafters.dflash2.contract import DFlash2Geometry
 from runtime.drafters.registry import KINDS
-from runtime.errors import UsageError
+from runtime.errors import UsageError, one_of
+from runtime.kv import Q8_BLOCK
 from runtime.models.target_config import TargetGeometry
 from runtime.paths import strata_home
 from setup_wizard import budget as B
@@ -46,6 +47,13 @@ class Plan:
     target_quant: str = "bf16"  # how the target is stored: bf16 (the folder as is), q8_0/q4_0 (converted to GGUF)
     target_quant_given: bool = True  # False: recommend it again once the model's geometry is known
     sizes: list[TS.SizeOption] = field(default_factory=list)  # the "Which size?" lines (with their budgets)
+    kv_dtype: str = ""  # the target's KV cache: fp32 / bf16 / q8_0 ("": the compute dtype, until chosen)
+    kv_dtype_given: bool = True  # False: recommend it again once the model's geometry is known
+
+    @property
+    def compute_dtype(self) -> str:
+        """What the weights compute in here: bf16 on a GPU, fp32 on a CPU."""
+        return "bf16" if self.hardware.device_type == "cuda" else "fp32"
 
     @property
     def target_is_gguf(self) -> bool:
@@ -86,7 +94,7 @@ class Plan:
         """The step that builds the compiled CPU steps (runtime/target_compiled.py) before calibrating, so that
         calibration and the first run find them: a CPU setup with float target weights; None otherwise."""
         if self.hardware.device_type != "cpu" or not aoti.wanted() or self.target_quant != "bf16" \
-                or self.target_is_gguf:
+                or self.target_is_gguf or self.kv_dtype == "q8_0":
             return None
         what = "the target's steps" + (" and the MTP drafter's" if self.drafter == "mtp" else "")
         return f"compile {what} for this CPU (once per machine; reused after)"
@@ -106,6 +114,7 @@ class Plan:
             "dflash2_head": self.head.name if self.head else None,
             "dflash2_quant": self.quant,
             "context": self.context,
+            "kv_dtype": self.kv_dtype or self.compute_dtype,
             "vram_reserve_mib": self.reserve_mib,
             "calibrate": self.calibrate,
             "offline": self.offline,
@@ -287,6 +296,7 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     else:
         why["context"] = "you chose it"
     plan.context_given = choices.context is not None
+    choose_kv_dtype(plan, geo, dgeo, given=choices.kv_dtype)
     if geo is not None and (not KINDS[drafter].needs_file or dgeo is not None):
         plan.budget = compute(plan, geo, dgeo)
         plan.context_given = True  # the recommendation above already saw the geometry
@@ -389,6 +399,51 @@ def choose_target_quant(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geo
     plan.target_quant_given = exact
 
 
+# what each KV cache format does to a run, as measured (docs/config.md, `kv_dtype`); shown beside the choice
+KV_NOTES = {
+    ("cuda", "bf16"): "the compute dtype: the fastest decode",
+    ("cuda", "q8_0"): "half the cache's memory; decodes 5-31% slower than bf16 on an H200 (more the longer the "
+                      "context)",
+    ("cpu", "fp32"): "the compute dtype: output bit for bit as the model computes it",
+    ("cpu", "bf16"): "half the cache's memory and faster at long contexts (1.35x at 3k tokens on the bundled pack); "
+                     "greedy output leaves fp32's after some tokens",
+    ("cpu", "q8_0"): "a quarter of fp32's memory; runs the uncompiled steps, so it decodes slower",
+}
+
+
+def kv_dtypes(plan: Plan) -> tuple[str, ...]:
+    """The KV cache formats this device offers, the compute dtype first (a GPU computes in bf16: no fp32 cache)."""
+    return ("bf16", "q8_0") if plan.hardware.device_type == "cuda" else ("fp32", "bf16", "q8_0")
+
+
+def choose_kv_dtype(plan: Plan, geo: TargetGeometry | None, dgeo: DFlash2Geometry | None, *,
+                    given: str | None) -> None:
+    """Fill `plan.kv_dtype`: the user's, else the compute dtype, or q8_0 on a GPU where the compute dtype's cache
+    does not fit at the planned context and q8_0's does (docs/budget.md). Before the model's geometry is known the
+    choice is made again once it is (`kv_dtype_given` False)."""
+    offered, device = kv_dtypes(plan), plan.hardware.device_type
+    q8_ok = geo is None or geo.head_dim % Q8_BLOCK == 0
+    if given:
+        if given not in offered:
+            raise UsageError(f"--kv-dtype {given} is not offered on a {'GPU' if device == 'cuda' else 'CPU'}, "
+                             f"which computes in {plan.compute_dtype}; use --kv-dtype {one_of(offered)}.")
+        if given == "q8_0" and not q8_ok:
+            raise UsageError(f"--kv-dtype q8_0 needs a head size that is a multiple of {Q8_BLOCK}, and "
+                             f"{plan.target.name} has {geo.head_dim}; use --kv-dtype {plan.compute_dtype}.")
+        plan.kv_dtype, plan.why["kv_dtype"], plan.kv_dtype_given = given, "you chose it", True
+        return
+    plan.kv_dtype = plan.compute_dtype
+    plan.why["kv_dtype"] = KV_NOTES[(device, plan.kv_dtype)]
+    plan.kv_dtype_given = geo is not None and (not KINDS[plan.drafter].needs_file or dgeo is not None)
+    if not plan.kv_dtype_given or device != "cuda" or not q8_ok or compute(plan, geo, dgeo).fits:
+        return
+    q8 = replace(plan, kv_dtype="q8_0", sizes=[])
+    if compute(q8, geo, dgeo).fits:
+        plan.kv_dtype = "q8_0"
+        plan.why["kv_dtype"] = (f"a bf16 cache of {plan.context} tokens does not fit; q8_0 halves it (and decodes "
+                                f"5-31% slower)")
+
+
 def default_config_path(target: str, drafter: str, quant: str | None = None, target_quant: str = "bf16") -> Path:
     """`$STRATA_HOME/configs/<target>[-<target quant>]-<drafter>[-<drafter quant>].toml` (the model manager reads
     `$STRATA_HOME/configs/*.toml`): the quantizations are part of the name (the target's when it is converted), so a
@@ -402,7 +457,8 @@ def budget_inputs(plan: Plan, hw: Hardware, context: int, dgeo: DFlash2Geometry 
                   dtype: str | None = None, kv_dtype: str | None = None,
                   prefill_chunk: int | None = None) -> B.BudgetInputs:
     """bf16 on CUDA, fp32 on CPU, unless a config says otherwise (`dtype`, `kv_dtype` incl. "q8_0",
-    `prefill_chunk`)."""
+    `prefill_chunk`); the plan's `kv_dtype` where no config names one."""
+    kv_dtype = kv_dtype or plan.kv_dtype or None
     dtype_bytes = B.DTYPE_BYTES.get(dtype or "", 2 if hw.device_type == "cuda" else 4)
     kv_dtype_bytes = B.DTYPE_BYTES.get(kv_dtype or "", dtype_bytes)
     kv_quant = kv_dtype if kv_dtype in B.KV_QUANTS else None     # 8-bit target cache; the drafters' stay at dtype

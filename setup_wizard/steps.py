@@ -28,6 +28,7 @@ from setup_wizard.inspection import drafter_geometry, hash_target, is_gguf_targe
 from setup_wizard.plan import (
     Plan,
     budget_inputs,
+    choose_kv_dtype,
     choose_target_quant,
     compute,
     default_config_path,
@@ -148,6 +149,8 @@ def _execute(plan: Plan, services: Services, *, report: Reporter | None, force_c
     elif plan.context > geo.max_position:
         raise UsageError(f"--context {plan.context} is longer than the model's limit of {geo.max_position} tokens; "
                          "pass a smaller --context.")
+    if not plan.kv_dtype_given:
+        choose_kv_dtype(plan, geo, dgeo, given=None)
     budget = compute(plan, geo, dgeo)
     if not budget.fits:
         raise WorkError(budget.reason)
@@ -266,7 +269,7 @@ def build_doc(plan: Plan, target: Artifact, drafter: Artifact | None, head: Arti
         "memory": {
             "context": plan.context,
             "dtype": dtype,
-            "kv_dtype": dtype,
+            "kv_dtype": plan.kv_dtype or dtype,
             "reserve_mib": plan.reserve_mib,
             "prefill_chunk": plan.prefill_chunk,
             "expert_cache_slots": budget.expert_cache_slots,

@@ -22,7 +22,7 @@ from setup_wizard.budget import MIB, Budget
 from setup_wizard.choices import Choices
 from setup_wizard.hardware import Hardware
 from setup_wizard.inspection import target_geometry
-from setup_wizard.plan import Plan, recommended_target, resolve
+from setup_wizard.plan import KV_NOTES, Plan, kv_dtypes, recommended_target, resolve
 from setup_wizard.services import Services
 
 LOCAL = "__local__"
@@ -46,8 +46,8 @@ def _size(n: int) -> str:
 
 def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None,
         output: Any = None) -> Choices:
-    """Ask what the flags left open, in this order: target, drafter, DFlash2 head and quantization, context,
-    reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
+    """Ask what the flags left open, in this order: target, drafter, DFlash2 head and quantization, size, context,
+    KV cache (long contexts only), reserve, calibration. Returns the completed choices (Ctrl-C raises KeyboardInterrupt)."""
     io = {"input": input, "output": output}
     ans = replace(choices)
 
@@ -114,6 +114,15 @@ def ask(choices: Choices, hw: Hardware, services: Services, *, input: Any = None
             validate=lambda s: _valid_int(s, 1, limit), **io))
         ans.context = int(text)
         _note(ans, "context", ans.context == rec.context, rec.why)
+    if ans.kv_dtype is None:
+        rec = resolve(ans, hw, services)
+        if kv_question_wanted(rec):
+            dev = hw.device_type
+            items = [questionary.Choice(f"{k}  — {KV_NOTES[(dev, k)]}", value=k) for k in kv_dtypes(rec)]
+            ans.kv_dtype = _ask(questionary.select(
+                "KV cache format?", choices=items, default=rec.kv_dtype,
+                instruction=f"(recommended: {rec.kv_dtype} — {rec.why.get('kv_dtype', '')})", **io))
+            _note(ans, "kv_dtype", ans.kv_dtype == rec.kv_dtype, rec.why)
     if ans.vram_reserve_mib is None:
         rec = resolve(ans, hw, services)
         where = "GPU memory" if hw.device_type == "cuda" else "RAM"
@@ -259,6 +268,17 @@ def _add_from_hub(services: Services, picked: str, options: list, kind: str, io:
     return None if found is None else found.name
 
 
+# contexts from which the KV cache's format is asked: where its memory (a GPU) or its bytes a token (a CPU) start
+# to count; shorter ones keep the compute dtype without a question
+KV_QUESTION_CONTEXT = {"cuda": 16384, "cpu": 2048}
+
+
+def kv_question_wanted(plan: Plan) -> bool:
+    """Ask the KV cache question: a long context, or a recommendation other than the compute dtype (the compute
+    dtype's cache does not fit)."""
+    return plan.context >= KV_QUESTION_CONTEXT[plan.hardware.device_type] or plan.kv_dtype != plan.compute_dtype
+
+
 def _note(ans: Choices, key: str, took_default: bool, why: dict[str, str]) -> None:
     if took_default and why.get(key):
         ans.notes[key] = why[key]
@@ -327,6 +347,7 @@ def summary_table(plan: Plan) -> Table:
         t.add_row("DFlash2 head", plan.head.name, plan.why.get("dflash2_head", ""))
         t.add_row("quantization", plan.quant or "", plan.why.get("dflash2_quant", ""))
     t.add_row("context", f"{plan.context} tokens", plan.why.get("context", ""))
+    t.add_row("KV cache", plan.kv_dtype or plan.compute_dtype, plan.why.get("kv_dtype", ""))
     t.add_row("reserve", f"{plan.reserve_mib} MiB", plan.why.get("vram_reserve_mib", ""))
     t.add_row("calibrate", "yes" if plan.calibrate else "no", plan.why.get("calibrate", ""))
     dl = plan.download_bytes()
