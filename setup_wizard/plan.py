@@ -275,7 +275,8 @@ def resolve(choices: Choices, hw: Hardware, services: Services) -> Plan:
     plan = Plan(target=target, drafter=drafter, head=head, quant=quant, context=choices.context or 0,
                 reserve_mib=reserve, calibrate=True if choices.calibrate is None else choices.calibrate,
                 offline=choices.offline, config_path=Path(), hardware=hw, why=why,
-                record_routing=choices.calibrate is not False)
+                record_routing=choices.calibrate is not False,
+                kv_dtype=choices.kv_dtype or "")    # the sizes below are budgeted with the cache given
     why["calibrate"] = "you chose it" if choices.calibrate is not None else "measures the best block and floor here"
     if drafter == "none":
         plan.calibrate = False
