@@ -32,8 +32,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+try:
+    import triton
+    import triton.language as tl
+except ImportError:      # a CPU-only machine: main() says what the script needs
+    triton = None
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
 
@@ -41,41 +44,42 @@ LINE = 128          # bytes a prefetch brings (one L2 line)
 BLOCK = 4096        # bf16 values a streaming program reads (8 KB)
 
 
-@triton.jit
-def _stream(x_ptr, o_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if EVICT == 1:
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
-    elif EVICT == 2:
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
-    else:
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(o_ptr + pid, tl.sum(x.to(tl.float32), axis=0))
-
-
-@triton.jit
-def _idle_prefetch(p_ptr, n_lines, t_ptr, idle_ns, LINES: tl.constexpr, MODE: tl.constexpr):
-    """Program 0 keeps its SM busy for idle_ns; the others (MODE 1: evict_last, 2: normal) prefetch LINES lines of
-    p each and leave at once."""
-    pid = tl.program_id(0)
-    if pid == 0:
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-        t = t0
-        while t - t0 < idle_ns:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
-        tl.store(t_ptr, t - t0)
-    elif MODE != 0:
-        line = (pid - 1).to(tl.int64) * LINES + tl.arange(0, LINES)
-        line = tl.minimum(line, n_lines - 1)
-        addr = p_ptr + line * (128 // 2)
-        if MODE == 1:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+if triton is not None:
+    @triton.jit
+    def _stream(x_ptr, o_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if EVICT == 1:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+        elif EVICT == 2:
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
         else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(o_ptr + pid, tl.sum(x.to(tl.float32), axis=0))
+
+
+    @triton.jit
+    def _idle_prefetch(p_ptr, n_lines, t_ptr, idle_ns, LINES: tl.constexpr, MODE: tl.constexpr):
+        """Program 0 keeps its SM busy for idle_ns; the others (MODE 1: evict_last, 2: normal) prefetch LINES lines of
+        p each and leave at once."""
+        pid = tl.program_id(0)
+        if pid == 0:
+            t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+            t = t0
+            while t - t0 < idle_ns:
+                t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                              pack=1)
+            tl.store(t_ptr, t - t0)
+        elif MODE != 0:
+            line = (pid - 1).to(tl.int64) * LINES + tl.arange(0, LINES)
+            line = tl.minimum(line, n_lines - 1)
+            addr = p_ptr + line * (128 // 2)
+            if MODE == 1:
+                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
 
 
 def set_persisting_l2(nbytes: int) -> bool:
@@ -145,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setaside-mb", default="0,30")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/l2_prefetch.py: no CUDA device; run it on a GPU.")
+    if triton is None or not torch.cuda.is_available():
+        print("bench/l2_prefetch.py: needs a CUDA device and Triton; run it on a GPU.")
         return 2
     bw = copy_bandwidth()
     p = torch.cuda.get_device_properties(0)
