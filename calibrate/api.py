@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from calibrate import draft_temperature
 from calibrate.fixtures import (
     NEW_TOKENS,
     TASKS,
@@ -194,6 +195,15 @@ def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, promp
     if plan is None and getattr(getattr(engine, "device", None), "type", None) == "cpu":
         # no kernels to compile or graphs to capture on the CPU: per-width warm-up runs would only eat the budget
         plan = Plan(warmup=False)
+    if progress is not None:
+        progress("draft temperature", 0, 1)
+    t_dt = time.perf_counter()
+    try:        # sampled drafts' temperature (calibrate/draft_temperature.py): one forward per prompt, no decoding
+        drafts_temp = draft_temperature.measure(engine, [e.ids for e in enc.values()])
+    except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        drafts_temp = {"scale": 1.0, "why_not": f"could not be measured ({exc})"}
+    if max_seconds is not None:
+        max_seconds = max(0.0, max_seconds - (time.perf_counter() - t_dt))
     runner = EngineRunner(engine, enc, new_tokens)
     search = Search(runner, tasks, grid, es.default, max_seconds=max_seconds,
                     plan=plan, clock=clock, progress=progress)
@@ -204,6 +214,7 @@ def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, promp
         "floors": sorted({a.spec_min_p for a in grid}), "method": METHOD, "prompt_set_sha256": prompt_set_sha256(texts),
         "prompts": {t: {"tokens": len(e.ids), "full_tokens": e.full_tokens, "truncated": e.truncated}
                     for t, e in enc.items()},
+        "draft_temperature": drafts_temp,
         "references": search.refs,      # not stored: the target-only ids, for a later grid on the same engine
         "_runner": runner,
     }

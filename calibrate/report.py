@@ -99,6 +99,13 @@ def summary_lines(result: Any) -> list[str]:
     elif tgt and geo:
         lines.append(f"speculation pays here: {geo / tgt:.2f}x the target alone ({geo:.1f} vs {tgt:.1f} tok/s "
                      f"geomean, {how})")
+    dtemp = result.record.get("draft_temperature") or {}
+    if "overlap" in dtemp:
+        ov = dtemp["overlap"]
+        scale = dtemp["scale"]
+        lines.append(f"sampled drafts at {scale:g}x the request's temperature: a first proposal is accepted "
+                     f"{ov[str(scale)]:.0%} of the time against {ov['1.0']:.0%} at 1x (teacher-forced on the "
+                     f"calibration prompts, temperature 0.7 / top-p 0.9 and 1.0)")
     if result.reused:
         lines.append(f"reused the stored calibration from {result.record.get('date', '?')} ({result.path}); "
                      f"pass --force to measure again")

@@ -99,6 +99,13 @@ class CalibrationResult:
     def seconds(self) -> float | None:
         return self.record.get("seconds")
 
+    @property
+    def draft_temp_scale(self) -> float | None:
+        """The sampled drafts' temperature scale the record measured (calibrate/draft_temperature.py), or None
+        where nothing was measured (another drafter, an older record)."""
+        dt = self.record.get("draft_temperature") or {}
+        return float(dt["scale"]) if "overlap" in dt else None
+
     def to_dict(self) -> dict[str, Any]:
         """The config's `[calibration]` table (TOML-safe: no None anywhere)."""
         r = self.record
@@ -113,7 +120,7 @@ class CalibrationResult:
             "default": r.get("default"), "winner": r.get("winner"), "gain": r.get("gain"),
             "target_only_tok_s": r.get("target_only_tok_s") or None,
             "arms_measured": len(r["arms"]) if "arms" in r else None, "grid_size": r.get("grid_size"),
-            "routing_profile": self.routing_profile,
+            "routing_profile": self.routing_profile, "draft_temp_scale": self.draft_temp_scale,
         }
         return drop_none(out)
 

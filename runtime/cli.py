@@ -60,6 +60,9 @@ def run(
     seed: int = typer.Option(None, "--seed", help="Sampling seed."),
     block: int = typer.Option(None, "--block", help="Verify window width (overrides the config)."),
     spec_min_p: float = typer.Option(None, "--spec-min-p", help="Draft confidence floor (overrides the config)."),
+    draft_temp_scale: float = typer.Option(
+        None, "--draft-temp-scale", help="When sampling, the drafter draws at the temperature times this (the output "
+        "stays the target's; default: the config's, which calibration measures)."),
     no_draft: bool = typer.Option(False, "--no-draft", help="Run the target alone."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch (default on a CPU: measured here, "
                                 "from the CPUs this process may use and how busy they are)."),
@@ -89,6 +92,8 @@ def run(
         _fail(f"--block must be >= 1, got {block}.", 2, False)
     if spec_min_p is not None and not 0 <= spec_min_p <= 1:
         _fail(f"--spec-min-p must be between 0 and 1, got {spec_min_p}.", 2, False)
+    if draft_temp_scale is not None and not 0 < draft_temp_scale <= 4:
+        _fail(f"--draft-temp-scale must be above 0 and at most 4, got {draft_temp_scale}.", 2, False)
     if threads is not None and threads < 1:
         _fail(f"--threads must be >= 1, got {threads}.", 2, False)
     if vram_limit_mib is not None and vram_limit_mib < 1:
@@ -112,6 +117,8 @@ def run(
         over: dict = {"block": block} if block is not None else {}
         if vram_limit_mib is not None:
             over["vram_limit_mib"] = vram_limit_mib
+        if draft_temp_scale is not None:
+            over["draft_temp_scale"] = draft_temp_scale
         engine = Engine.from_config(path, **over)
         engine.compile_missing(lambda m: typer.echo(f"strata-run: {m}", err=True))
         if threads is None and engine.device.type == "cpu":

@@ -69,6 +69,7 @@ class SpeculativeSection:
     block: int | None = None
     spec_min_p: float | None = None
     source: str = "default"                  # default | calibrated | user
+    draft_temp_scale: float | None = None    # sampled drafts at the request's temperature times this (None: 1)
 
 
 @dataclass
@@ -248,7 +249,8 @@ def parse(doc: Mapping[str, Any], *, where: str = "", base: Path | None = None,
     spec = SpeculativeSection(
         block=c.get(s, "speculative", "block", "int", lo=1), spec_min_p=c.get(s, "speculative", "spec_min_p", "float",
                                                                              lo=0, hi=1),
-        source=c.get(s, "speculative", "source", "str", "default", choices=SETTING_SOURCES))
+        source=c.get(s, "speculative", "source", "str", "default", choices=SETTING_SOURCES),
+        draft_temp_scale=c.get(s, "speculative", "draft_temp_scale", "float", lo=0.05, hi=4.0))
 
     m = c.table(doc, "memory", required=complete)
     if complete and "context" not in m:

@@ -26,7 +26,7 @@ from runtime.memory import NAMES, buffers_bytes, cap_device_memory, default_pref
 from runtime.paths import compiled_dir
 from runtime.routing_profile import RoutingProfile
 from runtime.sampling import SamplingParams
-from runtime.speculative import generate_ids
+from runtime.speculative import MAX_DRAFT_TEMP_SCALE, generate_ids
 
 __all__ = ["Engine", "EngineConfigError", "GenerateResult", "SamplingParams"]
 
@@ -106,7 +106,7 @@ def _load_target(target: Path, dtype: torch.dtype, *, with_mtp: bool):
 class Engine:
     def __init__(self, *, model, tokenizer, kv: KVCache, drafter, drafter_kind: str, experts: ExpertCache,
                  device: torch.device, block: int, spec_min_p: float, stop_ids: set[int], target_dir: Path,
-                 prefill_chunk: int = 512, graphs: bool = True) -> None:
+                 prefill_chunk: int = 512, graphs: bool = True, draft_temp_scale: float = 1.0) -> None:
         self.model, self.tokenizer, self.kv, self.drafter = model, tokenizer, kv, drafter
         self.graphs = graphs
         # runtime.gpu.static_step.StaticStep by width, target_compiled.CompiledTargetStep by ("compiled", width)
@@ -114,6 +114,7 @@ class Engine:
         self.step = None                  # the step the last generate used
         self.drafter_kind, self.experts, self.device = drafter_kind, experts, device
         self.block, self.spec_min_p, self.stop_ids = block, spec_min_p, stop_ids
+        self.draft_temp_scale = draft_temp_scale      # sampled drafts at the request's temperature times this
         self.target_dir, self.prefill_chunk = target_dir, prefill_chunk
         self.compiled_why = ""               # why the drafter runs eagerly on a CPU (`compile_drafter`)
         self.compile_s = 0.0                 # what the last `compile_drafter` took (a build, or a load)
@@ -131,7 +132,8 @@ class Engine:
               expert_slots: int | None = None, block: int | None = None, spec_min_p: float | None = None,
               kv_dtype: str | torch.dtype | None = None, prefill_chunk: int | None = None, graphs: bool = True,
               expert_miss: str = "auto", routing_profile: str | Path | RoutingProfile | None = None,
-              expert_lru_slots: int = 0, vram_limit_mib: int | None = None) -> Engine:
+              expert_lru_slots: int = 0, vram_limit_mib: int | None = None,
+              draft_temp_scale: float | None = None) -> Engine:
         """Load the target (and drafter) onto `device` (default: CUDA when present); BF16 on CUDA, fp32 on CPU.
         With fewer `expert_slots` than experts (CUDA), the routing profile (a file recorded by calibration) places
         the slots and `expert_miss` says how the other experts are served (runtime/experts.py). `vram_limit_mib`
@@ -147,6 +149,9 @@ class Engine:
             raise EngineConfigError(f"block must be >= 1, got {block}.")
         if spec_min_p is not None and not 0 <= float(spec_min_p) <= 1:
             raise EngineConfigError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
+        if draft_temp_scale is not None and not 0 < float(draft_temp_scale) <= MAX_DRAFT_TEMP_SCALE:
+            raise EngineConfigError(f"draft_temp_scale must be in (0, {MAX_DRAFT_TEMP_SCALE}], got "
+                                    f"{draft_temp_scale}.")
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise EngineConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}.")
         dev = _device(device)
@@ -194,7 +199,8 @@ class Engine:
         eng = cls(model=model, tokenizer=tokenizer, kv=kv, drafter=drafter, drafter_kind=drafter_kind,
                    experts=experts, device=dev, block=int(block), spec_min_p=float(spec_min_p),
                    stop_ids=_stop_ids(target_dir, cfg.eos_token_id), target_dir=target_dir,
-                   prefill_chunk=prefill_chunk, graphs=graphs)
+                   prefill_chunk=prefill_chunk, graphs=graphs,
+                   draft_temp_scale=1.0 if draft_temp_scale is None else float(draft_temp_scale))
         eng.compile_target(build=False)
         eng.compile_drafter(build=False)
         return eng
@@ -272,6 +278,7 @@ class Engine:
             device=cfg.device.type, dtype=cfg.device.dtype, context=cfg.memory.context,
             expert_slots=cfg.memory.expert_cache_slots, block=cfg.speculative.block,
             spec_min_p=cfg.speculative.spec_min_p, kv_dtype=cfg.memory.kv_dtype,
+            draft_temp_scale=cfg.speculative.draft_temp_scale,
             prefill_chunk=cfg.memory.prefill_chunk,
             expert_miss=cfg.memory.expert_miss, routing_profile=cfg.resolve(cfg.memory.routing_profile),
             expert_lru_slots=cfg.memory.expert_lru_slots, vram_limit_mib=cfg.device.vram_limit_mib,
@@ -289,12 +296,14 @@ class Engine:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  block: int | None = None, spec_min_p: float | None = None, draft: bool = True,
                  stop_ids: set[int] | None = None, on_text: Callable[[str], None] | None = None,
-                 cancel: Callable[[], bool] | None = None, width: int | None = None) -> GenerateResult:
+                 cancel: Callable[[], bool] | None = None, width: int | None = None,
+                 draft_temp_scale: float | None = None) -> GenerateResult:
         """Generate after `prompt` (text or token ids). The output is the target's, whatever the drafter does.
         `cancel()` is asked between windows (from this thread); True stops there, stop_reason "cancelled".
 
         `width`: the fixed step's rows for this run; default the engine's `step_width`, widened to `block`
-        when a run asks for wider windows. Greedy output is bit-identical between runs of the same width."""
+        when a run asks for wider windows. Greedy output is bit-identical between runs of the same width.
+        `draft_temp_scale`: this run's (default the engine's, `[speculative] draft_temp_scale`)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise EngineConfigError("the prompt is empty after tokenization; give some text.")
@@ -325,7 +334,9 @@ class Engine:
                            sampling=sampling, block=blk, spec_min_p=mp,
                            stop_ids=self.stop_ids if stop_ids is None else set(stop_ids),
                            prefill_chunk=self.prefill_chunk, on_tokens=on_tokens, logits_buf=self.logits_buf,
-                           step=self.static_step(int(width)), should_stop=cancel)
+                           step=self.static_step(int(width)), should_stop=cancel,
+                           draft_temp_scale=float(self.draft_temp_scale if draft_temp_scale is None
+                                                  else draft_temp_scale))
         text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         if on_text is not None and (rest := detok.flush()):
             on_text(rest)

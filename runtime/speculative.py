@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -368,19 +368,26 @@ def _accept_sampled(logits: Tensor, draft, q: Tensor | None, sp: SamplingParams,
     return a, new
 
 
+# the largest draft temperature scale a run takes (`generate_ids`): hotter drafts are rarely accepted
+MAX_DRAFT_TEMP_SCALE = 4.0
+
+
 def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter | None = None,
                  max_new_tokens: int = 128, sampling: SamplingParams | None = None, block: int = 1,
                  spec_min_p: float = 0.0, stop_ids: set[int] | frozenset[int] = frozenset(),
                  prefill_chunk: int = 512, on_tokens: Callable[[list[int]], None] | None = None,
                  logits_buf: Tensor | None = None, step=None,
-                 should_stop: Callable[[], bool] | None = None) -> LoopResult:
+                 should_stop: Callable[[], bool] | None = None, draft_temp_scale: float = 1.0) -> LoopResult:
     """Generate after `prompt_ids`; the output equals target-only decoding (exactly for greedy, in
     distribution for sampling) whatever the drafter proposes.
 
     `step` (optional, e.g. `runtime.gpu.static_step.StaticStep`): runs every decode/verify window instead of
     `model(window, kv=kv, taps=taps)`, with the same contract (appends at kv.length, returns a TargetOutput).
     `should_stop()` is asked before every window; True ends the generation there (stop_reason "cancelled"), so a
-    caller on another thread (a server whose client left) stops the work within one window."""
+    caller on another thread (a server whose client left) stops the work within one window.
+    `draft_temp_scale`: when sampling, the drafter draws at the request's temperature times this (its proposals'
+    `q` is what they were drawn from, so the output's distribution is the target's whatever the scale; a drafter
+    more confident than its target is accepted more often drawn hotter: docs/models.md, "Draft temperature")."""
     sp = sampling or SamplingParams()
     if not prompt_ids:
         raise UsageError("the prompt is empty; give at least one token.")
@@ -390,6 +397,11 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
         raise UsageError(f"block must be >= 1, got {block}.")
     if not 0 <= spec_min_p <= 1:
         raise UsageError(f"spec_min_p must be in [0, 1], got {spec_min_p}.")
+    if not 0 < draft_temp_scale <= MAX_DRAFT_TEMP_SCALE:
+        raise UsageError(f"draft_temp_scale must be in (0, {MAX_DRAFT_TEMP_SCALE}], got {draft_temp_scale}.")
+    # what the drafter samples with (None: greedy drafts for greedy decoding)
+    dsp = None if sp.greedy else sp if draft_temp_scale == 1 else replace(
+        sp, temperature=sp.temperature * draft_temp_scale)
     V = model.cfg.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < V]
     if bad:
@@ -407,7 +419,8 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
     stats = {"prompt_tokens": n_prompt, "generated_tokens": 0, "windows": 0, "proposed": 0, "accepted": 0,
              "accepted_per_window": [], "draft_s": 0.0, "draft_window_s": 0.0, "observe_prompt_s": 0.0,
              "verify_s": 0.0, "prefill_s": 0.0, "drafted_ahead": 0, "decoded_ahead": 0, "decode_s": 0.0,
-             "decode_tok_s": 0.0, "block": block if use_draft else 1, "spec_min_p": spec_min_p}
+             "decode_tok_s": 0.0, "block": block if use_draft else 1, "spec_min_p": spec_min_p,
+             "draft_temp_scale": draft_temp_scale if use_draft and not sp.greedy else None}
     res = LoopResult(token_ids=[], stats=stats)
     if max_new_tokens == 0:
         return res
@@ -467,8 +480,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
             draft = q = keep = None
             if k > 0:
                 ta = clock.start()
-                prop = drafter.propose(anchor, pos, k, min_p=spec_min_p, sampling=None if sp.greedy else sp,
-                                       generator=gen)
+                prop = drafter.propose(anchor, pos, k, min_p=spec_min_p, sampling=dsp, generator=gen)
                 draft = _as_tokens(prop.tokens[:k], dev)
                 q = prop.q[: draft.shape[0]] if prop.q is not None else None
                 keep = prop.keep
@@ -499,8 +511,7 @@ def generate_ids(model, kv: KVCache, prompt_ids: list[int], *, drafter: Drafter 
                 if remaining >= 2 and pos + 2 <= kv.capacity:
                     ahead_fn = _step_ahead(step, kv, clock, tv, pending)
             elif reader is not None and remaining >= W + block and pos + W + block <= kv.capacity:
-                ahead_fn = _ahead(drafter, clock, tv, window[0], o, pos, block - 1, spec_min_p,
-                                  None if sp.greedy else sp, gen, ahead_on)
+                ahead_fn = _ahead(drafter, clock, tv, window[0], o, pos, block - 1, spec_min_p, dsp, gen, ahead_on)
             if sp.greedy:
                 acc, proposed, new, drafted, anchor_dev = _accept_greedy_window(logits, draft, keep, ahead_fn, reader)
             else:

@@ -32,7 +32,7 @@ OWNED: dict[str, set[str] | None] = {
                "source_path"},
     "target.files": None,
     "drafter": {"kind", "head", "path", "sha256", "size", "quantization", "source_sha256", "source_path"},
-    "speculative": {"block", "spec_min_p", "source", "block_source", "spec_min_p_source"},
+    "speculative": {"block", "spec_min_p", "source", "block_source", "spec_min_p_source", "draft_temp_scale"},
     "memory": {"context", "kv_dtype", "dtype", "reserve_mib", "prefill_chunk", "expert_cache_slots", "total_experts",
                "expert_bytes", "budget", "fits"},
     "memory.budget": None,

@@ -231,6 +231,8 @@ def apply_calibration(doc: dict[str, Any], result: CalibrationResult) -> None:
     measured = result.block is not None and result.spec_min_p is not None
     if measured:
         doc["speculative"] = {"block": int(result.block), "spec_min_p": float(result.spec_min_p), "source": source}
+        if result.draft_temp_scale is not None:       # how hot sampled drafts are drawn (docs/calibration.md)
+            doc["speculative"]["draft_temp_scale"] = result.draft_temp_scale
     cal = tomlable(result.to_dict())
     if "key" not in cal and isinstance(doc.get("calibration"), Mapping) and "key" in doc["calibration"]:
         cal["key"] = doc["calibration"]["key"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from calibrate.api import calibrate_for_config
+from calibrate.draft_temperature import SCALES
 from calibrate.fixtures import TASKS
 from calibrate.search import Plan
 from tests.runtime.drafters.dflash2.helpers import drafter_config, write_hf_drafter
@@ -64,6 +65,8 @@ def test_real_dflash2_calibration_on_cpu(models, tmp_path):
     else:
         assert res.block == drafted["block"] and rec["drafted_settings"] is None
     assert rec["max_block"] == 4 and rec["drafter_kind"] == "dflash2"
+    assert rec["draft_temperature"] == {"scale": 1.0, "why_not": "measured for the MTP drafter only"}
+    assert res.draft_temp_scale is None
     assert rec["default"]["block"] == 3 and rec["default"]["spec_min_p"] == 0.5     # the config's uncalibrated
     assert rec["grid_size"] == 12
     assert len(rec["arms"]) == 12                       # blocks 2..4 are all ladder rungs: every arm measured
@@ -90,6 +93,10 @@ def test_real_mtp_calibration_honours_a_small_budget(models, tmp_path):
                                plan=SMALL, max_seconds=budget)
     rec = res.record
     assert rec["max_block"] == 16 and rec["grid_size"] == 60
+    dtemp = rec["draft_temperature"]             # measured before the sweep, inside the budget
+    assert dtemp["scale"] in SCALES and set(dtemp["overlap"]) == {str(x) for x in SCALES}
+    assert dtemp["rows"] == sum(p["tokens"] - 1 for p in rec["prompts"].values())
+    assert all(0 < v <= 1 for v in dtemp["overlap"].values())
     assert rec["budget_s"] == budget and rec["total_s"] <= 1.1 * budget          # overshoot under 10%
     assert rec["seconds"] <= rec["search_budget_s"] + 0.1 * budget
     assert rec["threads"]["threads"] >= 1 and "usable" in rec["threads"]         # measured here (no --threads)

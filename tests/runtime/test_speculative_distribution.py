@@ -69,7 +69,7 @@ class Recording:
         return prop
 
 
-def sample(model, drafter, floor: float):
+def sample(model, drafter, floor: float, scale: float = 1.0):
     c = model.cfg
     kv = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32)
     step = StaticStep(model, kv, drafter.max_block, graph=False)
@@ -79,7 +79,7 @@ def sample(model, drafter, floor: float):
     for seed in range(RUNS):
         sp = SamplingParams(SP.temperature, SP.top_p, SP.top_k, seed=seed)
         r = generate_ids(model, kv, PROMPT, drafter=rec, block=4, sampling=sp, spec_min_p=floor,
-                         max_new_tokens=DEPTH, step=step)
+                         max_new_tokens=DEPTH, step=step, draft_temp_scale=scale)
         counts[tuple(r.token_ids)] += 1
         proposed += r.stats["proposed"]
         accepted += r.stats["accepted"]
@@ -100,14 +100,33 @@ def drafter_for(kind, model, head):
     return load_dflash2_drafter(head, model, context=32)
 
 
-@pytest.mark.parametrize("kind", ["mtp", "dflash2"])
-def test_sampled_output_follows_target_only_sampling(target_and_head, kind):
+@pytest.mark.parametrize("kind, scale", [("mtp", 1.0), ("dflash2", 1.0), ("mtp", 1.7), ("dflash2", 1.7)])
+def test_sampled_output_follows_target_only_sampling(target_and_head, kind, scale):
+    """Also with the drafter drawing hotter than the target (`draft_temp_scale`): its q is what it drew from."""
     model, head, joint = target_and_head
-    counts, proposed, accepted, rec = sample(model, drafter_for(kind, model, head), FLOOR[kind])
+    counts, proposed, accepted, rec = sample(model, drafter_for(kind, model, head), FLOOR[kind], scale)
     assert 0 < accepted < proposed                   # acceptances and rejections both happened
     assert 0 < rec.got < rec.asked                   # the floor cut windows short (and let proposals through)
     ps = pvalues(counts, joint)
     assert min(ps) > ALPHA, ps
+
+
+class WrongQ(Recording):
+    """Draws hotter (as `draft_temp_scale` asks) but reports q at the request's temperature: the bias the loop
+    avoids by accepting against what the proposals were drawn from."""
+
+    def propose(self, anchor, pos, n, **kw):
+        prop = self.inner.propose(anchor, pos, n, **kw)
+        if prop.q is not None:
+            q = prop.q.clamp_min(0) ** 1.7          # q at T * 1.7 raised back to T (the same support)
+            prop.q = q / q.sum(-1, keepdim=True)
+        return prop
+
+
+def test_the_check_has_power_against_a_q_other_than_the_draws(target_and_head):
+    model, head, joint = target_and_head
+    counts, _, _, _ = sample(model, WrongQ(drafter_for("mtp", model, head)), FLOOR["mtp"], 1.7)
+    assert min(pvalues(counts, joint)) < ALPHA
 
 
 def test_the_check_has_power_against_an_unrestricted_q_under_the_floor(target_and_head, monkeypatch):
