@@ -26,7 +26,9 @@ What the target is, exactly (also in bench/README.md):
 Rows: target alone; MTP chains 2-4 (blocks 3-5); DFlash2 BF16 blocks 4/6/8 (default head) and 12/16 (turbo head);
 DFlash2 Q8_0/Q4_0 (converted on the fly, needs `gguf`) at the BF16 head's best block (`--full`: every block); on the
 code, math, prose and long (3,047-token) prompts, greedy, then sampled (temperature 0.7, top-p 0.9) for the target
-and the best MTP and DFlash2 arms (`--full`: every arm). Also the A3B step at widths 1-16 with the distinct experts
+and the best MTP and DFlash2 arms (`--full`: every arm), and MTP chains 3 and 4 drawing their drafts at 1.5x the
+temperature; `--sampled-seeds N` takes each sampled row over N seeds (medians), `--sampled-temperature`,
+`--sampled-top-p` its setting. Also the A3B step at widths 1-16 with the distinct experts
 per layer a window of that width touches. Writes spec_scale.json ($OUT on the device, else bench/results/).
 
 `--check`: greedy, a few tokens, every arm and task: speculative == target-only at the same step width (exit 1
@@ -41,6 +43,7 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +213,7 @@ class Harness:
 
     def generate(self, ids: list[int], kind: str | None, block: int, width: int, n_new: int,
                  sampling: SamplingParams | None = None, min_p: float = 0.0, scaled: bool = True,
-                 ahead: bool = True, rule_graphs: bool = True) -> Any:
+                 ahead: bool = True, rule_graphs: bool = True, draft_temp_scale: float = 1.0) -> Any:
         """`ahead` False: the drafter observes and drafts after each window's read, as before drafting ahead, and a
         target-only step is queued after the read, as before decoding ahead. A
         `-dq` drafter's graphs are captured with its stacked block products dequantized + matmul (the path before
@@ -231,7 +234,8 @@ class Harness:
             capture.DRAFT_GEMV.update(dict.fromkeys(("q8_0", "q4_0"), tiles))
         try:
             return generate_ids(model, self.kv, ids, drafter=d, max_new_tokens=n_new, sampling=sampling,
-                                block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step)
+                                block=block if d else 1, spec_min_p=min_p, stop_ids=set(), step=step,
+                                draft_temp_scale=draft_temp_scale)
         finally:
             speculative.DRAFT_AHEAD = speculative.DECODE_AHEAD = True
             speculative.SAMPLED_GRAPHS = True
@@ -308,6 +312,11 @@ def arm_list(h: Harness, gguf_dir: Path | None) -> list[dict[str, Any]]:
                  "eager_rule": True, "sampled_only": True})
     arms.append({"arm": "MTP chain 3 (b4), eager sampling rule", "kind": "mtp", "block": 4, "family": "mtp-eager",
                  "eager_rule": True, "sampled_only": True})
+    # sampled only: the MTP chain drawing its drafts at 1.5x the temperature (what calibration picks for the pack's
+    # head, docs/models.md "Draft temperature"), next to the same chain at 1x
+    for chain in (3, 4):
+        arms.append({"arm": f"MTP chain {chain} (b{chain + 1}), drafts x1.5", "kind": "mtp", "block": chain + 1,
+                     "family": "mtp-hot", "draft_temp_scale": 1.5, "sampled_only": True})
     if "extra" in h.drafters:
         label = h.extra_label
         for b in (4, 6, 8):
@@ -423,8 +432,15 @@ def run_arms(h: Harness, arms: list[dict], prompts: dict[str, list[int]], args, 
             h.generate(ids, kind, block, width, 8, sampling=sp, ahead=ahead, rule_graphs=rule_graphs)
             warmed.add(key)
 
+    sampled = SamplingParams(temperature=args.sampled_temperature, top_p=args.sampled_top_p, seed=SAMPLED.seed)
+
+    def seeded(sp: SamplingParams | None, i: int) -> SamplingParams | None:
+        """Run i's sampling: with --sampled-seeds > 1 each run its own seed (its own trajectory)."""
+        return sp if sp is None or args.sampled_seeds <= 1 else replace(sp, seed=sp.seed + i)
+
     for mode in ("greedy", "sampled"):
-        sp = None if mode == "greedy" else SAMPLED
+        sp = None if mode == "greedy" else sampled
+        n_runs = args.repeats if mode == "greedy" else max(args.repeats, args.sampled_seeds)
         for task, ids in prompts.items():
             h.fill_tower(task, ids)
             todo = arms if mode == "greedy" else sampled_arms(arms, res, args)
@@ -445,8 +461,9 @@ def run_arms(h: Harness, arms: list[dict], prompts: dict[str, list[int]], args, 
                 warm(kind, block, width, ids, sp, ahead, rg)
                 # one untimed full run first: the last windows of a run draft fewer tokens, and each new draft count
                 # is a new graph (and its kernels' first compile), which the short warm-up does not reach
-                runs = [h.generate(ids, kind, block, width, args.new_tokens, sampling=sp, ahead=ahead,
-                                   rule_graphs=rg) for _ in range(args.repeats + 1)][1:]
+                runs = [h.generate(ids, kind, block, width, args.new_tokens, sampling=seeded(sp, i), ahead=ahead,
+                                   rule_graphs=rg, draft_temp_scale=arm.get("draft_temp_scale", 1.0))
+                        for i in range(n_runs + 1)][1:]
                 rec = record(runs)
                 rec["draft_bytes"] = drafter_bytes(h, kind, block)
                 rec["draft_bound_ms"] = 1e3 * rec["draft_bytes"] / res["copy_bandwidth_Bps"] if res.get(
@@ -567,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="code,math,prose,long")
     ap.add_argument("--shape", choices=("a3b", "tiny"), default="a3b", help="tiny: a toy tower for CPU smoke runs")
     ap.add_argument("--max-seconds", type=float, default=230)
+    ap.add_argument("--sampled-seeds", type=int, default=1,
+                    help="sampled rows over this many seeds (a trajectory each; medians), not one seed repeated")
+    ap.add_argument("--sampled-temperature", type=float, default=SAMPLED.temperature)
+    ap.add_argument("--sampled-top-p", type=float, default=SAMPLED.top_p)
     ap.add_argument("--extra-head", default="", metavar="PATH[:LABEL]",
                     help="another DFlash2 head for the pack's target, measured at blocks 4/6/8 beside the default")
     args = ap.parse_args(argv)

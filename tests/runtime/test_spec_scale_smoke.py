@@ -32,7 +32,7 @@ def test_check_mode_finds_every_arm_equal(tmp_path):
 
 @pytest.mark.slow
 def test_bench_mode_writes_every_arm_and_the_width_sweep(tmp_path):
-    r = _run(tmp_path, "--new-tokens", "5", "--repeats", "1")
+    r = _run(tmp_path, "--new-tokens", "5", "--repeats", "1", "--sampled-seeds", "2")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "spec_scale.json").read_text())
     assert set(res["a3b"]["step_ms"]) == {str(w) for w in range(1, 17)}
@@ -40,3 +40,5 @@ def test_bench_mode_writes_every_arm_and_the_width_sweep(tmp_path):
     assert {"tok_s", "speedup", "tokens_per_window", "draft_ms", "verify_ms"} <= set(code)
     assert code["equal_same_width"] is True
     assert "sampled" in res["arms"]["target-only"] and "bars" in res["goals"]
+    hot = res["arms"]["MTP chain 3 (b4), drafts x1.5"]      # sampled only, over two seeds
+    assert "greedy" not in hot and hot["draft_temp_scale"] == 1.5 and hot["sampled"]["code"]["tok_s"] > 0
