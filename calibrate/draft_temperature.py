@@ -30,7 +30,8 @@ NEAR = 0.005              # scales this close to the best count as the best: the
 
 def overlap(target_logits: torch.Tensor, draft_logits: torch.Tensor, scales=SCALES, settings=SETTINGS
             ) -> dict[float, list[float]]:
-    """Per scale, per setting: the summed sum_x min(p, q) over the rows (fp32), and the row count last."""
+    """Per scale, per setting: sum_x min(p, q) summed over the rows (fp32; p from the target's logits, q from the
+    draft's at the setting's temperature times the scale, both with the setting's top-p)."""
     out = {s: [0.0] * len(settings) for s in scales}
     for r in range(0, target_logits.shape[0], ROWS):
         t, d = target_logits[r: r + ROWS].float(), draft_logits[r: r + ROWS].float()
