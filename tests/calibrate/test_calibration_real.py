@@ -102,6 +102,11 @@ def test_real_mtp_calibration_honours_a_small_budget(models, tmp_path):
     assert rec["threads"]["threads"] >= 1 and "usable" in rec["threads"]         # measured here (no --threads)
     lines = summary_lines(res)
     assert any(f"of its {budget:g} s budget" in line for line in lines)
+    said = [line for line in lines if line.startswith("sampled drafts at")]
+    assert said == [f"sampled drafts at {dtemp['scale']:g}x the request's temperature: a first proposal is "
+                    f"accepted {dtemp['overlap'][str(dtemp['scale'])]:.0%} of the time against "
+                    f"{dtemp['overlap']['1.0']:.0%} at 1x (teacher-forced on the calibration prompts, temperature "
+                    f"0.7 / top-p 0.9 and 1.0)"]
     if rec["budget_hit"]:
         assert rec["timed_runs"] < 60 * len(TASKS)                              # the sweep was cut
         assert any("give it more time" in line for line in lines)
