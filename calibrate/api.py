@@ -174,6 +174,10 @@ def candidate_grid(es: EngineSettings, floors: tuple[float, ...] = FLOORS) -> li
     return candidate_arms(es.max_block, [*floors, *(a.spec_min_p for a in extra)], extra)
 
 
+# at most this share of the search's budget goes to measuring the draft temperature (no prompt is started after it)
+DRAFT_TEMP_SHARE = 0.15
+
+
 def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, prompts: dict[str, str] | None = None,
                      new_tokens: int = NEW_TOKENS, max_seconds: float | None = DEFAULT_MAX_SECONDS,
                      plan: Plan | None = None, floors: tuple[float, ...] = FLOORS,
@@ -199,7 +203,8 @@ def calibrate_engine(engine: Any, *, config: dict[str, Any] | None = None, promp
         progress("draft temperature", 0, 1)
     t_dt = time.perf_counter()
     try:        # sampled drafts' temperature (calibrate/draft_temperature.py): one forward per prompt, no decoding
-        drafts_temp = draft_temperature.measure(engine, [e.ids for e in enc.values()])
+        drafts_temp = draft_temperature.measure(engine, [e.ids for e in enc.values()], max_seconds=None if max_seconds
+                                                 is None else DRAFT_TEMP_SHARE * max_seconds)
     except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
         drafts_temp = {"scale": 1.0, "why_not": f"could not be measured ({exc})"}
     if max_seconds is not None:

@@ -43,21 +43,26 @@ def overlap(target_logits: torch.Tensor, draft_logits: torch.Tensor, scales=SCAL
     return out
 
 
-def measure(engine: Any, token_lists: list[list[int]], *, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """{"scale", "overlap" (mean per scale), "by_setting", "rows", "seconds"} for an MTP engine, or {"scale": 1.0,
-    "why_not"} where it cannot be measured (another drafter, no head, nothing long enough)."""
+def measure(engine: Any, token_lists: list[list[int]], *, max_tokens: int = MAX_TOKENS,
+            max_seconds: float | None = None) -> dict[str, Any]:
+    """{"scale", "overlap" (mean per scale), "by_setting", "rows", "prompts", "seconds"} for an MTP engine, or
+    {"scale": 1.0, "why_not"} where it cannot be measured (another drafter, no head, nothing long enough).
+    `max_seconds`: no further prompt is started once this much time has gone (a large model on a slow machine; the
+    first prompt always runs)."""
     t0 = time.perf_counter()
     model = getattr(engine, "model", None)
     if getattr(engine, "drafter_kind", None) != "mtp" or getattr(model, "mtp", None) is None:
         return {"scale": 1.0, "why_not": "measured for the MTP drafter only"}
     dev = next(model.parameters()).device
     sums = {s: [0.0] * len(SETTINGS) for s in SCALES}
-    rows = 0
+    rows = used = 0
     with torch.no_grad():
         for ids in token_lists:
             ids = ids[:max_tokens]
             if len(ids) < 3:
                 continue
+            if used and max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                break
             x = torch.tensor(ids, dtype=torch.long, device=dev)[None]
             out = model(x)
             # target row p predicts x[p + 1]; the head's row p - 1 is its step at position p, predicting the same
@@ -65,6 +70,7 @@ def measure(engine: Any, token_lists: list[list[int]], *, max_tokens: int = MAX_
             for s in SCALES:
                 sums[s] = [a + b for a, b in zip(sums[s], got[s], strict=True)]
             rows += len(ids) - 1
+            used += 1
     if rows == 0:
         return {"scale": 1.0, "why_not": "no calibration prompt is long enough"}
     mean = {s: sum(v) / (rows * len(SETTINGS)) for s, v in sums.items()}
@@ -75,4 +81,4 @@ def measure(engine: Any, token_lists: list[list[int]], *, max_tokens: int = MAX_
     return {"scale": best, "overlap": {str(s): round(v, 4) for s, v in mean.items()},
             "by_setting": {f"T{t}/top_p{tp}": {str(s): round(sums[s][j] / rows, 4) for s in SCALES}
                            for j, (t, tp) in enumerate(SETTINGS)},
-            "rows": rows, "seconds": round(time.perf_counter() - t0, 3)}
+            "rows": rows, "prompts": used, "seconds": round(time.perf_counter() - t0, 3)}

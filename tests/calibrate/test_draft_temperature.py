@@ -57,6 +57,23 @@ def test_measure_picks_the_scale_that_undoes_an_overconfident_head(sharp, scale)
     assert res["overlap"][str(scale)] == max(res["overlap"].values()) or scale == 1.0
 
 
+def test_measure_stops_starting_prompts_after_its_time(monkeypatch):
+    import time as _time
+
+    eng = _Engine(2.0)
+    real = eng.model.forward
+
+    def slow(x):
+        _time.sleep(0.05)
+        return real(x)
+
+    monkeypatch.setattr(eng.model, "forward", slow)
+    prompts = [list(range(0, 20)), list(range(10, 40)), list(range(5, 30))]
+    cut = D.measure(eng, prompts, max_seconds=0.01)
+    assert cut["prompts"] == 1 and cut["rows"] == 19 and cut["scale"] == 2.0      # the first prompt always runs
+    assert D.measure(eng, prompts)["prompts"] == 3
+
+
 def test_measure_says_why_not_for_other_drafters_and_short_prompts():
     assert D.measure(_Engine(2.0, "dflash2"), [[1, 2, 3, 4]]) == {"scale": 1.0,
                                                                   "why_not": "measured for the MTP drafter only"}
