@@ -108,7 +108,7 @@ def _smallest_fit_mib(machine, target, kv: str) -> int:
 
 def test_q8_0_recommended_where_bf16_does_not_fit(machine, home, tmp_path):
     # a target whose 4096-token bf16 cache is tens of MiB, so that the two thresholds are MiB apart
-    big = make_tiny_target(tmp_path / "models", "long-cache", hidden=64, heads=4, kv_heads=8, head_dim=64,
+    big = make_tiny_target(tmp_path / "models", "long-cache", hidden=64, heads=8, kv_heads=8, head_dim=64,
                            vocab=80, layers=8, mtp=False)
     need_q8, need_bf16 = _smallest_fit_mib(machine, big, "q8_0"), _smallest_fit_mib(machine, big, "bf16")
     assert need_q8 + 8 < need_bf16
