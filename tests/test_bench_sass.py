@@ -73,11 +73,11 @@ def test_r1_tables_follow_the_triton_version(monkeypatch):
 
     on = moe_gemv.r1_tables()
     assert on == (triton_version() >= (3, 9) and os.environ.get("TRITON_INTERPRET") != "1")
-    for fmt in moe_gemv.R1_FORMATS:
+    for fmt in moe_gemv.R1_DECODE:
         for rows in (1, 4, 16):
             assert bool(moe_gemv.variant(fmt, rows).get("R1")) == on, (fmt, rows)
     assert (dense_kernels.QUANT_ONE_ROW[("q4_0", "qkv")] == "r4d8k2w4j2") == on
     assert dense_kernels.QUANT_ONE_ROW[("q4_0", "o_proj")] == "n8j2k4np"       # faster on both Tritons
     monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q5_0", "r4d8k2w4j2")
-    with pytest.raises(ValueError, match="row-by-row tile, which reads q8_0, q4_0, iq4_nl only"):
+    with pytest.raises(ValueError, match="row-by-row tile, which reads q8_0, q4_0, iq4_nl, q4_k only"):
         moe_gemv.variant("q5_0")

@@ -91,12 +91,13 @@ for _bn, _kv in ((4, 1024), (8, 1024), (16, 1024), (4, 2048), (8, 2048)):
         GEMV_VARIANTS[f"n{_bn}j2k{_kv // 512}{'' if _pf else 'np'}"] = {
             "BN_UP": _bn, "BN_DOWN": _bn, "KV": _kv, "MB": 1, "PF": _pf, "J": 2, "num_warps": 8, "num_stages": 1}
 GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
-R1_FORMATS = ("q8_0", "q4_0", "iq4_nl")          # the formats `_rows32r` reads
-# R1: Q8_0 / Q4_0 / IQ4_NL rows one at a time over one-dimensional tiles (`_rows32r`), the same on every Triton; rN
-# dM: N rows a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a pass's groups / 32);
-# j2: two words of a block a thread (R1 = 2)
-for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048, 4, 2)):
-    GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}" + ("j2" if _jr == 2 else "")] = {
+R1_FORMATS = ("q8_0", "q4_0", "iq4_nl", "q4_k")  # the formats `_rows32r` and `_rowskr` read
+# R1: Q8_0 / Q4_0 / IQ4_NL rows one at a time over one-dimensional tiles (`_rows32r`; Q4_K: `_rowskr`), the same on
+# every Triton; rN dM: N rows a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a
+# pass's groups / 32); jJ: J code words of a block (Q4_K: of a nibble group) a thread (R1 = J; 4: Q4_K only)
+for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048, 4, 2), (4, 8, 1024, 4, 4),
+                             (8, 8, 2048, 4, 4), (4, 8, 2048, 8, 2)):
+    GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}" + (f"j{_jr}" if _jr > 1 else "")] = {
         "R1": _jr, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0, "J": 1, "num_warps": _w, "num_stages": 1}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {
@@ -180,6 +181,9 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     if GEMV_VARIANTS[name].get("R1") and fmt not in R1_FORMATS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads {', '.join(R1_FORMATS)} "
                          f"only.")
+    if GEMV_VARIANTS[name].get("R1", 0) > 2 and fmt != "q4_k":
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile of four words a thread, which reads "
+                         f"q4_k only.")
     return GEMV_VARIANTS[name]
 
 
@@ -627,6 +631,149 @@ if HAVE_TRITON:
                     u5 += _row1(wb + o5, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
                     u6 += _row1(wb + o6, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
                     u7 += _row1(wb + o7, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
+        return _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN), _sums8(u0, u1, u2, u3, u4, u5, u6, u7, BN)
+
+    # Q4_K rows one by one (R1, `_rowskr`): a group is JR code words of one 32-byte group j of a super-block's
+    # nibbles (words i, i + 16 / JR, ...: the low nibbles are values of sub-block 2j, the high ones of 2j + 1), so a
+    # thread's codes share two sub-blocks' scales and minimums; per row it sums code * x for each sub-block, then
+    # applies d * scale to each sum and subtracts dmin * min times the sum of the sub-block's activations (the same
+    # for every row, summed once a pass).
+
+    @triton.jit
+    def _kword(w, wo, mg, x0, x1, x2, x3):
+        """(sub-block 2j, sub-block 2j + 1) sums of code * x over one Q4_K code word, x pre-scaled (`_xkr`)."""
+        h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
+        ev = _code(h, 0x000F, 8388608.0) * x0 + _code(h, 0x0F00, 8388608.0) * x2
+        od = _code(h, 0x00F0, 8388608.0) * x1 + _code(h, 0xF000, 8388608.0) * x3
+        return ev, od
+
+    @triton.jit
+    def _xkr(xr, xo):
+        """Activations of a code word whose first value is at xo (sub-block 2j's values xo, xo + 1; 2j + 1's
+        xo + 32, xo + 33), pre-scaled to the nibbles' places, and the raw pair sums of each sub-block."""
+        a = tl.load(xr + xo).to(tl.float32)
+        b = tl.load(xr + xo + 32).to(tl.float32)
+        c = tl.load(xr + xo + 1).to(tl.float32)
+        e = tl.load(xr + xo + 33).to(tl.float32)
+        return a, b * (1.0 / 16), c * (1.0 / 256), e * (1.0 / 4096), a + c, b + e
+
+    @triton.jit
+    def _krow(w, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, xe, xo,
+              JR: tl.constexpr, STEP: tl.constexpr):
+        """One Q4_K row's part of each group: d * (sc_e * sum_e + sc_o * sum_o) - dmin * (m_e * xe + m_o * xo) over
+        the group's JR words (at wq, wq + STEP, ...) of nibble group j of the super-block at word base."""
+        ev, od = _kword(w, wq, mg, x0, x1, x2, x3)
+        if JR >= 2:
+            e1, o1 = _kword(w, wq + STEP, mg, y0, y1, y2, y3)
+            ev += e1
+            od += o1
+        if JR == 4:
+            e2, o2 = _kword(w, wq + 2 * STEP, mg, z0, z1, z2, z3)
+            e3, o3 = _kword(w, wq + 3 * STEP, mg, v0, v1, v2, v3)
+            ev += e2 + e3
+            od += o2 + o3
+        s0 = tl.load(w + base + 2 + j).to(tl.uint16, bitcast=True).to(tl.int32)
+        s1 = tl.load(w + base + 4 + j).to(tl.uint16, bitcast=True).to(tl.int32)
+        s2 = tl.load(w + base + tl.where(j >= 2, j, j + 2)).to(tl.uint16, bitcast=True).to(tl.int32)
+        hi = j >= 2
+        # ggml's get_scale_min_k4 for sub-blocks 2j (low bytes) and 2j + 1 (high bytes)
+        sce = tl.where(hi, (s1 & 15) | ((s2 >> 6) & 3) << 4, s0 & 63)
+        sco = tl.where(hi, ((s1 >> 8) & 15) | ((s2 >> 14) & 3) << 4, (s0 >> 8) & 63)
+        mne = tl.where(hi, ((s1 >> 4) & 15) | ((s0 >> 6) & 3) << 4, s1 & 63)
+        mno = tl.where(hi, ((s1 >> 12) & 15) | ((s0 >> 14) & 3) << 4, (s1 >> 8) & 63)
+        d = _scale(tl.load(w + base))
+        dmin = _scale(tl.load(w + base + 1))
+        return ((d * sce.to(tl.float32)) * ev + (d * sco.to(tl.float32)) * od
+                - ((dmin * mne.to(tl.float32)) * xe + (dmin * mno.to(tl.float32)) * xo))
+
+    @triton.jit
+    def _rowskr(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, TWO: tl.constexpr, BN: tl.constexpr,
+                NBC: tl.constexpr, JR: tl.constexpr, EVEN: tl.constexpr):
+        """[BN] sums of Q4_K rows wa + min(r, rlim) * SWN (r < BN <= 8) times the row at xr, and (TWO) of the rows
+        at wb; NBC super-blocks a pass, a group JR words of one nibble group (`_krow`). EVEN (every row of the
+        program exists): the rows are constant offsets, folded into each load's address."""
+        TPS: tl.constexpr = 64 // JR                     # groups a super-block
+        STEP: tl.constexpr = 16 // JR                    # words between a group's words
+        g = tl.arange(0, NBC * TPS)
+        z = tl.zeros((NBC * TPS,), dtype=tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
+        u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
+        if EVEN:
+            o1: tl.constexpr = SWN
+            o2: tl.constexpr = 2 * SWN
+            o3: tl.constexpr = 3 * SWN
+            o4: tl.constexpr = 4 * SWN
+            o5: tl.constexpr = 5 * SWN
+            o6: tl.constexpr = 6 * SWN
+            o7: tl.constexpr = 7 * SWN
+        else:
+            o1 = tl.minimum(1, rlim) * SWN
+            o2 = tl.minimum(2, rlim) * SWN
+            o3 = tl.minimum(3, rlim) * SWN
+            o4 = tl.minimum(4, rlim) * SWN
+            o5 = tl.minimum(5, rlim) * SWN
+            o6 = tl.minimum(6, rlim) * SWN
+            o7 = tl.minimum(7, rlim) * SWN
+        t = g % TPS
+        j = t // STEP                                    # nibble group (sub-blocks 2j, 2j + 1)
+        i = t % STEP                                     # first word in the group
+        for b0 in range(0, nblk, NBC):
+            sb = b0 + g // TPS
+            base = sb * 72
+            wq = base + 8 + 16 * j + i
+            xo = sb * 256 + 64 * j + 2 * i
+            x0, x1, x2, x3, xe, xod = _xkr(xr, xo)
+            y0, y1, y2, y3 = x0, x1, x2, x3
+            z0, z1, z2, z3 = x0, x1, x2, x3
+            v0, v1, v2, v3 = x0, x1, x2, x3
+            if JR >= 2:
+                y0, y1, y2, y3, ye, yo = _xkr(xr, xo + 2 * STEP)
+                xe += ye
+                xod += yo
+            if JR == 4:
+                z0, z1, z2, z3, ze, zo = _xkr(xr, xo + 4 * STEP)
+                v0, v1, v2, v3, ve, vo = _xkr(xr, xo + 6 * STEP)
+                xe += ze + ve
+                xod += zo + vo
+            a0 += _krow(wa, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, xe, xod,
+                        JR, STEP)
+            if TWO:
+                u0 += _krow(wb, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, xe,
+                            xod, JR, STEP)
+            if BN > 1:
+                a1 += _krow(wa + o1, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                if TWO:
+                    u1 += _krow(wb + o1, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
+            if BN > 2:
+                a2 += _krow(wa + o2, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                a3 += _krow(wa + o3, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                if TWO:
+                    u2 += _krow(wb + o2, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
+                    u3 += _krow(wb + o3, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
+            if BN > 4:
+                a4 += _krow(wa + o4, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                a5 += _krow(wa + o5, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                a6 += _krow(wa + o6, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                a7 += _krow(wa + o7, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
+                            xe, xod, JR, STEP)
+                if TWO:
+                    u4 += _krow(wb + o4, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
+                    u5 += _krow(wb + o5, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
+                    u6 += _krow(wb + o6, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
+                    u7 += _krow(wb + o7, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
+                                v3, xe, xod, JR, STEP)
         return _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN), _sums8(u0, u1, u2, u3, u4, u5, u6, u7, BN)
 
     # ------------------------------------------------------------------------------------------- K-quant rows
@@ -1158,6 +1305,12 @@ if HAVE_TRITON:
                                         BN, NBC, NORM, R1)
                     ra1 = ra0
                     rb1 = rb0
+                elif R1 and QT == 5:                             # Q4_K rows one at a time (`_rowskr`)
+                    tl.static_assert(MB == 1)
+                    w0 = w_ptr + tl.maximum(s, 0).to(tl.int64) * stride_we + (nb * BN * SWN).to(tl.int64)
+                    ra0, rb0 = _rowskr(xr0, w0, w0 + N * SWN, N - 1 - nb * BN, SWN, nblk, mg, UP, BN, NBC, R1, EVEN)
+                    ra1 = ra0
+                    rb1 = rb0
                 else:
                     ra0, rb0, ra1, rb1 = _rows(xr0, xr1, wa, wb, nm, nblk, K, mg, nw_ptr, rstd, UP, QT, MB, BN, NBC,
                                                PF, KMASK, J, NORM)
@@ -1198,11 +1351,21 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: int = 0) -> int:
     q = QT[fmt]
     if r1 and q in (1, 3, 10):
         return max(1, min(cfg_warps, nbc * (16 if q == 1 else 8) // (32 * r1)))
+    if r1 and q == 5:
+        return max(1, min(cfg_warps, nbc * 64 // (32 * r1)))
     if q == 0:
         return cfg_warps
     lanes = (16 if q in (1, 5, 6) else 8) // (j if q in BLOCK32 else 1)     # threads along a group's words
     groups = nbc * (4 if q in (5, 6, 7, 8) else 8 if q in (4, 9) else 1)
     return max(1, min(cfg_warps, groups // (32 // lanes)))
+
+
+def _r1(fmt: str, cfg: dict[str, int]) -> int:
+    """The variant's R1 (words a thread of the row-by-row tiles), refused where the format has no such tile of it."""
+    r1 = int(cfg.get("R1", 0))
+    if r1 > 2 and fmt != "q4_k":
+        raise ValueError(f"a row-by-row tile of {r1} words a thread reads q4_k only, not {fmt}.")
+    return r1
 
 
 def _weights(w: Tensor, fmt: str) -> Tensor:
@@ -1219,7 +1382,7 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     one = bool(cfg.get("ONE_UP", cfg.get("ONE")))
     c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
-    r1 = int(cfg.get("R1", 0))
+    r1 = _r1(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(inter, cfg["BN_UP"]))
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
@@ -1243,7 +1406,7 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     one = bool(cfg.get("ONE_DOWN", cfg.get("ONE")))
     c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
-    r1 = int(cfg.get("R1", 0))
+    r1 = _r1(fmt, cfg)
     nblk = K // BLOCK_VALUES[QT[fmt]]
     grid = (NP, triton.cdiv(N, cfg["BN_DOWN"]))
     if norm is not None and not (norm_fits(fmt, cfg) and NP == 1 and h.shape[0] == 1):

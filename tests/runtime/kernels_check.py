@@ -896,6 +896,39 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
                     assert got.shape == (1, 36) and rel(got, ref36) < 3e-3, (qt, K, name, rel(got, ref36))
 
 
+def check_r1_q4k() -> None:
+    """Q4_K rows one at a time (moe_gemv `_rowskr`, the R1 variants): dense rows whose last program reads past N (36
+    rows in programs of 4 and 8; two, four and one code words a thread) and a window's experts, against float32
+    math on gguf-py's values; a row alone has the bits it has in the window."""
+    from runtime.gpu import moe_gemv
+
+    g = torch.Generator().manual_seed(61)
+    blk, wf = expert_blocks("q4_k", 1, 36, 512, g)
+    x = torch.randn(1, 512, generator=g)
+    ref = x @ wf[0].float().t()
+    for name in ("r4d8k2w4j4", "r4d8k4w4j2", "r2d4k2w4"):
+        got = dense_kernels.gemv(x, blk[0], "q4_k", moe_gemv.GEMV_VARIANTS[name])
+        assert got.shape == (1, 36) and rel(got, ref) < 3e-5, (name, rel(got, ref))
+    E, k, T, H, NI = 4, 2, 3, 256, 256
+    gub, guf = expert_blocks("q4_k", E, 2 * NI, H, g)
+    dnb, dnf = expert_blocks("q4_k", E, H, NI, g)
+    xs = torch.randn(T, H, generator=g)
+    idx = torch.tensor([[0, 2], [3, 1], [2, 1]])
+    w = torch.rand(T, k, generator=g)
+    saved, saved_one = dict(moe_gemv.DECODE_GEMV), dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    try:
+        moe_gemv.DECODE_GEMV["q4_k"] = "r4d8k2w4j4"
+        moe_gemv.DECODE_GEMV_ONE_ROW.pop("q4_k", None)
+        out = moe_kernels.moe_grouped(xs, idx, w, gub, dnb, fmt="q4_k")
+        assert rel(out, ref_moe(xs, idx, w, guf, dnf)) < 3e-5, rel(out, ref_moe(xs, idx, w, guf, dnf))
+        one = moe_kernels.moe_grouped(xs[2:3], idx[2:3], w[2:3], gub, dnb, fmt="q4_k")
+        assert torch.equal(one[0], out[2])
+    finally:
+        moe_gemv.DECODE_GEMV.update(saved)
+        moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)
+
+
 def check_quant(dt: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for qt in ("q8_0", "q5_0", "q4_0"):
@@ -1249,6 +1282,7 @@ if __name__ == "__main__":
         check_moe_gemv(half)
         if half != 1:         # half 1's formats take the interpreter longer
             check_gemv_one_step(torch.float16)
+            check_r1_q4k()
         for dt in (torch.float32, torch.float16):
             if half is None or half == (dt == torch.float16):      # one dtype a half: the halves take alike
                 check_quant_norm_gemv(dt)
