@@ -192,8 +192,10 @@ def time_experts(st: ExpertSetup, fmt: str, parts, bw: float, deadline: Deadline
 # these are the looped tiles with more blocks a step, so more warps a program (moe_gemv "n*k*")
 QUANT_CANDIDATES = ("n8j2np", "n8j2", "n4j2k2np", "n8j2k2np", "n16j2k2np", "n8j2k2", "n4j2k4np", "n8j2k4np", "n8j2k4",
                     "qone4j2")
-# the row-by-row tiles (moe_gemv `_rows32r`, `_rowskr`), for the formats they read (moe_gemv.R1_FORMATS; j4: Q4_K)
-R1_CANDIDATES = ("r2d4k2w4", "r4d8k2w4j2", "r4d8k4w4j2", "r4d8k4w8j2", "r4d8k2w4j4", "r8d8k4w4j4")
+# the row-by-row tiles (moe_gemv `_rows32r`, `_rowskr`), for the formats they read (moe_gemv.R1_FORMATS; Q4_K: j2,
+# j4, j8)
+R1_CANDIDATES = ("r2d4k2w4", "r4d8k2w4j2", "r4d8k4w4j2", "r4d8k4w8j2", "r4d8k2w4j4", "r8d8k4w4j4", "r4d8k4w4j8",
+                 "r8d8k4w4j8", "r4d8k8w4j8", "r2d4k4w4j8")
 
 
 def quant_experts(fmt: str, gen: torch.Generator):
@@ -223,8 +225,8 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline, lm_head: bool = False) -
     gen = torch.Generator(device="cuda").manual_seed(2)
     cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
     if fmt in moe_gemv.R1_FORMATS:
-        cands |= {v: moe_gemv.GEMV_VARIANTS[v] for v in R1_CANDIDATES
-                  if fmt == "q4_k" or moe_gemv.GEMV_VARIANTS[v]["R1"] <= 2}
+        ok = (2, 4, 8) if fmt == "q4_k" else (1, 2)
+        cands |= {v: moe_gemv.GEMV_VARIANTS[v] for v in R1_CANDIDATES if moe_gemv.GEMV_VARIANTS[v]["R1"] in ok}
     rows: list[dict[str, Any]] = []
     mats = [("lm_head", (151936, H))] if lm_head else [("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])]
     for name, (N, K) in mats:

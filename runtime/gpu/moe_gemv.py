@@ -94,9 +94,11 @@ GEMV_VARIANTS["u4d8k2np"] = {**GEMV_VARIANTS["n4j2k2np"], "BN_DOWN": 8}
 R1_FORMATS = ("q8_0", "q4_0", "iq4_nl", "q4_k")  # the formats `_rows32r` and `_rowskr` read
 # R1: Q8_0 / Q4_0 / IQ4_NL rows one at a time over one-dimensional tiles (`_rows32r`; Q4_K: `_rowskr`), the same on
 # every Triton; rN dM: N rows a program for gate/up, M for down; kK: K x 512 values a pass; wW: warps (at most a
-# pass's groups / 32); jJ: J code words of a block (Q4_K: of a nibble group) a thread (R1 = J; 4: Q4_K only)
+# pass's groups / 32); jJ: J code words of a block a thread (R1 = J; Q4_K: J / 2 of each of two nibble groups,
+# J = 2, 4 or 8; 4 and 8: Q4_K only)
 for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048, 4, 2), (4, 8, 1024, 4, 4),
-                             (8, 8, 2048, 4, 4), (4, 8, 2048, 8, 2)):
+                             (8, 8, 2048, 4, 4), (4, 8, 2048, 8, 2), (4, 8, 2048, 4, 8), (8, 8, 2048, 4, 8),
+                             (4, 8, 4096, 4, 8), (2, 4, 2048, 4, 8)):
     GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}" + (f"j{_jr}" if _jr > 1 else "")] = {
         "R1": _jr, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0, "J": 1, "num_warps": _w, "num_stages": 1}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
@@ -182,8 +184,8 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads {', '.join(R1_FORMATS)} "
                          f"only.")
     if GEMV_VARIANTS[name].get("R1", 0) > 2 and fmt != "q4_k":
-        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile of four words a thread, which reads "
-                         f"q4_k only.")
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile of {GEMV_VARIANTS[name]['R1']} words a "
+                         f"thread, which reads q4_k only.")
     return GEMV_VARIANTS[name]
 
 
@@ -633,18 +635,23 @@ if HAVE_TRITON:
                     u7 += _row1(wb + o7, wq, do, mg, x0, x1, x2, x3, y0, y1, y2, y3, QT, JR, TPB)
         return _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN), _sums8(u0, u1, u2, u3, u4, u5, u6, u7, BN)
 
-    # Q4_K rows one by one (R1, `_rowskr`): a group is JR code words of one 32-byte group j of a super-block's
-    # nibbles (words i, i + 16 / JR, ...: the low nibbles are values of sub-block 2j, the high ones of 2j + 1), so a
-    # thread's codes share two sub-blocks' scales and minimums; per row it sums code * x for each sub-block, then
-    # applies d * scale to each sum and subtracts dmin * min times the sum of the sub-block's activations (the same
-    # for every row, summed once a pass).
+    # Q4_K rows one by one (R1, `_rowskr`). A super-block's nibbles are four 32-byte groups j; a code word of group j
+    # (bytes 2i, 2i + 1) holds values 2i, 2i + 1 of sub-block 2j in its low nibbles and of 2j + 1 in its high ones.
+    # A thread takes R1 / 2 words of group q and as many of group q + 2 (q = 0, 1): sub-blocks 2q, 2q + 1, 2q + 4,
+    # 2q + 5, whose six-bit scales and minimums come from scale words 2 + q, 4 + q, 6 + q with no select (ggml's
+    # get_scale_min_k4: the low form for sub-blocks 0-3, the high form for 4-7). Per row it sums code * x for each
+    # sub-block, then applies d * scale to each sum and subtracts dmin * min times the sum of the sub-block's
+    # activations (the same for every row, summed once a pass).
 
     @triton.jit
-    def _kword(w, wo, mg, x0, x1, x2, x3):
-        """(sub-block 2j, sub-block 2j + 1) sums of code * x over one Q4_K code word, x pre-scaled (`_xkr`)."""
+    def _kacc(w, wo, mg, x0, x1, x2, x3, ev, od):
+        """(ev, od) plus the sub-block 2j / 2j + 1 sums of code * x of the Q4_K code word at wo, x pre-scaled
+        (`_xkr`)."""
         h = _or(tl.load(w + wo).to(tl.uint16, bitcast=True).to(tl.int32), mg)
-        ev = _code(h, 0x000F, 8388608.0) * x0 + _code(h, 0x0F00, 8388608.0) * x2
-        od = _code(h, 0x00F0, 8388608.0) * x1 + _code(h, 0xF000, 8388608.0) * x3
+        ev = ev + _code(h, 0x000F, 8388608.0) * x0
+        od = od + _code(h, 0x00F0, 8388608.0) * x1
+        ev = ev + _code(h, 0x0F00, 8388608.0) * x2
+        od = od + _code(h, 0xF000, 8388608.0) * x3
         return ev, od
 
     @triton.jit
@@ -658,44 +665,56 @@ if HAVE_TRITON:
         return a, b * (1.0 / 16), c * (1.0 / 256), e * (1.0 / 4096), a + c, b + e
 
     @triton.jit
-    def _krow(w, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, xe, xo,
-              JR: tl.constexpr, STEP: tl.constexpr):
-        """One Q4_K row's part of each group: d * (sc_e * sum_e + sc_o * sum_o) - dmin * (m_e * xe + m_o * xo) over
-        the group's JR words (at wq, wq + STEP, ...) of nibble group j of the super-block at word base."""
-        ev, od = _kword(w, wq, mg, x0, x1, x2, x3)
-        if JR >= 2:
-            e1, o1 = _kword(w, wq + STEP, mg, y0, y1, y2, y3)
-            ev += e1
-            od += o1
-        if JR == 4:
-            e2, o2 = _kword(w, wq + 2 * STEP, mg, z0, z1, z2, z3)
-            e3, o3 = _kword(w, wq + 3 * STEP, mg, v0, v1, v2, v3)
-            ev += e2 + e3
-            od += o2 + o3
-        s0 = tl.load(w + base + 2 + j).to(tl.uint16, bitcast=True).to(tl.int32)
-        s1 = tl.load(w + base + 4 + j).to(tl.uint16, bitcast=True).to(tl.int32)
-        s2 = tl.load(w + base + tl.where(j >= 2, j, j + 2)).to(tl.uint16, bitcast=True).to(tl.int32)
-        hi = j >= 2
-        # ggml's get_scale_min_k4 for sub-blocks 2j (low bytes) and 2j + 1 (high bytes)
-        sce = tl.where(hi, (s1 & 15) | ((s2 >> 6) & 3) << 4, s0 & 63)
-        sco = tl.where(hi, ((s1 >> 8) & 15) | ((s2 >> 14) & 3) << 4, (s0 >> 8) & 63)
-        mne = tl.where(hi, ((s1 >> 4) & 15) | ((s0 >> 6) & 3) << 4, s1 & 63)
-        mno = tl.where(hi, ((s1 >> 12) & 15) | ((s0 >> 14) & 3) << 4, (s1 >> 8) & 63)
+    def _six(v):
+        """Six-bit (or smaller) non-negative ints as float32: or-ed into 2^23's bits, less 2^23 (exact)."""
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _krow(w, base, q, lo, hi, mg, xl, xh, sx, W2: tl.constexpr, STEP: tl.constexpr):
+        """One Q4_K row's part of each thread: its W2 words of group q at lo, lo + STEP, ... (activations xl: a
+        tuple of each word's four) and of group q + 2 at hi (xh), each sub-block's sum times d * scale, less
+        dmin * min * (its activations' sum, sx: sub-blocks 2q, 2q + 1, 2q + 4, 2q + 5)."""
+        z = tl.zeros(sx[0].shape, dtype=tl.float32)
+        ev, od, eh, oh = z, z, z, z
+        for k in tl.static_range(W2):
+            ev, od = _kacc(w, lo + k * STEP, mg, xl[4 * k], xl[4 * k + 1], xl[4 * k + 2], xl[4 * k + 3], ev, od)
+            eh, oh = _kacc(w, hi + k * STEP, mg, xh[4 * k], xh[4 * k + 1], xh[4 * k + 2], xh[4 * k + 3], eh, oh)
+        s0 = tl.load(w + base + 2 + q).to(tl.uint16, bitcast=True).to(tl.int32)
+        s1 = tl.load(w + base + 4 + q).to(tl.uint16, bitcast=True).to(tl.int32)
+        s2 = tl.load(w + base + 6 + q).to(tl.uint16, bitcast=True).to(tl.int32)
         d = _scale(tl.load(w + base))
         dmin = _scale(tl.load(w + base + 1))
-        return ((d * sce.to(tl.float32)) * ev + (d * sco.to(tl.float32)) * od
-                - ((dmin * mne.to(tl.float32)) * xe + (dmin * mno.to(tl.float32)) * xo))
+        sc = (_six(s0 & 63) * ev + _six((s0 >> 8) & 63) * od
+              + _six((s2 & 15) | ((s0 >> 2) & 0x30)) * eh + _six(((s2 >> 8) & 15) | ((s0 >> 10) & 0x30)) * oh)
+        mn = (_six(s1 & 63) * sx[0] + _six((s1 >> 8) & 63) * sx[1]
+              + _six(((s2 >> 4) & 15) | ((s1 >> 2) & 0x30)) * sx[2]
+              + _six(((s2 >> 12) & 15) | ((s1 >> 10) & 0x30)) * sx[3])
+        return d * sc - dmin * mn
+
+    @triton.jit
+    def _xk4(xr, xo, STEP: tl.constexpr, W2: tl.constexpr):
+        """The pre-scaled activations of a thread's W2 words of one group (a flat tuple, four a word) and the
+        group's two sub-blocks' activation sums over them."""
+        a0, a1, a2, a3, se, so = _xkr(xr, xo)
+        xs = (a0, a1, a2, a3)
+        for k in tl.static_range(1, W2):
+            b0, b1, b2, b3, be, bo = _xkr(xr, xo + 2 * k * STEP)
+            xs = xs + (b0, b1, b2, b3)
+            se += be
+            so += bo
+        return xs, se, so
 
     @triton.jit
     def _rowskr(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, TWO: tl.constexpr, BN: tl.constexpr,
                 NBC: tl.constexpr, JR: tl.constexpr, EVEN: tl.constexpr):
         """[BN] sums of Q4_K rows wa + min(r, rlim) * SWN (r < BN <= 8) times the row at xr, and (TWO) of the rows
-        at wb; NBC super-blocks a pass, a group JR words of one nibble group (`_krow`). EVEN (every row of the
-        program exists): the rows are constant offsets, folded into each load's address."""
-        TPS: tl.constexpr = 64 // JR                     # groups a super-block
-        STEP: tl.constexpr = 16 // JR                    # words between a group's words
-        g = tl.arange(0, NBC * TPS)
-        z = tl.zeros((NBC * TPS,), dtype=tl.float32)
+        at wb; NBC super-blocks a pass, JR (2, 4 or 8) words a thread (`_krow`). EVEN (every row of the program
+        exists): the rows are constant offsets, folded into each load's address."""
+        W2: tl.constexpr = JR // 2                       # words of each of the thread's two groups
+        HALF: tl.constexpr = 16 // W2                    # threads a group pair q takes
+        STEP: tl.constexpr = HALF                        # words between a thread's words of one group
+        g = tl.arange(0, NBC * 2 * HALF)
+        z = tl.zeros((NBC * 2 * HALF,), dtype=tl.float32)
         a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         if EVEN:
@@ -714,66 +733,41 @@ if HAVE_TRITON:
             o5 = tl.minimum(5, rlim) * SWN
             o6 = tl.minimum(6, rlim) * SWN
             o7 = tl.minimum(7, rlim) * SWN
-        t = g % TPS
-        j = t // STEP                                    # nibble group (sub-blocks 2j, 2j + 1)
-        i = t % STEP                                     # first word in the group
+        t = g % (2 * HALF)
+        q = t // HALF                                    # group pair: groups q and q + 2
+        i = t % HALF                                     # first word in each group
         for b0 in range(0, nblk, NBC):
-            sb = b0 + g // TPS
+            sb = b0 + g // (2 * HALF)
             base = sb * 72
-            wq = base + 8 + 16 * j + i
-            xo = sb * 256 + 64 * j + 2 * i
-            x0, x1, x2, x3, xe, xod = _xkr(xr, xo)
-            y0, y1, y2, y3 = x0, x1, x2, x3
-            z0, z1, z2, z3 = x0, x1, x2, x3
-            v0, v1, v2, v3 = x0, x1, x2, x3
-            if JR >= 2:
-                y0, y1, y2, y3, ye, yo = _xkr(xr, xo + 2 * STEP)
-                xe += ye
-                xod += yo
-            if JR == 4:
-                z0, z1, z2, z3, ze, zo = _xkr(xr, xo + 4 * STEP)
-                v0, v1, v2, v3, ve, vo = _xkr(xr, xo + 6 * STEP)
-                xe += ze + ve
-                xod += zo + vo
-            a0 += _krow(wa, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, xe, xod,
-                        JR, STEP)
+            lo = base + 8 + 16 * q + i
+            hi = lo + 32
+            xo = sb * 256 + 64 * q + 2 * i
+            xl, se0, so0 = _xk4(xr, xo, STEP, W2)
+            xh, se2, so2 = _xk4(xr, xo + 128, STEP, W2)
+            sx = (se0, so0, se2, so2)
+            a0 += _krow(wa, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
             if TWO:
-                u0 += _krow(wb, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3, xe,
-                            xod, JR, STEP)
+                u0 += _krow(wb, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
             if BN > 1:
-                a1 += _krow(wa + o1, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
+                a1 += _krow(wa + o1, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
                 if TWO:
-                    u1 += _krow(wb + o1, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
+                    u1 += _krow(wb + o1, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
             if BN > 2:
-                a2 += _krow(wa + o2, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
-                a3 += _krow(wa + o3, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
+                a2 += _krow(wa + o2, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                a3 += _krow(wa + o3, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
                 if TWO:
-                    u2 += _krow(wb + o2, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
-                    u3 += _krow(wb + o3, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
+                    u2 += _krow(wb + o2, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                    u3 += _krow(wb + o3, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
             if BN > 4:
-                a4 += _krow(wa + o4, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
-                a5 += _krow(wa + o5, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
-                a6 += _krow(wa + o6, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
-                a7 += _krow(wa + o7, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2, v3,
-                            xe, xod, JR, STEP)
+                a4 += _krow(wa + o4, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                a5 += _krow(wa + o5, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                a6 += _krow(wa + o6, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                a7 += _krow(wa + o7, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
                 if TWO:
-                    u4 += _krow(wb + o4, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
-                    u5 += _krow(wb + o5, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
-                    u6 += _krow(wb + o6, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
-                    u7 += _krow(wb + o7, base, wq, j, mg, x0, x1, x2, x3, y0, y1, y2, y3, z0, z1, z2, z3, v0, v1, v2,
-                                v3, xe, xod, JR, STEP)
+                    u4 += _krow(wb + o4, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                    u5 += _krow(wb + o5, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                    u6 += _krow(wb + o6, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
+                    u7 += _krow(wb + o7, base, q, lo, hi, mg, xl, xh, sx, W2, STEP)
         return _sums8(a0, a1, a2, a3, a4, a5, a6, a7, BN), _sums8(u0, u1, u2, u3, u4, u5, u6, u7, BN)
 
     # ------------------------------------------------------------------------------------------- K-quant rows
@@ -1352,7 +1346,7 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: int = 0) -> int:
     if r1 and q in (1, 3, 10):
         return max(1, min(cfg_warps, nbc * (16 if q == 1 else 8) // (32 * r1)))
     if r1 and q == 5:
-        return max(1, min(cfg_warps, nbc * 64 // (32 * r1)))
+        return max(1, min(cfg_warps, nbc * 64 // (32 * r1)))     # `_rowskr`: 64 / r1 threads a super-block
     if q == 0:
         return cfg_warps
     lanes = (16 if q in (1, 5, 6) else 8) // (j if q in BLOCK32 else 1)     # threads along a group's words
@@ -1363,6 +1357,8 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: int = 0) -> int:
 def _r1(fmt: str, cfg: dict[str, int]) -> int:
     """The variant's R1 (words a thread of the row-by-row tiles), refused where the format has no such tile of it."""
     r1 = int(cfg.get("R1", 0))
+    if fmt == "q4_k" and r1 not in (0, 2, 4, 8):
+        raise ValueError(f"a row-by-row Q4_K tile takes 2, 4 or 8 words a thread, not {r1}.")
     if r1 > 2 and fmt != "q4_k":
         raise ValueError(f"a row-by-row tile of {r1} words a thread reads q4_k only, not {fmt}.")
     return r1

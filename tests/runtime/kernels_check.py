@@ -898,7 +898,7 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
 
 def check_r1_q4k() -> None:
     """Q4_K rows one at a time (moe_gemv `_rowskr`, the R1 variants): dense rows whose last program reads past N (36
-    rows in programs of 4 and 8; two, four and one code words a thread) and a window's experts, against float32
+    rows in programs of 4 and 8; four, two and eight code words a thread) and a window's experts, against float32
     math on gguf-py's values; a row alone has the bits it has in the window."""
     from runtime.gpu import moe_gemv
 
@@ -906,7 +906,7 @@ def check_r1_q4k() -> None:
     blk, wf = expert_blocks("q4_k", 1, 36, 512, g)
     x = torch.randn(1, 512, generator=g)
     ref = x @ wf[0].float().t()
-    for name in ("r4d8k2w4j4", "r4d8k4w4j2", "r2d4k2w4"):
+    for name in ("r4d8k2w4j4", "r4d8k4w4j2", "r8d8k4w4j8"):
         got = dense_kernels.gemv(x, blk[0], "q4_k", moe_gemv.GEMV_VARIANTS[name])
         assert got.shape == (1, 36) and rel(got, ref) < 3e-5, (name, rel(got, ref))
     E, k, T, H, NI = 4, 2, 3, 256, 256
@@ -917,7 +917,7 @@ def check_r1_q4k() -> None:
     w = torch.rand(T, k, generator=g)
     saved, saved_one = dict(moe_gemv.DECODE_GEMV), dict(moe_gemv.DECODE_GEMV_ONE_ROW)
     try:
-        moe_gemv.DECODE_GEMV["q4_k"] = "r4d8k2w4j4"
+        moe_gemv.DECODE_GEMV["q4_k"] = "r4d8k4w4j8"
         moe_gemv.DECODE_GEMV_ONE_ROW.pop("q4_k", None)
         out = moe_kernels.moe_grouped(xs, idx, w, gub, dnb, fmt="q4_k")
         assert rel(out, ref_moe(xs, idx, w, guf, dnf)) < 3e-5, rel(out, ref_moe(xs, idx, w, guf, dnf))
