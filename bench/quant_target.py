@@ -424,18 +424,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--k-tiles-before", default="", help="formats (q4_k,q6_k) whose one-row products take "
                     "DECODE_GEMV's tiles (the runtime before dense_kernels.QUANT_ONE_ROW and "
                     "moe_gemv.DECODE_GEMV_ONE_ROW named K-quant tiles): an A/B in two runs of one device call")
-    ap.add_argument("--k-r1", default="", help="a row-by-row variant (moe_gemv R1, e.g. r4d8k2w4j2) for every Q4_K "
-                    "product and the experts; 'o_proj=VARIANT' after a comma sets o_proj's apart: an A/B in two runs")
+    ap.add_argument("--q4k-tiles", default="", help="Q4_K one-row tiles to take instead of the tables': "
+                    "comma-separated ROLE=VARIANT, ROLE one of experts, qkv, o_proj, lm_head (an A/B in two runs)")
     args = ap.parse_args(argv)
     args.quants = [q for q in args.quants.split(",") if q]
-    if args.k_r1:
+    if args.q4k_tiles:
         from runtime.gpu import dense_kernels, moe_gemv
 
-        parts = args.k_r1.split(",")
-        roles = dict(p.split("=", 1) for p in parts[1:])
-        moe_gemv.DECODE_GEMV["q4_k"] = moe_gemv.DECODE_GEMV_ONE_ROW["q4_k"] = parts[0]
-        for role in ("qkv", "o_proj", "lm_head"):
-            dense_kernels.QUANT_ONE_ROW[("q4_k", role)] = roles.get(role, parts[0])
+        for role, name in (p.split("=", 1) for p in args.q4k_tiles.split(",")):
+            if role == "experts":
+                moe_gemv.DECODE_GEMV_ONE_ROW["q4_k"] = name
+            else:
+                dense_kernels.QUANT_ONE_ROW[("q4_k", role)] = name
     before = [f for f in args.k_tiles_before.split(",") if f]
     if before:
         from runtime.gpu import dense_kernels, moe_gemv

@@ -21,8 +21,9 @@ are loaded before this step's arithmetic (PF). On a GPU two inline PTX instructi
 the magic-number or past the loop's back edge (it would then carry the words as packed 16-bit pairs). That layout is
 Triton 3.6's choice: the tile's dimensions other than the words tie in contiguity, and Triton 3.9 breaks the tie the
 other way, spreading the rows over threads (shared memory, barriers and shuffles in the loop; 16-82% slower kernels).
-The R1 tiles (`_rows32r`, Q8_0 / Q4_0 / IQ4_NL) leave no such choice: every tensor of a pass is one-dimensional and
-each row its own tensor; they take over from Triton 3.9 on (`R1_FROM`).
+The R1 tiles (`_rows32r`, Q8_0 / Q4_0 / IQ4_NL; `_rowskr`, Q4_K) leave no such choice: every tensor of a pass is
+one-dimensional and each row its own tensor; they take over from Triton 3.9 on (`R1_FROM`), and the Q4_K experts'
+gate/up of one-row windows take theirs on every Triton (`DECODE_GEMV_ONE_ROW`).
 
 Row invariance (BN, the loop step and MB are the same for every window width; a row's reduction order depends only
 on its place in the tile), the slot table, missed experts' rows and graph capture are those of the tl.dot kernels of
@@ -101,6 +102,11 @@ for _u, _d, _kv, _w, _jr in ((2, 4, 1024, 4, 1), (4, 8, 1024, 4, 2), (4, 8, 2048
                              (4, 8, 4096, 4, 8), (2, 4, 2048, 4, 8)):
     GEMV_VARIANTS[f"r{_u}d{_d}k{_kv // 512}w{_w}" + (f"j{_jr}" if _jr > 1 else "")] = {
         "R1": _jr, "BN_UP": _u, "BN_DOWN": _d, "KV": _kv, "MB": 1, "PF": 0, "J": 1, "num_warps": _w, "num_stages": 1}
+# Q4_K experts: gate/up on the row-by-row tile of eight words a thread (as r4d8k4w4j8), the down products on the
+# looped tile of 16 (rk8u4d16) or 8 rows (rk8u4d8); keys ending in _UP / _DOWN override the shared ones for that
+# kernel (`_side`)
+GEMV_VARIANTS["rk8u4d16"] = {**GEMV_VARIANTS["n16j2k2np"], "BN_UP": 4, "R1_UP": 8, "KV_UP": 2048, "num_warps_UP": 4}
+GEMV_VARIANTS["rk8u4d8"] = {**GEMV_VARIANTS["n8j2np"], "BN_UP": 4, "R1_UP": 8, "KV_UP": 2048, "num_warps_UP": 4}
 # the variant per weight format for decode windows (None: the tl.dot kernels of moe_kernels)
 DECODE_GEMV: dict[str, str | None] = {
     "bf16": None, "q8_0": "n8j2np", "q5_0": "n8j2", "q4_0": "u4d8k2np", "q6_k": "n8j2np", "q4_k": "n8j2np",
@@ -123,7 +129,13 @@ GEMV_FORMATS = ("bf16", "q8_0", "q5_0", "q4_0", "q6_k", "q4_k", "q5_k", "q3_k", 
 # IQ4_NL 365 on u4d8k2np everywhere, 378 on n4j2k2np everywhere, 392 with its experts' one-row windows on n4j2k2np
 # (this table) and the rest on u4d8k2np. The experts alone at W = 1, 8, 16 (`bench/moe.py --tune-decode`,
 # bench/results/h100_session23/tune/) pick the same tiles
-DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np", "iq4_nl": "n4j2k2np"}
+# Q4_K experts of one-row windows: gate/up on the row-by-row tile (`_rowskr`, eight words a thread), down on 16 rows
+# a program (rk8u4d16). H100, A3B target alone (`bench/quant_target.py --part speed --quants q4_k,q4_k_m --q4k-tiles
+# experts=...`, three runs over two device calls, bench/results/h100_session34/q4k_r1/): Q4_K 362 -> 375-376 tok/s,
+# Q4_K_M 345-347 -> 355; gate/up alone 14.75 -> 12.65 us (48 calls in a graph, `bench/gemv_one_row.py --quant
+# q4_k`); gate/up R1 with the old down tile 370-371, the 16-row down tile alone 351 (slower)
+DECODE_GEMV_ONE_ROW: dict[str, str | None] = {"bf16": "u1d32", "q8_0": "n4j2k2np", "iq4_nl": "n4j2k2np",
+                                              "q4_k": "rk8u4d16"}
 # for verify windows of 2 up to n rows, where it differs from DECODE_GEMV: format -> (n, variant). Same rule as the
 # one-row table: chosen by the step's row count alone
 DECODE_GEMV_NARROW: dict[str, tuple[int, str]] = {}
@@ -180,12 +192,13 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     if name not in GEMV_VARIANTS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(GEMV_VARIANTS)} or None.")
-    if GEMV_VARIANTS[name].get("R1") and fmt not in R1_FORMATS:
+    r1 = max(GEMV_VARIANTS[name].get(k, 0) for k in ("R1", "R1_UP", "R1_DOWN"))
+    if r1 and fmt not in R1_FORMATS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads {', '.join(R1_FORMATS)} "
                          f"only.")
-    if GEMV_VARIANTS[name].get("R1", 0) > 2 and fmt != "q4_k":
-        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile of {GEMV_VARIANTS[name]['R1']} words a "
-                         f"thread, which reads q4_k only.")
+    if r1 > 2 and fmt != "q4_k":
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile of {r1} words a thread, which reads "
+                         f"q4_k only.")
     return GEMV_VARIANTS[name]
 
 
@@ -1354,6 +1367,14 @@ def _warps(fmt: str, nbc: int, cfg_warps: int, j: int = 1, r1: int = 0) -> int:
     return max(1, min(cfg_warps, groups // (32 // lanes)))
 
 
+def _side(cfg: dict[str, int], side: str) -> dict[str, int]:
+    """The variant as the gate/up (side "UP") or down ("DOWN") kernel takes it: R1, KV, J and num_warps given as
+    R1_UP, KV_DOWN, ... override the shared ones, so one table entry can pair two tile kinds."""
+    over = {k[: -len(side) - 1]: v for k, v in cfg.items() if k.endswith("_" + side) and not k.startswith("BN_")
+            and not k.startswith("ONE_")}
+    return {**cfg, **over} if over else cfg
+
+
 def _r1(fmt: str, cfg: dict[str, int]) -> int:
     """The variant's R1 (words a thread of the row-by-row tiles), refused where the format has no such tile of it."""
     r1 = int(cfg.get("R1", 0))
@@ -1375,6 +1396,7 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     K = x.shape[1]
     NP = se.numel()
     w = _weights(gate_up, fmt)
+    cfg = _side(cfg, "UP")
     one = bool(cfg.get("ONE_UP", cfg.get("ONE")))
     c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)
@@ -1399,6 +1421,7 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
     N = y.shape[1]
     NP = se.numel()
     w = _weights(down_w, fmt)
+    cfg = _side(cfg, "DOWN")
     one = bool(cfg.get("ONE_DOWN", cfg.get("ONE")))
     c = chunk(K, fmt, cfg["KV"], one)
     j = _words_per_thread(fmt, cfg)

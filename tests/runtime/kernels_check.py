@@ -273,6 +273,20 @@ def check_route(dt: torch.dtype) -> None:
             assert torch.equal(a, b), (a, b)
 
 
+@contextlib.contextmanager
+def window_tiles():
+    """One-row windows on the tiles of wider ones (moe_gemv.DECODE_GEMV_ONE_ROW emptied): the engine keeps one step
+    width, so only within a width must a row's bits not depend on the other rows; across widths they may differ."""
+    from runtime.gpu import moe_gemv
+
+    saved = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+    try:
+        yield
+    finally:
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved)
+
+
 def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
     """Experts as ggml blocks, dequantized in the kernels: every format, decode and prefill tilings, with a slot
     table, against float32 math on gguf-py's values."""
@@ -299,7 +313,8 @@ def check_moe_quant(dt: torch.dtype, only: tuple[str, ...] = ()) -> None:
             tor = moe_kernels.moe_torch(x, idx, w, gub, dnb, fmt=fmt)
             assert rel(tor, ref) < tol, (fmt, T, rel(tor, ref))
             if T == 3:
-                one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gub, dnb, fmt=fmt)
+                with window_tiles():       # the window's own tiles for a row alone too: then its bits are the same
+                    one = moe_kernels.moe_grouped(x[:1], idx[:1], w[:1], gub, dnb, fmt=fmt)
                 assert torch.equal(one[0], out[0])             # row-invariant
                 slot = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
                 part = moe_kernels.moe_grouped(x, idx, w, gub[[2, 0]].contiguous(), dnb[[2, 0]].contiguous(),
@@ -898,7 +913,7 @@ def check_quant_norm_gemv(dt: torch.dtype) -> None:
 
 def check_r1_q4k() -> None:
     """Q4_K rows one at a time (moe_gemv `_rowskr`, the R1 variants): dense rows whose last program reads past N (36
-    rows in programs of 4 and 8; four, two and eight code words a thread) and a window's experts, against float32
+    rows in programs of 4 and 8; four and eight code words a thread) and a window's experts, against float32
     math on gguf-py's values; a row alone has the bits it has in the window."""
     from runtime.gpu import moe_gemv
 
@@ -906,23 +921,28 @@ def check_r1_q4k() -> None:
     blk, wf = expert_blocks("q4_k", 1, 36, 512, g)
     x = torch.randn(1, 512, generator=g)
     ref = x @ wf[0].float().t()
-    for name in ("r4d8k2w4j4", "r4d8k4w4j2", "r8d8k4w4j8"):
+    for name in ("r4d8k2w4j4", "r8d8k4w4j8"):
         got = dense_kernels.gemv(x, blk[0], "q4_k", moe_gemv.GEMV_VARIANTS[name])
         assert got.shape == (1, 36) and rel(got, ref) < 3e-5, (name, rel(got, ref))
-    E, k, T, H, NI = 4, 2, 3, 256, 256
+    E, k, T, H, NI = 4, 2, 2, 256, 256
     gub, guf = expert_blocks("q4_k", E, 2 * NI, H, g)
     dnb, dnf = expert_blocks("q4_k", E, H, NI, g)
     xs = torch.randn(T, H, generator=g)
-    idx = torch.tensor([[0, 2], [3, 1], [2, 1]])
+    idx = torch.tensor([[0, 2], [2, 1]])                  # both rows on expert 2
     w = torch.rand(T, k, generator=g)
     saved, saved_one = dict(moe_gemv.DECODE_GEMV), dict(moe_gemv.DECODE_GEMV_ONE_ROW)
     try:
-        moe_gemv.DECODE_GEMV["q4_k"] = "r4d8k4w4j8"
+        moe_gemv.DECODE_GEMV["q4_k"] = "r8d8k4w4j8"
         moe_gemv.DECODE_GEMV_ONE_ROW.pop("q4_k", None)
         out = moe_kernels.moe_grouped(xs, idx, w, gub, dnb, fmt="q4_k")
         assert rel(out, ref_moe(xs, idx, w, guf, dnf)) < 3e-5, rel(out, ref_moe(xs, idx, w, guf, dnf))
-        one = moe_kernels.moe_grouped(xs[2:3], idx[2:3], w[2:3], gub, dnb, fmt="q4_k")
-        assert torch.equal(one[0], out[2])
+        one = moe_kernels.moe_grouped(xs[1:2], idx[1:2], w[1:2], gub, dnb, fmt="q4_k")
+        assert torch.equal(one[0], out[1])
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)        # the shipped one-row variant (R1 gate/up, looped down)
+        assert moe_gemv.variant("q4_k", 1).get("R1_UP") == 8
+        one = moe_kernels.moe_grouped(xs[:1], idx[:1], w[:1], gub, dnb, fmt="q4_k")
+        ref1 = ref_moe(xs[:1], idx[:1], w[:1], guf, dnf)
+        assert rel(one, ref1) < 3e-5, rel(one, ref1)
     finally:
         moe_gemv.DECODE_GEMV.update(saved)
         moe_gemv.DECODE_GEMV_ONE_ROW.clear()
