@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import Deadline, machine, median, print_table, write_json  # noqa: E402
+from bench.common import Deadline, machine, print_table, write_json  # noqa: E402
+from bench.gemv_one_row import graph_us  # noqa: E402
 from runtime.gpu import pdl  # noqa: E402
 from runtime.gpu.kernels import HAVE_TRITON  # noqa: E402
 
@@ -135,24 +136,6 @@ def up_call(gu: torch.Tensor, x: torch.Tensor, se: torch.Tensor, o: torch.Tensor
         _up_kernel[grid](desc, x, se, o, NI, gu.shape[-1], BM=c["BM"], BK=c["BK"], STAGES=c["STAGES"],
                          num_warps=c["warps"], **opts)
     return f
-
-
-def graph_us(calls: list) -> float:
-    """Median microseconds per call of `calls` replayed as one CUDA graph (20 replays)."""
-    from runtime.gpu.capture import capture
-
-    g, _ = capture(lambda: [c() for c in calls])
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return median(ts)
 
 
 def tiles(n_rows: int) -> list[dict[str, int]]:

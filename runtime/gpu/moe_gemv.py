@@ -594,6 +594,17 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
+    def _row_offsets(rlim, SWN: tl.constexpr, EVEN: tl.constexpr):
+        """Word offsets of rows 1..7 from row 0: r * SWN, clamped to row rlim (a program's rows past N read its last
+        row, never stored) unless EVEN (every row exists: constants, folded into the loads' addresses)."""
+        if EVEN:
+            return SWN, 2 * SWN, 3 * SWN, 4 * SWN, 5 * SWN, 6 * SWN, 7 * SWN
+        else:
+            return (tl.minimum(1, rlim) * SWN, tl.minimum(2, rlim) * SWN, tl.minimum(3, rlim) * SWN,
+                    tl.minimum(4, rlim) * SWN, tl.minimum(5, rlim) * SWN, tl.minimum(6, rlim) * SWN,
+                    tl.minimum(7, rlim) * SWN)
+
+    @triton.jit
     def _rows32r(xr, wa, wb, rlim, SWN: tl.constexpr, nblk, mg, nw, rstd, QT: tl.constexpr, TWO: tl.constexpr,
                  BN: tl.constexpr, NBC: tl.constexpr, NORM: tl.constexpr, JR: tl.constexpr):
         """[BN] sums of rows wa + min(r, rlim) * SWN (r < BN <= 8) of Q8_0 / Q4_0 / IQ4_NL words times the row at xr,
@@ -606,13 +617,7 @@ if HAVE_TRITON:
         z = tl.zeros((NBC * TPB,), dtype=tl.float32)
         a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
-        o1 = tl.minimum(1, rlim) * SWN
-        o2 = tl.minimum(2, rlim) * SWN
-        o3 = tl.minimum(3, rlim) * SWN
-        o4 = tl.minimum(4, rlim) * SWN
-        o5 = tl.minimum(5, rlim) * SWN
-        o6 = tl.minimum(6, rlim) * SWN
-        o7 = tl.minimum(7, rlim) * SWN
+        o1, o2, o3, o4, o5, o6, o7 = _row_offsets(rlim, SWN, False)
         for b0 in range(0, nblk, NBC):
             blk = b0 + g // TPB
             q = g % TPB
@@ -730,22 +735,7 @@ if HAVE_TRITON:
         z = tl.zeros((NBC * 2 * HALF,), dtype=tl.float32)
         a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
-        if EVEN:
-            o1: tl.constexpr = SWN
-            o2: tl.constexpr = 2 * SWN
-            o3: tl.constexpr = 3 * SWN
-            o4: tl.constexpr = 4 * SWN
-            o5: tl.constexpr = 5 * SWN
-            o6: tl.constexpr = 6 * SWN
-            o7: tl.constexpr = 7 * SWN
-        else:
-            o1 = tl.minimum(1, rlim) * SWN
-            o2 = tl.minimum(2, rlim) * SWN
-            o3 = tl.minimum(3, rlim) * SWN
-            o4 = tl.minimum(4, rlim) * SWN
-            o5 = tl.minimum(5, rlim) * SWN
-            o6 = tl.minimum(6, rlim) * SWN
-            o7 = tl.minimum(7, rlim) * SWN
+        o1, o2, o3, o4, o5, o6, o7 = _row_offsets(rlim, SWN, EVEN)
         t = g % (2 * HALF)
         q = t // HALF                                    # group pair: groups q and q + 2
         i = t % HALF                                     # first word in each group
