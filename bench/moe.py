@@ -269,7 +269,7 @@ def tune_decode_gemv(bw: float, dev: str, deadline: Deadline, formats: tuple[str
     skip = {(f, v) for f in formats for v in variants
             if f != "bf16" and any(moe_gemv.GEMV_VARIANTS.get(v, {}).get(o) for o in ("ONE", "ONE_UP", "ONE_DOWN"))}
     skip |= {(f, v) for f in formats for v in variants
-             if moe_gemv.GEMV_VARIANTS.get(v, {}).get("R1") and f not in moe_gemv.R1_FORMATS}
+             if v in moe_gemv.GEMV_VARIANTS and moe_gemv.refuses(f, moe_gemv.GEMV_VARIANTS[v])}
     built = warm_kernels([(f, v) for f in formats for v in variants if (f, v) not in skip])
     res: dict[str, Any] = {"variants": moe_gemv.GEMV_VARIANTS, "build_seconds": time.perf_counter() - t0,
                            "rows": [], "best": {}}

@@ -192,14 +192,22 @@ def variant(fmt: str, rows: int | None = None) -> dict[str, int] | None:
     if name not in GEMV_VARIANTS:
         raise ValueError(f"{table}[{fmt!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(GEMV_VARIANTS)} or None.")
-    r1 = max(GEMV_VARIANTS[name].get(k, 0) for k in ("R1", "R1_UP", "R1_DOWN"))
-    if r1 and fmt not in R1_FORMATS:
-        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile, which reads {', '.join(R1_FORMATS)} "
-                         f"only.")
-    if r1 > 2 and fmt != "q4_k":
-        raise ValueError(f"{table}[{fmt!r}] names {name!r}, a row-by-row tile of {r1} words a thread, which reads "
-                         f"q4_k only.")
+    why = refuses(fmt, GEMV_VARIANTS[name])
+    if why:
+        raise ValueError(f"{table}[{fmt!r}] names {name!r}, {why}.")
     return GEMV_VARIANTS[name]
+
+
+def refuses(fmt: str, cfg: dict[str, int]) -> str | None:
+    """Why the row-by-row tiles of variant cfg cannot read format fmt (None: they can, or it has none)."""
+    r1 = max(cfg.get(k, 0) for k in ("R1", "R1_UP", "R1_DOWN"))
+    if r1 and fmt not in R1_FORMATS:
+        return f"a row-by-row tile, which reads {', '.join(R1_FORMATS)} only"
+    if r1 > 2 and fmt != "q4_k":
+        return f"a row-by-row tile of {r1} words a thread, which reads q4_k only"
+    if fmt == "q4_k" and r1 not in (0, 2, 4, 8):
+        return f"a row-by-row Q4_K tile of {r1} word{'s' if r1 != 1 else ''} a thread (it takes 2, 4 or 8)"
+    return None
 
 
 def cover(k: int) -> int:
@@ -1366,12 +1374,12 @@ def _side(cfg: dict[str, int], side: str) -> dict[str, int]:
 
 
 def _r1(fmt: str, cfg: dict[str, int]) -> int:
-    """The variant's R1 (words a thread of the row-by-row tiles), refused where the format has no such tile of it."""
+    """The variant's R1 for one kernel (`_side`), refused where the format has no such tile (`refuses`): a tile of
+    more words than a format's blocks hold would read past them."""
     r1 = int(cfg.get("R1", 0))
-    if fmt == "q4_k" and r1 not in (0, 2, 4, 8):
-        raise ValueError(f"a row-by-row Q4_K tile takes 2, 4 or 8 words a thread, not {r1}.")
-    if r1 > 2 and fmt != "q4_k":
-        raise ValueError(f"a row-by-row tile of {r1} words a thread reads q4_k only, not {fmt}.")
+    why = refuses(fmt, {"R1": r1}) if r1 else None
+    if why and (r1 > 2 or fmt == "q4_k"):
+        raise ValueError(f"{fmt} weights cannot take {why}.")
     return r1
 
 

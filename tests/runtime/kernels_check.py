@@ -436,7 +436,11 @@ def check_moe_gemv(half: int | None = None) -> None:
         # default run once a table names it (CI's two cores have no time for the interpreter on all of them)
         if not os.environ.get("STRATA_CHECK_OFF_PATHS"):
             rest = [v for v in rest if v in saved.values()]
-        cases += [(v, ("q4_0", "q8_0")[i % 2]) for i, v in enumerate(rest)]
+        for i, v in enumerate(rest):       # Q4_0 or Q8_0, or Q4_K for the tiles only it has
+            fmt = next((f for f in (("q4_0", "q8_0")[i % 2], "q4_k") if not moe_gemv.refuses(f, moe_gemv.GEMV_VARIANTS[v])),
+                       None)
+            if fmt:
+                cases.append((v, fmt))
         # the odd tiles on one format of each row code (float, 32-value blocks, K-quant super-blocks) by default;
         # on the others (whose shipped tiles run below, the same row code) only with STRATA_CHECK_OFF_PATHS=1: each
         # takes the interpreter up to half a minute, and CI has two cores

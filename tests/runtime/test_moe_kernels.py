@@ -116,6 +116,28 @@ def test_variant_by_window_width(monkeypatch):
         moe_gemv.variant("bf16", 2)
 
 
+def test_a_variant_pairs_two_tiles_and_refuses_formats_it_cannot_read(monkeypatch):
+    """The Q4_K one-row experts' variant runs gate/up on the row-by-row tile of eight words a thread and the down
+    products on a looped tile (keys ending in _UP / _DOWN override the shared ones for that kernel); a table naming
+    a row-by-row width for a format without it is refused in one sentence, as is a kernel call with it."""
+    V = moe_gemv.GEMV_VARIANTS
+    cfg = moe_gemv.variant("q4_k", 1)
+    assert cfg is V["rk8u4d16"] and moe_gemv.variant("q4_k", 2) is V[moe_gemv.DECODE_GEMV["q4_k"]]
+    up, down = moe_gemv._side(cfg, "UP"), moe_gemv._side(cfg, "DOWN")
+    assert (up["R1"], up["KV"], up["num_warps"], up["BN_UP"]) == (8, 2048, 4, 4)
+    assert "R1" not in down and (down["KV"], down["num_warps"], down["BN_DOWN"]) == (1024, 8, 16)
+    assert moe_gemv._side(V["n8j2np"], "UP") is V["n8j2np"]
+    assert moe_gemv.refuses("q4_k", cfg) is None and moe_gemv.refuses("q4_0", V["r4d8k2w4j2"]) is None
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV_ONE_ROW, "q8_0", "rk8u4d16")
+    with pytest.raises(ValueError, match=r"names 'rk8u4d16', a row-by-row tile of 8 words a thread, which reads q4_k"):
+        moe_gemv.variant("q8_0", 1)
+    monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q4_k", "r2d4k2w4")
+    with pytest.raises(ValueError, match=r"Q4_K tile of 1 word a thread \(it takes 2, 4 or 8\)"):
+        moe_gemv.variant("q4_k")
+    with pytest.raises(ValueError, match="q4_0 weights cannot take a row-by-row tile of 4 words a thread"):
+        moe_gemv._r1("q4_0", V["r4d8k2w4j4"])
+
+
 @pytest.mark.parametrize("bm", [1, 4, 16])
 def test_block_table_covers_every_pair_once_in_single_expert_tiles(bm):
     g = torch.Generator().manual_seed(bm)
