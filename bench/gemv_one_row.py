@@ -224,9 +224,7 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline, lm_head: bool = False) -
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
-    if fmt in moe_gemv.R1_FORMATS:
-        ok = (2, 4, 8) if fmt == "q4_k" else (1, 2)
-        cands |= {v: moe_gemv.GEMV_VARIANTS[v] for v in R1_CANDIDATES if moe_gemv.GEMV_VARIANTS[v]["R1"] in ok}
+    cands |= {v: moe_gemv.GEMV_VARIANTS[v] for v in R1_CANDIDATES if not moe_gemv.refuses(fmt, moe_gemv.GEMV_VARIANTS[v])}
     rows: list[dict[str, Any]] = []
     mats = [("lm_head", (151936, H))] if lm_head else [("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])]
     for name, (N, K) in mats:

@@ -431,7 +431,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.q4k_tiles:
         from runtime.gpu import dense_kernels, moe_gemv
 
-        for role, name in (p.split("=", 1) for p in args.q4k_tiles.split(",")):
+        for role, name in (p.partition("=")[::2] for p in args.q4k_tiles.split(",")):
+            if role not in ("experts", "qkv", "o_proj", "lm_head") or name not in moe_gemv.GEMV_VARIANTS:
+                raise SystemExit(f"--q4k-tiles takes ROLE=VARIANT with ROLE experts, qkv, o_proj or lm_head and a "
+                                 f"variant of runtime/gpu/moe_gemv.py GEMV_VARIANTS; got {role}={name}.")
             if role == "experts":
                 moe_gemv.DECODE_GEMV_ONE_ROW["q4_k"] = name
             else:
