@@ -14,7 +14,8 @@ cuBLAS, the shipped variant, and TMA tiles of BM rows x BK columns, STAGES deep,
 persistent grid of one program per multiprocessor. Matrices of the A3B one-row step: q/k/v 5120 x 2048, o_proj
 2048 x 4096, and the experts' gate/up (8 of 128 experts of 1536 x 2048, SiLU(gate) * up in the kernel).
 
-Writes `tma_gemv.json`.
+Writes `tma_gemv.json`. On an H100 (bench/results/h100_session34/tma_rejected/) no TMA tile beat the shipped ones,
+so nothing in the runtime uses them (docs/models.md).
 """
 
 from __future__ import annotations
