@@ -41,15 +41,15 @@ def cfg(bn_up: int, bn_down: int, warps: int, early: bool, kv: int = 4096) -> di
             "num_stages": 1, "EARLY": int(early)}
 
 
-def graph_us(calls: list) -> float:
-    """Median microseconds per call of `calls` replayed as one CUDA graph (20 replays)."""
+def graph_us(calls: list, reps: int = 20) -> float:
+    """Median microseconds per call of `calls` replayed as one CUDA graph (`reps` replays)."""
     from runtime.gpu.capture import capture
 
     g, _ = capture(lambda: [c() for c in calls])
     for _ in range(3):
         g.replay()
     ts = []
-    for _ in range(20):
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()

@@ -38,7 +38,8 @@ try:
 except ImportError:      # a CPU-only machine: main() says what the script needs
     triton = None
 
-from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from bench.common import copy_bandwidth, machine, print_table, write_json  # noqa: E402
+from bench.gemv_one_row import graph_us  # noqa: E402
 
 LINE = 128          # bytes a prefetch brings (one L2 line)
 BLOCK = 4096        # bf16 values a streaming program reads (8 KB)
@@ -121,22 +122,7 @@ def run_arm(arm: str, A: list[torch.Tensor], B1: list[torch.Tensor], B2: list[to
             if arm == "a-hot":
                 _stream[(triton.cdiv(n_a, BLOCK),)](a, oa, n_a, BLOCK=BLOCK, EVICT=0)
 
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(A))
-    return median(times)
+    return graph_us([body], reps) / len(A)          # one replay is every layer: us a layer
 
 
 def main(argv: list[str] | None = None) -> int:
