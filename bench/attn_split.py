@@ -27,14 +27,25 @@ from bench.common import Deadline, copy_bandwidth, machine, print_table, write_j
 from bench.gemv_one_row import graph_us  # noqa: E402
 
 NH, NKV, HD, COPIES = 32, 4, 128, 16
-# label -> (Q8_PREFETCH, num_stages, num_warps) for a q8_0 cache; the first is what the runtime ships, "a tile at a
-# time, 3 stages" what it shipped before; labels starting "bf16" run on the BF16 cache (launch settings, and "pps N":
-# `attention_kernels.PROGRAMS_PER_SM` = N, the split grid's size). None of these changes a value's bits
-CANDIDATES: dict[str, tuple[int, int, int]] = {
-    "shipped": (-1, -1, -1),
-    "a tile at a time, 3 stages": (0, 3, 4), "a tile at a time, 1 stage": (0, 1, 4), "prefetch, 3 stages": (1, 3, 4),
-    "prefetch, 8 warps": (1, 1, 8), "bf16 w8": (0, 3, 8), "bf16 2 stages": (0, 2, 4), "bf16 4 stages": (0, 4, 4),
-    "bf16 pps 2": (0, 3, 4), "bf16 pps 8": (0, 3, 4), "bf16 pps 16": (0, 3, 4),
+# label -> the settings it changes from what the runtime ships ("shipped"), for the caches in "kv" (both when not
+# named) and one-row windows alone where "one_row": "pf" `attention_kernels.Q8_PREFETCH` (the next tile's codes and
+# scales loaded before this tile's arithmetic), "stages" / "warps" / "regs" (a register cap) the cache's
+# SPLIT_TILE(_Q8), "pps" `PROGRAMS_PER_SM` (the split grid's size), "cvt" `Q8_CVT` (how codes become floats):
+# none of these changes a value's bits. "rt1": the query-head lines of a one-row window's tile (ROW_TILE_ONE or,
+# q8_0, ROW_TILE_ONE_Q8; a smaller dot, which may round otherwise than a wider window's, docs/models.md)
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "shipped": {},
+    "a tile at a time, 3 stages": {"kv": "q8_0", "pf": 0, "stages": 3},
+    "a tile at a time, 1 stage": {"kv": "q8_0", "pf": 0, "stages": 1},
+    "prefetch, 3 stages": {"kv": "q8_0", "stages": 3}, "prefetch, 8 warps": {"kv": "q8_0", "warps": 8},
+    "8 warps": {"kv": "bf16", "warps": 8}, "2 stages": {"kv": "bf16", "stages": 2},
+    "4 stages": {"kv": "bf16", "stages": 4}, "pps 2": {"kv": "bf16", "pps": 2}, "pps 8": {"kv": "bf16", "pps": 8},
+    "rt1 64": {"one_row": True, "rt1": 64}, "rt1 32": {"one_row": True, "rt1": 32},
+    "rt1 16": {"one_row": True, "rt1": 16}, "rt1 16, 2 stages": {"one_row": True, "rt1": 16, "stages": 2},
+    "rt1 16, regs 168": {"one_row": True, "rt1": 16, "regs": 168},
+    "rt1 16, regs 128": {"one_row": True, "rt1": 16, "regs": 128},
+    "regs 168": {"regs": 168}, "cvt 1": {"kv": "q8_0", "cvt": 1}, "cvt 2": {"kv": "q8_0", "cvt": 2},
+    "rt1 16, regs 168, cvt 2": {"one_row": True, "rt1": 16, "regs": 168, "cvt": 2, "kv": "q8_0"},
 }
 
 
@@ -67,18 +78,22 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
     part = [ak.split_scratch(width, NH, ctx + 64, HD, "cuda") for _ in range(COPIES)]
     row_bytes = HD * 2 if not q8 else HD + HD // 32 * 2
     nbytes = ctx * NKV * row_bytes * 2
-    saved = (ak.Q8_PREFETCH, dict(ak.SPLIT_TILE), dict(ak.SPLIT_TILE_Q8), ak.PROGRAMS_PER_SM)
+    saved = (ak.Q8_PREFETCH, dict(ak.SPLIT_TILE), dict(ak.SPLIT_TILE_Q8), ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE,
+             ak.ROW_TILE_ONE_Q8, ak.Q8_CVT)
+    kind = "q8_0" if q8 else "bf16"
     rows, ref = [], None
-    for label, (pf, stages, warps) in CANDIDATES.items():
-        bf = label.startswith("bf16")
-        if deadline.left() < 10 or (not q8 and label != "shipped" and not bf) or (q8 and bf):
+    for label, cand in CANDIDATES.items():
+        if deadline.left() < 10 or cand.get("kv", kind) != kind or (cand.get("one_row") and width != 1):
             continue
         try:
-            if pf >= 0:
-                ak.Q8_PREFETCH = bool(pf)
-                (ak.SPLIT_TILE_Q8 if q8 else ak.SPLIT_TILE).update(num_warps=warps, num_stages=stages)
-            if "pps" in label:
-                ak.PROGRAMS_PER_SM = int(label.rsplit(" ", 1)[1])
+            tile = ak.SPLIT_TILE_Q8 if q8 else ak.SPLIT_TILE
+            tile.update({k: cand[c] for c, k in (("stages", "num_stages"), ("warps", "num_warps"), ("regs", "maxnreg"))
+                         if c in cand})
+            ak.Q8_PREFETCH = bool(cand.get("pf", ak.Q8_PREFETCH))
+            ak.PROGRAMS_PER_SM = cand.get("pps", ak.PROGRAMS_PER_SM)
+            ak.Q8_CVT = cand.get("cvt", ak.Q8_CVT)
+            if "rt1" in cand:
+                ak.ROW_TILE_ONE = ak.ROW_TILE_ONE_Q8 = cand["rt1"]
             calls = [lambda c=c, p=p: ak.attention(q, c[0], c[1], pos, HD ** -0.5, ks=c[2], vs=c[3], part=p)
                      for c, p in zip(cs, part, strict=True)]
             out = calls[0]()
@@ -87,10 +102,11 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
             us = graph_us(calls)
         finally:
             ak.Q8_PREFETCH = saved[0]
-            ak.SPLIT_TILE.update(saved[1])
-            ak.SPLIT_TILE_Q8.update(saved[2])
-            ak.PROGRAMS_PER_SM = saved[3]
-        rows.append({"context": ctx, "width": width, "kv_dtype": "q8_0" if q8 else "bf16", "candidate": label,
+            for t, old in ((ak.SPLIT_TILE, saved[1]), (ak.SPLIT_TILE_Q8, saved[2])):
+                t.clear()
+                t.update(old)
+            ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE, ak.ROW_TILE_ONE_Q8, ak.Q8_CVT = saved[3:]
+        rows.append({"context": ctx, "width": width, "kv_dtype": "q8_0" if q8 else "bf16", "candidate": label, "settings": cand,
                      "us": us, "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
                      "same_bits_as_shipped": same, "chunks": split_chunks(ctx + 64)})
     del cs, part

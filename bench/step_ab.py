@@ -46,6 +46,7 @@ import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
+from runtime.gpu.attention_kernels import ROW_TILE_ONE_Q8 as ROW_TILE_ONE_Q8_SHIPPED  # noqa: E402
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 SUM = {"BN": 2, "num_warps": 4}
@@ -53,7 +54,7 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
-# attention_kernels.ROW_TILE_ONE, off: ROW_TILE's 64 lines) and whether it
+# attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -70,10 +71,10 @@ ARMS: dict[str, dict[str, Any]] = {
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
                 "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
-                "rt1": ROW_TILE_ONE_SHIPPED},
+                "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
-                     "rt1": ROW_TILE_ONE_SHIPPED},
+                     "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED},
 }
 # verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
 # and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)
@@ -144,8 +145,12 @@ ARMS["route-nopdl"] = {**_DEFAULT, "skip": {"attention", "route"}, "wide": True}
 ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
 # a one-row window's split attention on 16 or 32 query-head lines a program instead of the 64 of wider windows
 # (attention_kernels.ROW_TILE_ONE)
-ARMS["rt1-16"] = {**_DEFAULT, "wide": True, "rt1": 16}
-ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32}
+ARMS["rt1-16"] = {**_DEFAULT, "wide": True, "rt1": 16, "rt1q8": 16}
+ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32, "rt1q8": 32}
+ARMS["rt1-64"] = {**_DEFAULT, "wide": True, "rt1": 64, "rt1q8": 64}      # a q8_0 cache's one-row tile before
+# the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)
+ARMS["split-regs168"] = {**_DEFAULT, "wide": True, "split_regs": 168}
+ARMS["split-regs128"] = {**_DEFAULT, "wide": True, "split_regs": 128}
 # the runtime before pdl.TRIGGER_FIRST (bench/results/h200_session15/): the split kernel without PDL, the reduction
 # waiting first
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
@@ -200,6 +205,11 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
+    attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)
+    for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
+        tile.pop("maxnreg", None)
+        if arm.get("split_regs"):
+            tile["maxnreg"] = arm["split_regs"]
     pdl.ENABLED = bool(arm.get("pdl"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
@@ -279,13 +289,13 @@ def interleaved_times(built: dict[tuple, Any], kvs: dict[int, Any], wins: dict[i
 
 
 def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: int, steps: int, tag: str,
-        one_row: dict[str, str | None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        one_row: dict[str, str | None], kv_dtype: str = "bf16") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from bench.context import gen, make_kv
     from runtime.gpu.static_step import StaticStep
 
     vocab = model.cfg.vocab_size
     steps_by: dict[tuple[str, int, int], Any] = {}
-    kvs = {c: make_kv(model, c, "bf16", capacity=c + 64) for c in contexts}
+    kvs = {c: make_kv(model, c, kv_dtype, capacity=c + 64) for c in contexts}
     wins = {w: torch.randint(0, vocab, (1, w), device="cuda", generator=gen(w)) for w in widths}
     logits: dict[tuple[str, int, int], torch.Tensor] = {}
     errors: dict[str, list[str]] = {}
@@ -437,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="", help="prompt lengths for the prefill A/B (PREFILL_ARMS), e.g. 8192")
     ap.add_argument("--chunks", default="2048,8192", help="prefill chunks for the prefill A/B")
     ap.add_argument("--no-decode", action="store_true", help="only the prefill A/B")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "q8_0"), help="the KV cache's format (decode A/B)")
     ap.add_argument("--quant-arms", default="", help="arms for the quantized builds (default: QUANT_ARMS)")
     ap.add_argument("--quant-from", default="", help="a gemv_one_row_quant.json (bench/gemv_one_row.py --quant): "
                     "adds the arm 'quant-best' to the quantized builds")
@@ -490,10 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_decode:
         write_json("step_ab.json", res)
         return 0
-    rows, checks = run(model, arms, contexts, widths, args.rounds, args.steps, "bf16", one_row)
+    res["kv_dtype"] = args.kv
+    rows, checks = run(model, arms, contexts, widths, args.rounds, args.steps, "bf16", one_row, args.kv)
     for r in rows:
+        r["kv_dtype"] = args.kv
         if r["width"] == 1:
-            b = dense + k * expert * n_moe + r["context"] * kv_bytes_per_position(model, "bf16")
+            b = dense + k * expert * n_moe + r["context"] * kv_bytes_per_position(model, args.kv)
             r["bound_tok_s"] = bw / b
             r["tok_s"] = 1e3 / r["step_ms"]
             r["frac_of_bound"] = r["tok_s"] / r["bound_tok_s"]
@@ -509,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quant_from:
             qarms.append(quant_best(args.quant_from, q))
         qm = build_on_gpu(A3B_SHAPE, q)
-        qrows, qchecks = run(qm, qarms, contexts, widths, args.rounds, args.steps, q, one_row)
+        qrows, qchecks = run(qm, qarms, contexts, widths, args.rounds, args.steps, q, one_row, args.kv)
         for r in qrows:
             r["tok_s"] = 1e3 / r["step_ms"]
         res["rows"] += qrows

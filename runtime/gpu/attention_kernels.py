@@ -19,6 +19,7 @@ nothing), so one CUDA graph serves every position.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -33,15 +34,26 @@ REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant:
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
 # the same for a one-row window (a target decoding alone: its step is one row wide), where 56 of a 64-line tile's
-# lines are padding on the A3B. Not yet measured on a GPU: `python bench/step_ab.py --contexts 1024,4096,16384,32768
-# --widths 1 --arms default,rt1-16,rt1-32` times 16 and 32 (a one-row tile other than ROW_TILE may give other bits
-# than the same row in a wider window, as the dense products of a one-row step already do)
+# lines are padding on the A3B. A one-row tile other than ROW_TILE may give other bits than the same row in a wider
+# window, as the dense products of a one-row step already do. With a BF16 cache 16 and 32 lines were within noise
+# of 64 (H100, `python bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --arms default,rt1-16,rt1-32`,
+# bench/results/h100_session21/); `--kv q8_0` times them on an 8-bit cache
 ROW_TILE_ONE = 64
+# a one-row window over a q8_0 cache: 16 lines (8 of them the A3B's GQA group). H100, `python bench/attn_split.py
+# --widths 1` (the kernel alone, the same bits as 64 lines): 12.1 -> 10.8 us at 4k, 44.6 -> 39.4 at 32k, 136 -> 125
+# at 131k; `python bench/step_ab.py --kv q8_0 --widths 1 --arms default,rt1-16`: the step 3.20 -> 3.16 ms at 1k,
+# 4.74 -> 4.55 at 32k, 9.18 -> 8.69 at 131k (bench/results/h100_session35/)
+ROW_TILE_ONE_Q8 = 16
 # a q8_0 cache: the split kernel loads the next tile's codes and scales before this tile's dequantization and dots
 # (the same values as a tile at a time; False: a tile at a time, the benchmarks' switch), in one pipeline stage
 # (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
 Q8_PREFETCH = True
 SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
+# how the split kernel turns a q8_0 cache's int8 codes into floats (the same values, exactly): 0 the conversion
+# unit's int-to-float (a quarter of the issue rate), 1 the code added to 2^23 + 128 in a float's bits, less 2^23 +
+# 128 (integer and float adds), 2 the same bits built by byte permutes (`prmt`, four codes an instruction group; a
+# GPU only, the interpreter takes 1) (docs/models.md, "KV cache")
+Q8_CVT = 0
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
@@ -54,12 +66,13 @@ def _sm_count(device: str) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.startswith("cuda") else 4
 
 
-def row_block(group: int, rows: int = 2) -> int:
+def row_block(group: int, rows: int = 2, q8: bool = False) -> int:
     """Window rows per program of the split kernel: ROW_TILE query-head lines in all (rows x the padded GQA
-    group; ROW_TILE_ONE for a window of one row), at least one row. A function of the model and of the window's
-    row count only (a step's fixed width), never of the other rows, so at one width a row's tile (and its bits)
-    is the same whatever the other rows hold."""
-    return max(1, (ROW_TILE_ONE if rows == 1 else ROW_TILE) // group)
+    group; ROW_TILE_ONE, or ROW_TILE_ONE_Q8 over a q8_0 cache, for a window of one row), at least one row. A
+    function of the model, the cache's format and the window's row count only (a step's fixed width), never of the
+    other rows, so at one width a row's tile (and its bits) is the same whatever the other rows hold."""
+    one = ROW_TILE_ONE_Q8 if q8 else ROW_TILE_ONE
+    return max(1, (one if rows == 1 else ROW_TILE) // group)
 
 
 def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:
@@ -98,10 +111,27 @@ if HAVE_TRITON:
         sc = tl.load(sptr + sbase + s[:, None].to(tl.int64) * stride_ss + b[None, :], mask=sm[:, None], other=0.0)
         return xq, sc
 
+    _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")      # the interpreter runs no PTX
+
     @triton.jit
-    def _deq(xq, sc, dt: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr):
+    def _i8f(xq, CVT: tl.constexpr):
+        """int8 codes as float32, exactly (`Q8_CVT`)."""
+        if CVT == 2 and _ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, a, b, c, d; xor.b32 t, $4, 0x80808080; prmt.b32 a, t, 0x4B000000, 0x7650; "
+                "prmt.b32 b, t, 0x4B000000, 0x7651; prmt.b32 c, t, 0x4B000000, 0x7652; "
+                "prmt.b32 d, t, 0x4B000000, 0x7653; sub.f32 $0, a, 0f4B000080; sub.f32 $1, b, 0f4B000080; "
+                "sub.f32 $2, c, 0f4B000080; sub.f32 $3, d, 0f4B000080; }",
+                "=f,=f,=f,=f,r", [xq], dtype=tl.float32, is_pure=True, pack=4)
+        elif CVT >= 1:
+            return (xq.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            return xq.to(tl.float32)
+
+    @triton.jit
+    def _deq(xq, sc, dt: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr, CVT: tl.constexpr = 0):
         """`_raw_kv`'s codes times their scales in fp32, rounded once to `dt`, as [BS, HD] (`_load_kv`'s values)."""
-        return tl.reshape((xq.to(tl.float32) * sc.to(tl.float32)[:, :, None]).to(dt), (BS, HD))
+        return tl.reshape((_i8f(xq, CVT) * sc.to(tl.float32)[:, :, None]).to(dt), (BS, HD))
 
     @triton.jit
     def _load_kv(ptr, sptr, base, sbase, s, sm, stride_cs, stride_ss, dt: tl.constexpr,
@@ -174,7 +204,7 @@ if HAVE_TRITON:
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
-                           GDC: tl.constexpr = False):
+                           CVT: tl.constexpr = 0, GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
@@ -219,8 +249,8 @@ if HAVE_TRITON:
                     sn = s + BS
                     kq_, ksc_ = _raw_kv(k_ptr, ks_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
                     vq_, vsc_ = _raw_kv(v_ptr, vs_ptr, base, sbase, sn, sn < hi, stride_cs, stride_ss, NB, QB)
-                    k = _deq(kq, ksc, dt, BS, HD)
-                    v = _deq(vq, vsc, dt, BS, HD)
+                    k = _deq(kq, ksc, dt, BS, HD, CVT)
+                    v = _deq(vq, vsc, dt, BS, HD, CVT)
                     kq, ksc, vq, vsc = kq_, ksc_, vq_, vsc_
                 else:
                     k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
@@ -431,13 +461,14 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     t = SPLIT_TILE_Q8 if q8 else SPLIT_TILE
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     gp = pow2(G)
-    rb = row_block(gp, W)
+    rb = row_block(gp, W, q8)
+    regs = {"maxnreg": t["maxnreg"]} if t.get("maxnreg") else {}     # a register cap (benchmarks' switch)
     blocks = -(-W // rb)
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
-        **pdl.launch(q, "attention:o_early" if o_early else "attention"))
+        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, num_warps=t["num_warps"],
+        num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,

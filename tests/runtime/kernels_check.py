@@ -693,6 +693,12 @@ def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, 
                 assert torch.equal(att(q, pos), o)
             finally:
                 attention_kernels.Q8_PREFETCH = not attention_kernels.Q8_PREFETCH
+            saved_cvt = attention_kernels.Q8_CVT     # codes made floats through 2^23's bits: the same values
+            attention_kernels.Q8_CVT = 1
+            try:
+                assert torch.equal(att(q, pos), o)
+            finally:
+                attention_kernels.Q8_CVT = saved_cvt
 
 
 def check_kv_q8(dt: torch.dtype) -> None:
