@@ -46,6 +46,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "rt1 16, regs 128": {"one_row": True, "rt1": 16, "regs": 128},
     "regs 168": {"regs": 168}, "cvt 1": {"kv": "q8_0", "cvt": 1}, "cvt 2": {"kv": "q8_0", "cvt": 2},
     "rt1 16, regs 168, cvt 2": {"one_row": True, "rt1": 16, "regs": 168, "cvt": 2, "kv": "q8_0"},
+    # a one-row q8_0 tile left to Triton's pipeliner: codes and scales copied to shared memory stages ahead
+    "rt1 16, a tile at a time, 3 stages": {"kv": "q8_0", "one_row": True, "rt1": 16, "pf": 0, "stages": 3},
+    "rt1 16, a tile at a time, 4 stages": {"kv": "q8_0", "one_row": True, "rt1": 16, "pf": 0, "stages": 4},
+    "rt1 16, a tile at a time, 4 stages, regs 168": {"kv": "q8_0", "one_row": True, "rt1": 16, "pf": 0,
+                                                     "stages": 4, "regs": 168},
 }
 
 

@@ -45,8 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from runtime.gpu.attention_kernels import Q8_PREFETCH as Q8_PREFETCH_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE_Q8 as ROW_TILE_ONE_Q8_SHIPPED  # noqa: E402
+from runtime.gpu.attention_kernels import SPLIT_TILE_Q8 as _SPLIT_Q8  # noqa: E402
+
+Q8_STAGES_SHIPPED = _SPLIT_Q8["num_stages"]
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
 SUM = {"BN": 2, "num_warps": 4}
@@ -151,6 +155,10 @@ ARMS["rt1-64"] = {**_DEFAULT, "wide": True, "rt1": 64, "rt1q8": 64}      # a q8_
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)
 ARMS["split-regs168"] = {**_DEFAULT, "wide": True, "split_regs": 168}
 ARMS["split-regs128"] = {**_DEFAULT, "wide": True, "split_regs": 128}
+# a q8_0 cache's tiles left to Triton's pipeliner ("q8_pipe": SPLIT_TILE_Q8's stages, Q8_PREFETCH off)
+ARMS["q8-pipe3"] = {**_DEFAULT, "wide": True, "q8_pipe": 3}
+ARMS["q8-pipe4"] = {**_DEFAULT, "wide": True, "q8_pipe": 4}
+ARMS["q8-pipe4-regs168"] = {**_DEFAULT, "wide": True, "q8_pipe": 4, "split_regs": 168}
 # the runtime before pdl.TRIGGER_FIRST (bench/results/h200_session15/): the split kernel without PDL, the reduction
 # waiting first
 ARMS["split-apart"] = {**_DEFAULT, "skip": {"attention", "attention:o_early"}, "trig": set(), "wide": True}
@@ -206,6 +214,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)
+    attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
+    attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)
         if arm.get("split_regs"):
