@@ -32,7 +32,8 @@ NH, NKV, HD, COPIES = 32, 4, 128, 16
 # scales loaded before this tile's arithmetic), "stages" / "warps" / "regs" (a register cap) the cache's
 # SPLIT_TILE(_Q8), "pps" `PROGRAMS_PER_SM` (the split grid's size), "cvt" `Q8_CVT` (how codes become floats):
 # none of these changes a value's bits. "rt1": the query-head lines of a one-row window's tile (ROW_TILE_ONE or,
-# q8_0, ROW_TILE_ONE_Q8; a smaller dot, which may round otherwise than a wider window's, docs/models.md)
+# q8_0, ROW_TILE_ONE_Q8; a smaller dot, which may round otherwise than a wider window's, docs/models.md), its
+# register cap then "regs" or none (SPLIT_ONE_Q8_REGS)
 CANDIDATES: dict[str, dict[str, Any]] = {
     "shipped": {},
     "a tile at a time, 3 stages": {"kv": "q8_0", "pf": 0, "stages": 3},
@@ -84,7 +85,7 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
     row_bytes = HD * 2 if not q8 else HD + HD // 32 * 2
     nbytes = ctx * NKV * row_bytes * 2
     saved = (ak.Q8_PREFETCH, dict(ak.SPLIT_TILE), dict(ak.SPLIT_TILE_Q8), ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE,
-             ak.ROW_TILE_ONE_Q8, ak.Q8_CVT)
+             ak.ROW_TILE_ONE_Q8, ak.Q8_CVT, ak.SPLIT_ONE_Q8_REGS)
     kind = "q8_0" if q8 else "bf16"
     rows, ref = [], None
     for label, cand in CANDIDATES.items():
@@ -99,6 +100,7 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
             ak.Q8_CVT = cand.get("cvt", ak.Q8_CVT)
             if "rt1" in cand:
                 ak.ROW_TILE_ONE = ak.ROW_TILE_ONE_Q8 = cand["rt1"]
+                ak.SPLIT_ONE_Q8_REGS = cand.get("regs", 0)
             calls = [lambda c=c, p=p: ak.attention(q, c[0], c[1], pos, HD ** -0.5, ks=c[2], vs=c[3], part=p)
                      for c, p in zip(cs, part, strict=True)]
             out = calls[0]()
@@ -110,7 +112,7 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
             for t, old in ((ak.SPLIT_TILE, saved[1]), (ak.SPLIT_TILE_Q8, saved[2])):
                 t.clear()
                 t.update(old)
-            ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE, ak.ROW_TILE_ONE_Q8, ak.Q8_CVT = saved[3:]
+            ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE, ak.ROW_TILE_ONE_Q8, ak.Q8_CVT, ak.SPLIT_ONE_Q8_REGS = saved[3:]
         rows.append({"context": ctx, "width": width, "kv_dtype": "q8_0" if q8 else "bf16", "candidate": label, "settings": cand,
                      "us": us, "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
                      "same_bits_as_shipped": same, "chunks": split_chunks(ctx + 64)})

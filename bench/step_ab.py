@@ -48,6 +48,7 @@ from bench.common import copy_bandwidth, machine, median, print_table, write_jso
 from runtime.gpu.attention_kernels import Q8_PREFETCH as Q8_PREFETCH_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE_Q8 as ROW_TILE_ONE_Q8_SHIPPED  # noqa: E402
+from runtime.gpu.attention_kernels import SPLIT_ONE_Q8_REGS as Q8_ONE_REGS_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import SPLIT_TILE_Q8 as _SPLIT_Q8  # noqa: E402
 
 Q8_STAGES_SHIPPED = _SPLIT_Q8["num_stages"]
@@ -151,7 +152,9 @@ ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
 # (attention_kernels.ROW_TILE_ONE)
 ARMS["rt1-16"] = {**_DEFAULT, "wide": True, "rt1": 16, "rt1q8": 16}
 ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32, "rt1q8": 32}
-ARMS["rt1-64"] = {**_DEFAULT, "wide": True, "rt1": 64, "rt1q8": 64}      # a q8_0 cache's one-row tile before
+ARMS["rt1-64"] = {**_DEFAULT, "wide": True, "rt1": 64, "rt1q8": 64, "q8_one_regs": 0}   # q8_0's one-row tile before
+# a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
+ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)
 ARMS["split-regs168"] = {**_DEFAULT, "wide": True, "split_regs": 168}
 ARMS["split-regs128"] = {**_DEFAULT, "wide": True, "split_regs": 128}
@@ -215,6 +218,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
+    attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", Q8_ONE_REGS_SHIPPED)
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)

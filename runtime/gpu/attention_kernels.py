@@ -44,6 +44,12 @@ ROW_TILE_ONE = 64
 # at 131k; `python bench/step_ab.py --kv q8_0 --widths 1 --arms default,rt1-16`: the step 3.20 -> 3.16 ms at 1k,
 # 4.74 -> 4.55 at 32k, 9.18 -> 8.69 at 131k (bench/results/h100_session35/)
 ROW_TILE_ONE_Q8 = 16
+# and that tile under a register cap (threads' registers a program; 0: none), so three programs fit an SM instead of
+# two (253 registers a thread uncapped; at 168 it spills 5 values). H100, the one-row A3B step (`python
+# bench/step_ab.py --kv q8_0 --widths 1 --arms default,split-regs168`, before this cap was the default): 3.16 -> 3.18
+# ms at 1k, 4.55 -> 4.43 at 32k, 8.68 -> 7.89 at 131k (bench/results/h100_session35/second/). Not for wider windows'
+# 64-line tiles, which spill more under it: 8 rows 21.4 -> 24.4 ms at 131k
+SPLIT_ONE_Q8_REGS = 168
 # a q8_0 cache: the split kernel loads the next tile's codes and scales before this tile's dequantization and dots
 # (the same values as a tile at a time; False: a tile at a time, the benchmarks' switch), in one pipeline stage
 # (docs/models.md, "KV cache": H200, A3B heads, bench/attn_split.py)
@@ -462,7 +468,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     gp = pow2(G)
     rb = row_block(gp, W, q8)
-    regs = {"maxnreg": t["maxnreg"]} if t.get("maxnreg") else {}     # a register cap (benchmarks' switch)
+    cap = t.get("maxnreg") or (SPLIT_ONE_Q8_REGS if q8 and W == 1 else 0)     # a tile's "maxnreg": benchmarks'
+    regs = {"maxnreg": cap} if cap else {}
     blocks = -(-W // rb)
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
