@@ -42,7 +42,7 @@ ROW_TILE_ONE = 64
 # a one-row window over a q8_0 cache: 16 lines (8 of them the A3B's GQA group). H100, `python bench/attn_split.py
 # --widths 1` (the kernel alone, the same bits as 64 lines): 12.1 -> 10.8 us at 4k, 44.6 -> 39.4 at 32k, 136 -> 125
 # at 131k; `python bench/step_ab.py --kv q8_0 --widths 1 --arms default,rt1-16`: the step 3.20 -> 3.16 ms at 1k,
-# 4.74 -> 4.55 at 32k, 9.18 -> 8.69 at 131k (bench/results/h100_session35/)
+# 4.74 -> 4.55 at 32k, 9.18 -> 8.69 at 131k (bench/results/h100_session35/first/)
 ROW_TILE_ONE_Q8 = 16
 # and that tile under a register cap (threads' registers a program; 0: none), so three programs fit an SM instead of
 # two (253 registers a thread uncapped; at 168 it spills 5 values). H100, the one-row A3B step (`python
@@ -468,7 +468,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     gp = pow2(G)
     rb = row_block(gp, W, q8)
-    cap = t.get("maxnreg") or (SPLIT_ONE_Q8_REGS if q8 and W == 1 else 0)     # a tile's "maxnreg": benchmarks'
+    # a register cap: the tile's "maxnreg" (benchmarks), else SPLIT_ONE_Q8_REGS for a one-row q8_0 window
+    cap = t.get("maxnreg") or (SPLIT_ONE_Q8_REGS if q8 and W == 1 else 0)
     regs = {"maxnreg": cap} if cap else {}
     blocks = -(-W // rb)
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
