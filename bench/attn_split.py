@@ -8,8 +8,9 @@ caches captured as one CUDA graph (a layer's cache at 32k is 35-67 MB, so 16 of 
 a previous call's), median of 20 replays. Bytes: the K and V rows of every position up to the window's last
 (q8_0: 34 bytes a 32 values), read once for the window. Candidates: how the kernel reads a q8_0 cache
 (`attention_kernels.Q8_PREFETCH`: a tile at a time, or the next tile's codes and scales loaded before this tile's
-dequantization) and its launch settings (`SPLIT_TILE_Q8`: pipeline stages, warps); each candidate's output is
-compared with the shipped one's, bit for bit. Writes `attn_split.json`.
+dequantization) and its launch settings (`SPLIT_TILE_Q8`: pipeline stages, warps, a register cap), a one-row
+window's tile (`ROW_TILE_ONE(_Q8)`: query-head lines; `SPLIT_ONE_Q8_REGS`) and how codes become floats (`Q8_CVT`);
+each candidate's output is compared with the shipped one's, bit for bit (`CANDIDATES`). Writes `attn_split.json`.
 """
 
 from __future__ import annotations
