@@ -473,9 +473,10 @@ def checks(args) -> dict[str, Any]:
                         torch.cat([pos[3:4], torch.randint(0, ctx, (7,), device=DEV, dtype=torch.int32)]))[0]
             # widths of 2+ rows share one tile: a row's bits are the same at 8 and 16 rows and whatever its
             # neighbours; one row alone takes ROW_TILE_ONE's tile (ROW_TILE_ONE_Q8's over a q8_0 cache), the same
-            # bits only where that is ROW_TILE
-            one_tile = ak.ROW_TILE_ONE if kv_kind == "bf16" else ak.ROW_TILE_ONE_Q8
-            one_same = torch.equal(o16, o1) if one_tile == ak.ROW_TILE else \
+            # bits only where that is the wider windows' (ROW_TILE, ROW_TILE_Q8)
+            one_tile, wide_tile = (ak.ROW_TILE_ONE, ak.ROW_TILE) if kv_kind == "bf16" else \
+                (ak.ROW_TILE_ONE_Q8, ak.ROW_TILE_Q8)
+            one_same = torch.equal(o16, o1) if one_tile == wide_tile else \
                 float((o1.float() - o16.float()).norm() / o16.float().norm()) < 1e-2
             same = torch.equal(o16[8:], o8) and torch.equal(mixed, o16[3]) and one_same
             unsplit = att(q, pos, chunk=1 << max(0, (S - 1).bit_length()))

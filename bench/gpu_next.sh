@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The GPU measurements waiting for a device (a CPU session built what they measure), in two calls of about 5
-# minutes each: `bash bench/gpu_next.sh 1`, then `bash bench/gpu_next.sh 2`. Run from the repository root on the
-# device with $OUT set; carry .whl (wheels for gguf, questionary, platformdirs, tomli_w, prompt_toolkit, wcwidth:
-# `pip download -q --no-deps -d .whl gguf questionary platformdirs tomli_w prompt_toolkit wcwidth`). Each part
-# writes its log and JSON under $OUT.
-#   1. The one-row MoE half in one persistent launch (runtime/gpu/moe_row.py) alone, against the four launches the
-#      step ships, BF16 and Q4_0 experts, every tile candidate (bench/moe_row.py). Look first at "same experts" and
-#      at any "A BARRIER GAVE UP" (the grid was not all resident: a bug in `_programs`).
-#   2. The same in the one-row step (arms default / moe-row; for Q4_0 also moe-row-q-w8, 8 warps, RU = RD = 2), at 1k and
-#      16k context. If an arm wins, set its tile in moe_row.TILE / QTILE, turn moe_row.ENABLED on and make the
-#      step_ab default arm carry "moe_row" (the figures go to docs/models.md "The one-row MoE in one launch").
+# The GPU measurements waiting for a device (sessions without an H200 built or changed what they measure), in two
+# calls of about 4 minutes each: `bash bench/gpu_next.sh 1`, then `bash bench/gpu_next.sh 2`. Run from the repository
+# root on the device with $OUT set; carry .whl (wheels for gguf, questionary, platformdirs, tomli_w, prompt_toolkit,
+# wcwidth: `pip download -q --no-deps -d .whl gguf questionary platformdirs tomli_w prompt_toolkit wcwidth`). Each
+# part writes its logs and JSON under $OUT. Say which card ran it: the figures below are an H100's.
+#   1. The long-context table on this card (`bench/context.py`: decode at 1k-128k, one and 8 rows, BF16 and q8_0
+#      caches, prefill; the issue's goal figures), then the one-row q8_0 attention tile against its forms before
+#      (arms rt1-64: 64 lines, no cap; q8-one-nocap: 16 lines, no register cap; H100: 9.17 / 8.68 / 7.89 ms at 131k).
+#   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
+#      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
+#      experts, H100: 376 and 355 tok/s).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -18,14 +18,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
 if [ "${1:-1}" = 1 ]; then
-  echo "--- moe_row alone, BF16 ($(( $(date +%s) - start )) s)"
-  timeout 200 python3 bench/moe_row.py --max-seconds 170 2>&1 | grep -v Warning | tail -24 | tee "$OUT/moe_row_bf16.log"
-  echo "--- moe_row alone, Q4_0 ($(( $(date +%s) - start )) s)"
-  timeout 200 python3 bench/moe_row.py --quant q4_0 --max-seconds 170 2>&1 | grep -v Warning | tail -22 \
-    | tee "$OUT/moe_row_q4_0.log"
+  echo "--- context table ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/context.py --no-hf --prefill 8192 > "$OUT/context.log" 2>&1; tail -16 "$OUT/context.log"
+  echo "--- one-row q8_0 tile ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 1024,32768,131072 --widths 1 \
+    --arms default,rt1-64,q8-one-nocap --rounds 5 > "$OUT/step_ab_q8_one.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_q8_one.json"; tail -12 "$OUT/step_ab_q8_one.log"
 else
-  echo "--- the one-row step with and without moe_row ($(( $(date +%s) - start )) s)"
-  timeout 500 python3 bench/step_ab.py --contexts 1024,16384 --widths 1 --arms default,moe-row --quant q4_0 \
-    --quant-arms default,moe-row,moe-row-q-w8 --rounds 5 2>&1 | tail -30 | tee "$OUT/step_ab_moe_row.log"
+  echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 32768,131072 --widths 8 \
+    --arms wide-default,q8-wide32,q8-wide16 --rounds 5 > "$OUT/step_ab_q8_wide.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_q8_wide.json"; tail -10 "$OUT/step_ab_q8_wide.log"
+  echo "--- Q4_K targets ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/quant_target.py --device cuda --part speed --quants q4_k,q4_k_m > "$OUT/quant_k.log" 2>&1
+  tail -12 "$OUT/quant_k.log"
 fi
 echo "--- done in $(( $(date +%s) - start )) s"

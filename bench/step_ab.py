@@ -153,6 +153,9 @@ ARMS["attn-pdl"] = {**_DEFAULT, "skip": set(), "trig": set(), "wide": True}
 ARMS["rt1-16"] = {**_DEFAULT, "wide": True, "rt1": 16, "rt1q8": 16}
 ARMS["rt1-32"] = {**_DEFAULT, "wide": True, "rt1": 32, "rt1q8": 32}
 ARMS["rt1-64"] = {**_DEFAULT, "wide": True, "rt1": 64, "rt1q8": 64, "q8_one_regs": 0}   # q8_0's one-row tile before
+# a q8_0 cache's windows of 2+ rows on tiles of 32 or 16 query-head lines (attention_kernels.ROW_TILE_Q8, "rtq8")
+ARMS["q8-wide32"] = {**_DEFAULT, "wide": True, "rtq8": 32}
+ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
 ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)
@@ -217,6 +220,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)
+    attention_kernels.ROW_TILE_Q8 = arm.get("rtq8", attention_kernels.ROW_TILE)
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", Q8_ONE_REGS_SHIPPED)
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)

@@ -33,6 +33,10 @@ REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant:
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
+# the same for windows of 2+ rows over a q8_0 cache (one value for every such width, so a row keeps its bits at 2..16
+# rows); not yet timed at other values: `python bench/step_ab.py --kv q8_0 --widths 8 --arms
+# wide-default,q8-wide32,q8-wide16`
+ROW_TILE_Q8 = 64
 # the same for a one-row window (a target decoding alone: its step is one row wide), where 56 of a 64-line tile's
 # lines are padding on the A3B. A one-row tile other than ROW_TILE may give other bits than the same row in a wider
 # window, as the dense products of a one-row step already do. With a BF16 cache 16 and 32 lines were within noise
@@ -74,11 +78,11 @@ def _sm_count(device: str) -> int:
 
 def row_block(group: int, rows: int = 2, q8: bool = False) -> int:
     """Window rows per program of the split kernel: ROW_TILE query-head lines in all (rows x the padded GQA
-    group; ROW_TILE_ONE, or ROW_TILE_ONE_Q8 over a q8_0 cache, for a window of one row), at least one row. A
+    group; over a q8_0 cache ROW_TILE_Q8; ROW_TILE_ONE, or ROW_TILE_ONE_Q8, for a window of one row), at least one row. A
     function of the model, the cache's format and the window's row count only (a step's fixed width), never of the
     other rows, so at one width a row's tile (and its bits) is the same whatever the other rows hold."""
-    one = ROW_TILE_ONE_Q8 if q8 else ROW_TILE_ONE
-    return max(1, (one if rows == 1 else ROW_TILE) // group)
+    one, wide = (ROW_TILE_ONE_Q8, ROW_TILE_Q8) if q8 else (ROW_TILE_ONE, ROW_TILE)
+    return max(1, (one if rows == 1 else wide) // group)
 
 
 def split_programs(rows: int, kv_heads: int, chunks: int, device: torch.device) -> int:

@@ -642,12 +642,12 @@ def check_split_attention(dt: torch.dtype) -> None:
     KV_TIERS would only make the interpreter slower): chunks of 128 with the default row block (a window in one
     program), and tiers of 32, 64 and 128 positions with row blocks of 4 rows (a window over 2 and 4 programs)."""
     _check_split_attention(dt, 128, None)
-    saved = attention_kernels.ROW_TILE
-    attention_kernels.ROW_TILE = 8
+    saved = attention_kernels.ROW_TILE, attention_kernels.ROW_TILE_Q8
+    attention_kernels.ROW_TILE = attention_kernels.ROW_TILE_Q8 = 8
     try:
         _check_split_attention(dt, 128, (32, 64, 64, 192, 128))     # 32 on [0, 64), 64 on [64, 192), 128 beyond
     finally:
-        attention_kernels.ROW_TILE = saved
+        attention_kernels.ROW_TILE, attention_kernels.ROW_TILE_Q8 = saved
 
 
 def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, int, int] | None) -> None:
