@@ -114,8 +114,8 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
                 t.clear()
                 t.update(old)
             ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE, ak.ROW_TILE_ONE_Q8, ak.Q8_CVT, ak.SPLIT_ONE_Q8_REGS = saved[3:]
-        rows.append({"context": ctx, "width": width, "kv_dtype": "q8_0" if q8 else "bf16", "candidate": label, "settings": cand,
-                     "us": us, "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
+        rows.append({"context": ctx, "width": width, "kv_dtype": kind, "candidate": label, "settings": cand, "us": us,
+                     "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
                      "same_bits_as_shipped": same, "chunks": split_chunks(ctx + 64)})
     del cs, part
     torch.cuda.empty_cache()

@@ -59,7 +59,8 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
-# attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines) and whether it
+# attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines; "q8_one_regs":
+# SPLIT_ONE_Q8_REGS, off: no cap) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -76,10 +77,11 @@ ARMS: dict[str, dict[str, Any]] = {
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
                 "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
-                "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED},
+                "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
-                     "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED},
+                     "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED,
+                     "q8_one_regs": Q8_ONE_REGS_SHIPPED},
 }
 # verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
 # and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)
@@ -222,7 +224,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)
     attention_kernels.ROW_TILE_Q8 = arm.get("rtq8", attention_kernels.ROW_TILE)
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
-    attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", Q8_ONE_REGS_SHIPPED)
+    attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)
