@@ -224,7 +224,8 @@ def quant_rows(fmt: str, bw: float, deadline: Deadline, lm_head: bool = False) -
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     cands = {"shipped": moe_gemv.variant(fmt)} | {v: moe_gemv.GEMV_VARIANTS[v] for v in QUANT_CANDIDATES}
-    cands |= {v: moe_gemv.GEMV_VARIANTS[v] for v in R1_CANDIDATES if not moe_gemv.refuses(fmt, moe_gemv.GEMV_VARIANTS[v])}
+    cands |= {v: moe_gemv.GEMV_VARIANTS[v] for v in R1_CANDIDATES
+              if not moe_gemv.refuses(fmt, moe_gemv.GEMV_VARIANTS[v])}
     rows: list[dict[str, Any]] = []
     mats = [("lm_head", (151936, H))] if lm_head else [("qkv", DENSE["qkv"]), ("o_proj", DENSE["o_proj"])]
     for name, (N, K) in mats:
