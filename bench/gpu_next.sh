@@ -7,7 +7,8 @@
 #   1. The graphed one-row step kernel by kernel (`bench/step_timeline.py` at 1k and 16k), the long-context table
 #      on this card (`bench/context.py`: decode at 1k-128k, one and 8 rows, BF16 and q8_0 caches, prefill at the
 #      2048- and 8192-token chunks; the issue's goal figures), then the one-row q8_0 attention tile against its forms
-#      before (arms rt1-64: 64 lines, no cap; q8-one-nocap: 16 lines, no register cap; H100: 9.17 / 8.68 / 7.89 ms at 131k).
+#      before (arms rt1-64: 64 lines, no cap; q8-one-nocap: 16 lines, no register cap; H100: 9.17 / 8.68 / 7.89 ms
+#      at 131k).
 #   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
 #      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
 #      experts, H100: 376 and 355 tok/s).
