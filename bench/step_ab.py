@@ -60,7 +60,7 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
 # attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines; "q8_one_regs":
-# SPLIT_ONE_Q8_REGS, off: no cap) and whether it
+# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -77,11 +77,12 @@ ARMS: dict[str, dict[str, Any]] = {
                     "skip": {"attention"}},
     "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
                 "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
-                "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED},
+                "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED,
+                "exit": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
                      "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED,
-                     "q8_one_regs": Q8_ONE_REGS_SHIPPED},
+                     "q8_one_regs": Q8_ONE_REGS_SHIPPED, "exit": True},
 }
 # verify windows (2-8 rows): the default, then BF16 experts through the GEMV kernel (moe_gemv.DECODE_GEMV_NARROW)
 # and the dense projections through the one-step tiles (dense_kernels.DENSE_GEMV_ROWS)
@@ -158,6 +159,9 @@ ARMS["rt1-64"] = {**_DEFAULT, "wide": True, "rt1": 64, "rt1q8": 64, "q8_one_regs
 # a q8_0 cache's windows of 2+ rows on tiles of 32 or 16 query-head lines (attention_kernels.ROW_TILE_Q8, "rtq8")
 ARMS["q8-wide32"] = {**_DEFAULT, "wide": True, "rtq8": 32}
 ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
+# the split kernel's programs with nothing to compute waiting for the kernel before and loading their queries before
+# they end (attention_kernels.SPLIT_EXIT_EARLY off: the runtime before it; matters with --capacity above the context)
+ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
 ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)
@@ -225,6 +229,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.ROW_TILE_Q8 = arm.get("rtq8", attention_kernels.ROW_TILE)
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
+    attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)
@@ -309,13 +314,14 @@ def interleaved_times(built: dict[tuple, Any], kvs: dict[int, Any], wins: dict[i
 
 
 def run(model, arms: list[str], contexts: list[int], widths: list[int], rounds: int, steps: int, tag: str,
-        one_row: dict[str, str | None], kv_dtype: str = "bf16") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        one_row: dict[str, str | None], kv_dtype: str = "bf16", capacity: int = 0
+        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from bench.context import gen, make_kv
     from runtime.gpu.static_step import StaticStep
 
     vocab = model.cfg.vocab_size
     steps_by: dict[tuple[str, int, int], Any] = {}
-    kvs = {c: make_kv(model, c, kv_dtype, capacity=c + 64) for c in contexts}
+    kvs = {c: make_kv(model, c, kv_dtype, capacity=max(capacity, c + 64)) for c in contexts}
     wins = {w: torch.randint(0, vocab, (1, w), device="cuda", generator=gen(w)) for w in widths}
     logits: dict[tuple[str, int, int], torch.Tensor] = {}
     errors: dict[str, list[str]] = {}
@@ -468,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="2048,8192", help="prefill chunks for the prefill A/B")
     ap.add_argument("--no-decode", action="store_true", help="only the prefill A/B")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "q8_0"), help="the KV cache's format (decode A/B)")
+    ap.add_argument("--capacity", type=int, default=0, help="positions every cache holds (default: the context + "
+                    "64); an engine's cache holds its configured context, and the split attention's grid covers it")
     ap.add_argument("--quant-arms", default="", help="arms for the quantized builds (default: QUANT_ARMS)")
     ap.add_argument("--quant-from", default="", help="a gemv_one_row_quant.json (bench/gemv_one_row.py --quant): "
                     "adds the arm 'quant-best' to the quantized builds")
@@ -522,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json("step_ab.json", res)
         return 0
     res["kv_dtype"] = args.kv
-    rows, checks = run(model, arms, contexts, widths, args.rounds, args.steps, "bf16", one_row, args.kv)
+    res["capacity"] = args.capacity
+    rows, checks = run(model, arms, contexts, widths, args.rounds, args.steps, "bf16", one_row, args.kv, args.capacity)
     for r in rows:
         r["kv_dtype"] = args.kv
         if r["width"] == 1:
@@ -542,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quant_from:
             qarms.append(quant_best(args.quant_from, q))
         qm = build_on_gpu(A3B_SHAPE, q)
-        qrows, qchecks = run(qm, qarms, contexts, widths, args.rounds, args.steps, q, one_row, args.kv)
+        qrows, qchecks = run(qm, qarms, contexts, widths, args.rounds, args.steps, q, one_row, args.kv, args.capacity)
         for r in qrows:
             r["tok_s"] = 1e3 / r["step_ms"]
         res["rows"] += qrows

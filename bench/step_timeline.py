@@ -82,13 +82,14 @@ def timeline(kernels: list[dict[str, Any]], steps: int, layers: int) -> dict[str
             "outside_layers": [{"kernel": k["name"][:60], "dur": k["end"] - k["start"]} for k in outside]}
 
 
-def run_context(model, ctx: int, width: int, kv_kind: str, steps: int, trace: str) -> dict[str, Any]:
+def run_context(model, ctx: int, width: int, kv_kind: str, steps: int, trace: str, capacity: int = 0
+                ) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.context import DEV, gen, make_kv
     from runtime.gpu.static_step import StaticStep
 
-    kv = make_kv(model, ctx, kv_kind, capacity=ctx + 64)
+    kv = make_kv(model, ctx, kv_kind, capacity=max(capacity, ctx + 64))
     step = StaticStep(model, kv, width, graph=True)
     win = torch.randint(0, model.cfg.vocab_size, (1, width), device=DEV, generator=gen(ctx + width))
     for _ in range(3):                              # capture, warm
@@ -115,7 +116,7 @@ def run_context(model, ctx: int, width: int, kv_kind: str, steps: int, trace: st
         prof.export_chrome_trace(path)
         ks = kernel_events(path)
     res = timeline(ks, steps, model.cfg.num_hidden_layers)
-    res.update(context=ctx, width=width, kv=kv_kind, step_us=statistics.median(times), graph=step.use_graph,
+    res.update(context=ctx, capacity=kv.capacity, width=width, kv=kv_kind, step_us=statistics.median(times), graph=step.use_graph,
                fused=step.fused, errors=list(step.errors))
     del step, kv
     torch.cuda.empty_cache()
@@ -128,6 +129,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1)
     ap.add_argument("--kv", default="bf16", choices=("bf16", "q8_0"))
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--capacity", type=int, default=0, help="positions the cache holds (default: the context + 64)")
     ap.add_argument("--trace", default="", help="keep the last context's chrome trace at this path")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -140,10 +142,11 @@ def main() -> int:
     out: dict[str, Any] = {"machine": machine(), "copy_GBs": bw / 1e9, "contexts": []}
     with torch.no_grad():
         for ctx in (int(x) for x in args.contexts.split(",")):
-            r = run_context(model, ctx, args.width, args.kv, args.steps, args.trace)
+            r = run_context(model, ctx, args.width, args.kv, args.steps, args.trace, args.capacity)
             out["contexts"].append(r)
             L = model.cfg.num_hidden_layers
-            print_table(f"A3B {args.kv} step W={args.width} at context {ctx}: {r['step_us']:,.0f} us timed, "
+            print_table(f"A3B {args.kv} step W={args.width} at context {ctx} of {r['capacity']:,}: "
+                        f"{r['step_us']:,.0f} us timed, "
                         f"{r['profiled_step_us']:,.0f} us profiled; {r['kernels_per_step']} kernels, "
                         f"{r['kernels_per_layer']} a layer adding {r['layer_adds_us']:.1f} us "
                         f"(x{L} = {r['layer_adds_us'] * L:,.0f} us); copy {bw / 1e9:,.0f} GB/s",

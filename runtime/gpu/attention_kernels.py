@@ -65,6 +65,10 @@ SPLIT_TILE_Q8 = {"BS": 64, "num_warps": 4, "num_stages": 1}
 # GPU only, the interpreter takes 1) (docs/models.md, "KV cache")
 Q8_CVT = 0
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
+# the split kernel's programs with no chunk at the current positions end before their PDL wait and before loading
+# their queries (the grid covers the cache's capacity: at 1k positions of a 40k cache, 36 of 528 programs work).
+# The same bits; False: every program waits and loads first (the benchmarks' switch)
+SPLIT_EXIT_EARLY = True
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
 POST_ROWS_FROM = 64
@@ -214,13 +218,16 @@ if HAVE_TRITON:
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
-                           CVT: tl.constexpr = 0, GDC: tl.constexpr = False):
+                           CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
         cache once, not once per row). A row past its own end in a block sees only masked scores: its update is
-        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone."""
-        pdl.start(GDC)
+        the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone. EXIT: a program with no
+        chunk to compute ends before its PDL wait (the positions are the step's input, written before any kernel
+        of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts."""
+        if not EXIT:
+            pdl.start(GDC)
         rb = tl.program_id(0)
         kvh = tl.program_id(1)
         first = tl.program_id(2)
@@ -233,6 +240,10 @@ if HAVE_TRITON:
         pos_r = tl.load(pos_ptr + r, mask=r < W, other=-1)
         nv_r = _n_chunks(pos_r + 1, C0, E0, C1, E1, C2)   # chunks holding positions 0..pos; 0 for a padding row
         n_valid = tl.max(nv_r, 0)
+        if EXIT:
+            if first >= n_valid:
+                return
+            pdl.start(GDC)
         d = tl.arange(0, HD)
         heads = kvh * G + g
         dt = q_ptr.dtype.element_ty
@@ -479,7 +490,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, num_warps=t["num_warps"],
+        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
+        num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
