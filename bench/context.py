@@ -190,7 +190,7 @@ def decode_rows(model, args, bw: float, dist: dict[int, float], deadline: Deadli
             if deadline.over():
                 print(f"  (time budget spent: decode rows from {kv_kind} {ctx} on skipped)", flush=True)
                 return rows
-            kv = make_kv(model, ctx, kv_kind, capacity=ctx + 64)
+            kv = make_kv(model, ctx, kv_kind, capacity=max(args.capacity, ctx + 64))
             for w in args.widths:
                 r = time_decode(model, kv, w, args.steps)
                 experts = dist.get(w, model.cfg.num_experts_per_tok)
@@ -200,7 +200,8 @@ def decode_rows(model, args, bw: float, dist: dict[int, float], deadline: Deadli
                 tok_s = 1e3 / r["step_ms"]
                 rows.append(dict(kind="decode", impl="strata", kv_dtype=kv_kind, context=ctx, width=w, tok_s=tok_s,
                                  window_tok_s=w * tok_s, bound_tok_s=bound, frac_of_bound=tok_s / bound,
-                                 step_bytes=step_bytes, kv_bytes=kv_read, distinct_experts=experts, **r))
+                                 step_bytes=step_bytes, kv_bytes=kv_read, distinct_experts=experts,
+                                 capacity=kv.capacity, **r))
                 print(f"  decode {kv_kind:5s} ctx {ctx:>6} W={w}: {r['step_ms']:.2f} ms/step, {tok_s:.0f} tok/s, "
                       f"{100 * tok_s / bound:.0f}% of bound ({bound:.0f}){' ERR ' + str(r['errors']) if r['errors'] else ''}",
                       flush=True)
@@ -615,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=0, help="the engine's prefill chunk (default: its own)")
     ap.add_argument("--extra-chunks", default="", help="more BF16 prefill chunk sizes to time, e.g. 512,8192")
     ap.add_argument("--kv", default=",".join(KV_KINDS))
+    ap.add_argument("--capacity", type=int, default=0, help="positions each decode row's cache holds (default: the "
+                    "context + 64); an engine's cache holds its configured context")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time other attention tiles (kernel alone)")
     ap.add_argument("--agree-tokens", type=int, default=128, help="greedy tokens per prompt for the q8_0 agreement")
