@@ -162,6 +162,9 @@ ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
 # the split kernel's programs with nothing to compute waiting for the kernel before and loading their queries before
 # they end (attention_kernels.SPLIT_EXIT_EARLY off: the runtime before it; matters with --capacity above the context)
 ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
+# the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
+# SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
+ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
 ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)

@@ -74,6 +74,10 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
                "EARLY": 1},
     "one_d8": {"ONE": 1, "BN_UP": 8, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
                "EARLY": 1},
+    # one_d4 under a register cap ("maxnreg": registers a thread): four programs an SM instead of three, so the
+    # A3B's o_proj (512 programs) is resident in one wave and every program loads its weights before its wait
+    "one_d4r128": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
+                   "num_stages": 1, "EARLY": 1, "maxnreg": 128},
 }
 # one-step tiles for block-format rows: BN rows of gate/up and of down a program, J words of a block a thread
 for _bn in (2, 4, 8, 16):
@@ -1404,7 +1408,7 @@ def up(x: Tensor, tok: Tensor, se: Tensor, sl: Tensor, gate_up: Tensor, h: Tenso
     _gemv_kernel[grid](x, tok, se, sl, se, x, w, h, NP, n_exp, inter, K if fmt == "bf16" else nblk, K, MAGIC,
                        x.stride(0), w.stride(0), h.stride(0), x, x, x, x, 0.0, SWN=w.stride(1), EVEN=inter % cfg["BN_UP"] == 0, UP=True, HAS_SLOT=has_slot, QT=QT[fmt],
                        ZERO=False, BM=bm, MB=cfg["MB"], BN=cfg["BN_UP"], NBC=c, PF=cfg["PF"], KMASK=K % c != 0, J=j, num_warps=_warps(fmt, c, cfg["num_warps"], j, r1),
-                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=r1, **pdl.launch(w))
+                       num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one), R1=r1, **_regs(cfg), **pdl.launch(w))
 
 
 def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, y: Tensor, fmt: str,
@@ -1436,7 +1440,12 @@ def down(h: Tensor, se: Tensor, sl: Tensor, order: Tensor, wf: Tensor, down_w: T
                        num_stages=cfg["num_stages"], ONE=_one(fmt, K, c, one),
                        EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS and _one(fmt, K, c, one),
                        NORM=norm is not None, KN=cover(K) if norm is not None else 1, R1=r1,
-                       **pdl.launch(w))
+                       **_regs(cfg), **pdl.launch(w))
+
+
+def _regs(cfg: dict[str, int]) -> dict[str, int]:
+    """The launch's register cap where the variant names one ("maxnreg"), else nothing."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
 def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:
@@ -1465,7 +1474,7 @@ def norm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Te
                        EVEN=N % cfg["BN_DOWN"] == 0, UP=False, HAS_SLOT=False, QT=0, ZERO=False, BM=1, MB=1,
                        BN=cfg["BN_DOWN"], NBC=c, PF=0, KMASK=K % c != 0, J=1, num_warps=cfg["num_warps"],
                        num_stages=cfg["num_stages"], ONE=True, EARLY=bool(cfg.get("EARLY")) and early and EARLY_LOADS,
-                       NORM=True, HAS_D=delta is not None, **pdl.launch(w))
+                       NORM=True, HAS_D=delta is not None, **_regs(cfg), **pdl.launch(w))
     return xo, (ho if delta is not None else None), y
 
 
