@@ -165,6 +165,13 @@ ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
+# the one-row o_proj product on the lean kernel (moe_gemv "one_d4lean", `_one_dense_kernel`: the same sums, 86
+# registers a thread, five programs an SM, the router let in after its sums)
+ARMS["o-lean"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}}
+# the one-row down products + top-k sum letting the next kernel in after their sums ("REL": pdl.release), where
+# the kernel takes 128 registers a thread instead of 156 (four programs an SM instead of three)
+ARMS["sum-rel"] = {**_DEFAULT, "sum": {**SUM, "REL": 1}}
+ARMS["o-lean+sum-rel"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}, "sum": {**SUM, "REL": 1}}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
 ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)

@@ -125,7 +125,11 @@ def one_row(x: Tensor, w: Tensor | None, role: str) -> Tensor | None:
     if name not in moe_gemv.GEMV_VARIANTS:
         raise ValueError(f"ONE_ROW_DENSE[{role!r}] names {name!r}, which is not in GEMV_VARIANTS; use one of "
                          f"{', '.join(moe_gemv.GEMV_VARIANTS)} or None.")
-    return gemv(x.contiguous(), w, "bf16", moe_gemv.GEMV_VARIANTS[name])
+    cfg = moe_gemv.GEMV_VARIANTS[name]
+    if cfg.get("LEAN") and x.shape[0] == 1 and moe_gemv.one_step("bf16", x.shape[1],
+                                                                   moe_gemv.chunk(x.shape[1], "bf16", cfg["KV"], True)):
+        return moe_gemv.one_dense(x.contiguous(), w, cfg)
+    return gemv(x.contiguous(), w, "bf16", cfg)
 
 
 # one-row steps: fold the RMSNorm before the q/k/v and router products into those products' GEMV (every program

@@ -74,6 +74,11 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
                "EARLY": 1},
     "one_d8": {"ONE": 1, "BN_UP": 8, "BN_DOWN": 8, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4, "num_stages": 1,
                "EARLY": 1},
+    # one_d4 on `_one_dense_kernel` ("LEAN": one float row of a dense matrix, none of the expert machinery, the next
+    # kernel let in after the sums): 86 registers a thread against 168 (Triton 3.6, sm_90), so all of the A3B
+    # o_proj's 512 programs can be resident at once
+    "one_d4lean": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
+                   "num_stages": 1, "EARLY": 1, "LEAN": 1},
     # one_d4 under a register cap ("maxnreg": registers a thread): four programs an SM instead of three, so the
     # A3B's o_proj (512 programs) is resident in one wave and every program loads its weights before its wait
     "one_d4r128": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
@@ -1167,9 +1172,35 @@ if HAVE_TRITON:
     # -------------------------------------------------------------------------------------------- the kernel
 
     @triton.jit
+    def _one_dense_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, SWN: tl.constexpr, BN: tl.constexpr,
+                          KC: tl.constexpr, EVEN: tl.constexpr, EARLY: tl.constexpr, GDC: tl.constexpr = False):
+        """One float row x [K] times BN whole rows of a dense float matrix a program (a `LEAN` one-step variant):
+        the tile `_tile_f` loads (EARLY: before the PDL wait), the sums `_dot_f` computes, the store `_out` makes
+        of a single expert's weight-1 rows, with none of the expert tables, masks and row loop of `_gemv_kernel`;
+        with EARLY the next kernel is let in after the sums (`pdl.release`), where the compiler keeps the tile in
+        bf16 until the row arrives: 86 registers a thread instead of 168, five programs an SM instead of three."""
+        if not EARLY:
+            pdl.start(GDC)
+        nb = tl.program_id(0)
+        n = nb * BN + tl.arange(0, BN)
+        rw = n if EVEN else tl.minimum(n, N - 1)       # rows past N read row N - 1 and are never stored
+        kk = tl.arange(0, KC)
+        if KC == K:
+            wv = tl.load(w_ptr + (rw * SWN)[:, None] + kk[None, :])
+        else:
+            wv = tl.load(w_ptr + (rw * SWN)[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+        if EARLY:
+            pdl.wait(GDC)
+        ra = _dot_f(wv, x_ptr, kk, K)
+        if EARLY:
+            pdl.release(GDC)
+        tl.store(y_ptr + n, ra.to(y_ptr.dtype.element_ty), mask=n < N)
+
+    @triton.jit
     def _down_sum_kernel(h_ptr, se_ptr, ord_ptr, wt_ptr, w_ptr, res_ptr, o_ptr, E, N, K, stride_h, stride_we,
                          SWN: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
-                         KC: tl.constexpr, EARLY: tl.constexpr, GDC: tl.constexpr = False):
+                         KC: tl.constexpr, EARLY: tl.constexpr, REL: tl.constexpr = False,
+                         GDC: tl.constexpr = False):
         """One token: program nb takes rows nb*BN.. of the down matrix of each of its top-k pairs (sorted order, as
         the up kernel wrote h), scales each pair's rows by its routing weight in fp32 and sums them in top-k order
         as `_moe_sum_kernel` does, then adds the residual. EARLY: the weights (resident, routing written before the
@@ -1187,7 +1218,9 @@ if HAVE_TRITON:
         tile = tl.load(wp, mask=kk[None, None, :] < kn[:, None, None], other=0.0)        # [KP, BN, KC]
         dst = tl.load(ord_ptr + p, mask=p < TOPK, other=KP)
         wt = tl.load(wt_ptr + dst, mask=p < TOPK, other=0.0).to(tl.float32)
-        if EARLY:
+        if EARLY and REL:
+            pdl.wait(GDC)
+        elif EARLY:
             pdl.start(GDC)
         hv = tl.load(h_ptr + p[:, None].to(tl.int64) * stride_h + kk[None, :], mask=kk[None, :] < kn[:, None],
                      other=0.0).to(tl.float32)                                          # [KP, KC]
@@ -1195,6 +1228,8 @@ if HAVE_TRITON:
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOPK):                  # top-k order: the pair whose slot is j (exact: one term)
             acc += tl.sum(tl.where((dst == j)[:, None], y, 0.0), 0)
+        if EARLY and REL:                                # the next kernel let in after the sums (`pdl.release`)
+            pdl.release(GDC)
         dt = o_ptr.dtype.element_ty
         x = tl.load(res_ptr + n, mask=n < N, other=0.0).to(tl.float32)
         tl.store(o_ptr + n, (x + acc.to(dt).to(tl.float32)).to(dt), mask=n < N)
@@ -1448,6 +1483,20 @@ def _regs(cfg: dict[str, int]) -> dict[str, int]:
     return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
+def one_dense(x: Tensor, w: Tensor, cfg: dict[str, int]) -> Tensor:
+    """x [1, K] @ w^T for a dense float matrix w [N, K] through `_one_dense_kernel` (a LEAN one-step variant: BN_DOWN
+    rows a program, the row in one step). The same sums as the variant's tile in `down` (one expert, weight 1).
+    Dense weights are never written during a step, so EARLY needs no routing tables."""
+    N, K = w.shape
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    bn = cfg["BN_DOWN"]
+    _one_dense_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K=K, SWN=w.stride(0), BN=bn, KC=cover(K), EVEN=N % bn == 0,
+                                             EARLY=bool(cfg.get("EARLY")) and EARLY_LOADS,
+                                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_regs(cfg),
+                                             **pdl.launch(w))
+    return y
+
+
 def norm_fits(fmt: str, cfg: dict[str, int]) -> bool:
     """Whether `down` can normalize its row inside the kernel with variant cfg: 32-value block weights on the
     looped tiles (not ONE), one window row a pass."""
@@ -1488,6 +1537,7 @@ def down_sum(h: Tensor, se: Tensor, order: Tensor, wf: Tensor, down_w: Tensor, r
     _down_sum_kernel[(triton.cdiv(N, cfg["BN"]),)](h, se, order, wf, down_w, residual, out, n_exp, N, K, h.stride(0),
                                                    down_w.stride(0), SWN=down_w.stride(1), TOPK=top_k,
                                                    KP=max(2, 1 << (top_k - 1).bit_length()), BN=cfg["BN"], KC=kc,
-                                                   EARLY=early and EARLY_LOADS, num_warps=cfg["num_warps"],
+                                                   EARLY=early and EARLY_LOADS, REL=bool(cfg.get("REL")),
+                                                   num_warps=cfg["num_warps"],
                                                    **pdl.launch(down_w, "down_sum"))
     return out
