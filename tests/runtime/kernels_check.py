@@ -688,12 +688,14 @@ def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, 
                                                                                 strict=True)]
         assert torch.equal(att(q, pos, *big), o)
         # programs with no chunk waiting and loading their queries before they end (SPLIT_EXIT_EARLY off): the same
-        # bits, on the larger cache too (more programs than chunks at these positions)
-        attention_kernels.SPLIT_EXIT_EARLY = not attention_kernels.SPLIT_EXIT_EARLY
-        try:
-            assert torch.equal(att(q, pos), o) and torch.equal(att(q, pos, *big), o)
-        finally:
+        # bits on the larger cache (more programs than chunks at these positions); one layout and dtype, as the
+        # interpreter is slow
+        if tiers is None and dt == torch.float32:        # 6 programs a head, 4 chunks at these positions
             attention_kernels.SPLIT_EXIT_EARLY = not attention_kernels.SPLIT_EXIT_EARLY
+            try:
+                assert torch.equal(att(q, pos, *big), o)
+            finally:
+                attention_kernels.SPLIT_EXIT_EARLY = not attention_kernels.SPLIT_EXIT_EARLY
         if q8:                       # the q8_0 tile loaded a step ahead or a tile at a time: the same bits
             attention_kernels.Q8_PREFETCH = not attention_kernels.Q8_PREFETCH
             try:
