@@ -75,7 +75,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "+sum": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": OLD_SKIP},
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
-    "default": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
+    "default": {"moe1": "u1d32", "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
                 "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
                 "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED,
                 "exit": True},
@@ -166,10 +166,13 @@ ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
 # the one-row o_proj product on the lean kernel (moe_gemv "one_d4lean", `_one_dense_kernel`: the same sums, 86
-# registers a thread, five programs an SM, the router let in after its sums)
+# registers a thread, five programs an SM, the router let in after its sums): the default since
+# bench/results/h100_session36/lean/; "o-tile": on the GEMV kernel's one-step tile as before
 ARMS["o-lean"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}}
+ARMS["o-tile"] = {**_DEFAULT, "dense": ONE_DENSE}
 # the one-row down products + top-k sum letting the next kernel in after their sums ("REL": pdl.release), where
-# the kernel takes 128 registers a thread instead of 156 (four programs an SM instead of three)
+# the kernel takes 128 registers a thread instead of 156 (four programs an SM instead of three). H100: slower, 3.10
+# -> 3.21 ms at 1k, 3.67 -> 3.76 at 16k (the next layer's q/k/v, scheduled later, loads its weights later)
 ARMS["sum-rel"] = {**_DEFAULT, "sum": {**SUM, "REL": 1}}
 ARMS["o-lean+sum-rel"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}, "sum": {**SUM, "REL": 1}}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")

@@ -82,8 +82,12 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int], norm: tuple[Tenso
 # one-row BF16 projections of the fused decode step: the GEMV variant (runtime/gpu/moe_gemv.py GEMV_VARIANTS) per
 # matrix, or None for cuBLAS. One-step tiles with the weights loaded before the PDL wait: H200, A3B, 48 copies in a
 # graph (bench/gemv_one_row.py): q/k/v 6.9 us against cuBLAS's 8.0, o_proj 6.5 against 8.8, the router 1.5 against
-# 4.9; the one-row step at 1k context 3.19 -> 2.93 ms (bench/step_ab.py, bench/results/h200_session8/)
-ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
+# 4.9; the one-row step at 1k context 3.19 -> 2.93 ms (bench/step_ab.py, bench/results/h200_session8/). o_proj on
+# the lean one-row kernel ("one_d4lean", moe_gemv `_one_dense_kernel`: the same sums, 86 registers a thread instead
+# of 168, so all 512 programs are resident and load their weights during the attention): H100, A3B one-row step
+# 3.10 -> 3.07 ms at 1k, 3.18 -> 3.11 at 4k, 3.65 -> 3.64 at 16k, the same bits (bench/step_ab.py --arms
+# default,o-lean, bench/results/h100_session36/lean/)
+ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4lean", "router": "one_d1"}
 # windows of up to this many rows (per role; 1 where not named) take ONE_ROW_DENSE's variants too (a program loads
 # its weight tile once and serves every row of the window); wider ones take cuBLAS. H200, A3B verify steps at 1k
 # context (bench/step_ab.py arms wide-cublas / wide-router8-o2, bench/results/h200_session14/wide_router/): 4.17 ->

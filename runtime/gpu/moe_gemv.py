@@ -1228,7 +1228,9 @@ if HAVE_TRITON:
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in tl.static_range(TOPK):                  # top-k order: the pair whose slot is j (exact: one term)
             acc += tl.sum(tl.where((dst == j)[:, None], y, 0.0), 0)
-        if EARLY and REL:                                # the next kernel let in after the sums (`pdl.release`)
+        # REL: the next kernel let in after the sums (`pdl.release`; 128 registers a thread instead of 156). Measured
+        # slower (H100, A3B one-row step 3.10 -> 3.21 ms at 1k: the next q/k/v loads its weights later), so off
+        if EARLY and REL:
             pdl.release(GDC)
         dt = o_ptr.dtype.element_ty
         x = tl.load(res_ptr + n, mask=n < N, other=0.0).to(tl.float32)
