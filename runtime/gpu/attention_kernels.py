@@ -67,7 +67,9 @@ Q8_CVT = 0
 PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all (no effect on the bits)
 # the split kernel's programs with no chunk at the current positions end before their PDL wait and before loading
 # their queries (the grid covers the cache's capacity: at 1k positions of a 40k cache, 36 of 528 programs work).
-# The same bits; False: every program waits and loads first (the benchmarks' switch)
+# The same bits; False: every program waits and loads first (the benchmarks' switch). H100, A3B one-row step on a
+# 32k cache (bench/step_ab.py --capacity 32768, arm split-exit-late): 3.13 -> 3.11 ms at 1k, within noise
+# (bench/results/h100_session36/timeline/)
 SPLIT_EXIT_EARLY = True
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs

@@ -80,7 +80,8 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "one_d4lean": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
                    "num_stages": 1, "EARLY": 1, "LEAN": 1},
     # one_d4 under a register cap ("maxnreg": registers a thread): four programs an SM instead of three, so the
-    # A3B's o_proj (512 programs) is resident in one wave and every program loads its weights before its wait
+    # A3B's o_proj (512 programs) is resident in one wave. It spills 28 values a thread: the one-row step 3.11 ->
+    # 3.26 ms at 1k on an H100 (bench/step_ab.py arm o-regs128, bench/results/h100_session36/timeline/); not used
     "one_d4r128": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
                    "num_stages": 1, "EARLY": 1, "maxnreg": 128},
 }
