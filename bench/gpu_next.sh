@@ -5,10 +5,10 @@
 # wcwidth: `pip download -q --no-deps -d .whl gguf questionary platformdirs tomli_w prompt_toolkit wcwidth`). Each
 # part writes its logs and JSON under $OUT. Say which card ran it: the figures below are an H100's.
 #   1. The graphed one-row step kernel by kernel (`bench/step_timeline.py` at 1k and 16k), the long-context table
-#      on this card (`bench/context.py`: decode at 1k-128k, one and 8 rows, BF16 and q8_0 caches of 40,960 positions
-#      as a default A3B engine holds, prefill at the 2048- and 8192-token chunks; the issue's goal figures), then the one-row q8_0 attention tile against its forms
-#      before (arms rt1-64: 64 lines, no cap; q8-one-nocap: 16 lines, no register cap; H100: 9.17 / 8.68 / 7.89 ms
-#      at 131k).
+#      on this card (`bench/context.py`: decode at 1k-128k, one and 8 rows, BF16 and q8_0 caches of 40,960
+#      positions as a default A3B engine holds, prefill at the 2048- and 8192-token chunks; the issue's goal
+#      figures), then the one-row q8_0 attention tile against its forms before (arms rt1-64: 64 lines, no cap;
+#      q8-one-nocap: 16 lines, no register cap; H100: 9.17 / 8.68 / 7.89 ms at 131k).
 #   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
 #      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
 #      experts, H100: 376 and 355 tok/s).
@@ -24,7 +24,8 @@ if [ "${1:-1}" = 1 ]; then
   timeout 150 python3 bench/step_timeline.py --contexts 1024,16384 > "$OUT/timeline.log" 2>&1
   tail -32 "$OUT/timeline.log"
   echo "--- context table ($(( $(date +%s) - start )) s)"
-  timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 > "$OUT/context.log" 2>&1; tail -16 "$OUT/context.log"
+  timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 \
+    > "$OUT/context.log" 2>&1; tail -16 "$OUT/context.log"
   echo "--- one-row q8_0 tile ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 1024,32768,131072 --widths 1 \
     --arms default,rt1-64,q8-one-nocap --rounds 5 > "$OUT/step_ab_q8_one.log" 2>&1

@@ -54,6 +54,7 @@ from runtime.gpu.attention_kernels import SPLIT_TILE_Q8 as _SPLIT_Q8  # noqa: E4
 Q8_STAGES_SHIPPED = _SPLIT_Q8["num_stages"]
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
+ONE_DENSE_NOW = {**ONE_DENSE, "o_proj": "one_d4lean"}     # o_proj on its lean kernel since h100_session36
 SUM = {"BN": 2, "num_warps": 4}
 OLD_SKIP = {"attention", "attention_reduce"}
 # each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
@@ -75,11 +76,11 @@ ARMS: dict[str, dict[str, Any]] = {
     "+sum": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True, "skip": OLD_SKIP},
     "+reduce-pdl": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
                     "skip": {"attention"}},
-    "default": {"moe1": "u1d32", "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}, "norm": True, "sum": SUM, "pdl": True, "skip": {"attention"},
-                "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
+    "default": {"moe1": "u1d32", "dense": ONE_DENSE_NOW, "norm": True, "sum": SUM, "pdl": True,
+                "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
                 "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED,
                 "exit": True},
-    "default-late": {"moe1": "u1d32", "dense": ONE_DENSE, "norm": True, "sum": SUM, "pdl": True,
+    "default-late": {"moe1": "u1d32", "dense": ONE_DENSE_NOW, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
                      "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED,
                      "q8_one_regs": Q8_ONE_REGS_SHIPPED, "exit": True},
@@ -168,13 +169,13 @@ ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
 # the one-row o_proj product on the lean kernel (moe_gemv "one_d4lean", `_one_dense_kernel`: the same sums, 86
 # registers a thread, five programs an SM, the router let in after its sums): the default since
 # bench/results/h100_session36/lean/; "o-tile": on the GEMV kernel's one-step tile as before
-ARMS["o-lean"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}}
+ARMS["o-lean"] = {**_DEFAULT, "dense": ONE_DENSE_NOW}
 ARMS["o-tile"] = {**_DEFAULT, "dense": ONE_DENSE}
 # the one-row down products + top-k sum letting the next kernel in after their sums ("REL": pdl.release), where
 # the kernel takes 128 registers a thread instead of 156 (four programs an SM instead of three). H100: slower, 3.10
 # -> 3.21 ms at 1k, 3.67 -> 3.76 at 16k (the next layer's q/k/v, scheduled later, loads its weights later)
 ARMS["sum-rel"] = {**_DEFAULT, "sum": {**SUM, "REL": 1}}
-ARMS["o-lean+sum-rel"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4lean"}, "sum": {**SUM, "REL": 1}}
+ARMS["o-lean+sum-rel"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "sum": {**SUM, "REL": 1}}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
 ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)

@@ -1,6 +1,6 @@
 """Where the graphed decode step's time goes, kernel by kernel, with the kernels overlapping as they do in the step.
 
-    python bench/step_timeline.py [--contexts 1024,16384] [--width 1] [--kv bf16] [--steps 20]
+    python bench/step_timeline.py [--contexts 1024,16384] [--width 1] [--kv bf16] [--steps 20] [--capacity 32768]
 
 `bench/step_profile.py` runs the step eagerly, where each kernel runs alone; `bench/step_ablate.py` removes one
 stage at a time. This one profiles replays of the engine's CUDA graph itself (torch.profiler records each kernel a
@@ -8,7 +8,8 @@ graph launches, with programmatic dependent launch overlapping them as in the st
 by layer: for each kernel of a layer, when it started against the end of the kernel before it (negative: scheduled
 early by PDL, its programs waiting), how long it ran, and what it added to the step (its end minus the previous
 kernel's end: the step's time is the sum of these). Medians over the middle layers and the profiled steps. The
-profiler's own cost shows as the profiled step's length against the step timed without it. Writes
+profiler's own cost shows as the profiled step's length against the step timed without it. The cache holds the
+context + 64 positions unless `--capacity` names more (an engine's holds its configured context). Writes
 `step_timeline.json`; `--trace PATH` also keeps the chrome trace of the last context.
 """
 
@@ -116,8 +117,8 @@ def run_context(model, ctx: int, width: int, kv_kind: str, steps: int, trace: st
         prof.export_chrome_trace(path)
         ks = kernel_events(path)
     res = timeline(ks, steps, model.cfg.num_hidden_layers)
-    res.update(context=ctx, capacity=kv.capacity, width=width, kv=kv_kind, step_us=statistics.median(times), graph=step.use_graph,
-               fused=step.fused, errors=list(step.errors))
+    res.update(context=ctx, capacity=kv.capacity, width=width, kv=kv_kind, step_us=statistics.median(times),
+               graph=step.use_graph, fused=step.fused, errors=list(step.errors))
     del step, kv
     torch.cuda.empty_cache()
     return res
