@@ -163,9 +163,6 @@ ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
 # the split kernel's programs with nothing to compute waiting for the kernel before and loading their queries before
 # they end (attention_kernels.SPLIT_EXIT_EARLY off: the runtime before it; matters with --capacity above the context)
 ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
-# the split kernel letting the next kernels in after its first dot, not after its wait
-# (attention_kernels.SPLIT_RELEASE_AFTER_DOT): o_proj's early loads then queue behind the split's K/V reads
-ARMS["split-rel-dot"] = {**_DEFAULT, "wide": True, "split_rel": True}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
@@ -247,7 +244,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
     attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
-    attention_kernels.SPLIT_RELEASE_AFTER_DOT = bool(arm.get("split_rel"))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)

@@ -71,10 +71,6 @@ PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all
 # 32k cache (bench/step_ab.py --capacity 32768, arm split-exit-late): 3.13 -> 3.11 ms at 1k, within noise
 # (bench/results/h100_session36/timeline/)
 SPLIT_EXIT_EARLY = True
-# with it, a split program lets the next kernels be scheduled only after its first dot (its K/V loads issued: the
-# reduction, then an early-loading o_proj, whose 17 MB would otherwise queue ahead of the split's K/V reads) instead
-# of right after its wait. The same bits; a benchmarks' switch until timed (bench/step_ab.py arm split-rel-dot)
-SPLIT_RELEASE_AFTER_DOT = False
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
 POST_ROWS_FROM = 64
@@ -224,8 +220,7 @@ if HAVE_TRITON:
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
-                           CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, REL: tl.constexpr = False,
-                           GDC: tl.constexpr = False):
+                           CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
@@ -250,10 +245,7 @@ if HAVE_TRITON:
         if EXIT:
             if first >= n_valid:
                 return
-            if REL:
-                pdl.wait(GDC)
-            else:
-                pdl.start(GDC)
+            pdl.start(GDC)
         d = tl.arange(0, HD)
         heads = kvh * G + g
         dt = q_ptr.dtype.element_ty
@@ -287,8 +279,6 @@ if HAVE_TRITON:
                     k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                     v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                 sc = tl.dot(q, tl.trans(k)) * scale
-                if REL:                            # the next kernels let in once this program's K/V loads are out
-                    pdl.release(GDC)
                 sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, 1))
                 # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
@@ -503,7 +493,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
         NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
-        REL=SPLIT_EXIT_EARLY and SPLIT_RELEASE_AFTER_DOT, num_warps=t["num_warps"],
+        num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
