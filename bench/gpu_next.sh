@@ -21,7 +21,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 start=$(date +%s)
 if [ "${1:-1}" = 1 ]; then
   echo "--- the graphed one-row step's timeline ($(( $(date +%s) - start )) s)"
-  timeout 150 python3 bench/step_timeline.py --contexts 1024,16384 > "$OUT/timeline.log" 2>&1
+  timeout 150 python3 bench/step_timeline.py --contexts 1024,16384 --capacity 32768 > "$OUT/timeline.log" 2>&1
   tail -32 "$OUT/timeline.log"
   echo "--- context table ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 \
