@@ -1178,8 +1178,8 @@ if HAVE_TRITON:
         """One float row x [K] times BN whole rows of a dense float matrix a program (a `LEAN` one-step variant):
         the tile `_tile_f` loads (EARLY: before the PDL wait), the sums `_dot_f` computes, the store `_out` makes
         of a single expert's weight-1 rows, with none of the expert tables, masks and row loop of `_gemv_kernel`;
-        with EARLY the next kernel is let in after the sums (`pdl.release`), where the compiler keeps the tile in
-        bf16 until the row arrives: 86 registers a thread instead of 168, five programs an SM instead of three."""
+        with EARLY the next kernel is let in after the sums (`pdl.release`), not between the tile's loads and the
+        sums: 86 registers a thread instead of 168, five programs an SM instead of three."""
         if not EARLY:
             pdl.start(GDC)
         nb = tl.program_id(0)

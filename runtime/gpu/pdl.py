@@ -67,18 +67,25 @@ _ON_FIRST = {"GDC": 2, "launch_pdl": True}
 if HAVE_TRITON:
 
     @triton.jit
+    def _wait_asm():
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _launch_asm():
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+    @triton.jit
     def start(GDC: tl.constexpr):
         """Wait until the previous kernel in the stream is done and its writes are visible, then allow the next
         kernel to be scheduled (GDC 2, a TRIGGER_FIRST part: allow it first, then wait). A no-op without PDL (GDC
         False: the interpreter never sees the PTX)."""
         if GDC == 2:
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+            _launch_asm()
+            _wait_asm()
         elif GDC:
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            _wait_asm()
+            _launch_asm()
 
     @triton.jit
     def wait(GDC: tl.constexpr):
@@ -87,16 +94,16 @@ if HAVE_TRITON:
         if GDC == 2:
             start(GDC)
         elif GDC:
-            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+            _wait_asm()
 
     @triton.jit
     def release(GDC: tl.constexpr):
         """After `wait` and a kernel's arithmetic: let the next kernel be scheduled (GDC 2 let it in at `wait`).
-        There, it keeps the compiler from converting a tile loaded before the wait to fp32 ahead of the wait
-        (runtime/gpu/moe_gemv.py `_one_dense_kernel`: 86 registers a thread instead of 156 on sm_90)."""
+        Placed there, a tile loaded before the wait costs far fewer registers than with `start`'s instruction between
+        the loads and the sums (runtime/gpu/moe_gemv.py `_one_dense_kernel`: 86 registers a thread against 156 on
+        sm_90, Triton 3.6)."""
         if GDC == 1:
-            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            _launch_asm()
 
     @triton.jit
     def _probe_kernel(x_ptr, GDC: tl.constexpr):
