@@ -48,6 +48,7 @@ from bench.common import copy_bandwidth, machine, median, print_table, write_jso
 from runtime.gpu.attention_kernels import Q8_PREFETCH as Q8_PREFETCH_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE_Q8 as ROW_TILE_ONE_Q8_SHIPPED  # noqa: E402
+from runtime.gpu.attention_kernels import SPLIT_KV_PREFETCH as KV_PF_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import SPLIT_ONE_Q8_REGS as Q8_ONE_REGS_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import SPLIT_TILE_Q8 as _SPLIT_Q8  # noqa: E402
 
@@ -61,7 +62,7 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
 # attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines; "q8_one_regs":
-# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY) and whether it
+# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -79,7 +80,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "default": {"moe1": "u1d32", "dense": ONE_DENSE_NOW, "norm": True, "sum": SUM, "pdl": True,
                 "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
                 "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED,
-                "exit": True},
+                "exit": True, "kv_pf": KV_PF_SHIPPED},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE_NOW, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
                      "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED,
@@ -163,6 +164,10 @@ ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
 # the split kernel's programs with nothing to compute waiting for the kernel before and loading their queries before
 # they end (attention_kernels.SPLIT_EXIT_EARLY off: the runtime before it; matters with --capacity above the context)
 ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
+# the split kernel's working programs asking the first N positions of their first chunk into L2 before their PDL
+# wait (attention_kernels.SPLIT_KV_PREFETCH; "kv-pf0": none)
+for _n in (0, 64, 128, 256, 1024):
+    ARMS[f"kv-pf{_n}"] = {**_DEFAULT, "wide": True, "kv_pf": _n}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
@@ -244,6 +249,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
     attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
+    attention_kernels.SPLIT_KV_PREFETCH = int(arm.get("kv_pf", 0))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)

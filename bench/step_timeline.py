@@ -1,6 +1,7 @@
 """Where the graphed decode step's time goes, kernel by kernel, with the kernels overlapping as they do in the step.
 
     python bench/step_timeline.py [--contexts 1024,16384] [--width 1] [--kv bf16] [--steps 20] [--capacity 32768]
+                                  [--arm NAME]
 
 `bench/step_profile.py` runs the step eagerly, where each kernel runs alone; `bench/step_ablate.py` removes one
 stage at a time. This one profiles replays of the engine's CUDA graph itself (torch.profiler records each kernel a
@@ -10,7 +11,8 @@ early by PDL, its programs waiting), how long it ran, and what it added to the s
 kernel's end: the step's time is the sum of these). Medians over the middle layers and the profiled steps. The
 profiler's own cost shows as the profiled step's length against the step timed without it. The cache holds the
 context + 64 positions unless `--capacity` names more (an engine's holds its configured context). Writes
-`step_timeline.json`; `--trace PATH` also keeps the chrome trace of the last context.
+`step_timeline.json`; `--trace PATH` also keeps the chrome trace of the last context; `--arm` profiles one of
+`bench/step_ab.py`'s arms instead of the step as shipped.
 """
 
 from __future__ import annotations
@@ -132,21 +134,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--capacity", type=int, default=0, help="positions the cache holds (default: the context + 64)")
     ap.add_argument("--trace", default="", help="keep the last context's chrome trace at this path")
+    ap.add_argument("--arm", default="", help="one of bench/step_ab.py's arms (default: the step as shipped)")
     args = ap.parse_args()
+    from bench.step_ab import ARMS, set_arm
+
+    if args.arm and args.arm not in ARMS:
+        print(f"unknown arm {args.arm!r}: choose one of bench/step_ab.py's ARMS.", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench/step_timeline.py needs a CUDA GPU.", file=sys.stderr)
         return 2
     from bench.context import build_a3b
+    from runtime.gpu import moe_gemv
+
+    if args.arm:
+        set_arm(ARMS[args.arm], dict(moe_gemv.DECODE_GEMV_ONE_ROW))
 
     bw = copy_bandwidth()
     model, _ = build_a3b()
-    out: dict[str, Any] = {"machine": machine(), "copy_GBs": bw / 1e9, "contexts": []}
+    out: dict[str, Any] = {"machine": machine(), "copy_GBs": bw / 1e9, "arm": args.arm or "shipped", "contexts": []}
     with torch.no_grad():
         for ctx in (int(x) for x in args.contexts.split(",")):
             r = run_context(model, ctx, args.width, args.kv, args.steps, args.trace, args.capacity)
             out["contexts"].append(r)
             L = model.cfg.num_hidden_layers
-            print_table(f"A3B {args.kv} step W={args.width} at context {ctx} of {r['capacity']:,}: "
+            print_table(f"A3B {args.kv} step W={args.width} at context {ctx} of {r['capacity']:,}"
+                        f"{' (arm ' + args.arm + ')' if args.arm else ''}: "
                         f"{r['step_us']:,.0f} us timed, "
                         f"{r['profiled_step_us']:,.0f} us profiled; {r['kernels_per_step']} kernels, "
                         f"{r['kernels_per_layer']} a layer adding {r['layer_adds_us']:.1f} us "

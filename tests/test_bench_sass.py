@@ -81,3 +81,35 @@ def test_r1_tables_follow_the_triton_version(monkeypatch):
     monkeypatch.setitem(moe_gemv.DECODE_GEMV, "q5_0", "r4d8k2w4j2")
     with pytest.raises(ValueError, match="row-by-row tile, which reads q8_0, q4_0, iq4_nl, q4_k only"):
         moe_gemv.variant("q5_0")
+
+
+def test_split_attention_asks_its_kv_into_l2_before_its_wait():
+    """attention_kernels.SPLIT_KV_PREFETCH: the one-row BF16 split kernel (as the step launches it at PDL) compiled
+    for sm_90 with the prefetch on has one bulk L2 prefetch for K and one for V, both before its PDL wait, and
+    the same chunk loops as without it; off, none."""
+    pytest.importorskip("triton")
+    e = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "_attn_split_kernel", "num_warps": 4,
+         "num_stages": 3, "params": [
+             ["q_ptr", {"tensor": "bf16", "aligned": True}], ["k_ptr", {"tensor": "bf16", "aligned": True}],
+             ["v_ptr", {"tensor": "bf16", "aligned": True}], ["ks_ptr", {"tensor": "bf16", "aligned": True}],
+             ["vs_ptr", {"tensor": "bf16", "aligned": True}], ["pos_ptr", {"tensor": "i32", "aligned": True}],
+             ["acc_ptr", {"tensor": "fp32", "aligned": True}], ["ml_ptr", {"tensor": "fp32", "aligned": True}],
+             ["scale", {"float": 0.0883883}], ["stride_qw", {"int": 4096}], ["stride_qh", {"int": 128}],
+             ["stride_ch", {"int": 16384}], ["stride_cs", {"int": 128}], ["stride_sh", {"int": 0}],
+             ["stride_ss", {"int": 0}], ["NC", {"int": 1}], ["W", {"int": 1}], ["G", {"int": 8}], ["GP", {"int": 16}],
+             ["RB", {"int": 4}], ["HD", {"int": 128}], ["BS", {"int": 64}], ["C0", {"int": 128}], ["E0", {"int": 4096}],
+             ["C1", {"int": 256}], ["E1", {"int": 32768}], ["C2", {"int": 1024}], ["Q8", {"bool": False}],
+             ["NB", {"int": 1}], ["QB", {"int": 1}], ["Q8_PF", {"int": 0}], ["CVT", {"int": 0}],
+             ["EXIT", {"bool": True}], ["GDC", {"bool": True}]]}
+    found = {}
+    for pf in (0, 128):
+        k, _ = compile_entry({**e, "params": e["params"] + [["PF", {"int": pf}]]}, 90)
+        sass, _ = sass_and_regs(k)
+        ops = [op for _, op in instructions(sass)]
+        wait = ops.index("ACQBULK")
+        found[pf] = ([i for i, op in enumerate(ops) if op == "UBLKPF"], wait,
+                     [lp["instructions"] for lp in loops(sass)])
+    assert found[0][0] == []
+    pf_at, wait, lps = found[128]
+    assert len(pf_at) == 2 and max(pf_at) < wait
+    assert len(lps) == len(found[0][2]) and all(abs(a - b) <= 8 for a, b in zip(lps, found[0][2]))

@@ -71,6 +71,12 @@ PROGRAMS_PER_SM = 4     # the split grid: about this many programs per SM in all
 # 32k cache (bench/step_ab.py --capacity 32768, arm split-exit-late): 3.13 -> 3.11 ms at 1k, within noise
 # (bench/results/h100_session36/timeline/)
 SPLIT_EXIT_EARLY = True
+# the split kernel's working programs ask the memory system to bring the first SPLIT_KV_PREFETCH positions of
+# their first chunk (K and V; a q8_0 cache's codes and scales) into L2 before their PDL wait
+# (`cp.async.bulk.prefetch.L2`, sm_90+: a hint that reads, writes nothing and holds no register), so those reads
+# start while the q/k/v post-processing still runs and before the o_proj product's early weight loads; 0: off.
+# Needs SPLIT_EXIT_EARLY (where a program knows it works before its wait). The same bits either way
+SPLIT_KV_PREFETCH = 0
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
 POST_ROWS_FROM = 64
@@ -197,6 +203,23 @@ if HAVE_TRITON:
         _store_row(v, vc_ptr, vs_ptr, dst, sdst, ok, HD, Q8, NB, QB)
 
     @triton.jit
+    def _l2_prefetch(p, nbytes, PIECES: tl.constexpr):
+        """Ask for the nbytes (a multiple of 16, 16-byte aligned) at pointer p in L2: lane 0 of warps 0..PIECES-1
+        each one bulk prefetch of a 16-byte multiple (one thread a warp: the compiler issues a per-thread address
+        in a loop over the warp's active threads)."""
+        if _ASM:
+            piece = ((nbytes + PIECES * 16 - 1) // (PIECES * 16) * 16).to(tl.int32)
+            one = tl.full((1,), 0, tl.int32)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p, q; .reg .u32 t, w; .reg .s32 o, n; .reg .u64 a; "
+                "mov.u32 t, %tid.x; shr.u32 w, t, 5; and.b32 t, t, 31; mul.lo.s32 o, w, $3; "
+                "sub.s32 n, $2, o; min.s32 n, n, $3; setp.gt.s32 p, n, 0; setp.eq.u32 q, t, 0; and.pred p, p, q; "
+                "setp.lt.u32 q, w, $4; and.pred p, p, q; cvt.u64.u32 a, o; add.u64 a, a, $1; "
+                "@p cp.async.bulk.prefetch.L2.global [a], n; mov.u32 $0, 0; }",
+                "=r,l,r,r,r", [p.to(tl.pointer_type(tl.int8)) + one, one + nbytes.to(tl.int32), one + piece,
+                               one + PIECES], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _n_chunks(n, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr):
         """Chunks covering positions 0..n-1 (0 for n <= 0): runtime/kv.py `split_chunks`."""
         n = tl.maximum(n, 0)
@@ -220,14 +243,16 @@ if HAVE_TRITON:
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
-                           CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, GDC: tl.constexpr = False):
+                           CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, PF: tl.constexpr = 0,
+                           GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
         cache once, not once per row). A row past its own end in a block sees only masked scores: its update is
         the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone. EXIT: a program with no
         chunk to compute ends before its PDL wait (the positions are the step's input, written before any kernel
-        of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts."""
+        of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts.
+        PF (with EXIT): the first PF positions of the program's first chunk asked into L2 before the wait."""
         if not EXIT:
             pdl.start(GDC)
         rb = tl.program_id(0)
@@ -245,6 +270,19 @@ if HAVE_TRITON:
         if EXIT:
             if first >= n_valid:
                 return
+            if PF > 0:
+                lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2)
+                n_pf = tl.minimum(tl.minimum(lo0 + size0, tl.max(pos_r, 0) + 1) - lo0, PF).to(tl.int64)
+                kv0 = kvh.to(tl.int64) * stride_ch + lo0.to(tl.int64) * stride_cs
+                eb = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+                _l2_prefetch(k_ptr + kv0, n_pf * stride_cs * eb, 4)
+                _l2_prefetch(v_ptr + kv0, n_pf * stride_cs * eb, 4)
+                if Q8:
+                    # 8 bytes a row: from an even position, whole 16-byte pieces
+                    s0 = kvh.to(tl.int64) * stride_sh + (lo0 // 2 * 2).to(tl.int64) * stride_ss
+                    n_sc = n_pf * stride_ss * 2 // 16 * 16
+                    _l2_prefetch(ks_ptr + s0, n_sc, 4)
+                    _l2_prefetch(vs_ptr + s0, n_sc, 4)
             pdl.start(GDC)
         d = tl.arange(0, HD)
         heads = kvh * G + g
@@ -458,6 +496,20 @@ def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: t
     return torch.empty(n * (head_dim + 2), dtype=torch.float32, device=device)
 
 
+def _kv_prefetch(kc: Tensor, ks: Tensor | None) -> int:
+    """SPLIT_KV_PREFETCH where the split kernel can take it: a GPU of compute capability 9.0+, programs that exit
+    before their wait, each head's rows contiguous from a 16-byte aligned start, a cache row a 16-byte multiple."""
+    if not (SPLIT_KV_PREFETCH and SPLIT_EXIT_EARLY and kc.is_cuda) or torch.cuda.get_device_capability(kc.device)[0] < 9:
+        return 0
+    for t in [kc] if ks is None else [kc, ks]:
+        if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] or (t.stride(0) * t.element_size()) % 16 \
+                or t.data_ptr() % 16:
+            return 0
+    if kc.stride(-2) * kc.element_size() % 16:
+        return 0
+    return int(SPLIT_KV_PREFETCH)
+
+
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
               vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
               tiers: tuple[int, int, int, int, int] | None = None, o_early: bool = False) -> Tensor:
@@ -493,7 +545,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
         NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
-        num_warps=t["num_warps"],
+        PF=_kv_prefetch(kc, ks), num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
