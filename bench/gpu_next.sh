@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements waiting for a device (sessions without an H200 built or changed what they measure), in two
-# calls of about 4 minutes each: `bash bench/gpu_next.sh 1`, then `bash bench/gpu_next.sh 2`. Run from the repository
+# The GPU measurements waiting for a device (sessions without an H200 built or changed what they measure), in three
+# calls of 1-4 minutes each: `bash bench/gpu_next.sh 1`, `2`, `3`. Run from the repository
 # root on the device with $OUT set; carry .whl (wheels for gguf, questionary, platformdirs, tomli_w, prompt_toolkit,
 # wcwidth: `pip download -q --no-deps -d .whl gguf questionary platformdirs tomli_w prompt_toolkit wcwidth`). Each
 # part writes its logs and JSON under $OUT. Say which card ran it: the figures below are an H100's.
@@ -12,6 +12,9 @@
 #   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
 #      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
 #      experts, H100: 376 and 355 tok/s).
+#   3. The split attention asking its first chunk's K/V into L2 before its PDL wait (attention_kernels.SPLIT_KV_PREFETCH:
+#      arms kv-pf0/64/128/256 on 40,960-position caches), then the timeline of one arm (`bash bench/gpu_next.sh 3
+#      ARM`, default kv-pf128).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -19,7 +22,8 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 start=$(date +%s)
-if [ "${1:-1}" = 1 ]; then
+part=${1:-1}
+if [ "$part" = 1 ]; then
   echo "--- the graphed one-row step's timeline ($(( $(date +%s) - start )) s)"
   timeout 150 python3 bench/step_timeline.py --contexts 1024,16384 --capacity 32768 > "$OUT/timeline.log" 2>&1
   tail -32 "$OUT/timeline.log"
@@ -30,6 +34,15 @@ if [ "${1:-1}" = 1 ]; then
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 1024,32768,131072 --widths 1 \
     --arms default,rt1-64,q8-one-nocap --rounds 5 > "$OUT/step_ab_q8_one.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_q8_one.json"; tail -12 "$OUT/step_ab_q8_one.log"
+elif [ "$part" = 3 ]; then
+  echo "--- the split kernel's KV asked into L2 before its wait: arms ($(( $(date +%s) - start )) s)"
+  timeout 240 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 \
+    --arms kv-pf0,kv-pf64,kv-pf128,kv-pf256 --rounds 7 > "$OUT/step_ab_kv_pf.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_kv_pf.json"; tail -18 "$OUT/step_ab_kv_pf.log"
+  echo "--- its timeline ($(( $(date +%s) - start )) s)"
+  timeout 150 python3 bench/step_timeline.py --contexts 1024,16384 --capacity 40960 --arm "${2:-kv-pf128}" \
+    > "$OUT/timeline_kv_pf.log" 2>&1
+  mv "$OUT/step_timeline.json" "$OUT/step_timeline_kv_pf.json"; grep -v "━" "$OUT/timeline_kv_pf.log" | tail -30
 else
   echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 32768,131072 --widths 8 \
