@@ -168,6 +168,16 @@ ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
 # wait (attention_kernels.SPLIT_KV_PREFETCH; "kv-pf0": none)
 for _n in (0, 64, 128, 256, 1024):
     ARMS[f"kv-pf{_n}"] = {**_DEFAULT, "wide": True, "kv_pf": _n}
+# with it: the split kernel letting the reduction in before its wait too (so o_proj's programs, let in by the
+# reduction, load their weights during the q/k/v post-processing), or smaller chunks up to 4k (64 positions: twice
+# the programs, each with half the K/V)
+ARMS["trig-attn-pf64"] = {**_DEFAULT, "wide": True, "kv_pf": 64,
+                          "trig": {"attention_reduce:o_early", "attention:o_early"}}
+ARMS["tiers-64to4k-pf64"] = {**_DEFAULT, "wide": True, "kv_pf": 64, "tiers": (64, 4096, 256, 32768, 1024)}
+# the one-row o_proj letting the router in at its start, before its loads (moe_gemv "one_d4leantop"), not after
+# its sums
+ARMS["o-lean-top"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leantop"}}
+ARMS["o-lean-top-pf64"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leantop"}, "kv_pf": 64}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}

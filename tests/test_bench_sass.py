@@ -112,4 +112,4 @@ def test_split_attention_asks_its_kv_into_l2_before_its_wait():
     assert found[0][0] == []
     pf_at, wait, lps = found[128]
     assert len(pf_at) == 2 and max(pf_at) < wait
-    assert len(lps) == len(found[0][2]) and all(abs(a - b) <= 8 for a, b in zip(lps, found[0][2]))
+    assert len(lps) == len(found[0][2]) and all(abs(a - b) <= 8 for a, b in zip(lps, found[0][2], strict=True))

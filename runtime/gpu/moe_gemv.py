@@ -79,6 +79,10 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     # o_proj's 512 programs can be resident at once
     "one_d4lean": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
                    "num_stages": 1, "EARLY": 1, "LEAN": 1},
+    # the same, the next kernel (the router) let in at the program's start, before its loads ("TOP"), so its
+    # programs are scheduled and waiting when o_proj ends (bench/step_ab.py arm o-lean-top)
+    "one_d4leantop": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
+                      "num_stages": 1, "EARLY": 1, "LEAN": 1, "TOP": 1},
     # one_d4 under a register cap ("maxnreg": registers a thread): four programs an SM instead of three, so the
     # A3B's o_proj (512 programs) is resident in one wave. It spills 28 values a thread: the one-row step 3.11 ->
     # 3.26 ms at 1k on an H100 (bench/step_ab.py arm o-regs128, bench/results/h100_session36/timeline/); not used
@@ -1174,12 +1178,16 @@ if HAVE_TRITON:
 
     @triton.jit
     def _one_dense_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, SWN: tl.constexpr, BN: tl.constexpr,
-                          KC: tl.constexpr, EVEN: tl.constexpr, EARLY: tl.constexpr, GDC: tl.constexpr = False):
+                          KC: tl.constexpr, EVEN: tl.constexpr, EARLY: tl.constexpr, TOP: tl.constexpr = False,
+                          GDC: tl.constexpr = False):
         """One float row x [K] times BN whole rows of a dense float matrix a program (a `LEAN` one-step variant):
         the tile `_tile_f` loads (EARLY: before the PDL wait), the sums `_dot_f` computes, the store `_out` makes
         of a single expert's weight-1 rows, with none of the expert tables, masks and row loop of `_gemv_kernel`;
         with EARLY the next kernel is let in after the sums (`pdl.release`), not between the tile's loads and the
-        sums: 86 registers a thread instead of 168, five programs an SM instead of three."""
+        sums: 86 registers a thread instead of 168, five programs an SM instead of three. TOP (with EARLY): the next
+        kernel let in at the start instead, before the loads."""
+        if EARLY and TOP:
+            pdl.let_in(GDC)
         if not EARLY:
             pdl.start(GDC)
         nb = tl.program_id(0)
@@ -1190,10 +1198,12 @@ if HAVE_TRITON:
             wv = tl.load(w_ptr + (rw * SWN)[:, None] + kk[None, :])
         else:
             wv = tl.load(w_ptr + (rw * SWN)[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-        if EARLY:
+        if EARLY and TOP:
+            pdl.wait_only(GDC)
+        elif EARLY:
             pdl.wait(GDC)
         ra = _dot_f(wv, x_ptr, kk, K)
-        if EARLY:
+        if EARLY and not TOP:
             pdl.release(GDC)
         tl.store(y_ptr + n, ra.to(y_ptr.dtype.element_ty), mask=n < N)
 
@@ -1494,7 +1504,7 @@ def one_dense(x: Tensor, w: Tensor, cfg: dict[str, int]) -> Tensor:
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     bn = cfg["BN_DOWN"]
     _one_dense_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K=K, SWN=w.stride(0), BN=bn, KC=cover(K), EVEN=N % bn == 0,
-                                             EARLY=bool(cfg.get("EARLY")) and EARLY_LOADS,
+                                             EARLY=bool(cfg.get("EARLY")) and EARLY_LOADS, TOP=bool(cfg.get("TOP")),
                                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_regs(cfg),
                                              **pdl.launch(w))
     return y

@@ -97,6 +97,19 @@ if HAVE_TRITON:
             _wait_asm()
 
     @triton.jit
+    def let_in(GDC: tl.constexpr):
+        """Let the next kernel be scheduled now (a kernel that waits later with `wait_only`): its programs may then
+        start before this kernel's loads; it still waits for this kernel to end."""
+        if GDC:
+            _launch_asm()
+
+    @triton.jit
+    def wait_only(GDC: tl.constexpr):
+        """The wait alone, for a kernel that let the next one in with `let_in`."""
+        if GDC:
+            _wait_asm()
+
+    @triton.jit
     def release(GDC: tl.constexpr):
         """After `wait` and a kernel's arithmetic: let the next kernel be scheduled (GDC 2 let it in at `wait`).
         Placed there, a tile loaded before the wait costs far fewer registers than with `start`'s instruction between
