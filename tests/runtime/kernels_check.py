@@ -849,11 +849,13 @@ def check_gemv_one_step(dt: torch.dtype) -> None:
             assert torch.equal(out[1], again[0]), var
         # the lean one-row kernel (`one_dense`): the sums of the one-step tile it copies, bit for bit; rows not a
         # multiple of BN (38) and a row that is not a power of two (96 values of a 128-value tile)
+        # (and its form that lets the next kernel in at its start)
         for rows in (40, 38):
             x1, w1 = xd[1:2].contiguous(), wd[:rows].contiguous()
-            lean = moe_gemv.one_dense(x1, w1, moe_gemv.GEMV_VARIANTS["one_d4lean"])
             tile = dense_kernels.gemv(x1, w1, "bf16", moe_gemv.GEMV_VARIANTS["one_d4"])
-            assert lean.dtype == dt and torch.equal(lean, tile), (rows, dt)
+            for var in ("one_d4lean", "one_d4leantop"):
+                lean = moe_gemv.one_dense(x1, w1, moe_gemv.GEMV_VARIANTS[var])
+                assert lean.dtype == dt and torch.equal(lean, tile), (rows, dt, var)
         # `one_row` takes windows of up to DENSE_GEMV_ROWS[role] rows (the caller's cuBLAS path beyond)
         rows = dict(dense_kernels.DENSE_GEMV_ROWS)
         try:
