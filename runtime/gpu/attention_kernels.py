@@ -34,8 +34,8 @@ REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant:
 SPLIT_TILE = {"BS": 64, "num_warps": 4, "num_stages": 3}
 ROW_TILE = 64           # query-head lines per split program (rows x GQA group): the K/V tile is shared by them
 # the same for windows of 2+ rows over a q8_0 cache (one value for every such width, so a row keeps its bits at 2..16
-# rows); not yet timed at other values: `python bench/step_ab.py --kv q8_0 --widths 8 --arms
-# wide-default,q8-wide32,q8-wide16`
+# rows). H200, 8 rows (`python bench/step_ab.py --kv q8_0 --widths 8 --arms wide-default,q8-wide32,q8-wide16`,
+# bench/results/h200_session37/next2/): 11.8 / 14.3 / 20.8 ms at 32k on 64 / 32 / 16 lines, 19.4 / 30.0 / 56.5 at 131k
 ROW_TILE_Q8 = 64
 # the same for a one-row window (a target decoding alone: its step is one row wide), where 56 of a 64-line tile's
 # lines are padding on the A3B. A one-row tile other than ROW_TILE may give other bits than the same row in a wider
