@@ -12,11 +12,12 @@
 #   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
 #      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
 #      experts, H100: 376 and 355 tok/s).
-#   3. The split attention asking its first chunk's K/V into L2 before its PDL wait (attention_kernels.SPLIT_KV_PREFETCH,
-#      arm kv-pf64; H100: 3.07 / 3.12 / 3.67 / 4.25 -> 3.06 / 3.07 / 3.63 / 4.20 ms at 1k / 4k / 16k / 32k, one run),
-#      o_proj letting the router in at its start (o-lean-top), both, the split letting the reduction in first too
-#      (trig-attn-pf64), 64-position chunks up to 4k (tiers-64to4k-pf64), on 40,960-position caches; then the
-#      timeline of one arm (`bash bench/gpu_next.sh 3 ARM`, default o-lean-top-pf64).
+#   3. On an H200, what an H100 measured (bench/results/h100_session37/top_pf/): the step before (o-lean), o_proj letting
+#      the router in at its start (o-lean-top), the split attention asking its first chunk's K/V into L2 before its
+#      PDL wait (kv-pf64), both (default; H100 3.08 / 3.13 / 3.67 / 4.24 -> 3.05 / 3.08 / 3.60 / 4.17 ms at 1k / 4k /
+#      16k / 32k), and two arms not yet measured: the split letting the reduction in first too (trig-split), 64-position
+#      chunks up to 4k (tiers-64to4k); on 40,960-position caches; then the timeline of one arm (`bash
+#      bench/gpu_next.sh 3 ARM`, default: the default).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -39,11 +40,11 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = 3 ]; then
   echo "--- the split kernel's KV asked into L2 before its wait: arms ($(( $(date +%s) - start )) s)"
   timeout 300 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 \
-    --arms kv-pf0,kv-pf64,o-lean-top,o-lean-top-pf64,trig-attn-pf64,tiers-64to4k-pf64 --rounds 7 \
+    --arms o-lean,o-lean-top,kv-pf64,default,trig-split,tiers-64to4k --rounds 7 \
     > "$OUT/step_ab_kv_pf.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_kv_pf.json"; grep -v "━" "$OUT/step_ab_kv_pf.log" | tail -26
   echo "--- its timeline ($(( $(date +%s) - start )) s)"
-  timeout 100 python3 bench/step_timeline.py --contexts 1024,16384 --capacity 40960 --arm "${2:-o-lean-top-pf64}" \
+  timeout 100 python3 bench/step_timeline.py --contexts 1024,16384 --capacity 40960 --arm "${2:-default}" \
     > "$OUT/timeline_kv_pf.log" 2>&1
   mv "$OUT/step_timeline.json" "$OUT/step_timeline_kv_pf.json"; grep -v "━" "$OUT/timeline_kv_pf.log" | tail -30
 else

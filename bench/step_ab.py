@@ -55,7 +55,8 @@ from runtime.gpu.attention_kernels import SPLIT_TILE_Q8 as _SPLIT_Q8  # noqa: E4
 Q8_STAGES_SHIPPED = _SPLIT_Q8["num_stages"]
 
 ONE_DENSE = {"qkv": "one_d8", "o_proj": "one_d4", "router": "one_d1"}
-ONE_DENSE_NOW = {**ONE_DENSE, "o_proj": "one_d4lean"}     # o_proj on its lean kernel since h100_session36
+# o_proj on its lean kernel since h100_session36, letting the router in at its start since h100_session37
+ONE_DENSE_NOW = {**ONE_DENSE, "o_proj": "one_d4leantop"}
 SUM = {"BN": 2, "num_warps": 4}
 OLD_SKIP = {"attention", "attention_reduce"}
 # each arm: the switches it sets, every switch it does not name off ("moe1": DECODE_GEMV_ONE_ROW's BF16 variant;
@@ -165,32 +166,32 @@ ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
 # they end (attention_kernels.SPLIT_EXIT_EARLY off: the runtime before it; matters with --capacity above the context)
 ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
 # the split kernel's working programs asking the first N positions of their first chunk into L2 before their PDL
-# wait (attention_kernels.SPLIT_KV_PREFETCH; "kv-pf0": none)
+# wait (attention_kernels.SPLIT_KV_PREFETCH; "kv-pf0": none), o_proj on the lean kernel as in h100_session36
+_LEAN = {**ONE_DENSE, "o_proj": "one_d4lean"}
 for _n in (0, 64, 128, 256, 1024):
-    ARMS[f"kv-pf{_n}"] = {**_DEFAULT, "wide": True, "kv_pf": _n}
-# with it: the split kernel letting the reduction in before its wait too (so o_proj's programs, let in by the
-# reduction, load their weights during the q/k/v post-processing), or smaller chunks up to 4k (64 positions: twice
-# the programs, each with half the K/V)
-ARMS["trig-attn-pf64"] = {**_DEFAULT, "wide": True, "kv_pf": 64,
-                          "trig": {"attention_reduce:o_early", "attention:o_early"}}
-ARMS["tiers-64to4k-pf64"] = {**_DEFAULT, "wide": True, "kv_pf": 64, "tiers": (64, 4096, 256, 32768, 1024)}
+    ARMS[f"kv-pf{_n}"] = {**_DEFAULT, "wide": True, "dense": _LEAN, "kv_pf": _n}
 # the one-row o_proj letting the router in at its start, before its loads (moe_gemv "one_d4leantop"), not after
-# its sums
-ARMS["o-lean-top"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leantop"}}
-ARMS["o-lean-top-pf64"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leantop"}, "kv_pf": 64}
+# its sums, without the KV prefetch and with it (the default since bench/results/h100_session37/top_pf/)
+ARMS["o-lean-top"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "kv_pf": 0}
+ARMS["o-lean-top-pf64"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "kv_pf": 64}
+# the default with the split kernel letting the reduction in before its wait too (so o_proj's programs, let in by
+# the reduction, load their weights during the q/k/v post-processing), or with chunks of 64 positions up to 4k
+# (twice the programs, each with half the K/V; other bits); not yet measured
+ARMS["trig-split"] = {**_DEFAULT, "wide": True, "trig": {"attention_reduce:o_early", "attention:o_early"}}
+ARMS["tiers-64to4k"] = {**_DEFAULT, "wide": True, "tiers": (64, 4096, 256, 32768, 1024)}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
 # the one-row o_proj product on the lean kernel (moe_gemv "one_d4lean", `_one_dense_kernel`: the same sums, 86
-# registers a thread, five programs an SM, the router let in after its sums): the default since
-# bench/results/h100_session36/lean/; "o-tile": on the GEMV kernel's one-step tile as before
-ARMS["o-lean"] = {**_DEFAULT, "dense": ONE_DENSE_NOW}
+# registers a thread, five programs an SM, the router let in after its sums), no KV prefetch: the default from
+# bench/results/h100_session36/lean/ to h100_session37; "o-tile": on the GEMV kernel's one-step tile as before
+ARMS["o-lean"] = {**_DEFAULT, "dense": _LEAN, "kv_pf": 0}
 ARMS["o-tile"] = {**_DEFAULT, "dense": ONE_DENSE}
 # the one-row down products + top-k sum letting the next kernel in after their sums ("REL": pdl.release), where
 # the kernel takes 128 registers a thread instead of 156 (four programs an SM instead of three). H100: slower, 3.10
 # -> 3.21 ms at 1k, 3.67 -> 3.76 at 16k (the next layer's q/k/v, scheduled later, loads its weights later)
 ARMS["sum-rel"] = {**_DEFAULT, "sum": {**SUM, "REL": 1}}
-ARMS["o-lean+sum-rel"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "sum": {**SUM, "REL": 1}}
+ARMS["o-lean+sum-rel"] = {**_DEFAULT, "dense": _LEAN, "kv_pf": 0, "sum": {**SUM, "REL": 1}}
 # a q8_0 cache's one-row tile without its register cap (attention_kernels.SPLIT_ONE_Q8_REGS, "q8_one_regs")
 ARMS["q8-one-nocap"] = {**_DEFAULT, "wide": True, "q8_one_regs": 0}
 # the split attention kernel under a register cap ("split_regs": SPLIT_TILE(_Q8)'s maxnreg; more programs an SM)

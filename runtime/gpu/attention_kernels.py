@@ -75,8 +75,11 @@ SPLIT_EXIT_EARLY = True
 # their first chunk (K and V; a q8_0 cache's codes and scales) into L2 before their PDL wait
 # (`cp.async.bulk.prefetch.L2`, sm_90+: a hint that reads, writes nothing and holds no register), so those reads
 # start while the q/k/v post-processing still runs and before the o_proj product's early weight loads; 0: off.
-# Needs SPLIT_EXIT_EARLY (where a program knows it works before its wait). The same bits either way
-SPLIT_KV_PREFETCH = 0
+# Needs SPLIT_EXIT_EARLY (where a program knows it works before its wait). The same bits either way. H100, A3B
+# one-row step on 40,960-position caches, two runs (bench/step_ab.py --arms kv-pf0,kv-pf64,...;
+# bench/results/h100_session37/kv_pf/ and top_pf/): 3.07-3.08 -> 3.06-3.07 ms at 1k, 3.12-3.13 -> 3.07-3.08 at 4k,
+# 3.67 -> 3.63 at 16k, 4.25 -> 4.20 at 32k; 128 and 256 positions no better
+SPLIT_KV_PREFETCH = 64
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
 POST_ROWS_FROM = 64

@@ -86,8 +86,12 @@ def gemv(x2: Tensor, w: Tensor, fmt: str, cfg: dict[str, int], norm: tuple[Tenso
 # the lean one-row kernel ("one_d4lean", moe_gemv `_one_dense_kernel`: the same sums, 86 registers a thread instead
 # of 168, so all 512 programs are resident and load their weights during the attention): H100, A3B one-row step
 # 3.10 -> 3.07 ms at 1k, 3.18 -> 3.11 at 4k, 3.65 -> 3.64 at 16k, the same bits (bench/step_ab.py --arms
-# default,o-lean, bench/results/h100_session36/lean/)
-ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4lean", "router": "one_d1"}
+# default,o-lean, bench/results/h100_session36/lean/). Since, its form that lets the router in at its start
+# ("one_d4leantop": the router's programs scheduled and their weights loaded while o_proj runs), with the split
+# attention's KV prefetch (attention_kernels.SPLIT_KV_PREFETCH): H100, 3.08 -> 3.05 ms at 1k, 3.13 -> 3.08 at 4k, 3.67
+# -> 3.60 at 16k, 4.24 -> 4.17 at 32k, the same bits (bench/step_ab.py --capacity 40960 --arms
+# kv-pf0,o-lean-top-pf64, bench/results/h100_session37/top_pf/)
+ONE_ROW_DENSE: dict[str, str | None] = {"qkv": "one_d8", "o_proj": "one_d4leantop", "router": "one_d1"}
 # windows of up to this many rows (per role; 1 where not named) take ONE_ROW_DENSE's variants too (a program loads
 # its weight tile once and serves every row of the window); wider ones take cuBLAS. H200, A3B verify steps at 1k
 # context (bench/step_ab.py arms wide-cublas / wide-router8-o2, bench/results/h200_session14/wide_router/): 4.17 ->

@@ -80,7 +80,8 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     "one_d4lean": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
                    "num_stages": 1, "EARLY": 1, "LEAN": 1},
     # the same, the next kernel (the router) let in at the program's start, before its loads ("TOP"), so its
-    # programs are scheduled and waiting when o_proj ends (bench/step_ab.py arm o-lean-top)
+    # programs are scheduled and waiting when o_proj ends: still 86 registers (sm_90, Triton 3.6); the router adds
+    # 2.2 us a layer instead of 2.7 on an H100 (bench/step_timeline.py; dense_kernels.ONE_ROW_DENSE)
     "one_d4leantop": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
                       "num_stages": 1, "EARLY": 1, "LEAN": 1, "TOP": 1},
     # one_d4 under a register cap ("maxnreg": registers a thread): four programs an SM instead of three, so the
