@@ -208,8 +208,8 @@ if HAVE_TRITON:
     @triton.jit
     def _l2_prefetch(p, nbytes, PIECES: tl.constexpr):
         """Ask for the nbytes (a multiple of 16, 16-byte aligned) at pointer p in L2: lane 0 of warps 0..PIECES-1
-        each one bulk prefetch of a 16-byte multiple (one thread a warp: the compiler issues a per-thread address
-        in a loop over the warp's active threads)."""
+        each one bulk prefetch of a 16-byte multiple piece. One thread a warp: the other lanes hold copies of the
+        one-element operands, and a bulk prefetch a lane would ask for the same bytes 32 times."""
         if _ASM:
             piece = ((nbytes + PIECES * 16 - 1) // (PIECES * 16) * 16).to(tl.int32)
             one = tl.full((1,), 0, tl.int32)
