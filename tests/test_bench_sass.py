@@ -113,3 +113,26 @@ def test_split_attention_asks_its_kv_into_l2_before_its_wait():
     pf_at, wait, lps = found[128]
     assert len(pf_at) == 2 and max(pf_at) < wait
     assert len(lps) == len(found[0][2]) and all(abs(a - b) <= 8 for a, b in zip(lps, found[0][2], strict=True))
+
+
+def test_lean_o_proj_lets_the_next_kernel_in_at_its_start_without_more_registers():
+    """moe_gemv "one_d4leantop": the A3B o_proj tile (4 rows of 4096) compiled for sm_90 lets the next kernel in
+    (PREEXIT: griddepcontrol.launch_dependents) before its first weight load and waits (ACQBULK) after it, in as
+    few registers as the form that lets it in after its sums."""
+    pytest.importorskip("triton")
+    e = {"format": "bf16", "module": "runtime.gpu.moe_gemv", "name": "_one_dense_kernel", "num_warps": 4,
+         "num_stages": 1, "params": [
+             ["x_ptr", {"tensor": "bf16", "aligned": True}], ["w_ptr", {"tensor": "bf16", "aligned": True}],
+             ["y_ptr", {"tensor": "bf16", "aligned": True}], ["N", {"int": 2048}], ["K", {"int": 4096}],
+             ["SWN", {"int": 4096}], ["BN", {"int": 4}], ["KC", {"int": 4096}], ["EVEN", {"bool": True}],
+             ["EARLY", {"bool": True}]]}
+    got = {}
+    for top in (False, True):
+        k, _ = compile_entry({**e, "params": e["params"] + [["TOP", {"bool": top}]]}, 90)
+        sass, regs = sass_and_regs(k)
+        ops = [op for _, op in instructions(sass)]
+        got[top] = (ops.index("PREEXIT"), ops.index("LDG"), ops.index("ACQBULK"), regs)
+    pre, ldg, acq, regs = got[True]
+    assert pre < ldg < acq
+    assert got[False][0] > got[False][2]          # after the sums: past the wait
+    assert regs <= got[False][3]
