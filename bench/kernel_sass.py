@@ -140,6 +140,9 @@ def compile_entry(e: dict[str, Any], arch: int):
                 v = True                            # a Hopper launch runs with PDL (runtime/gpu/pdl.py)
             sig[n] = "constexpr"
             consts[(i,)] = v
+        elif d is None and p.has_default and p.default is None:
+            sig[n] = "constexpr"                    # an optional tensor left out: Triton takes None as a constant
+            consts[(i,)] = None
         elif d is None:
             raise ValueError(f"{e['name']}: no value recorded for {n}")
         elif "tensor" in d:

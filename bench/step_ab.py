@@ -179,6 +179,9 @@ ARMS["o-lean-top-pf64"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "kv_pf": 64}
 # (twice the programs, each with half the K/V; other bits); not yet measured
 ARMS["trig-split"] = {**_DEFAULT, "wide": True, "trig": {"attention_reduce:o_early", "attention:o_early"}}
 ARMS["tiers-64to4k"] = {**_DEFAULT, "wide": True, "tiers": (64, 4096, 256, 32768, 1024)}
+# the default with the split attention's working programs marking their SMs and o_proj's programs on a marked SM
+# loading their weights after their wait (runtime/gpu/pdl.py MARK_SMS, moe_gemv "one_d4leanaware"); not yet measured
+ARMS["o-aware"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leanaware"}, "mark": True}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
@@ -267,6 +270,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
         if arm.get("split_regs"):
             tile["maxnreg"] = arm["split_regs"]
     pdl.ENABLED = bool(arm.get("pdl"))
+    pdl.MARK_SMS = bool(arm.get("mark"))
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")

@@ -136,3 +136,37 @@ def test_lean_o_proj_lets_the_next_kernel_in_at_its_start_without_more_registers
     assert pre < ldg < acq
     assert got[False][0] > got[False][2]          # after the sums: past the wait
     assert regs <= got[False][3]
+
+
+def test_sm_marks_are_written_and_read_before_the_waits():
+    """pdl.MARK_SMS (arm o-aware): the split kernel stores its SM's mark before its PDL wait; o_proj's "one_d4leanaware"
+    tile reads the mark before its first weight load and has a wait on either side of those loads (one taken), in
+    registers that still let five programs share an SM."""
+    pytest.importorskip("triton")
+    split = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "_attn_split_kernel",
+             "num_warps": 4, "num_stages": 3, "params": [
+                 [n, {"tensor": t, "aligned": True}] for n, t in (
+                     ("q_ptr", "bf16"), ("k_ptr", "bf16"), ("v_ptr", "bf16"), ("ks_ptr", "bf16"), ("vs_ptr", "bf16"),
+                     ("pos_ptr", "i32"), ("acc_ptr", "fp32"), ("ml_ptr", "fp32"), ("mark_ptr", "i32"))] + [
+                 ["scale", {"float": 0.0883883}], ["stride_qw", {"int": 4096}], ["stride_qh", {"int": 128}],
+                 ["stride_ch", {"int": 16384}], ["stride_cs", {"int": 128}], ["stride_sh", {"int": 0}],
+                 ["stride_ss", {"int": 0}], ["NC", {"int": 1}], ["W", {"int": 1}], ["G", {"int": 8}],
+                 ["GP", {"int": 16}], ["RB", {"int": 4}], ["HD", {"int": 128}], ["BS", {"int": 64}],
+                 ["C0", {"int": 128}], ["E0", {"int": 4096}], ["C1", {"int": 256}], ["E1", {"int": 32768}],
+                 ["C2", {"int": 1024}], ["Q8", {"bool": False}], ["NB", {"int": 1}], ["QB", {"int": 1}],
+                 ["EXIT", {"bool": True}], ["PF", {"int": 64}], ["MARK", {"bool": True}]]}
+    ops = [op for _, op in instructions(sass_and_regs(compile_entry(split, 90)[0])[0])]
+    assert "STG" in ops[:ops.index("ACQBULK")]
+    o = {"format": "bf16", "module": "runtime.gpu.moe_gemv", "name": "_one_dense_kernel", "num_warps": 4,
+         "num_stages": 1, "params": [
+             ["x_ptr", {"tensor": "bf16", "aligned": True}], ["w_ptr", {"tensor": "bf16", "aligned": True}],
+             ["y_ptr", {"tensor": "bf16", "aligned": True}], ["mark_ptr", {"tensor": "i32", "aligned": True}],
+             ["N", {"int": 2048}], ["K", {"int": 4096}], ["SWN", {"int": 4096}], ["BN", {"int": 4}],
+             ["KC", {"int": 4096}], ["EVEN", {"bool": True}], ["EARLY", {"bool": True}], ["TOP", {"bool": True}],
+             ["AWARE", {"bool": True}]]}
+    sass, regs = sass_and_regs(compile_entry(o, 90)[0])
+    ops = [op for _, op in instructions(sass)]
+    waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    loads = [i for i, op in enumerate(ops) if op == "LDG"]
+    assert len(waits) == 2 and loads[0] < waits[0] < loads[1] < waits[1]
+    assert regs * 128 * 5 <= 65536

@@ -247,7 +247,7 @@ if HAVE_TRITON:
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
                            CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, PF: tl.constexpr = 0,
-                           GDC: tl.constexpr = False):
+                           mark_ptr=None, MARK: tl.constexpr = False, GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
@@ -255,7 +255,8 @@ if HAVE_TRITON:
         the identity (alpha = exp(0) = 1, p = 0), so its bits are those it has alone. EXIT: a program with no
         chunk to compute ends before its PDL wait (the positions are the step's input, written before any kernel
         of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts.
-        PF (with EXIT): the first PF positions of the program's first chunk asked into L2 before the wait."""
+        PF (with EXIT): the first PF positions of the program's first chunk asked into L2 before the wait. MARK
+        (with EXIT and GDC): the program marks its SM in pdl's table (runtime/gpu/pdl.py MARK_SMS) before the wait."""
         if not EXIT:
             pdl.start(GDC)
         rb = tl.program_id(0)
@@ -286,6 +287,8 @@ if HAVE_TRITON:
                     n_sc = n_pf * stride_ss * 2 // 16 * 16
                     _l2_prefetch(ks_ptr + s0, n_sc, 4)
                     _l2_prefetch(vs_ptr + s0, n_sc, 4)
+            if MARK and GDC:
+                tl.store(mark_ptr + pdl.sm_id(GDC), 1)
             pdl.start(GDC)
         d = tl.arange(0, HD)
         heads = kvh * G + g
@@ -513,6 +516,13 @@ def _kv_prefetch(kc: Tensor, ks: Tensor | None) -> int:
     return int(SPLIT_KV_PREFETCH)
 
 
+def _marks(q: Tensor, o_early: bool) -> dict:
+    """The split kernel's SM marks (pdl.MARK_SMS) before an o_proj that loads early, on a CUDA device."""
+    if pdl.MARK_SMS and o_early and SPLIT_EXIT_EARLY and q.is_cuda:
+        return {"mark_ptr": pdl.sm_marks(q), "MARK": True}
+    return {}
+
+
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
               vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
               tiers: tuple[int, int, int, int, int] | None = None, o_early: bool = False) -> Tensor:
@@ -548,7 +558,7 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
         NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
-        PF=_kv_prefetch(kc, ks), num_warps=t["num_warps"],
+        PF=_kv_prefetch(kc, ks), **_marks(q, o_early), num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd

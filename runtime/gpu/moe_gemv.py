@@ -84,6 +84,9 @@ GEMV_VARIANTS: dict[str, dict[str, int]] = {
     # 2.2 us a layer instead of 2.7 on an H100 (bench/step_timeline.py; dense_kernels.ONE_ROW_DENSE)
     "one_d4leantop": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
                       "num_stages": 1, "EARLY": 1, "LEAN": 1, "TOP": 1},
+    # the same, a program on an SM the split attention marked loading after its wait (runtime/gpu/pdl.py MARK_SMS)
+    "one_d4leanaware": {"ONE": 1, "BN_UP": 4, "BN_DOWN": 4, "KV": 4096, "MB": 1, "PF": 0, "J": 1, "num_warps": 4,
+                        "num_stages": 1, "EARLY": 1, "LEAN": 1, "TOP": 1, "AWARE": 1},
     # one_d4 under a register cap ("maxnreg": registers a thread): four programs an SM instead of three, so the
     # A3B's o_proj (512 programs) is resident in one wave. It spills 28 values a thread: the one-row step 3.11 ->
     # 3.26 ms at 1k on an H100 (bench/step_ab.py arm o-regs128, bench/results/h100_session36/timeline/); not used
@@ -1180,13 +1183,14 @@ if HAVE_TRITON:
     @triton.jit
     def _one_dense_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, SWN: tl.constexpr, BN: tl.constexpr,
                           KC: tl.constexpr, EVEN: tl.constexpr, EARLY: tl.constexpr, TOP: tl.constexpr = False,
-                          GDC: tl.constexpr = False):
+                          mark_ptr=None, AWARE: tl.constexpr = False, GDC: tl.constexpr = False):
         """One float row x [K] times BN whole rows of a dense float matrix a program (a `LEAN` one-step variant):
         the tile `_tile_f` loads (EARLY: before the PDL wait), the sums `_dot_f` computes, the store `_out` makes
         of a single expert's weight-1 rows, with none of the expert tables, masks and row loop of `_gemv_kernel`;
         with EARLY the next kernel is let in after the sums (`pdl.release`), not between the tile's loads and the
         sums: 86 registers a thread instead of 168, five programs an SM instead of three. TOP (with EARLY): the next
-        kernel let in at the start instead, before the loads."""
+        kernel let in at the start instead, before the loads. AWARE (with TOP): a program on an SM the split
+        attention marked (runtime/gpu/pdl.py MARK_SMS) loads after its wait, and clears the mark."""
         if EARLY and TOP:
             pdl.let_in(GDC)
         if not EARLY:
@@ -1195,11 +1199,22 @@ if HAVE_TRITON:
         n = nb * BN + tl.arange(0, BN)
         rw = n if EVEN else tl.minimum(n, N - 1)       # rows past N read row N - 1 and are never stored
         kk = tl.arange(0, KC)
+        wp = w_ptr + (rw * SWN)[:, None] + kk[None, :]
+        busy = False
+        if AWARE and EARLY and TOP and GDC:
+            sm = pdl.sm_id(GDC)
+            busy = tl.load(mark_ptr + sm, volatile=True) != 0
+            if busy:
+                pdl.wait_only(GDC)
         if KC == K:
-            wv = tl.load(w_ptr + (rw * SWN)[:, None] + kk[None, :])
+            wv = tl.load(wp)
         else:
-            wv = tl.load(w_ptr + (rw * SWN)[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-        if EARLY and TOP:
+            wv = tl.load(wp, mask=(kk < K)[None, :], other=0.0)
+        if AWARE and EARLY and TOP and GDC:
+            if not busy:
+                pdl.wait_only(GDC)
+            tl.store(mark_ptr + sm, 0, mask=busy)
+        elif EARLY and TOP:
             pdl.wait_only(GDC)
         elif EARLY:
             pdl.wait(GDC)
@@ -1506,6 +1521,8 @@ def one_dense(x: Tensor, w: Tensor, cfg: dict[str, int]) -> Tensor:
     bn = cfg["BN_DOWN"]
     _one_dense_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K=K, SWN=w.stride(0), BN=bn, KC=cover(K), EVEN=N % bn == 0,
                                              EARLY=bool(cfg.get("EARLY")) and EARLY_LOADS, TOP=bool(cfg.get("TOP")),
+                                             **({"mark_ptr": pdl.sm_marks(w), "AWARE": True}
+                                                if cfg.get("AWARE") and w.is_cuda else {}),
                                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_regs(cfg),
                                              **pdl.launch(w))
     return y

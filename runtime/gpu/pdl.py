@@ -58,6 +58,12 @@ SKIP: set[str] = {"attention"}
 # before a quantized target's o_proj (looped tiles, no early loads): there the same launches made the one-row step at
 # 16k context 2.70 -> 2.81 ms (Q4_0) and 3.01 -> 3.24 (Q8_0)
 TRIGGER_FIRST: set[str] = {"attention_reduce:o_early"}
+# the split attention's working programs mark their SM in a table before their wait, and a one-row o_proj of the
+# "AWARE" form whose program finds its SM marked loads its weights after its wait instead of before, so its early
+# loads do not queue ahead of the attention's K/V reads on that SM (bench/step_ab.py arm o-aware; off: the split marks
+# nothing). The table is a hint only: no value a kernel computes depends on it
+MARK_SMS = False
+_MARKS: dict[str, Tensor] = {}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
 _OFF = {"GDC": False}
@@ -110,6 +116,14 @@ if HAVE_TRITON:
             _wait_asm()
 
     @triton.jit
+    def sm_id(GDC: tl.constexpr):
+        """The SM this program runs on (0 where no PTX runs: the interpreter, GDC False)."""
+        if GDC:
+            return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return 0
+
+    @triton.jit
     def release(GDC: tl.constexpr):
         """After `wait` and a kernel's arithmetic: let the next kernel be scheduled (GDC 2 let it in at `wait`).
         Placed there, a tile loaded before the wait costs far fewer registers than with `start`'s instruction between
@@ -143,6 +157,14 @@ def _probe(device: torch.device) -> bool:
             PROBE_ERRORS.append(f"{type(e).__name__}: {str(e)[:200]}")
     _PROBED[idx] = ok
     return ok
+
+
+def sm_marks(t: Tensor) -> Tensor:
+    """The SM mark table of t's device (MARK_SMS): one int32 a possible SM id, zero until a split program marks it."""
+    key = str(t.device)
+    if key not in _MARKS:
+        _MARKS[key] = torch.zeros(1024, dtype=torch.int32, device=t.device)
+    return _MARKS[key]
 
 
 def launch(t: Tensor, part: str = "") -> dict:
