@@ -271,6 +271,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
             tile["maxnreg"] = arm["split_regs"]
     pdl.ENABLED = bool(arm.get("pdl"))
     pdl.MARK_SMS = bool(arm.get("mark"))
+    if pdl.MARK_SMS and torch.cuda.is_available():
+        pdl.sm_marks(torch.empty(0, device="cuda"))        # allocated (zeroed) before any graph is captured
     for role in dense_kernels.ONE_ROW_DENSE:
         dense_kernels.ONE_ROW_DENSE[role] = arm.get("dense", {}).get(role)
     moe_gemv.EARLY_LOADS = not arm.get("late")

@@ -160,7 +160,8 @@ def _probe(device: torch.device) -> bool:
 
 
 def sm_marks(t: Tensor) -> Tensor:
-    """The SM mark table of t's device (MARK_SMS): one int32 a possible SM id, zero until a split program marks it."""
+    """The SM mark table of t's device (MARK_SMS): one int32 a possible SM id, zero until a split program marks it.
+    Made outside a CUDA graph's capture (the benchmarks ask for it first), so no graph holds its zeroing."""
     key = str(t.device)
     if key not in _MARKS:
         _MARKS[key] = torch.zeros(1024, dtype=torch.int32, device=t.device)
