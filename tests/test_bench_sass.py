@@ -83,29 +83,45 @@ def test_r1_tables_follow_the_triton_version(monkeypatch):
         moe_gemv.variant("q5_0")
 
 
+# the one-row BF16 split attention and the A3B o_proj tile (4 rows of 4096) as the step launches them, recorded
+# launches in bench/kernel_sass.py's form; `_with` adds the parameters a test varies
+_SPLIT = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "_attn_split_kernel", "num_warps": 4,
+          "num_stages": 3, "params": [
+              [n, {"tensor": t, "aligned": True}] for n, t in (
+                  ("q_ptr", "bf16"), ("k_ptr", "bf16"), ("v_ptr", "bf16"), ("ks_ptr", "bf16"), ("vs_ptr", "bf16"),
+                  ("pos_ptr", "i32"), ("acc_ptr", "fp32"), ("ml_ptr", "fp32"))] + [
+              ["scale", {"float": 0.0883883}], ["stride_qw", {"int": 4096}], ["stride_qh", {"int": 128}],
+              ["stride_ch", {"int": 16384}], ["stride_cs", {"int": 128}], ["stride_sh", {"int": 0}],
+              ["stride_ss", {"int": 0}], ["NC", {"int": 1}], ["W", {"int": 1}], ["G", {"int": 8}], ["GP", {"int": 16}],
+              ["RB", {"int": 4}], ["HD", {"int": 128}], ["BS", {"int": 64}], ["C0", {"int": 128}], ["E0", {"int": 4096}],
+              ["C1", {"int": 256}], ["E1", {"int": 32768}], ["C2", {"int": 1024}], ["Q8", {"bool": False}],
+              ["NB", {"int": 1}], ["QB", {"int": 1}], ["Q8_PF", {"int": 0}], ["CVT", {"int": 0}],
+              ["EXIT", {"bool": True}]]}
+_O_PROJ = {"format": "bf16", "module": "runtime.gpu.moe_gemv", "name": "_one_dense_kernel", "num_warps": 4,
+           "num_stages": 1, "params": [
+               ["x_ptr", {"tensor": "bf16", "aligned": True}], ["w_ptr", {"tensor": "bf16", "aligned": True}],
+               ["y_ptr", {"tensor": "bf16", "aligned": True}], ["N", {"int": 2048}], ["K", {"int": 4096}],
+               ["SWN", {"int": 4096}], ["BN", {"int": 4}], ["KC", {"int": 4096}], ["EVEN", {"bool": True}],
+               ["EARLY", {"bool": True}]]}
+
+
+def _with(entry: dict, *params: list) -> dict:
+    return {**entry, "params": entry["params"] + list(params)}
+
+
+def _ops(entry: dict) -> tuple[list[str], str, int]:
+    sass, regs = sass_and_regs(compile_entry(entry, 90)[0])
+    return [op for _, op in instructions(sass)], sass, regs
+
+
 def test_split_attention_asks_its_kv_into_l2_before_its_wait():
     """attention_kernels.SPLIT_KV_PREFETCH: the one-row BF16 split kernel (as the step launches it at PDL) compiled
     for sm_90 with the prefetch on has one bulk L2 prefetch for K and one for V, both before its PDL wait, and
     the same chunk loops as without it; off, none."""
     pytest.importorskip("triton")
-    e = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "_attn_split_kernel", "num_warps": 4,
-         "num_stages": 3, "params": [
-             ["q_ptr", {"tensor": "bf16", "aligned": True}], ["k_ptr", {"tensor": "bf16", "aligned": True}],
-             ["v_ptr", {"tensor": "bf16", "aligned": True}], ["ks_ptr", {"tensor": "bf16", "aligned": True}],
-             ["vs_ptr", {"tensor": "bf16", "aligned": True}], ["pos_ptr", {"tensor": "i32", "aligned": True}],
-             ["acc_ptr", {"tensor": "fp32", "aligned": True}], ["ml_ptr", {"tensor": "fp32", "aligned": True}],
-             ["scale", {"float": 0.0883883}], ["stride_qw", {"int": 4096}], ["stride_qh", {"int": 128}],
-             ["stride_ch", {"int": 16384}], ["stride_cs", {"int": 128}], ["stride_sh", {"int": 0}],
-             ["stride_ss", {"int": 0}], ["NC", {"int": 1}], ["W", {"int": 1}], ["G", {"int": 8}], ["GP", {"int": 16}],
-             ["RB", {"int": 4}], ["HD", {"int": 128}], ["BS", {"int": 64}], ["C0", {"int": 128}], ["E0", {"int": 4096}],
-             ["C1", {"int": 256}], ["E1", {"int": 32768}], ["C2", {"int": 1024}], ["Q8", {"bool": False}],
-             ["NB", {"int": 1}], ["QB", {"int": 1}], ["Q8_PF", {"int": 0}], ["CVT", {"int": 0}],
-             ["EXIT", {"bool": True}], ["GDC", {"bool": True}]]}
     found = {}
     for pf in (0, 128):
-        k, _ = compile_entry({**e, "params": e["params"] + [["PF", {"int": pf}]]}, 90)
-        sass, _ = sass_and_regs(k)
-        ops = [op for _, op in instructions(sass)]
+        ops, sass, _ = _ops(_with(_SPLIT, ["PF", {"int": pf}]))
         wait = ops.index("ACQBULK")
         found[pf] = ([i for i, op in enumerate(ops) if op == "UBLKPF"], wait,
                      [lp["instructions"] for lp in loops(sass)])
@@ -120,17 +136,9 @@ def test_lean_o_proj_lets_the_next_kernel_in_at_its_start_without_more_registers
     (PREEXIT: griddepcontrol.launch_dependents) before its first weight load and waits (ACQBULK) after it, in as
     few registers as the form that lets it in after its sums."""
     pytest.importorskip("triton")
-    e = {"format": "bf16", "module": "runtime.gpu.moe_gemv", "name": "_one_dense_kernel", "num_warps": 4,
-         "num_stages": 1, "params": [
-             ["x_ptr", {"tensor": "bf16", "aligned": True}], ["w_ptr", {"tensor": "bf16", "aligned": True}],
-             ["y_ptr", {"tensor": "bf16", "aligned": True}], ["N", {"int": 2048}], ["K", {"int": 4096}],
-             ["SWN", {"int": 4096}], ["BN", {"int": 4}], ["KC", {"int": 4096}], ["EVEN", {"bool": True}],
-             ["EARLY", {"bool": True}]]}
     got = {}
     for top in (False, True):
-        k, _ = compile_entry({**e, "params": e["params"] + [["TOP", {"bool": top}]]}, 90)
-        sass, regs = sass_and_regs(k)
-        ops = [op for _, op in instructions(sass)]
+        ops, _, regs = _ops(_with(_O_PROJ, ["TOP", {"bool": top}]))
         got[top] = (ops.index("PREEXIT"), ops.index("LDG"), ops.index("ACQBULK"), regs)
     pre, ldg, acq, regs = got[True]
     assert pre < ldg < acq
@@ -143,29 +151,11 @@ def test_sm_marks_are_written_and_read_before_the_waits():
     tile reads the mark before its first weight load and has a wait on either side of those loads (one taken), in
     registers that still let five programs share an SM."""
     pytest.importorskip("triton")
-    split = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "_attn_split_kernel",
-             "num_warps": 4, "num_stages": 3, "params": [
-                 [n, {"tensor": t, "aligned": True}] for n, t in (
-                     ("q_ptr", "bf16"), ("k_ptr", "bf16"), ("v_ptr", "bf16"), ("ks_ptr", "bf16"), ("vs_ptr", "bf16"),
-                     ("pos_ptr", "i32"), ("acc_ptr", "fp32"), ("ml_ptr", "fp32"), ("mark_ptr", "i32"))] + [
-                 ["scale", {"float": 0.0883883}], ["stride_qw", {"int": 4096}], ["stride_qh", {"int": 128}],
-                 ["stride_ch", {"int": 16384}], ["stride_cs", {"int": 128}], ["stride_sh", {"int": 0}],
-                 ["stride_ss", {"int": 0}], ["NC", {"int": 1}], ["W", {"int": 1}], ["G", {"int": 8}],
-                 ["GP", {"int": 16}], ["RB", {"int": 4}], ["HD", {"int": 128}], ["BS", {"int": 64}],
-                 ["C0", {"int": 128}], ["E0", {"int": 4096}], ["C1", {"int": 256}], ["E1", {"int": 32768}],
-                 ["C2", {"int": 1024}], ["Q8", {"bool": False}], ["NB", {"int": 1}], ["QB", {"int": 1}],
-                 ["EXIT", {"bool": True}], ["PF", {"int": 64}], ["MARK", {"bool": True}]]}
-    ops = [op for _, op in instructions(sass_and_regs(compile_entry(split, 90)[0])[0])]
+    ops, _, _ = _ops(_with(_SPLIT, ["mark_ptr", {"tensor": "i32", "aligned": True}], ["PF", {"int": 64}],
+                           ["MARK", {"bool": True}]))
     assert "STG" in ops[:ops.index("ACQBULK")]
-    o = {"format": "bf16", "module": "runtime.gpu.moe_gemv", "name": "_one_dense_kernel", "num_warps": 4,
-         "num_stages": 1, "params": [
-             ["x_ptr", {"tensor": "bf16", "aligned": True}], ["w_ptr", {"tensor": "bf16", "aligned": True}],
-             ["y_ptr", {"tensor": "bf16", "aligned": True}], ["mark_ptr", {"tensor": "i32", "aligned": True}],
-             ["N", {"int": 2048}], ["K", {"int": 4096}], ["SWN", {"int": 4096}], ["BN", {"int": 4}],
-             ["KC", {"int": 4096}], ["EVEN", {"bool": True}], ["EARLY", {"bool": True}], ["TOP", {"bool": True}],
-             ["AWARE", {"bool": True}]]}
-    sass, regs = sass_and_regs(compile_entry(o, 90)[0])
-    ops = [op for _, op in instructions(sass)]
+    ops, _, regs = _ops(_with(_O_PROJ, ["mark_ptr", {"tensor": "i32", "aligned": True}], ["TOP", {"bool": True}],
+                              ["AWARE", {"bool": True}]))
     waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
     loads = [i for i, op in enumerate(ops) if op == "LDG"]
     assert len(waits) == 2 and loads[0] < waits[0] < loads[1] < waits[1]
