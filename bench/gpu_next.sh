@@ -12,13 +12,13 @@
 #   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
 #      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
 #      experts, H100: 376 and 355 tok/s).
-#   3. On an H200, what an H100 measured (bench/results/h100_session37/top_pf/): the step before (o-lean), o_proj letting
-#      the router in at its start (o-lean-top), the split attention asking its first chunk's K/V into L2 before its
-#      PDL wait (kv-pf64), both (default; H100 3.08 / 3.13 / 3.67 / 4.24 -> 3.05 / 3.08 / 3.60 / 4.17 ms at 1k / 4k /
-#      16k / 32k), and three arms not yet measured: the split letting the reduction in first too (trig-split),
+#   3. On an H200, what an H100 measured (bench/results/h100_session37/top_pf/): the step before (o-lean) against
+#      o_proj letting the router in at its start plus the split attention asking its first chunk's K/V into L2 before
+#      its PDL wait (default; H100 3.08 / 3.13 / 3.67 / 4.24 -> 3.05 / 3.08 / 3.60 / 4.17 ms at 1k / 4k / 16k /
+#      32k), and arms not yet measured: the split letting the reduction in first too (trig-split),
 #      64-position chunks up to 4k (tiers-64to4k), o_proj's programs on the SMs running split programs loading after
-#      their wait (o-aware); on 40,960-position caches; then the timeline of one arm (`bash bench/gpu_next.sh 3 ARM`,
-#      default: the default).
+#      their wait (o-aware), the split's first K/V tile loaded before its wait (kv-early, and with o-aware); on
+#      40,960-position caches; then the timeline of one arm (`bash bench/gpu_next.sh 3 ARM`, default: the default).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -41,7 +41,7 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = 3 ]; then
   echo "--- the split kernel's KV asked into L2 before its wait: arms ($(( $(date +%s) - start )) s)"
   timeout 300 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 \
-    --arms o-lean,o-lean-top,kv-pf64,default,trig-split,tiers-64to4k,o-aware --rounds 7 \
+    --arms o-lean,default,o-aware,kv-early,kv-early+o-aware,trig-split,tiers-64to4k --rounds 7 \
     > "$OUT/step_ab_kv_pf.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_kv_pf.json"; grep -v "━" "$OUT/step_ab_kv_pf.log" | tail -26
   echo "--- its timeline ($(( $(date +%s) - start )) s)"

@@ -63,7 +63,8 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
 # attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines; "q8_one_regs":
-# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH) and whether it
+# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH; "kv_early":
+# SPLIT_KV_EARLY) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -182,6 +183,11 @@ ARMS["tiers-64to4k"] = {**_DEFAULT, "wide": True, "tiers": (64, 4096, 256, 32768
 # the default with the split attention's working programs marking their SMs and o_proj's programs on a marked SM
 # loading their weights after their wait (runtime/gpu/pdl.py MARK_SMS, moe_gemv "one_d4leanaware"); not yet measured
 ARMS["o-aware"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leanaware"}, "mark": True}
+# the default with the split kernel's working programs loading the first K/V tile of their first chunk into registers
+# before their PDL wait, the row's own position after it (attention_kernels.SPLIT_KV_EARLY; the same bits), alone
+# and with o-aware; not yet measured
+ARMS["kv-early"] = {**_DEFAULT, "kv_early": True}
+ARMS["kv-early+o-aware"] = {**ARMS["o-aware"], "kv_early": True}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
@@ -264,6 +270,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
     attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
     attention_kernels.SPLIT_KV_PREFETCH = int(arm.get("kv_pf", 0))
+    attention_kernels.SPLIT_KV_EARLY = bool(arm.get("kv_early"))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)

@@ -80,6 +80,11 @@ SPLIT_EXIT_EARLY = True
 # bench/results/h100_session37/kv_pf/ and top_pf/): 3.07-3.08 -> 3.06-3.07 ms at 1k, 3.12-3.13 -> 3.07-3.08 at 4k,
 # 3.67 -> 3.63 at 16k, 4.25 -> 4.20 at 32k; 128 and 256 positions no better
 SPLIT_KV_PREFETCH = 64
+# a one-row step over a cache in the compute dtype: the split kernel's working programs load the first tile of
+# their first chunk (K and V, every position but the row's own, which this step writes) into registers before
+# their PDL wait, and the row's own position after it (the same bits). Needs SPLIT_EXIT_EARLY. Not yet measured
+# (bench/step_ab.py arm kv-early): off
+SPLIT_KV_EARLY = False
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
 POST_ROWS_FROM = 64
@@ -247,7 +252,8 @@ if HAVE_TRITON:
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
                            CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, PF: tl.constexpr = 0,
-                           mark_ptr=None, MARK: tl.constexpr = False, GDC: tl.constexpr = False):
+                           mark_ptr=None, MARK: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
+                           GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
         blocks of BS positions in order. A K/V block is read once for all the rows (a verify window reads the
@@ -256,7 +262,10 @@ if HAVE_TRITON:
         chunk to compute ends before its PDL wait (the positions are the step's input, written before any kernel
         of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts.
         PF (with EXIT): the first PF positions of the program's first chunk asked into L2 before the wait. MARK
-        (with EXIT and GDC): the program marks its SM in pdl's table (runtime/gpu/pdl.py MARK_SMS) before the wait."""
+        (with EXIT and GDC): the program marks its SM in pdl's table (runtime/gpu/pdl.py MARK_SMS) before the wait.
+        EARLY_KV (with EXIT, one row, a cache in the compute dtype): the first BS positions of the first chunk are
+        loaded before the wait, all but the row's own position (the only cache row the step writes before this
+        kernel), which is loaded after it; the tile's arithmetic is the loop's (`_kv_tile`), so the same bits."""
         if not EXIT:
             pdl.start(GDC)
         rb = tl.program_id(0)
@@ -289,6 +298,15 @@ if HAVE_TRITON:
                     _l2_prefetch(vs_ptr + s0, n_sc, 4)
             if MARK and GDC:
                 tl.store(mark_ptr + pdl.sm_id(GDC), 1)
+            if EARLY_KV:
+                lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2)
+                p0 = tl.max(pos_r, 0)                  # the row's position: written by this step's q/k/v post
+                s0e = lo0 + tl.arange(0, BS)
+                em = s0e < tl.minimum(p0, lo0 + size0)
+                k0 = _load_kv(k_ptr, k_ptr, kvh.to(tl.int64) * stride_ch, 0, s0e, em, stride_cs, stride_ss,
+                              q_ptr.dtype.element_ty, HD, BS, False, NB, QB)
+                v0 = _load_kv(v_ptr, v_ptr, kvh.to(tl.int64) * stride_ch, 0, s0e, em, stride_cs, stride_ss,
+                              q_ptr.dtype.element_ty, HD, BS, False, NB, QB)
             pdl.start(GDC)
         d = tl.arange(0, HD)
         heads = kvh * G + g
@@ -298,7 +316,29 @@ if HAVE_TRITON:
         base = kvh.to(tl.int64) * stride_ch
         sbase = kvh.to(tl.int64) * stride_sh
         slot0 = (r * nh + heads).to(tl.int64) * NC
-        for c in range(first, n_valid, step):
+        c_from = first
+        if EARLY_KV and EXIT:                          # the first chunk, its first tile loaded before the wait
+            lo, size = _chunk_lo(first, C0, E0, C1, E1, C2)
+            hi_r = tl.minimum(lo + size, pos_r + 1)
+            hi = tl.max(hi_r, 0)
+            s = lo + tl.arange(0, BS)
+            own = (s == p0) & (s < hi)
+            k = tl.where(own[:, None], _load_kv(k_ptr, k_ptr, base, 0, s, own, stride_cs, stride_ss, dt, HD, BS,
+                                                False, NB, QB), k0)
+            v = tl.where(own[:, None], _load_kv(v_ptr, v_ptr, base, 0, s, own, stride_cs, stride_ss, dt, HD, BS,
+                                                False, NB, QB), v0)
+            m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros((RB * GP,), dtype=tl.float32)
+            acc = tl.zeros((RB * GP, HD), dtype=tl.float32)
+            m_i, l_i, acc = _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale)
+            for s0 in range(lo + BS, hi, BS):
+                s = s0 + tl.arange(0, BS)
+                k = _load_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                v = _load_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
+                m_i, l_i, acc = _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale)
+            _chunk_store(acc_ptr, ml_ptr, slot0 + first, lm & (first < nv_r), acc, m_i, l_i, d, HD)
+            c_from = first + step
+        for c in range(c_from, n_valid, step):
             lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
             hi_r = tl.minimum(lo + size, pos_r + 1)    # each line's end in this chunk
             hi = tl.max(hi_r, 0)
@@ -322,21 +362,29 @@ if HAVE_TRITON:
                 else:
                     k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                     v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                sc = tl.dot(q, tl.trans(k)) * scale
-                sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_use)
-                p = tl.exp(sc - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
-                m_i = m_new
-            slot = slot0 + c
-            keep = lm & (c < nv_r)
-            tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
-            tl.store(ml_ptr + slot * 2, m_i, mask=keep)
-            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
+                m_i, l_i, acc = _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale)
+            _chunk_store(acc_ptr, ml_ptr, slot0 + c, lm & (c < nv_r), acc, m_i, l_i, d, HD)
+
+    @triton.jit
+    def _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale):
+        """One K/V tile of positions s into a chunk's online softmax (running max m_i, sum l_i, output acc)."""
+        sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)    # v in the compute dtype
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _chunk_store(acc_ptr, ml_ptr, slot, keep, acc, m_i, l_i, d, HD: tl.constexpr):
+        """A chunk's partials: the unnormalised output, running max and sum of the lines kept."""
+        tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
+        tl.store(ml_ptr + slot * 2, m_i, mask=keep)
+        tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
 
     @triton.jit
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
@@ -558,7 +606,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
         NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
-        PF=_kv_prefetch(kc, ks), **_marks(q, o_early), num_warps=t["num_warps"],
+        PF=_kv_prefetch(kc, ks), **_marks(q, o_early), EARLY_KV=SPLIT_KV_EARLY and SPLIT_EXIT_EARLY and W == 1 and not q8,
+        num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd

@@ -676,6 +676,13 @@ def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, 
             assert torch.equal(o[3], unsplit[3]) and torch.equal(o[4], unsplit[4])    # one chunk: the same walk
         for r in (0, 3, 7):          # alone (W = 1): the last position, a chunk's last, padding
             assert torch.equal(att(q[r:r + 1], pos[r:r + 1])[0], o[r]), (q8, r)
+        if not q8:                   # alone, the first tile loaded before the wait but the row's own position
+            attention_kernels.SPLIT_KV_EARLY = True
+            try:
+                for r in range(W):
+                    assert torch.equal(att(q[r:r + 1], pos[r:r + 1])[0], o[r]), ("early", r)
+            finally:
+                attention_kernels.SPLIT_KV_EARLY = False
         perm = torch.tensor([5, 2, 7, 0, 6, 1, 4, 3])                            # other places, other neighbours
         assert torch.equal(att(q[perm], pos[perm]), o[perm])
         wide = torch.cat([q, q[:3].flip(0), torch.randn(5, nh, hd, generator=g).to(dt)])   # W = 16
