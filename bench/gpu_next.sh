@@ -19,6 +19,10 @@
 #      64-position chunks up to 4k (tiers-64to4k), o_proj's programs on the SMs running split programs loading after
 #      their wait (o-aware), the split's first K/V tile loaded before its wait (kv-early, and with o-aware); on
 #      40,960-position caches; then the timeline of one arm (`bash bench/gpu_next.sh 3 ARM`, default: the default).
+#   4. o_proj's programs on the split's SMs loading after their wait only while few split programs work (o-aware32,
+#      o-aware64: pdl.MARK_MAX), four-tier chunk layouts with 64-position chunks up to 1k or 2k (tiers4-64to1k,
+#      tiers4-64to2k), and both, at 1k-16k on 40,960-position caches; then, on an H200 only, the context table
+#      (part 1's) for the issue's goal figures.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -48,6 +52,17 @@ elif [ "$part" = 3 ]; then
   timeout 100 python3 bench/step_timeline.py --contexts 1024,16384 --capacity 40960 --arm "${2:-default}" \
     > "$OUT/timeline_kv_pf.log" 2>&1
   mv "$OUT/step_timeline.json" "$OUT/step_timeline_kv_pf.json"; grep -v "━" "$OUT/timeline_kv_pf.log" | tail -30
+elif [ "$part" = 4 ]; then
+  echo "--- short-context arms ($(( $(date +%s) - start )) s)"
+  timeout 240 python3 bench/step_ab.py --contexts 1024,2048,4096,16384 --widths 1 --capacity 40960 \
+    --arms default,o-aware,o-aware32,o-aware64,tiers4-64to1k,tiers4-64to2k,tiers4-64to1k+o-aware64 --rounds 7 \
+    > "$OUT/step_ab_short.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_short.json"; grep -v "━" "$OUT/step_ab_short.log" | tail -32
+  if grep -q H200 "$OUT/gpu.txt"; then
+    echo "--- context table ($(( $(date +%s) - start )) s)"
+    timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 \
+      > "$OUT/context.log" 2>&1; tail -16 "$OUT/context.log"
+  fi
 else
   echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 32768,131072 --widths 8 \

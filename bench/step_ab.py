@@ -63,8 +63,7 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
 # attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines; "q8_one_regs":
-# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH; "kv_early":
-# SPLIT_KV_EARLY) and whether it
+# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH) and whether it
 # also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
@@ -183,11 +182,14 @@ ARMS["tiers-64to4k"] = {**_DEFAULT, "wide": True, "tiers": (64, 4096, 256, 32768
 # the default with the split attention's working programs marking their SMs and o_proj's programs on a marked SM
 # loading their weights after their wait (runtime/gpu/pdl.py MARK_SMS, moe_gemv "one_d4leanaware"); not yet measured
 ARMS["o-aware"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leanaware"}, "mark": True}
-# the default with the split kernel's working programs loading the first K/V tile of their first chunk into registers
-# before their PDL wait, the row's own position after it (attention_kernels.SPLIT_KV_EARLY; the same bits), alone
-# and with o-aware; not yet measured
-ARMS["kv-early"] = {**_DEFAULT, "kv_early": True}
-ARMS["kv-early+o-aware"] = {**ARMS["o-aware"], "kv_early": True}
+# o-aware marking only while at most N split programs work (pdl.MARK_MAX; H100: o-aware alone 3.06 -> 3.01 ms at
+# 1k, 3.07 -> 3.20 at 4k, bench/results/h100_session38/); four-tier chunk layouts with 64-position chunks up to 1k or
+# 2k, then the shipped tiers (64 to 4k: H100 3.06 -> 3.01 at 1k, 3.07 -> 3.18 at 4k; other bits); and both
+ARMS["o-aware32"] = {**ARMS["o-aware"], "mark_max": 32}
+ARMS["o-aware64"] = {**ARMS["o-aware"], "mark_max": 64}
+ARMS["tiers4-64to1k"] = {**_DEFAULT, "wide": True, "tiers": (64, 1024, 128, 4096, 256, 32768, 1024)}
+ARMS["tiers4-64to2k"] = {**_DEFAULT, "wide": True, "tiers": (64, 2048, 128, 4096, 256, 32768, 1024)}
+ARMS["tiers4-64to1k+o-aware64"] = {**ARMS["o-aware64"], "tiers": (64, 1024, 128, 4096, 256, 32768, 1024)}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
@@ -270,7 +272,6 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
     attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
     attention_kernels.SPLIT_KV_PREFETCH = int(arm.get("kv_pf", 0))
-    attention_kernels.SPLIT_KV_EARLY = bool(arm.get("kv_early"))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)
@@ -278,6 +279,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
             tile["maxnreg"] = arm["split_regs"]
     pdl.ENABLED = bool(arm.get("pdl"))
     pdl.MARK_SMS = bool(arm.get("mark"))
+    pdl.MARK_MAX = int(arm.get("mark_max", 0))
     if pdl.MARK_SMS and torch.cuda.is_available():
         pdl.sm_marks(torch.empty(0, device="cuda"))        # allocated (zeroed) before any graph is captured
     for role in dense_kernels.ONE_ROW_DENSE:

@@ -27,8 +27,20 @@ KV_QUANTS = ("q8_0",)
 # 16k, 3.68 -> 3.62 at 32k, 1k unchanged. A constant layout, never chosen
 # from the context, so a row's bits do not depend on the configured context either. Each (row, head, chunk) leaves
 # fp32 partials: hd accumulators, a max and a sum. KV_TIERS = (C0, E0, C1, E1, C2): chunks of C0 positions on
-# [0, E0), of C1 on [E0, E1), of C2 from E1 on (each E a multiple of the chunk before it).
-KV_TIERS = (128, 4096, 256, 32768, 1024)
+# [0, E0), of C1 on [E0, E1), of C2 from E1 on (each E a multiple of the chunk before it); or four tiers,
+# (C0, E0, C1, E1, C2, E2, C3): then C2 on [E1, E2) and C3 from E2 on (`tiers4`).
+KV_TIERS: tuple[int, ...] = (128, 4096, 256, 32768, 1024)
+
+
+def tiers4(tiers: tuple[int, ...] | None = None) -> tuple[int, int, int, int, int, int, int]:
+    """A layout as four tiers (C0, E0, C1, E1, C2, E2, C3), the kernels' form: three tiers get an empty third
+    (E2 = E1, C3 = C2). None: KV_TIERS as it is when called."""
+    t = tuple(int(x) for x in (KV_TIERS if tiers is None else tiers))
+    if len(t) == 5:
+        return (*t, t[3], t[4])
+    if len(t) != 7:
+        raise ValueError(f"a KV chunk layout has 5 or 7 numbers, got {t}.")
+    return t
 
 
 def uniform_tiers(chunk: int) -> tuple[int, int, int, int, int]:
@@ -36,16 +48,18 @@ def uniform_tiers(chunk: int) -> tuple[int, int, int, int, int]:
     return (chunk, 0, chunk, 0, chunk)
 
 
-def split_chunks(capacity: int, tiers: tuple[int, int, int, int, int] | None = None) -> int:
+def split_chunks(capacity: int, tiers: tuple[int, ...] | None = None) -> int:
     """Chunks of the split decode attention covering positions 0..capacity-1 (the kernels' `_n_chunks`; tiers
     None: KV_TIERS as it is when called)."""
-    c0, e0, c1, e1, c2 = KV_TIERS if tiers is None else tiers
+    c0, e0, c1, e1, c2, e2, c3 = tiers4(tiers)
     n = int(capacity)
     if n <= e0:
         return -(-n // c0)
     if n <= e1:
         return e0 // c0 + -(-(n - e0) // c1)
-    return e0 // c0 + (e1 - e0) // c1 + -(-(n - e1) // c2)
+    if n <= e2:
+        return e0 // c0 + (e1 - e0) // c1 + -(-(n - e1) // c2)
+    return e0 // c0 + (e1 - e0) // c1 + (e2 - e1) // c2 + -(-(n - e2) // c3)
 
 
 def split_partials_bytes(rows: int, heads: int, capacity: int, head_dim: int) -> int:

@@ -94,7 +94,8 @@ _SPLIT = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "
               ["stride_ch", {"int": 16384}], ["stride_cs", {"int": 128}], ["stride_sh", {"int": 0}],
               ["stride_ss", {"int": 0}], ["NC", {"int": 1}], ["W", {"int": 1}], ["G", {"int": 8}], ["GP", {"int": 16}],
               ["RB", {"int": 4}], ["HD", {"int": 128}], ["BS", {"int": 64}], ["C0", {"int": 128}], ["E0", {"int": 4096}],
-              ["C1", {"int": 256}], ["E1", {"int": 32768}], ["C2", {"int": 1024}], ["Q8", {"bool": False}],
+              ["C1", {"int": 256}], ["E1", {"int": 32768}], ["C2", {"int": 1024}], ["E2", {"int": 32768}],
+              ["C3", {"int": 1024}], ["Q8", {"bool": False}],
               ["NB", {"int": 1}], ["QB", {"int": 1}], ["Q8_PF", {"int": 0}], ["CVT", {"int": 0}],
               ["EXIT", {"bool": True}]]}
 _O_PROJ = {"format": "bf16", "module": "runtime.gpu.moe_gemv", "name": "_one_dense_kernel", "num_warps": 4,
@@ -147,13 +148,14 @@ def test_lean_o_proj_lets_the_next_kernel_in_at_its_start_without_more_registers
 
 
 def test_sm_marks_are_written_and_read_before_the_waits():
-    """pdl.MARK_SMS (arm o-aware): the split kernel stores its SM's mark before its PDL wait; o_proj's "one_d4leanaware"
-    tile reads the mark before its first weight load and has a wait on either side of those loads (one taken), in
-    registers that still let five programs share an SM."""
+    """pdl.MARK_SMS (arm o-aware): the split kernel stores its SM's mark before its PDL wait (with pdl.MARK_MAX too);
+    o_proj's "one_d4leanaware" tile reads the mark before its first weight load and has a wait on either side of
+    those loads (one taken), in registers that still let five programs share an SM."""
     pytest.importorskip("triton")
-    ops, _, _ = _ops(_with(_SPLIT, ["mark_ptr", {"tensor": "i32", "aligned": True}], ["PF", {"int": 64}],
-                           ["MARK", {"bool": True}]))
-    assert "STG" in ops[:ops.index("ACQBULK")]
+    for most in (0, 64):             # every working program, or only while at most 64 work (pdl.MARK_MAX)
+        ops, _, _ = _ops(_with(_SPLIT, ["mark_ptr", {"tensor": "i32", "aligned": True}], ["PF", {"int": 64}],
+                               ["MARK", {"bool": True}], ["MARK_MAX", {"int": most}]))
+        assert "STG" in ops[:ops.index("ACQBULK")], most
     ops, _, regs = _ops(_with(_O_PROJ, ["mark_ptr", {"tensor": "i32", "aligned": True}], ["TOP", {"bool": True}],
                               ["AWARE", {"bool": True}]))
     waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]

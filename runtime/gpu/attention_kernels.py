@@ -24,10 +24,9 @@ import os
 import torch
 from torch import Tensor
 
-from runtime import kv as _kv
 from runtime.gpu import pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
-from runtime.kv import Q8_BLOCK, split_chunks, uniform_tiers
+from runtime.kv import Q8_BLOCK, split_chunks, tiers4, uniform_tiers
 
 REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant: it fixes the summation order)
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
@@ -80,11 +79,6 @@ SPLIT_EXIT_EARLY = True
 # bench/results/h100_session37/kv_pf/ and top_pf/): 3.07-3.08 -> 3.06-3.07 ms at 1k, 3.12-3.13 -> 3.07-3.08 at 4k,
 # 3.67 -> 3.63 at 16k, 4.25 -> 4.20 at 32k; 128 and 256 positions no better
 SPLIT_KV_PREFETCH = 64
-# a one-row step over a cache in the compute dtype: the split kernel's working programs load the first tile of
-# their first chunk (K and V, every position but the row's own, which this step writes) into registers before
-# their PDL wait, and the row's own position after it (the same bits). Needs SPLIT_EXIT_EARLY. Not yet measured
-# (bench/step_ab.py arm kv-early): off
-SPLIT_KV_EARLY = False
 # `qkv_post` on more than POST_ROWS_FROM rows (prefill chunks; decode and verify windows are narrower and keep the
 # one-row programs) takes POST_ROWS rows a program: H200, A3B, an 8192-row chunk 179 us a layer, 357 in one-row programs
 POST_ROWS_FROM = 64
@@ -228,21 +222,26 @@ if HAVE_TRITON:
                                one + PIECES], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _n_chunks(n, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr):
+    def _n_chunks(n, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
+                  E2: tl.constexpr, C3: tl.constexpr):
         """Chunks covering positions 0..n-1 (0 for n <= 0): runtime/kv.py `split_chunks`."""
         n = tl.maximum(n, 0)
         a = (n + C0 - 1) // C0
         b = E0 // C0 + (tl.maximum(n - E0, 0) + C1 - 1) // C1
         c = E0 // C0 + (E1 - E0) // C1 + (tl.maximum(n - E1, 0) + C2 - 1) // C2
-        return tl.where(n <= E0, a, tl.where(n <= E1, b, c))
+        e = E0 // C0 + (E1 - E0) // C1 + (E2 - E1) // C2 + (tl.maximum(n - E2, 0) + C3 - 1) // C3
+        return tl.where(n <= E0, a, tl.where(n <= E1, b, tl.where(n <= E2, c, e)))
 
     @triton.jit
-    def _chunk_lo(c, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr):
+    def _chunk_lo(c, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
+                  E2: tl.constexpr, C3: tl.constexpr):
         """(first position, length) of chunk c."""
         n0 = E0 // C0
         n1 = (E1 - E0) // C1
-        lo = tl.where(c < n0, c * C0, tl.where(c < n0 + n1, E0 + (c - n0) * C1, E1 + (c - n0 - n1) * C2))
-        size = tl.where(c < n0, C0, tl.where(c < n0 + n1, C1, C2))
+        n2 = (E2 - E1) // C2
+        lo = tl.where(c < n0, c * C0, tl.where(c < n0 + n1, E0 + (c - n0) * C1, tl.where(
+            c < n0 + n1 + n2, E1 + (c - n0 - n1) * C2, E2 + (c - n0 - n1 - n2) * C3)))
+        size = tl.where(c < n0, C0, tl.where(c < n0 + n1, C1, tl.where(c < n0 + n1 + n2, C2, C3)))
         return lo, size
 
     @triton.jit
@@ -250,9 +249,10 @@ if HAVE_TRITON:
                            stride_qw, stride_qh, stride_ch, stride_cs, stride_sh, stride_ss, NC, W,
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
-                           Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr, Q8_PF: tl.constexpr = 0,
+                           E2: tl.constexpr, C3: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr,
+                           Q8_PF: tl.constexpr = 0,
                            CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, PF: tl.constexpr = 0,
-                           mark_ptr=None, MARK: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
+                           mark_ptr=None, MARK: tl.constexpr = False, MARK_MAX: tl.constexpr = 0,
                            GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
         of the block's rows; for each, every row's GQA group's unnormalised output, running max and sum, over
@@ -262,10 +262,8 @@ if HAVE_TRITON:
         chunk to compute ends before its PDL wait (the positions are the step's input, written before any kernel
         of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts.
         PF (with EXIT): the first PF positions of the program's first chunk asked into L2 before the wait. MARK
-        (with EXIT and GDC): the program marks its SM in pdl's table (runtime/gpu/pdl.py MARK_SMS) before the wait.
-        EARLY_KV (with EXIT, one row, a cache in the compute dtype): the first BS positions of the first chunk are
-        loaded before the wait, all but the row's own position (the only cache row the step writes before this
-        kernel), which is loaded after it; the tile's arithmetic is the loop's (`_kv_tile`), so the same bits."""
+        (with EXIT and GDC): the program marks its SM in pdl's table (runtime/gpu/pdl.py MARK_SMS) before the wait;
+        with MARK_MAX > 0 only while at most MARK_MAX programs of the grid work (a short context)."""
         if not EXIT:
             pdl.start(GDC)
         rb = tl.program_id(0)
@@ -278,13 +276,13 @@ if HAVE_TRITON:
         g = i % GP
         lm = (r < W) & (g < G)
         pos_r = tl.load(pos_ptr + r, mask=r < W, other=-1)
-        nv_r = _n_chunks(pos_r + 1, C0, E0, C1, E1, C2)   # chunks holding positions 0..pos; 0 for a padding row
+        nv_r = _n_chunks(pos_r + 1, C0, E0, C1, E1, C2, E2, C3)   # chunks holding positions 0..pos; 0 for a padding row
         n_valid = tl.max(nv_r, 0)
         if EXIT:
             if first >= n_valid:
                 return
             if PF > 0:
-                lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2)
+                lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2, E2, C3)
                 n_pf = tl.minimum(tl.minimum(lo0 + size0, tl.max(pos_r, 0) + 1) - lo0, PF).to(tl.int64)
                 kv0 = kvh.to(tl.int64) * stride_ch + lo0.to(tl.int64) * stride_cs
                 eb = k_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -297,16 +295,8 @@ if HAVE_TRITON:
                     _l2_prefetch(ks_ptr + s0, n_sc, 4)
                     _l2_prefetch(vs_ptr + s0, n_sc, 4)
             if MARK and GDC:
-                tl.store(mark_ptr + pdl.sm_id(GDC), 1)
-            if EARLY_KV:
-                lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2)
-                p0 = tl.max(pos_r, 0)                  # the row's position: written by this step's q/k/v post
-                s0e = lo0 + tl.arange(0, BS)
-                em = s0e < tl.minimum(p0, lo0 + size0)
-                k0 = _load_kv(k_ptr, k_ptr, kvh.to(tl.int64) * stride_ch, 0, s0e, em, stride_cs, stride_ss,
-                              q_ptr.dtype.element_ty, HD, BS, False, NB, QB)
-                v0 = _load_kv(v_ptr, v_ptr, kvh.to(tl.int64) * stride_ch, 0, s0e, em, stride_cs, stride_ss,
-                              q_ptr.dtype.element_ty, HD, BS, False, NB, QB)
+                working = tl.minimum(n_valid, step) * tl.num_programs(1) * tl.num_programs(0)
+                tl.store(mark_ptr + pdl.sm_id(GDC), 1, mask=(MARK_MAX == 0) | (working <= MARK_MAX))
             pdl.start(GDC)
         d = tl.arange(0, HD)
         heads = kvh * G + g
@@ -316,30 +306,8 @@ if HAVE_TRITON:
         base = kvh.to(tl.int64) * stride_ch
         sbase = kvh.to(tl.int64) * stride_sh
         slot0 = (r * nh + heads).to(tl.int64) * NC
-        c_from = first
-        if EARLY_KV and EXIT:                          # the first chunk, its first tile loaded before the wait
-            lo, size = _chunk_lo(first, C0, E0, C1, E1, C2)
-            hi_r = tl.minimum(lo + size, pos_r + 1)
-            hi = tl.max(hi_r, 0)
-            s = lo + tl.arange(0, BS)
-            own = (s == p0) & (s < hi)
-            k = tl.where(own[:, None], _load_kv(k_ptr, k_ptr, base, 0, s, own, stride_cs, stride_ss, dt, HD, BS,
-                                                False, NB, QB), k0)
-            v = tl.where(own[:, None], _load_kv(v_ptr, v_ptr, base, 0, s, own, stride_cs, stride_ss, dt, HD, BS,
-                                                False, NB, QB), v0)
-            m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros((RB * GP,), dtype=tl.float32)
-            acc = tl.zeros((RB * GP, HD), dtype=tl.float32)
-            m_i, l_i, acc = _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale)
-            for s0 in range(lo + BS, hi, BS):
-                s = s0 + tl.arange(0, BS)
-                k = _load_kv(k_ptr, ks_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                v = _load_kv(v_ptr, vs_ptr, base, sbase, s, s < hi, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                m_i, l_i, acc = _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale)
-            _chunk_store(acc_ptr, ml_ptr, slot0 + first, lm & (first < nv_r), acc, m_i, l_i, d, HD)
-            c_from = first + step
-        for c in range(c_from, n_valid, step):
-            lo, size = _chunk_lo(c, C0, E0, C1, E1, C2)
+        for c in range(first, n_valid, step):
+            lo, size = _chunk_lo(c, C0, E0, C1, E1, C2, E2, C3)
             hi_r = tl.minimum(lo + size, pos_r + 1)    # each line's end in this chunk
             hi = tl.max(hi_r, 0)
             m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
@@ -362,34 +330,27 @@ if HAVE_TRITON:
                 else:
                     k = _load_kv(k_ptr, ks_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
                     v = _load_kv(v_ptr, vs_ptr, base, sbase, s, sm, stride_cs, stride_ss, dt, HD, BS, Q8, NB, QB)
-                m_i, l_i, acc = _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale)
-            _chunk_store(acc_ptr, ml_ptr, slot0 + c, lm & (c < nv_r), acc, m_i, l_i, d, HD)
-
-    @triton.jit
-    def _kv_tile(q, k, v, s, hi_r, m_i, l_i, acc, scale):
-        """One K/V tile of positions s into a chunk's online softmax (running max m_i, sum l_i, output acc)."""
-        sc = tl.dot(q, tl.trans(k)) * scale
-        sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)    # v in the compute dtype
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _chunk_store(acc_ptr, ml_ptr, slot, keep, acc, m_i, l_i, d, HD: tl.constexpr):
-        """A chunk's partials: the unnormalised output, running max and sum of the lines kept."""
-        tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
-        tl.store(ml_ptr + slot * 2, m_i, mask=keep)
-        tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
+                sc = tl.dot(q, tl.trans(k)) * scale
+                sc = tl.where(s[None, :] < hi_r[:, None], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                # -inf only on lines with nothing in this chunk (never stored): keep them finite, not NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_use)
+                p = tl.exp(sc - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), v)
+                m_i = m_new
+            slot = slot0 + c
+            keep = lm & (c < nv_r)
+            tl.store(acc_ptr + slot[:, None] * HD + d[None, :], acc, mask=keep[:, None])
+            tl.store(ml_ptr + slot * 2, m_i, mask=keep)
+            tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
 
     @triton.jit
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
                             HD: tl.constexpr, DB: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
-                            E1: tl.constexpr, C2: tl.constexpr, NCB: tl.constexpr, GDC: tl.constexpr = False):
+                            E1: tl.constexpr, C2: tl.constexpr, E2: tl.constexpr, C3: tl.constexpr,
+                            NCB: tl.constexpr, GDC: tl.constexpr = False):
         """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
         an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
         given position (each column's arithmetic is the same whichever program does it)."""
@@ -398,7 +359,7 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         nh = tl.num_programs(1)
         pos = tl.load(pos_ptr + row)
-        n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2)
+        n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2, E2, C3)
         slot0 = (row * nh + h).to(tl.int64) * NC
         j = tl.arange(0, NCB)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
@@ -567,13 +528,13 @@ def _kv_prefetch(kc: Tensor, ks: Tensor | None) -> int:
 def _marks(q: Tensor, o_early: bool) -> dict:
     """The split kernel's SM marks (pdl.MARK_SMS) before an o_proj that loads early, on a CUDA device."""
     if pdl.MARK_SMS and o_early and SPLIT_EXIT_EARLY and q.is_cuda:
-        return {"mark_ptr": pdl.sm_marks(q), "MARK": True}
+        return {"mark_ptr": pdl.sm_marks(q), "MARK": True, "MARK_MAX": int(pdl.MARK_MAX)}
     return {}
 
 
 def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, ks: Tensor | None = None,
               vs: Tensor | None = None, part: Tensor | None = None, chunk: int | None = None,
-              tiers: tuple[int, int, int, int, int] | None = None, o_early: bool = False) -> Tensor:
+              tiers: tuple[int, ...] | None = None, o_early: bool = False) -> Tensor:
     """q [W, nh, hd] against cache kc, vc [nkv, S, hd] (q8_0 with scales ks, vs); row r sees cache rows
     0..pos[r] (pos < 0: zeros). `part`: preallocated partials (`split_scratch`), else allocated here. `chunk` (one
     chunk size everywhere) or `tiers` other than KV_TIERS are for checks only (chunk >= S is no split). `o_early`:
@@ -583,8 +544,8 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
     q = q.contiguous()
-    tiers = uniform_tiers(chunk) if chunk is not None else _kv.KV_TIERS if tiers is None else tiers
-    c0, e0, c1, e1, c2 = tiers
+    tiers = tiers4(uniform_tiers(chunk) if chunk is not None else tiers)
+    c0, e0, c1, e1, c2, e2, c3 = tiers
     nc = split_chunks(S, tiers)
     n_acc = W * nh * nc * hd
     need = n_acc + W * nh * nc * 2
@@ -604,15 +565,14 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     blocks = -(-W // rb)
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
-        kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, Q8=q8,
-        NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
-        PF=_kv_prefetch(kc, ks), **_marks(q, o_early), EARLY_KV=SPLIT_KV_EARLY and SPLIT_EXIT_EARLY and W == 1 and not q8,
-        num_warps=t["num_warps"],
+        kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, E2=e2,
+        C3=c3, Q8=q8, NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
+        PF=_kv_prefetch(kc, ks), **_marks(q, o_early), num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
-                                           C1=c1, E1=e1, C2=c2, NCB=REDUCE_TILE, num_warps=2,
+                                           C1=c1, E1=e1, C2=c2, E2=e2, C3=c3, NCB=REDUCE_TILE, num_warps=2,
                                            **pdl.launch(q, "attention_reduce:o_early" if o_early else
                                                         "attention_reduce"))
     return o

@@ -61,8 +61,11 @@ TRIGGER_FIRST: set[str] = {"attention_reduce:o_early"}
 # the split attention's working programs mark their SM in a table before their wait, and a one-row o_proj of the
 # "AWARE" form whose program finds its SM marked loads its weights after its wait instead of before, so its early
 # loads do not queue ahead of the attention's K/V reads on that SM (bench/step_ab.py arm o-aware; off: the split marks
-# nothing). The table is a hint only: no value a kernel computes depends on it
+# nothing). The table is a hint only: no value a kernel computes depends on it. MARK_MAX > 0: the split marks only
+# while at most that many of its programs work (a short context); H100: o-aware 3.06 -> 3.01 ms at 1k, but 3.07 ->
+# 3.20 at 4k, where nearly every SM is marked (bench/results/h100_session38/)
 MARK_SMS = False
+MARK_MAX = 0
 _MARKS: dict[str, Tensor] = {}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)

@@ -640,17 +640,19 @@ def check_split_attention(dt: torch.dtype) -> None:
     chunk) up to rounding; and a row's bits do not depend on the window width, the row's place in the window, the
     other rows, or the cache capacity (docs/models.md, "Numerics"). Two layouts fixed by position (the real
     KV_TIERS would only make the interpreter slower): chunks of 128 with the default row block (a window in one
-    program), and tiers of 32, 64 and 128 positions with row blocks of 4 rows (a window over 2 and 4 programs)."""
+    program), and four tiers of 16, 32, 64 and 128 positions with row blocks of 4 rows (a window over 2 and 4
+    programs)."""
     _check_split_attention(dt, 128, None)
     saved = attention_kernels.ROW_TILE, attention_kernels.ROW_TILE_Q8
     attention_kernels.ROW_TILE = attention_kernels.ROW_TILE_Q8 = 8
     try:
-        _check_split_attention(dt, 128, (32, 64, 64, 192, 128))     # 32 on [0, 64), 64 on [64, 192), 128 beyond
+        # four tiers: 16 on [0, 32), 32 on [32, 64), 64 on [64, 192), 128 beyond
+        _check_split_attention(dt, 128, (16, 32, 32, 64, 64, 192, 128))
     finally:
         attention_kernels.ROW_TILE, attention_kernels.ROW_TILE_Q8 = saved
 
 
-def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, int, int] | None) -> None:
+def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, ...] | None) -> None:
     g = torch.Generator().manual_seed(4)
     nh, nkv, hd = 4, 2, 64
     S = 3 * C + 40
@@ -676,13 +678,6 @@ def _check_split_attention(dt: torch.dtype, C: int, tiers: tuple[int, int, int, 
             assert torch.equal(o[3], unsplit[3]) and torch.equal(o[4], unsplit[4])    # one chunk: the same walk
         for r in (0, 3, 7):          # alone (W = 1): the last position, a chunk's last, padding
             assert torch.equal(att(q[r:r + 1], pos[r:r + 1])[0], o[r]), (q8, r)
-        if not q8:                   # alone, the first tile loaded before the wait but the row's own position
-            attention_kernels.SPLIT_KV_EARLY = True
-            try:
-                for r in range(W):
-                    assert torch.equal(att(q[r:r + 1], pos[r:r + 1])[0], o[r]), ("early", r)
-            finally:
-                attention_kernels.SPLIT_KV_EARLY = False
         perm = torch.tensor([5, 2, 7, 0, 6, 1, 4, 3])                            # other places, other neighbours
         assert torch.equal(att(q[perm], pos[perm]), o[perm])
         wide = torch.cat([q, q[:3].flip(0), torch.randn(5, nh, hd, generator=g).to(dt)])   # W = 16

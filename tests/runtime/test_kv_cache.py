@@ -7,7 +7,17 @@ import torch
 
 from runtime.drafters.mtp import MTPDrafter
 from runtime.gpu.static_step import StaticStep
-from runtime.kv import KV_TIERS, KVCache, dequantize_q8_0, kv_row_bytes, quantize_q8_0, split_partials_bytes
+from runtime.kv import (
+    KV_TIERS,
+    KVCache,
+    dequantize_q8_0,
+    kv_row_bytes,
+    quantize_q8_0,
+    split_chunks,
+    split_partials_bytes,
+    tiers4,
+    uniform_tiers,
+)
 from runtime.loading import load_target
 from runtime.speculative import generate_ids
 from tests.runtime.tiny import make_tiny_target, single_thread  # noqa: F401
@@ -52,10 +62,33 @@ def test_sizes_and_refusals():
         KVCache(2, 3, 16, 10, quant="q8_0")
     with pytest.raises(ValueError, match="unknown KV cache format"):
         KVCache(2, 3, 64, 10, quant="q4_0")
-    c0, e0, c1, e1, c2 = KV_TIERS             # chunks of c0 up to e0, of c1 up to e1, of c2 beyond
-    for ctx, chunks in ((1, 1), (e0, e0 // c0), (e0 + 1, e0 // c0 + 1), (e1, e0 // c0 + (e1 - e0) // c1),
-                        (e1 + 2 * c2 + 1, e0 // c0 + (e1 - e0) // c1 + 3)):
-        assert split_partials_bytes(8, 32, ctx, 128) == 8 * 32 * chunks * 130 * 4, ctx
+    for ctx in (1, 127, 128, 129, 4096, 4097, 32768, 32769, 40960, 131072):
+        assert split_partials_bytes(8, 32, ctx, 128) == 8 * 32 * _chunks_by_walk(ctx, KV_TIERS) * 130 * 4, ctx
+
+
+def _chunks_by_walk(n: int, tiers: tuple[int, ...]) -> int:
+    """Chunks covering positions 0..n-1, walked chunk by chunk: each starts where the last ended and takes the size
+    of the tier its start lies in."""
+    c0, e0, c1, e1, c2, e2, c3 = tiers4(tiers)
+    pos = count = 0
+    while pos < n:
+        pos += c0 if pos < e0 else c1 if pos < e1 else c2 if pos < e2 else c3
+        count += 1
+    return count
+
+
+def test_split_chunks_of_three_and_four_tier_layouts():
+    """runtime/kv.py split_chunks (the kernels' `_n_chunks`) against a walk, for three-tier layouts (the third
+    tier read as empty), four-tier ones and one chunk size everywhere; anything but 5 or 7 numbers is refused."""
+    layouts = [KV_TIERS, (128, 4096, 256, 32768, 1024), (64, 1024, 128, 4096, 256, 32768, 1024),
+               (16, 32, 32, 64, 64, 192, 128), (64, 2048, 128, 2048, 256, 8192, 512), uniform_tiers(48)]
+    for t in layouts:
+        for n in (0, 1, 15, 16, 17, 31, 32, 33, 64, 65, 191, 192, 193, 1000, 1024, 1025, 2048, 4096, 4097, 8193,
+                  32768, 32769, 131072):
+            assert split_chunks(n, t) == _chunks_by_walk(n, t), (t, n)
+    assert tiers4((128, 4096, 256, 32768, 1024)) == (128, 4096, 256, 32768, 1024, 32768, 1024)
+    with pytest.raises(ValueError, match="5 or 7 numbers"):
+        tiers4((128, 4096, 256))
 
 
 def test_layer_write_read_rollback():
