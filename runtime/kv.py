@@ -37,9 +37,13 @@ def tiers4(tiers: tuple[int, ...] | None = None) -> tuple[int, int, int, int, in
     (E2 = E1, C3 = C2). None: KV_TIERS as it is when called."""
     t = tuple(int(x) for x in (KV_TIERS if tiers is None else tiers))
     if len(t) == 5:
-        return (*t, t[3], t[4])
+        t = (*t, t[3], t[4])
     if len(t) != 7:
         raise ValueError(f"a KV chunk layout has 5 or 7 numbers, got {t}.")
+    c0, e0, c1, e1, c2, e2, c3 = t
+    if min(c0, c1, c2, c3) <= 0 or not 0 <= e0 <= e1 <= e2 or e0 % c0 or (e1 - e0) % c1 or (e2 - e1) % c2:
+        raise ValueError(f"KV chunk layout {t}: each tier's end must follow the one before and be a whole number of "
+                         "its chunks from there; fix the layout.")
     return t
 
 

@@ -79,7 +79,8 @@ def _chunks_by_walk(n: int, tiers: tuple[int, ...]) -> int:
 
 def test_split_chunks_of_three_and_four_tier_layouts():
     """runtime/kv.py split_chunks (the kernels' `_n_chunks`) against a walk, for three-tier layouts (the third
-    tier read as empty), four-tier ones and one chunk size everywhere; anything but 5 or 7 numbers is refused."""
+    tier read as empty), four-tier ones and one chunk size everywhere; anything but 5 or 7 numbers, or tiers that
+    do not end on a whole number of their chunks in order, is refused."""
     layouts = [KV_TIERS, (128, 4096, 256, 32768, 1024), (64, 1024, 128, 4096, 256, 32768, 1024),
                (16, 32, 32, 64, 64, 192, 128), (64, 2048, 128, 2048, 256, 8192, 512), uniform_tiers(48)]
     for t in layouts:
@@ -89,6 +90,10 @@ def test_split_chunks_of_three_and_four_tier_layouts():
     assert tiers4((128, 4096, 256, 32768, 1024)) == (128, 4096, 256, 32768, 1024, 32768, 1024)
     with pytest.raises(ValueError, match="5 or 7 numbers"):
         tiers4((128, 4096, 256))
+    with pytest.raises(ValueError, match="whole number of its chunks"):
+        tiers4((128, 4000, 256, 32768, 1024))
+    with pytest.raises(ValueError, match="follow the one before"):
+        tiers4((64, 1024, 128, 512, 256, 32768, 1024))
 
 
 def test_layer_write_read_rollback():
