@@ -22,7 +22,7 @@
 #   4. o_proj's programs on the split's SMs loading after their wait only while few split programs work (o-aware32,
 #      o-aware64: pdl.MARK_MAX), four-tier chunk layouts with 64-position chunks up to 1k or 2k (tiers4-64to1k,
 #      tiers4-64to2k), and both, at 1k-16k on 40,960-position caches; then, on an H200 only, the context table
-#      (part 1's) for the issue's goal figures.
+#      (part 1's) for the issue's goal figures (`bash bench/gpu_next.sh 4 arms-only`: the arms alone).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -58,7 +58,7 @@ elif [ "$part" = 4 ]; then
     --arms default,o-aware,o-aware32,o-aware64,tiers4-64to1k,tiers4-64to2k,tiers4-64to1k+o-aware64 --rounds 7 \
     > "$OUT/step_ab_short.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_short.json"; grep -v "━" "$OUT/step_ab_short.log" | tail -32
-  if grep -q H200 "$OUT/gpu.txt"; then
+  if grep -q H200 "$OUT/gpu.txt" && [ "${2:-}" != arms-only ]; then
     echo "--- context table ($(( $(date +%s) - start )) s)"
     timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 \
       > "$OUT/context.log" 2>&1; tail -16 "$OUT/context.log"
