@@ -12,13 +12,13 @@
 #   2. Windows of 8 rows over a q8_0 cache on 32- and 16-line tiles (attention_kernels.ROW_TILE_Q8; H100: 21.4 ms at
 #      131k on 64 lines, against 17.1 over BF16), and the Q4_K / Q4_K_M targets' decode (the Q4_K rows-one-at-a-time
 #      experts, H100: 376 and 355 tok/s).
-#   3. On an H200, what an H100 measured (bench/results/h100_session37/top_pf/): the step before (o-lean) against
-#      o_proj letting the router in at its start plus the split attention asking its first chunk's K/V into L2 before
-#      its PDL wait (default; H100 3.08 / 3.13 / 3.67 / 4.24 -> 3.05 / 3.08 / 3.60 / 4.17 ms at 1k / 4k / 16k /
-#      32k), and arms not yet measured: the split letting the reduction in first too (trig-split),
-#      64-position chunks up to 4k (tiers-64to4k), o_proj's programs on the SMs running split programs loading after
-#      their wait (o-aware), the split's first K/V tile loaded before its wait (kv-early, and with o-aware); on
-#      40,960-position caches; then the timeline of one arm (`bash bench/gpu_next.sh 3 ARM`, default: the default).
+#   3. On an H200, what an H100 measured (bench/results/h100_session37/top_pf/, h100_session38/): the step before
+#      (o-lean) against o_proj letting the router in at its start plus the split attention asking its first chunk's
+#      K/V into L2 before its PDL wait (default; H100 3.08 / 3.12 / 3.67 / 4.26 -> 3.06 / 3.07 / 3.60 / 4.18 ms at
+#      1k / 4k / 16k / 32k), the split letting the reduction in first too (trig-split; H100 no change), 64-position
+#      chunks up to 4k (tiers-64to4k; H100 faster at 1k, slower from 4k), o_proj's programs on the SMs running
+#      split programs loading after their wait (o-aware; the same shape); on 40,960-position caches; then the
+#      timeline of one arm (`bash bench/gpu_next.sh 3 ARM`, default: the default).
 #   4. o_proj's programs on the split's SMs loading after their wait only while few split programs work (o-aware32,
 #      o-aware64: pdl.MARK_MAX), four-tier chunk layouts with 64-position chunks up to 1k or 2k (tiers4-64to1k,
 #      tiers4-64to2k), and both, at 1k-16k on 40,960-position caches; then, on an H200 only, the context table
@@ -45,7 +45,7 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = 3 ]; then
   echo "--- the split kernel's KV asked into L2 before its wait: arms ($(( $(date +%s) - start )) s)"
   timeout 300 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 \
-    --arms o-lean,default,o-aware,kv-early,kv-early+o-aware,trig-split,tiers-64to4k --rounds 7 \
+    --arms o-lean,default,o-aware,trig-split,tiers-64to4k --rounds 7 \
     > "$OUT/step_ab_kv_pf.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_kv_pf.json"; grep -v "━" "$OUT/step_ab_kv_pf.log" | tail -26
   echo "--- its timeline ($(( $(date +%s) - start )) s)"
