@@ -176,15 +176,16 @@ ARMS["o-lean-top"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "kv_pf": 0}
 ARMS["o-lean-top-pf64"] = {**_DEFAULT, "dense": ONE_DENSE_NOW, "kv_pf": 64}
 # the default with the split kernel letting the reduction in before its wait too (so o_proj's programs, let in by
 # the reduction, load their weights during the q/k/v post-processing), or with chunks of 64 positions up to 4k
-# (twice the programs, each with half the K/V; other bits); not yet measured
+# (twice the programs, each with half the K/V; other bits). H100 (bench/results/h100_session38/): trig-split no
+# change; tiers-64to4k 3.06 -> 3.01 ms at 1k, 3.07 -> 3.18 at 4k, 3.60 -> 3.69 at 16k
 ARMS["trig-split"] = {**_DEFAULT, "wide": True, "trig": {"attention_reduce:o_early", "attention:o_early"}}
 ARMS["tiers-64to4k"] = {**_DEFAULT, "wide": True, "tiers": (64, 4096, 256, 32768, 1024)}
 # the default with the split attention's working programs marking their SMs and o_proj's programs on a marked SM
-# loading their weights after their wait (runtime/gpu/pdl.py MARK_SMS, moe_gemv "one_d4leanaware"); not yet measured
+# loading their weights after their wait (runtime/gpu/pdl.py MARK_SMS, moe_gemv "one_d4leanaware"). H100
+# (bench/results/h100_session38/): 3.06 -> 3.01 ms at 1k, 3.07 -> 3.20 at 4k, 3.60 -> 3.66 at 16k
 ARMS["o-aware"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leanaware"}, "mark": True}
-# o-aware marking only while at most N split programs work (pdl.MARK_MAX; H100: o-aware alone 3.06 -> 3.01 ms at
-# 1k, 3.07 -> 3.20 at 4k, bench/results/h100_session38/); four-tier chunk layouts with 64-position chunks up to 1k or
-# 2k, then the shipped tiers (64 to 4k: H100 3.06 -> 3.01 at 1k, 3.07 -> 3.18 at 4k; other bits); and both
+# o-aware marking only while at most N split programs work (pdl.MARK_MAX); four-tier chunk layouts with 64-position
+# chunks up to 1k or 2k, then the shipped tiers (other bits); and both. Not yet measured (bash bench/gpu_next.sh 4)
 ARMS["o-aware32"] = {**ARMS["o-aware"], "mark_max": 32}
 ARMS["o-aware64"] = {**ARMS["o-aware"], "mark_max": 64}
 ARMS["tiers4-64to1k"] = {**_DEFAULT, "wide": True, "tiers": (64, 1024, 128, 4096, 256, 32768, 1024)}
