@@ -23,6 +23,9 @@
 #      o-aware64: pdl.MARK_MAX), four-tier chunk layouts with 64-position chunks up to 1k or 2k (tiers4-64to1k,
 #      tiers4-64to2k), and both, at 1k-16k on 40,960-position caches; then, on an H200 only, the context table
 #      (part 1's) for the issue's goal figures (`bash bench/gpu_next.sh 4 arms-only`: the arms alone).
+#   5. The one-row experts split over the intermediate (runtime/gpu/moe_split.py): each tile alone against the
+#      shipped launches (`bench/moe_row.py`, 48 chained MoE halves in a graph), then the two fastest in the step
+#      against the default and part 4's o-aware64 arms at 1k-16k on 40,960-position caches.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -63,6 +66,17 @@ elif [ "$part" = 4 ]; then
     timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 \
       > "$OUT/context.log" 2>&1; tail -16 "$OUT/context.log"
   fi
+elif [ "$part" = 5 ]; then
+  echo "--- the one-row experts split over the intermediate, alone ($(( $(date +%s) - start )) s)"
+  timeout 150 python3 bench/moe_row.py --max-seconds 120 \
+    --only ffn-s16,ffn-s16p2,ffn-s16p3,ffn-s16w8p2,ffn-s8p2,ffn-s8p3,ffn-s32p2,ffn-s32w8p3 > "$OUT/moe_split.log" 2>&1
+  mv "$OUT/moe_row_bf16.json" "$OUT/moe_split.json"; grep -v "━" "$OUT/moe_split.log" | tail -16
+  best=$(python3 -c "import json; r = [x for x in json.load(open('$OUT/moe_split.json'))['rows'] if 'us' in x and
+x['method'].startswith('ffn-')]; r.sort(key=lambda x: x['us']); print(','.join(x['method'] for x in r[:2]))")
+  echo "--- in the step: default, ${best:-none}, and part 4's marks ($(( $(date +%s) - start )) s)"
+  timeout 300 python3 bench/step_ab.py --contexts 1024,4096,16384 --widths 1 --capacity 40960 \
+    --arms "default${best:+,$best},o-aware64,tiers4-64to1k+o-aware64" --rounds 5 > "$OUT/step_ab_ffn.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_ffn.json"; grep -v "━" "$OUT/step_ab_ffn.log" | tail -26
 else
   echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 32768,131072 --widths 8 \

@@ -9,7 +9,8 @@ experts: honest routing) and residual delta. Calls form a chain as layers do: ea
 call's output. The chain is captured as one CUDA graph and replayed; the median time per call is what the MoE half
 costs inside a graph-replayed one-row step. Next to it: the bytes at the copy bandwidth measured in the same run,
 and the check against the shipped path (the same experts picked, the output's largest difference relative to its
-largest |value|). Candidates: the persistent kernel's tiles (`moe_row.TILE` keys), and "phases" (the same kernel as
+largest |value|). Candidates: the shipped launches with the experts split over the intermediate
+(runtime/gpu/moe_split.py, `ffn-<tile>` for each of its TILES, BF16 only); the persistent kernel's tiles (`moe_row.TILE` keys), and "phases" (the same kernel as
 three launches, no grid barrier). Also an empty persistent launch with and without two grid barriers (what the
 barriers cost by themselves).
 
@@ -148,6 +149,32 @@ def main(argv: list[str] | None = None) -> int:
                  "frac_copy": nbytes / (us / L * 1e-6) / bw, "same_experts": True, "rel_err": 0.0})
     print(f"shipped: {us / L:.2f} us a call", flush=True)
     only = [s for s in args.only.split(",") if s]
+    # the four launches with the experts split over the intermediate (runtime/gpu/moe_split.py): gate/up and each
+    # slice's down share in one grid, then the partials' sum, in place of gate/up then down + sum
+    if fmt is None:
+        from runtime.gpu import moe_split
+
+        for name, tile in moe_split.TILES.items():
+            label = f"ffn-{name}"
+            if (only and label not in only) or deadline.left() < 10:
+                continue
+            moe_split.TILE = tile
+            try:
+                out, idx = shipped(x0, deltas[0], norms[0], routers[0], pos, gate_up, down, fmt)
+                torch.cuda.synchronize()
+                t = graph_us([lambda: chain(lambda i, x: shipped(x, deltas[i], norms[i], routers[i], pos, gate_up,
+                                                                 down, fmt)[0])]) / L
+            except Exception as e:  # noqa: BLE001 - a tile this build cannot run: a row of the table
+                rows.append({"method": label, "cfg": tile, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(label, rows[-1]["error"], flush=True)
+                continue
+            finally:
+                moe_split.TILE = None
+            err = (out.float() - ref_out.float()).abs().max().item() / ref_out.float().abs().max().item()
+            rows.append({"method": label, "cfg": tile, "us": t, "GBs": nbytes / t / 1e3,
+                         "frac_copy": nbytes / (t * 1e-6) / bw, "same_experts": bool(torch.equal(idx, ref_idx)),
+                         "rel_err": err})
+            print(f"{label}: {t:.2f} us a call, rel err {err:.2g}", flush=True)
     for label, c in (CANDIDATES if fmt is None else QCANDIDATES).items():
         if (only and label not in only) or deadline.left() < 10:
             continue

@@ -258,11 +258,16 @@ ARMS["moe-row-q-w8"] = {**_DEFAULT, "moe_row": {}, "moe_row_q": {"num_warps": 8,
 ARMS["q-r1-experts"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2"}
 ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
                     "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}
+# the one-row experts split over the intermediate (runtime/gpu/moe_split.py, "ffn": a key of its TILES): gate/up
+# and each slice's down share in one grid, then the partials' sum, in place of gate/up, then down + top-k sum
+for _t in ("s16p2", "s16p3", "s8p2", "s8p3", "s32p2", "s16w8p2", "s32w8p3", "s16"):
+    ARMS[f"ffn-{_t}"] = {**_DEFAULT, "ffn": _t}
+
 
 def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
     from runtime import kv
-    from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, moe_row, pdl
+    from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, moe_row, moe_split, pdl
 
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
@@ -289,6 +294,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     dense_kernels.FUSE_NORM = bool(arm.get("norm"))
     dense_kernels.FUSE_NORM_QUANT = bool(arm.get("qnorm"))
     moe_gemv.DOWN_SUM = arm.get("sum")
+    moe_split.TILE = moe_split.TILES[arm["ffn"]] if arm.get("ffn") else None
     moe_row.ENABLED = arm.get("moe_row") is not None
     moe_row.TILE.update(MOE_ROW_SHIPPED, **(arm.get("moe_row") or {}))
     moe_row.QTILE.update(MOE_ROW_Q_SHIPPED, **(arm.get("moe_row_q") or {}))

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from runtime.errors import QuantFormatError
 from runtime.formats.registry import block_format, cols_from_row_bytes
-from runtime.gpu import moe_gemv, pdl
+from runtime.gpu import moe_gemv, moe_split, pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
 
 if HAVE_TRITON:
@@ -669,6 +669,11 @@ def moe_routed(x: Tensor, residual: Tensor | None, r: Routing, gate_up: Tensor, 
     """(residual +) experts(x) with routing `r`: experts, then `miss_fn(x, r, y)` (fills the missed pairs' rows of
     y), then the per-token sum. Device work only: a CUDA graph captures it (with a graphable miss_fn)."""
     n_exp = slot.numel() if slot is not None else gate_up.shape[0]
+    split = moe_split.TILE
+    if split is not None and residual is not None and x.shape[0] == 1 and slot is None and miss_fn is None \
+            and _fmt_pair(fmt) == ("bf16", "bf16") and moe_split.fits(gate_up, split):
+        # one row of float experts: gate/up and each slice's down share in one grid, then the partials' sum
+        return moe_split.ffn_row(x, r.se, r.order, r.w.reshape(-1), gate_up, down, residual, r.idx.shape[1], split)
     ds = moe_gemv.DOWN_SUM
     if ds is not None and residual is not None and x.shape[0] == 1 and slot is None and miss_fn is None \
             and _fmt_pair(fmt) == ("bf16", "bf16") and moe_gemv.variant("bf16", 1) is not None:

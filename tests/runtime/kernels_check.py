@@ -408,6 +408,76 @@ def check_fused_step_moe_row() -> None:
     assert calls, "the one-row step did not take moe_row"
 
 
+SPLIT_TEST_TILES = ({"RS": 16, "KC": 16, "BO": 16, "ST": 1, "RB": 8, "num_warps": 4, "sum_warps": 4},
+                    {"RS": 4, "KC": 32, "BO": 8, "ST": 2, "RB": 16, "num_warps": 2, "sum_warps": 1})
+
+
+def check_moe_split(dt: torch.dtype) -> None:
+    """runtime/gpu/moe_split.py (the one-row expert MLP split over its intermediate) against the shipped two launches
+    (gate/up, then down + top-k sum + residual) and float32 math: intermediates that the slice tiles (36 rows of 16:
+    a tail; of 4: none), a padding row (no expert: the residual as it is), tiles that do not divide the row
+    refused."""
+    from runtime.gpu import moe_gemv, moe_split
+
+    g = torch.Generator().manual_seed(12)
+    E, H, NI, K = 6, 64, 36, 3
+    gu = (torch.randn(E, 2 * NI, H, generator=g) * 0.1).to(dt)
+    dn = (torch.randn(E, H, NI, generator=g) * 0.1).to(dt)
+    saved = dict(moe_gemv.DECODE_GEMV_ONE_ROW)
+    moe_gemv.DECODE_GEMV_ONE_ROW["bf16"] = "u1d32"
+    try:
+        for seed in range(3):
+            gs = torch.Generator().manual_seed(seed)
+            x = torch.randn(1, H, generator=gs).to(dt)
+            res = torch.randn(1, H, generator=gs).to(dt)
+            idx = torch.randperm(E, generator=gs)[:K][None].to(torch.int32)
+            if seed == 2:
+                idx[0, 1] = E                    # a padding pair adds nothing
+            w = torch.rand(1, K, generator=gs)
+            r = moe_kernels.group(idx, w, E, None)
+            ship = moe_kernels.moe_routed(x, res, r, gu, dn)
+            ref = res.float() + ref_moe(x, idx.long(), w, gu.float(), dn.float())
+            for tile in SPLIT_TEST_TILES:
+                out = moe_split.ffn_row(x, r.se, r.order, r.w.reshape(-1), gu, dn, res, K, tile)
+                assert out.dtype == dt and out.shape == (1, H)
+                assert rel(out, ship) < 2e-3 and rel(out, ref) < 3e-3, (tile, dt, rel(out, ship), rel(out, ref))
+                moe_split.TILE = tile            # the one-row path takes it
+                try:
+                    assert torch.equal(moe_kernels.moe_routed(x, res, r, gu, dn), out), tile
+                finally:
+                    moe_split.TILE = None
+        pad = moe_kernels.group(torch.full((1, K), E, dtype=torch.int32), torch.ones(1, K), E, None)
+        out = moe_split.ffn_row(x, pad.se, pad.order, pad.w.reshape(-1), gu, dn, res, K, SPLIT_TEST_TILES[0])
+        assert torch.equal(out, res), "a row of padding pairs must come out as its residual"
+        try:
+            moe_split.ffn_row(x, r.se, r.order, r.w.reshape(-1), gu, dn, res, K, {**SPLIT_TEST_TILES[0], "KC": 48})
+            raise AssertionError("a gate/up step of 48 values over rows of 64 was not refused")
+        except ValueError as err:
+            assert "divides" in str(err), err
+    finally:
+        moe_gemv.DECODE_GEMV_ONE_ROW.clear()
+        moe_gemv.DECODE_GEMV_ONE_ROW.update(saved)
+
+
+def check_fused_step_moe_split() -> None:
+    """The fused one-row step with its experts split over the intermediate (moe_split.TILE) against the plain
+    forward."""
+    from runtime.gpu import moe_split
+
+    calls = []
+    orig = moe_split.ffn_row
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    moe_split.TILE, moe_split.ffn_row = SPLIT_TEST_TILES[0], spy
+    try:
+        check_fused_step(None, width=1)
+    finally:
+        moe_split.TILE, moe_split.ffn_row = None, orig
+    assert calls, "the one-row step did not take moe_split"
+
+
 def check_moe_gemv(half: int | None = None) -> None:
     """The decode-window GEMV kernels (runtime/gpu/moe_gemv.py): every variant on Q4_0 or Q8_0, and a test-only
     variant with odd tiles (rows past N, a step shorter than a row, two window rows per pass) on every format,
@@ -1343,6 +1413,12 @@ if __name__ == "__main__":
             check_moe_row(dt)
         check_fused_step_moe_row()
         print("moe row ok")
+        sys.exit(0)
+    if sys.argv[1:] == ["moe_split"]:    # its own run (tests/runtime/test_moe_split.py)
+        for dt in (torch.float32, torch.float16):
+            check_moe_split(dt)
+        check_fused_step_moe_split()
+        print("moe split ok")
         sys.exit(0)
     if sys.argv[1:] == ["gguf"]:         # its own run (tests/runtime/test_loading_gguf.py)
         check_fused_step_gguf()
