@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, machine, median, print_table, write_json  # noqa: E402
+from runtime.gpu import moe_split  # noqa: E402
 from runtime.gpu.attention_kernels import Q8_PREFETCH as Q8_PREFETCH_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import ROW_TILE_ONE_Q8 as ROW_TILE_ONE_Q8_SHIPPED  # noqa: E402
@@ -260,7 +261,7 @@ ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
                     "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}
 # the one-row experts split over the intermediate (runtime/gpu/moe_split.py, "ffn": a key of its TILES): gate/up
 # and each slice's down share in one grid, then the partials' sum, in place of gate/up, then down + top-k sum
-for _t in ("s16p2", "s16p3", "s8p2", "s8p3", "s32p2", "s16w8p2", "s32w8p3", "s16"):
+for _t in moe_split.TILES:
     ARMS[f"ffn-{_t}"] = {**_DEFAULT, "ffn": _t}
 
 

@@ -32,7 +32,8 @@ if HAVE_TRITON:
 
 # RS: intermediate rows a program (its down share reads RS contiguous values of each of the H down rows: 16 BF16
 # values are one 32-byte sector); KC: values of a gate/up row a loop step; BO: down rows a loop step; ST: loop
-# pipeline stages; RB: output values a summing program; num_warps / sum_warps: the two kernels' warps
+# pipeline stages; ACC: gate/up products kept lane by lane and reduced once (else once a step); RB: output values a
+# summing program; num_warps / sum_warps: the two kernels' warps
 TILES: dict[str, dict[str, int]] = {
     "s16": {"RS": 16, "KC": 256, "BO": 128, "ST": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
@@ -42,6 +43,8 @@ TILES: dict[str, dict[str, int]] = {
     "s8p3": {"RS": 8, "KC": 512, "BO": 512, "ST": 3, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s32p2": {"RS": 32, "KC": 128, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s32w8p3": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "RB": 16, "num_warps": 8, "sum_warps": 4},
+    "s16p2a": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "ACC": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
+    "s8p2a": {"RS": 8, "KC": 512, "BO": 256, "ST": 2, "ACC": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms split-*)
@@ -52,7 +55,8 @@ if HAVE_TRITON:
     @triton.jit
     def _part_kernel(x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, stride_ge, stride_de,
                      H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
-                     KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, GDC: tl.constexpr = False):
+                     KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr = False,
+                     GDC: tl.constexpr = False):
         """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS; writes the fp32 row
         wt * down[e][:, slice] @ h[slice] at partial row (top-k slot) * NS + s. The routing is the previous
         kernel's output, so the program waits before anything."""
@@ -72,12 +76,22 @@ if HAVE_TRITON:
             rr = tl.minimum(r, NI - 1)               # rows past NI read row NI - 1; their activation is 0
         kk = tl.arange(0, KC)
         gp = gu_ptr + eb * stride_ge + (rr * SG)[:, None] + kk[None, :]
-        ag = tl.zeros((RS,), dtype=tl.float32)
-        au = tl.zeros((RS,), dtype=tl.float32)
-        for k0 in tl.range(0, H, KC, num_stages=ST):
-            xv = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
-            ag += tl.sum(tl.load(gp + k0).to(tl.float32) * xv, 1)
-            au += tl.sum(tl.load(gp + NI * SG + k0).to(tl.float32) * xv, 1)
+        if ACC:                                      # products summed lane by lane, one reduction at the end
+            tg = tl.zeros((RS, KC), dtype=tl.float32)
+            tu = tl.zeros((RS, KC), dtype=tl.float32)
+            for k0 in tl.range(0, H, KC, num_stages=ST):
+                xv = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
+                tg += tl.load(gp + k0).to(tl.float32) * xv
+                tu += tl.load(gp + NI * SG + k0).to(tl.float32) * xv
+            ag = tl.sum(tg, 1)
+            au = tl.sum(tu, 1)
+        else:                                        # one reduction a loop step
+            ag = tl.zeros((RS,), dtype=tl.float32)
+            au = tl.zeros((RS,), dtype=tl.float32)
+            for k0 in tl.range(0, H, KC, num_stages=ST):
+                xv = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
+                ag += tl.sum(tl.load(gp + k0).to(tl.float32) * xv, 1)
+                au += tl.sum(tl.load(gp + NI * SG + k0).to(tl.float32) * xv, 1)
         h = (ag * tl.sigmoid(ag) * au).to(x_ptr.dtype.element_ty).to(tl.float32)
         h = tl.where((r < NI) & ok, h, 0.0)
         nn = tl.arange(0, BO)
@@ -122,7 +136,8 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
     part = torch.empty(rows, H, dtype=torch.float32, device=x.device)
     _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, E, ns, gate_up.stride(0),
                           down.stride(0), H=H, NI=inter, SG=gate_up.stride(1), SD=down.stride(1), RS=tile["RS"],
-                          KC=tile["KC"], BO=tile["BO"], ST=tile["ST"], num_warps=tile["num_warps"],
+                          KC=tile["KC"], BO=tile["BO"], ST=tile["ST"], ACC=bool(tile.get("ACC")),
+                          num_warps=tile["num_warps"],
                           **pdl.launch(down))
     out = torch.empty_like(residual)
     _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RP=triton.next_power_of_2(rows), RB=tile["RB"],
