@@ -173,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             err = (out.float() - ref_out.float()).abs().max().item() / ref_out.float().abs().max().item()
             rows.append({"method": label, "cfg": tile, "us": t, "GBs": nbytes / t / 1e3,
                          "frac_copy": nbytes / (t * 1e-6) / bw, "same_experts": bool(torch.equal(idx, ref_idx)),
-                         "rel_err": err})
-            print(f"{label}: {t:.2f} us a call, rel err {err:.2g}", flush=True)
+                         "rel_err": err, "gave_up": moe_split.gave_up()})
+            print(f"{label}: {t:.2f} us a call, rel err {err:.2g}"
+                  f"{', A TAIL PROGRAM GAVE UP' if moe_split.gave_up() else ''}", flush=True)
     for label, c in (CANDIDATES if fmt is None else QCANDIDATES).items():
         if (only and label not in only) or deadline.left() < 10:
             continue

@@ -33,7 +33,8 @@ if HAVE_TRITON:
 # RS: intermediate rows a program (its down share reads RS contiguous values of each of the H down rows: 16 BF16
 # values are one 32-byte sector); KC: values of a gate/up row a loop step; BO: down rows a loop step; ST: loop
 # pipeline stages; ACC: gate/up products kept lane by lane and reduced once (else once a step); RB: output values a
-# summing program; num_warps / sum_warps: the two kernels' warps
+# summing program; RC: partial rows a summing pass (default all); TAIL: the last TAIL programs to finish sum the
+# partials (no second launch; a GPU only); num_warps / sum_warps: the two kernels' warps
 TILES: dict[str, dict[str, int]] = {
     "s16": {"RS": 16, "KC": 256, "BO": 128, "ST": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
@@ -45,21 +46,28 @@ TILES: dict[str, dict[str, int]] = {
     "s32w8p3": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "RB": 16, "num_warps": 8, "sum_warps": 4},
     "s16p2a": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "ACC": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s8p2a": {"RS": 8, "KC": 512, "BO": 256, "ST": 2, "ACC": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
+    "s16p2t": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "TAIL": 128, "RB": 16, "num_warps": 4, "sum_warps": 4},
+    "s8p2t": {"RS": 8, "KC": 512, "BO": 256, "ST": 2, "TAIL": 128, "RB": 16, "num_warps": 4, "sum_warps": 4},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms split-*)
 TILE: dict[str, int] | None = None
 
 if HAVE_TRITON:
+    # polls of the arrival counter before a TAIL program gives up and sets the counter's flag (`gave_up`)
+    SPIN_LIMIT = tl.constexpr(1 << 22)
 
     @triton.jit
-    def _part_kernel(x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, stride_ge, stride_de,
+    def _part_kernel(x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, res_ptr, o_ptr, ctr_ptr, E, NS, R,
+                     stride_ge, stride_de,
                      H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
                      KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr = False,
-                     GDC: tl.constexpr = False):
+                     TAIL: tl.constexpr = 0, RC: tl.constexpr = 64, GDC: tl.constexpr = False):
         """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS; writes the fp32 row
         wt * down[e][:, slice] @ h[slice] at partial row (top-k slot) * NS + s. The routing is the previous
-        kernel's output, so the program waits before anything."""
+        kernel's output, so the program waits before anything. TAIL > 0 (a GPU only): the last TAIL programs to
+        finish sum the R partial rows, H / TAIL output values each, once every program has stored its row (an
+        arrival counter), so no second launch is needed."""
         pdl.start(GDC)
         q = tl.program_id(0)
         p = q // NS
@@ -100,20 +108,51 @@ if HAVE_TRITON:
         for n0 in tl.range(0, H, BO, num_stages=ST):
             wd = tl.load(dp + n0 * SD).to(tl.float32)
             tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt)
+        if TAIL > 0:
+            # the counter only grows (each launch adds NPROG), so a program's launch ends at the next multiple of
+            # NPROG above its own arrival; the last TAIL arrivals wait for it. Every program is resident by then
+            # (later arrivals run or wait, and waiting programs hold at most TAIL slots), so the wait ends
+            tl.debug_barrier()                       # this program's stores are done before its arrival
+            nprog = tl.num_programs(0)
+            old = tl.atomic_add(ctr_ptr, 1, sem="acq_rel", scope="gpu")
+            slot = old % nprog
+            if slot >= nprog - TAIL:
+                target = (old // nprog + 1) * nprog
+                cur = old + 1
+                polls = 0
+                while (cur < target) & (polls < SPIN_LIMIT):
+                    cur = tl.load(ctr_ptr, volatile=True)
+                    polls += 1
+                tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+                tl.atomic_xchg(ctr_ptr + 1, 1, mask=cur < target)         # gave up: `gave_up` tells
+                cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
+                _sum_cols(p_ptr, res_ptr, o_ptr, R, cols, H, RC, True)
 
     @triton.jit
-    def _sum_kernel(p_ptr, res_ptr, o_ptr, R, H: tl.constexpr, RP: tl.constexpr, RB: tl.constexpr,
-                    GDC: tl.constexpr = False):
-        """Output values nb*RB..: the residual plus the sum of the R partial rows (one tile reduction, a fixed
-        order), rounded to the output dtype first, as `down_sum` rounds."""
-        pdl.start(GDC)
-        n = tl.program_id(0) * RB + tl.arange(0, RB)
-        j = tl.arange(0, RP)
-        t = tl.load(p_ptr + (j * H)[:, None] + n[None, :], mask=(j < R)[:, None], other=0.0)
-        acc = tl.sum(t, 0)
+    def _sum_cols(p_ptr, res_ptr, o_ptr, R, n, H: tl.constexpr, RC: tl.constexpr, CG: tl.constexpr):
+        """Output values n: the residual plus the sum of the R partial rows (RC rows a tile reduction, the tiles
+        in order: a fixed order), rounded to the output dtype first, as `down_sum` rounds. CG: loads bypass L1
+        (rows other programs of this launch stored)."""
+        j = tl.arange(0, RC)
+        acc = tl.zeros(n.shape, dtype=tl.float32)
+        for j0 in range(0, R, RC):
+            rows = j0 + j
+            ptr = p_ptr + (rows * H)[:, None] + n[None, :]
+            if CG:
+                t = tl.load(ptr, mask=(rows < R)[:, None], other=0.0, cache_modifier=".cg")
+            else:
+                t = tl.load(ptr, mask=(rows < R)[:, None], other=0.0)
+            acc += tl.sum(t, 0)
         dt = o_ptr.dtype.element_ty
         x = tl.load(res_ptr + n).to(tl.float32)
         tl.store(o_ptr + n, (x + acc.to(dt).to(tl.float32)).to(dt))
+
+    @triton.jit
+    def _sum_kernel(p_ptr, res_ptr, o_ptr, R, H: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
+                    GDC: tl.constexpr = False):
+        """Output values nb*RB.. (`_sum_cols`), after the partials' launch."""
+        pdl.start(GDC)
+        _sum_cols(p_ptr, res_ptr, o_ptr, R, tl.program_id(0) * RB + tl.arange(0, RB), H, RC, False)
 
 
 def fits(gate_up: Tensor, tile: dict[str, int]) -> bool:
@@ -126,20 +165,48 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
             top_k: int, tile: dict[str, int]) -> Tensor:
     """residual [1, H] + the sum over the token's top-k pairs of w * down(SiLU(gate) * up) for one row x [1, H]
     (normalized), float experts gate_up [E, 2I, H], down [E, H, I], every expert resident; se / order / wf: the
-    sorted routing of runtime/gpu/moe_kernels.py `group`. Two launches (module docstring)."""
+    sorted routing of runtime/gpu/moe_kernels.py `group`. Two launches, or one with the tile's TAIL on a GPU
+    (module docstring)."""
     E, two_i, H = gate_up.shape
     inter = two_i // 2
     if not fits(gate_up, tile) or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError(f"the split expert MLP needs contiguous rows whose {H} values its tile {tile} divides.")
     ns = triton.cdiv(inter, tile["RS"])
     rows = top_k * ns
+    rc = min(tile.get("RC", rows), rows)
+    rc = triton.next_power_of_2(rc)
+    # the interpreter runs programs one after another, where a waiting program would wait forever
+    tail = tile.get("TAIL", 0) if x.is_cuda else 0
+    if tail and (H % tail or tail > rows):
+        raise ValueError(f"the split expert MLP's TAIL {tail} must divide the row's {H} values and be at most its "
+                         f"{rows} programs.")
     part = torch.empty(rows, H, dtype=torch.float32, device=x.device)
-    _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, E, ns, gate_up.stride(0),
-                          down.stride(0), H=H, NI=inter, SG=gate_up.stride(1), SD=down.stride(1), RS=tile["RS"],
-                          KC=tile["KC"], BO=tile["BO"], ST=tile["ST"], ACC=bool(tile.get("ACC")),
-                          num_warps=tile["num_warps"],
-                          **pdl.launch(down))
     out = torch.empty_like(residual)
-    _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RP=triton.next_power_of_2(rows), RB=tile["RB"],
-                                    num_warps=tile["sum_warps"], **pdl.launch(down))
+    ctr = _counter(x.device, rows) if tail else part
+    _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, residual, out, ctr, E, ns, rows,
+                          gate_up.stride(0), down.stride(0), H=H, NI=inter, SG=gate_up.stride(1),
+                          SD=down.stride(1), RS=tile["RS"], KC=tile["KC"], BO=tile["BO"], ST=tile["ST"],
+                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, num_warps=tile["num_warps"],
+                          **pdl.launch(down))
+    if not tail:
+        _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RC=rc, RB=tile["RB"],
+                                        num_warps=tile["sum_warps"], **pdl.launch(down))
     return out
+
+
+_COUNTERS: dict[tuple[str, int], Tensor] = {}
+
+
+def _counter(device: torch.device, nprog: int) -> Tensor:
+    """The arrival counter of TAIL launches of nprog programs on a device: an int64 that only grows, and a flag a
+    program sets when it stopped waiting. One per grid size: launches of one size never overlap (each waits for the
+    routing of its own layer, after the previous layer's experts), and each adds nprog."""
+    key = (str(device), nprog)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    return _COUNTERS[key]
+
+
+def gave_up() -> bool:
+    """Whether a TAIL program ever stopped waiting (SPIN_LIMIT polls): its outputs were then wrong (benchmarks check)."""
+    return any(bool(c[1].item()) for c in _COUNTERS.values())

@@ -409,7 +409,8 @@ def check_fused_step_moe_row() -> None:
 
 
 SPLIT_TEST_TILES = ({"RS": 16, "KC": 16, "BO": 16, "ST": 1, "RB": 8, "num_warps": 4, "sum_warps": 4},
-                    {"RS": 4, "KC": 32, "BO": 8, "ST": 2, "ACC": 1, "RB": 16, "num_warps": 2, "sum_warps": 1})
+                    {"RS": 4, "KC": 32, "BO": 8, "ST": 2, "ACC": 1, "RB": 16, "RC": 8, "num_warps": 2,
+                     "sum_warps": 1})
 
 
 def check_moe_split(dt: torch.dtype) -> None:
