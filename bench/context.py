@@ -42,6 +42,7 @@ from bench.common import (  # noqa: E402
     task_prompts,
     write_json,
 )
+from runtime.gpu import moe_split  # noqa: E402
 from runtime.kv import KV_TIERS, KVCache, quantize_q8_0, split_chunks  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
 
@@ -659,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     args.hf_prefill = [] if args.no_hf else list(preset["hf_prefill"])
     deadline = Deadline(args.max_seconds)
     t0 = time.perf_counter()
-    res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "kv_tiers": KV_TIERS}
+    res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "kv_tiers": KV_TIERS,
+                           "moe_split_tile": moe_split.TILE}
     bw = copy_bandwidth() if DEV == "cuda" else 1e11
     peak = matmul_peak() if DEV == "cuda" else 1e12
     res.update(copy_bandwidth_GBs=bw / 1e9, matmul_peak_TFLOPs=peak / 1e12)

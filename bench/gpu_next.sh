@@ -77,6 +77,15 @@ x['method'].startswith('ffn-')]; r.sort(key=lambda x: x['us']); print(','.join(x
   timeout 300 python3 bench/step_ab.py --contexts 1024,4096,16384 --widths 1 --capacity 40960 \
     --arms "default${best:+,$best},o-aware64,tiers4-64to1k+o-aware64" --rounds 5 > "$OUT/step_ab_ffn.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_ffn.json"; grep -v "━" "$OUT/step_ab_ffn.log" | tail -26
+  win=$(python3 -c "import json; r = json.load(open('$OUT/step_ab_ffn.json'))['rows']
+ms = lambda a: sum(x.get('step_ms', 0) for x in r if x['arm'] == a) or 1e9
+b = min((a for a in {x['arm'] for x in r} if a.startswith('ffn-')), key=ms, default='')
+print(b[4:] if b and ms(b) < ms('default') else '')" 2>/dev/null)
+  if grep -q H200 "$OUT/gpu.txt" && [ -n "$win" ] && [ $(( $(date +%s) - start )) -lt 330 ]; then
+    echo "--- context table with the experts split (tile $win) ($(( $(date +%s) - start )) s)"
+    STRATA_MOE_SPLIT=$win timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 \
+      --capacity 40960 > "$OUT/context_ffn.log" 2>&1; tail -16 "$OUT/context_ffn.log"
+  fi
 else
   echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 32768,131072 --widths 8 \

@@ -20,6 +20,8 @@ rows (docs/models.md, "Why greedy output stays lossless").
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -50,8 +52,9 @@ TILES: dict[str, dict[str, int]] = {
     "s8p2t": {"RS": 8, "KC": 512, "BO": 256, "ST": 2, "TAIL": 128, "RB": 16, "num_warps": 4, "sum_warps": 4},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
-# Off until timed in the step (bench/step_ab.py arms split-*)
-TILE: dict[str, int] | None = None
+# Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
+# run (the benchmarks' switch)
+TILE: dict[str, int] | None = TILES.get(os.environ.get("STRATA_MOE_SPLIT", ""))
 
 if HAVE_TRITON:
     # polls of the arrival counter before a TAIL program gives up and sets the counter's flag (`gave_up`)
