@@ -128,6 +128,7 @@ if HAVE_TRITON:
                     polls += 1
                 tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
                 tl.atomic_xchg(ctr_ptr + 1, 1, mask=cur < target)         # gave up: `gave_up` tells
+                tl.debug_barrier()                   # every thread's loads after the acquire
                 cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
                 _sum_cols(p_ptr, res_ptr, o_ptr, R, cols, H, RC, True)
 
