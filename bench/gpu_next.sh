@@ -25,7 +25,8 @@
 #      (part 1's) for the issue's goal figures (`bash bench/gpu_next.sh 4 arms-only`: the arms alone).
 #   5. The one-row experts split over the intermediate (runtime/gpu/moe_split.py): each tile alone against the
 #      shipped launches (`bench/moe_row.py`, 48 chained MoE halves in a graph), then the two fastest in the step
-#      against the default and part 4's o-aware64 arms at 1k-16k on 40,960-position caches.
+#      against the default and part 4's tiers4-64to1k+o-aware64 at 1k-16k on 40,960-position caches; on an H200,
+#      the context table with the winner if one beat the default (STRATA_MOE_SPLIT).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -75,7 +76,7 @@ elif [ "$part" = 5 ]; then
 x['method'].startswith('ffn-')]; r.sort(key=lambda x: x['us']); print(','.join(x['method'] for x in r[:2]))")
   echo "--- in the step: default, ${best:-none}, and part 4's marks ($(( $(date +%s) - start )) s)"
   timeout 300 python3 bench/step_ab.py --contexts 1024,4096,16384 --widths 1 --capacity 40960 \
-    --arms "default${best:+,$best},o-aware64,tiers4-64to1k+o-aware64" --rounds 5 > "$OUT/step_ab_ffn.log" 2>&1
+    --arms "default${best:+,$best},tiers4-64to1k+o-aware64" --rounds 5 > "$OUT/step_ab_ffn.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_ffn.json"; grep -v "━" "$OUT/step_ab_ffn.log" | tail -26
   win=$(python3 -c "import json; r = json.load(open('$OUT/step_ab_ffn.json'))['rows']
 ms = lambda a: sum(x.get('step_ms', 0) for x in r if x['arm'] == a) or 1e9
