@@ -36,7 +36,7 @@ if HAVE_TRITON:
 # values are one 32-byte sector); KC: values of a gate/up row a loop step; BO: down rows a loop step; ST: loop
 # pipeline stages; ACC: gate/up products kept lane by lane and reduced once (else once a step); RB: output values a
 # summing program; RC: partial rows a summing pass (default all); TAIL: the last TAIL programs to finish sum the
-# partials (no second launch; a GPU only); num_warps / sum_warps: the two kernels' warps
+# partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; num_warps / sum_warps: the two kernels' warps
 TILES: dict[str, dict[str, int]] = {
     "s16": {"RS": 16, "KC": 256, "BO": 128, "ST": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
@@ -50,6 +50,11 @@ TILES: dict[str, dict[str, int]] = {
     "s8p2a": {"RS": 8, "KC": 512, "BO": 256, "ST": 2, "ACC": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2t": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "TAIL": 128, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s8p2t": {"RS": 8, "KC": 512, "BO": 256, "ST": 2, "TAIL": 128, "RB": 16, "num_warps": 4, "sum_warps": 4},
+    "s16p3e": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
+    "s16p3w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "RB": 16, "num_warps": 4, "sum_warps": 8},
+    "s16p3r8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "RB": 8, "num_warps": 4, "sum_warps": 4},
+    "s16p3ew8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "RB": 16, "num_warps": 4, "sum_warps": 8},
+    "s32w8p3e": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "EVL": 1, "RB": 16, "num_warps": 8, "sum_warps": 8},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
@@ -65,10 +70,12 @@ if HAVE_TRITON:
                      stride_ge, stride_de,
                      H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
                      KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr = False,
-                     TAIL: tl.constexpr = 0, RC: tl.constexpr = 64, GDC: tl.constexpr = False):
+                     TAIL: tl.constexpr = 0, RC: tl.constexpr = 64, EVL: tl.constexpr = False,
+                     GDC: tl.constexpr = False):
         """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS; writes the fp32 row
         wt * down[e][:, slice] @ h[slice] at partial row (top-k slot) * NS + s. The routing is the previous
-        kernel's output, so the program waits before anything. TAIL > 0 (a GPU only): the last TAIL programs to
+        kernel's output, so the program waits before anything. EVL: the weights (read once a step) marked to
+        leave L2 first and the partials to stay, so the sum reads them from L2. TAIL > 0 (a GPU only): the last TAIL programs to
         finish sum the R partial rows, H / TAIL output values each, once every program has stored its row (an
         arrival counter), so no second launch is needed."""
         pdl.start(GDC)
@@ -92,8 +99,8 @@ if HAVE_TRITON:
             tu = tl.zeros((RS, KC), dtype=tl.float32)
             for k0 in tl.range(0, H, KC, num_stages=ST):
                 xv = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
-                tg += tl.load(gp + k0).to(tl.float32) * xv
-                tu += tl.load(gp + NI * SG + k0).to(tl.float32) * xv
+                tg += _wload(gp + k0, EVL).to(tl.float32) * xv
+                tu += _wload(gp + NI * SG + k0, EVL).to(tl.float32) * xv
             ag = tl.sum(tg, 1)
             au = tl.sum(tu, 1)
         else:                                        # one reduction a loop step
@@ -101,16 +108,19 @@ if HAVE_TRITON:
             au = tl.zeros((RS,), dtype=tl.float32)
             for k0 in tl.range(0, H, KC, num_stages=ST):
                 xv = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, :]
-                ag += tl.sum(tl.load(gp + k0).to(tl.float32) * xv, 1)
-                au += tl.sum(tl.load(gp + NI * SG + k0).to(tl.float32) * xv, 1)
+                ag += tl.sum(_wload(gp + k0, EVL).to(tl.float32) * xv, 1)
+                au += tl.sum(_wload(gp + NI * SG + k0, EVL).to(tl.float32) * xv, 1)
         h = (ag * tl.sigmoid(ag) * au).to(x_ptr.dtype.element_ty).to(tl.float32)
         h = tl.where((r < NI) & ok, h, 0.0)
         nn = tl.arange(0, BO)
         dp = dw_ptr + eb * stride_de + (nn * SD)[:, None] + rr[None, :]
         op = p_ptr + (dst * NS + s).to(tl.int64) * H + nn
         for n0 in tl.range(0, H, BO, num_stages=ST):
-            wd = tl.load(dp + n0 * SD).to(tl.float32)
-            tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt)
+            wd = _wload(dp + n0 * SD, EVL).to(tl.float32)
+            if EVL:
+                tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt, eviction_policy="evict_last")
+            else:
+                tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt)
         if TAIL > 0:
             # the counter only grows (each launch adds NPROG), so a program's launch ends at the next multiple of
             # NPROG above its own arrival; the last TAIL arrivals wait for it. Every program is resident by then
@@ -131,6 +141,13 @@ if HAVE_TRITON:
                 tl.debug_barrier()                   # every thread's loads after the acquire
                 cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
                 _sum_cols(p_ptr, res_ptr, o_ptr, R, cols, H, RC, True)
+
+    @triton.jit
+    def _wload(ptr, EVL: tl.constexpr):
+        """A weight tile's load; EVL: its lines marked to leave L2 first."""
+        if EVL:
+            return tl.load(ptr, eviction_policy="evict_first")
+        return tl.load(ptr)
 
     @triton.jit
     def _sum_cols(p_ptr, res_ptr, o_ptr, R, n, H: tl.constexpr, RC: tl.constexpr, CG: tl.constexpr):
@@ -190,7 +207,7 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
     _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, residual, out, ctr, E, ns, rows,
                           gate_up.stride(0), down.stride(0), H=H, NI=inter, SG=gate_up.stride(1),
                           SD=down.stride(1), RS=tile["RS"], KC=tile["KC"], BO=tile["BO"], ST=tile["ST"],
-                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, num_warps=tile["num_warps"],
+                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, EVL=bool(tile.get("EVL")), num_warps=tile["num_warps"],
                           **pdl.launch(down))
     if not tail:
         _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RC=rc, RB=tile["RB"],
