@@ -55,6 +55,12 @@ TILES: dict[str, dict[str, int]] = {
     "s16p3r8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "RB": 8, "num_warps": 4, "sum_warps": 4},
     "s16p3ew8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "RB": 16, "num_warps": 4, "sum_warps": 8},
     "s32w8p3e": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "EVL": 1, "RB": 16, "num_warps": 8, "sum_warps": 8},
+    # the sum with every load of a thread in flight at once (4 or 8 values a thread: 1-2 vector loads; with 16
+    # columns on 4 warps ptxas keeps 3 of 16 in flight, sm_90, Triton 3.6)
+    "s16p3r4w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "RB": 4, "num_warps": 4, "sum_warps": 8},
+    "s16p3r8w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "RB": 8, "num_warps": 4, "sum_warps": 8},
+    "s16p3er4w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "RB": 4, "num_warps": 4, "sum_warps": 8},
+    "s32w8p3r4w8": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "RB": 4, "num_warps": 8, "sum_warps": 8},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
