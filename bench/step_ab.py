@@ -186,7 +186,9 @@ ARMS["tiers-64to4k"] = {**_DEFAULT, "wide": True, "tiers": (64, 4096, 256, 32768
 # (bench/results/h100_session38/): 3.06 -> 3.01 ms at 1k, 3.07 -> 3.20 at 4k, 3.60 -> 3.66 at 16k
 ARMS["o-aware"] = {**_DEFAULT, "dense": {**ONE_DENSE_NOW, "o_proj": "one_d4leanaware"}, "mark": True}
 # o-aware marking only while at most N split programs work (pdl.MARK_MAX); four-tier chunk layouts with 64-position
-# chunks up to 1k or 2k, then the shipped tiers (other bits); and both. Not yet measured (bash bench/gpu_next.sh 4)
+# chunks up to 1k or 2k, then the shipped tiers (other bits); and both. H100 (bench/results/h100_session39/), ms at
+# 1k / 2k / 4k / 16k, default 3.07 / 3.07 / 3.07 / 3.61: o-aware64 3.01 / 3.07 / 3.08 / 3.61, o-aware32 no gain,
+# tiers4-64to1k 3.01 / 3.02 / 3.08 / 3.61, tiers4-64to2k 3.01 / 2.98 / 3.12 / 3.60, both 3.02 / 3.03 / 3.09 / 3.60
 ARMS["o-aware32"] = {**ARMS["o-aware"], "mark_max": 32}
 ARMS["o-aware64"] = {**ARMS["o-aware"], "mark_max": 64}
 ARMS["tiers4-64to1k"] = {**_DEFAULT, "wide": True, "tiers": (64, 1024, 128, 4096, 256, 32768, 1024)}
@@ -261,6 +263,7 @@ ARMS["q-r1-all"] = {**_DEFAULT, "qdecode": _R1, "qone": "r4d8k2w4j2",
                     "qdense": {"qkv": "r4d8k2w4j2", "o_proj": "r4d8k4w4j2"}, "qhead": "r4d8k2w4j2"}
 # the one-row experts split over the intermediate (runtime/gpu/moe_split.py, "ffn": a key of its TILES): gate/up
 # and each slice's down share in one grid, then the partials' sum, in place of gate/up, then down + top-k sum
+# (H100, bench/results/h100_session39/split/: ffn-s16p3 3.07 -> 3.33 ms at 1k, the partials' sum adding 11 us a layer)
 for _t in moe_split.TILES:
     ARMS[f"ffn-{_t}"] = {**_DEFAULT, "ffn": _t}
 
