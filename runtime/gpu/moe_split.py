@@ -21,6 +21,7 @@ rows (docs/models.md, "Why greedy output stays lossless").
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -66,6 +67,9 @@ TILES: dict[str, dict[str, int]] = {
 # Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
 # run (the benchmarks' switch)
 TILE: dict[str, int] | None = TILES.get(os.environ.get("STRATA_MOE_SPLIT", ""))
+if os.environ.get("STRATA_MOE_SPLIT") and TILE is None:
+    warnings.warn(f"STRATA_MOE_SPLIT={os.environ['STRATA_MOE_SPLIT']!r} names no tile of the split experts; the "
+                  f"split stays off (tiles: {', '.join(TILES)}).", stacklevel=1)
 
 if HAVE_TRITON:
     # polls of the arrival counter before a TAIL program gives up and sets the counter's flag (`gave_up`)

@@ -3,6 +3,7 @@ the shipped two launches and float32 math, and the fused one-row step taking it 
 (tests/runtime/kernels_check.py moe_split)."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,15 @@ def test_every_tile_fits_the_a3b_shape():
     gate_up = torch.empty(0, 1536, 2048)
     assert all(moe_split.fits(gate_up, t) for t in moe_split.TILES.values())
     assert not moe_split.fits(torch.empty(0, 1536, 2000), moe_split.TILES["s16p2"])
+
+
+def test_the_environment_switch_names_a_tile():
+    """STRATA_MOE_SPLIT picks a tile for a run; a name that is no tile leaves the split off with one warning."""
+    env = {**os.environ, "STRATA_MOE_SPLIT": "s16p3"}
+    code = "import runtime.gpu.moe_split as m; print(m.TILE == m.TILES['s16p3'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.strip() == "True", r.stderr[-2000:]
+    env["STRATA_MOE_SPLIT"] = "s99"
+    code = "import runtime.gpu.moe_split as m; print(m.TILE)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.strip() == "None" and "names no tile" in r.stderr and "s16p3" in r.stderr, r.stderr[-2000:]
