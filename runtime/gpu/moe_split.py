@@ -8,8 +8,10 @@ Why: the shipped one-row path (`moe_gemv.up`, then `moe_gemv.down_sum`) needs ev
 before any down row can be summed, so the down kernel waits for the whole gate/up grid, and that boundary costs
 more than the down bytes themselves on an H200 (docs/models.md, the step's timeline). The down product is a sum over
 the intermediate, so each slice's share can be computed as soon as that slice's activations exist: the gate/up
-and down bytes stream through one grid with no wait between them, and the only new dependency is the small sum of
-partials (TOPK * I / RS rows of H fp32 values, read from L2).
+and down bytes stream through one grid with no wait between them, and the only new dependency is the sum of the
+partials (TOPK * I / RS rows of H fp32 values). Measured on an H100 the first grid keeps its promise and the sum
+does not: it costs more than the grid saves, so `TILE` is off (docs/models.md has the figures and the remedies
+built since).
 
 Arithmetic: gate and up rows summed in fp32, SiLU(gate) * up rounded to the compute dtype (as the up kernel stores
 h), each slice's down share in fp32 times the pair's routing weight, the partials summed in a fixed order (top-k
@@ -37,7 +39,10 @@ if HAVE_TRITON:
 # values are one 32-byte sector); KC: values of a gate/up row a loop step; BO: down rows a loop step; ST: loop
 # pipeline stages; ACC: gate/up products kept lane by lane and reduced once (else once a step); RB: output values a
 # summing program; RC: partial rows a summing pass (default all); TAIL: the last TAIL programs to finish sum the
-# partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; num_warps / sum_warps: the two kernels' warps
+# partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; num_warps /
+# sum_warps: the two kernels' warps. H100, the MoE half alone (bench/moe_row.py, bench/results/h100_session39/):
+# shipped 34.7 us; s16p3 and s32w8p3 38.6, s16w8p2 40.9, s16p2t 42.5, s8p2t 43.6, the rest 44.3-53.7. Not yet
+# timed: the tiles after s8p2t
 TILES: dict[str, dict[str, int]] = {
     "s16": {"RS": 16, "KC": 256, "BO": 128, "ST": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
@@ -85,9 +90,9 @@ if HAVE_TRITON:
         """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS; writes the fp32 row
         wt * down[e][:, slice] @ h[slice] at partial row (top-k slot) * NS + s. The routing is the previous
         kernel's output, so the program waits before anything. EVL: the weights (read once a step) marked to
-        leave L2 first and the partials to stay, so the sum reads them from L2. TAIL > 0 (a GPU only): the last TAIL programs to
-        finish sum the R partial rows, H / TAIL output values each, once every program has stored its row (an
-        arrival counter), so no second launch is needed."""
+        leave L2 first and the partials to stay, so the sum reads them from L2. TAIL > 0 (a GPU only): the last
+        TAIL programs to finish sum the R partial rows, H / TAIL output values each, once every program has
+        stored its row (an arrival counter), so no second launch is needed."""
         pdl.start(GDC)
         q = tl.program_id(0)
         p = q // NS
@@ -217,8 +222,8 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
     _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, residual, out, ctr, E, ns, rows,
                           gate_up.stride(0), down.stride(0), H=H, NI=inter, SG=gate_up.stride(1),
                           SD=down.stride(1), RS=tile["RS"], KC=tile["KC"], BO=tile["BO"], ST=tile["ST"],
-                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, EVL=bool(tile.get("EVL")), num_warps=tile["num_warps"],
-                          **pdl.launch(down))
+                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, EVL=bool(tile.get("EVL")),
+                          num_warps=tile["num_warps"], **pdl.launch(down))
     if not tail:
         _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RC=rc, RB=tile["RB"],
                                         num_warps=tile["sum_warps"], **pdl.launch(down))
@@ -239,5 +244,6 @@ def _counter(device: torch.device, nprog: int) -> Tensor:
 
 
 def gave_up() -> bool:
-    """Whether a TAIL program ever stopped waiting (SPIN_LIMIT polls): its outputs were then wrong (benchmarks check)."""
+    """Whether a TAIL program ever stopped waiting (SPIN_LIMIT polls): its outputs were then wrong (the
+    benchmarks check)."""
     return any(bool(c[1].item()) for c in _COUNTERS.values())
