@@ -72,7 +72,7 @@ elif [ "$part" = 4 ]; then
 elif [ "$part" = 5 ]; then
   echo "--- the one-row experts split over the intermediate, alone ($(( $(date +%s) - start )) s)"
   timeout 150 python3 bench/moe_row.py --max-seconds 120 \
-    --only ffn-s16p3,ffn-s16p3e,ffn-s16p3w8,ffn-s16p3r8w8,ffn-s16p3r4w8,ffn-s16p3er4w8,ffn-s32w8p3r4w8 > "$OUT/moe_split.log" 2>&1
+    --only ffn-s16p3,ffn-s16p3r8w8,ffn-s16p3r4w8,ffn-s16p3er4w8,ffn-s32w8p3r4w8,ffn-s16p3g2r4w8,ffn-s16p3g2w8r4w8,ffn-s8p3g4r4w8 > "$OUT/moe_split.log" 2>&1
   mv "$OUT/moe_row_bf16.json" "$OUT/moe_split.json"; grep -v "━" "$OUT/moe_split.log" | tail -16
   best=$(python3 -c "import json; r = [x for x in json.load(open('$OUT/moe_split.json'))['rows'] if 'us' in x and
 x['method'].startswith('ffn-')]; r.sort(key=lambda x: x['us']); print(','.join(x['method'] for x in r[:2]))")

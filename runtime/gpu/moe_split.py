@@ -39,7 +39,8 @@ if HAVE_TRITON:
 # values are one 32-byte sector); KC: values of a gate/up row a loop step; BO: down rows a loop step; ST: loop
 # pipeline stages; ACC: gate/up products kept lane by lane and reduced once (else once a step); RB: output values a
 # summing program; RC: partial rows a summing pass (default all); TAIL: the last TAIL programs to finish sum the
-# partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; num_warps /
+# partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; PP: sorted pairs
+# a program (their shares summed in it: PP times fewer partials); num_warps /
 # sum_warps: the two kernels' warps. H100, the MoE half alone (bench/moe_row.py, bench/results/h100_session39/):
 # shipped 34.7 us; s16p3 and s32w8p3 38.6, s16w8p2 40.9, s16p2t 42.5, s8p2t 43.6, the rest 44.3-53.7. Not yet
 # timed: the tiles after s8p2t
@@ -67,6 +68,10 @@ TILES: dict[str, dict[str, int]] = {
     "s16p3r8w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "RB": 8, "num_warps": 4, "sum_warps": 8},
     "s16p3er4w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "RB": 4, "num_warps": 4, "sum_warps": 8},
     "s32w8p3r4w8": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "RB": 4, "num_warps": 8, "sum_warps": 8},
+    # PP pairs a program: their down shares summed inside the program, PP times fewer partial rows to sum
+    "s16p3g2r4w8": {"RS": 16, "KC": 256, "BO": 128, "ST": 3, "PP": 2, "RB": 4, "num_warps": 4, "sum_warps": 8},
+    "s16p3g2w8r4w8": {"RS": 16, "KC": 256, "BO": 128, "ST": 3, "PP": 2, "RB": 4, "num_warps": 8, "sum_warps": 8},
+    "s8p3g4r4w8": {"RS": 8, "KC": 256, "BO": 128, "ST": 3, "PP": 4, "RB": 4, "num_warps": 8, "sum_warps": 8},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
@@ -81,20 +86,53 @@ if HAVE_TRITON:
     SPIN_LIMIT = tl.constexpr(1 << 22)
 
     @triton.jit
-    def _part_kernel(x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, res_ptr, o_ptr, ctr_ptr, E, NS, R,
+    def _part_kernel(x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, res_ptr, o_ptr, ctr_ptr, E, NS, NP, R,
                      stride_ge, stride_de,
                      H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
                      KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr = False,
                      TAIL: tl.constexpr = 0, RC: tl.constexpr = 64, EVL: tl.constexpr = False,
-                     GDC: tl.constexpr = False):
-        """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS; writes the fp32 row
-        wt * down[e][:, slice] @ h[slice] at partial row (top-k slot) * NS + s. The routing is the previous
+                     PP: tl.constexpr = 1, GDC: tl.constexpr = False):
+        """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS (of PP pairs from
+        PP * (q // NS) when PP > 1); writes the fp32 row wt * down[e][:, slice] @ h[slice] (summed over the PP
+        pairs) at partial row (top-k slot) * NS + s (group * NS + s). The routing is the previous
         kernel's output, so the program waits before anything. EVL: the weights (read once a step) marked to
         leave L2 first and the partials to stay, so the sum reads them from L2. TAIL > 0 (a GPU only): the last
         TAIL programs to finish sum the R partial rows, H / TAIL output values each, once every program has
         stored its row (an arrival counter), so no second launch is needed."""
         pdl.start(GDC)
         q = tl.program_id(0)
+        if PP == 1:
+            _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, stride_ge, stride_de, H, NI,
+                      SG, SD, RS, KC, BO, ST, ACC, EVL)
+        else:
+            _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, stride_ge, stride_de,
+                        H, NI, SG, SD, RS, KC, BO, ST, PP, EVL)
+        if TAIL > 0:
+            # the counter only grows (each launch adds NPROG), so a program's launch ends at the next multiple of
+            # NPROG above its own arrival; the last TAIL arrivals wait for it. Every program is resident by then
+            # (later arrivals run or wait, and waiting programs hold at most TAIL slots), so the wait ends
+            tl.debug_barrier()                       # this program's stores are done before its arrival
+            nprog = tl.num_programs(0)
+            old = tl.atomic_add(ctr_ptr, 1, sem="acq_rel", scope="gpu")
+            slot = old % nprog
+            if slot >= nprog - TAIL:
+                target = (old // nprog + 1) * nprog
+                cur = old + 1
+                polls = 0
+                while (cur < target) & (polls < SPIN_LIMIT):
+                    cur = tl.load(ctr_ptr, volatile=True)
+                    polls += 1
+                tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+                tl.atomic_xchg(ctr_ptr + 1, 1, mask=cur < target)         # gave up: `gave_up` tells
+                tl.debug_barrier()                   # every thread's loads after the acquire
+                cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
+                _sum_cols(p_ptr, res_ptr, o_ptr, R, cols, H, RC, True)
+
+    @triton.jit
+    def _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, stride_ge, stride_de,
+                  H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
+                  KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr, EVL: tl.constexpr):
+        """One pair's slice (`_part_kernel`, PP 1): partial row (top-k slot) * NS + s."""
         p = q // NS
         s = q - p * NS
         e = tl.load(se_ptr + p)
@@ -136,26 +174,47 @@ if HAVE_TRITON:
                 tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt, eviction_policy="evict_last")
             else:
                 tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt)
-        if TAIL > 0:
-            # the counter only grows (each launch adds NPROG), so a program's launch ends at the next multiple of
-            # NPROG above its own arrival; the last TAIL arrivals wait for it. Every program is resident by then
-            # (later arrivals run or wait, and waiting programs hold at most TAIL slots), so the wait ends
-            tl.debug_barrier()                       # this program's stores are done before its arrival
-            nprog = tl.num_programs(0)
-            old = tl.atomic_add(ctr_ptr, 1, sem="acq_rel", scope="gpu")
-            slot = old % nprog
-            if slot >= nprog - TAIL:
-                target = (old // nprog + 1) * nprog
-                cur = old + 1
-                polls = 0
-                while (cur < target) & (polls < SPIN_LIMIT):
-                    cur = tl.load(ctr_ptr, volatile=True)
-                    polls += 1
-                tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-                tl.atomic_xchg(ctr_ptr + 1, 1, mask=cur < target)         # gave up: `gave_up` tells
-                tl.debug_barrier()                   # every thread's loads after the acquire
-                cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
-                _sum_cols(p_ptr, res_ptr, o_ptr, R, cols, H, RC, True)
+
+    @triton.jit
+    def _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, stride_ge, stride_de,
+                    H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
+                    KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, PP: tl.constexpr, EVL: tl.constexpr):
+        """The slice of PP sorted pairs at once (`_part_kernel`, PP > 1): their gate/up rows as one [PP, RS, KC]
+        tile a step, their down shares summed over the pairs inside the tile reduction, one partial row
+        (group * NS + s) for the PP pairs: PP times fewer partials to sum."""
+        g = q // NS
+        s = q - g * NS
+        pi = g * PP + tl.arange(0, PP)               # sorted pairs; past the last one: padding
+        e = tl.load(se_ptr + pi, mask=pi < NP, other=E)
+        dst = tl.load(ord_ptr + pi, mask=pi < NP, other=0)
+        wt = tl.load(wt_ptr + dst, mask=pi < NP, other=0.0).to(tl.float32)
+        ok = e < E
+        eb = tl.where(ok, e, 0).to(tl.int64)
+        r = s * RS + tl.arange(0, RS)
+        if NI % RS == 0:
+            rr = r
+        else:
+            rr = tl.minimum(r, NI - 1)
+        kk = tl.arange(0, KC)
+        gp = gu_ptr + (eb * stride_ge)[:, None, None] + (rr * SG)[None, :, None] + kk[None, None, :]
+        ag = tl.zeros((PP, RS), dtype=tl.float32)
+        au = tl.zeros((PP, RS), dtype=tl.float32)
+        for k0 in tl.range(0, H, KC, num_stages=ST):
+            xv = tl.load(x_ptr + k0 + kk).to(tl.float32)[None, None, :]
+            ag += tl.sum(_wload(gp + k0, EVL).to(tl.float32) * xv, 2)
+            au += tl.sum(_wload(gp + NI * SG + k0, EVL).to(tl.float32) * xv, 2)
+        h = (ag * tl.sigmoid(ag) * au).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = tl.where((r < NI)[None, :] & ok[:, None], h, 0.0) * wt[:, None]      # [PP, RS], weighted
+        nn = tl.arange(0, BO)
+        dp = dw_ptr + (eb * stride_de)[:, None, None] + (nn * SD)[None, :, None] + rr[None, None, :]
+        op = p_ptr + (g * NS + s).to(tl.int64) * H + nn
+        for n0 in tl.range(0, H, BO, num_stages=ST):
+            wd = _wload(dp + n0 * SD, EVL).to(tl.float32)
+            y = tl.sum(tl.sum(wd * h[:, None, :], 2), 0)
+            if EVL:
+                tl.store(op + n0, y, eviction_policy="evict_last")
+            else:
+                tl.store(op + n0, y)
 
     @triton.jit
     def _wload(ptr, EVL: tl.constexpr):
@@ -208,7 +267,8 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
     if not fits(gate_up, tile) or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError(f"the split expert MLP needs contiguous rows whose {H} values its tile {tile} divides.")
     ns = triton.cdiv(inter, tile["RS"])
-    rows = top_k * ns
+    pp = tile.get("PP", 1)
+    rows = triton.cdiv(se.numel(), pp) * ns
     rc = min(tile.get("RC", rows), rows)
     rc = triton.next_power_of_2(rc)
     # the interpreter runs programs one after another, where a waiting program would wait forever
@@ -219,10 +279,10 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
     part = torch.empty(rows, H, dtype=torch.float32, device=x.device)
     out = torch.empty_like(residual)
     ctr = _counter(x.device, rows) if tail else part
-    _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, residual, out, ctr, E, ns, rows,
-                          gate_up.stride(0), down.stride(0), H=H, NI=inter, SG=gate_up.stride(1),
+    _part_kernel[(rows,)](x.contiguous(), se, order, wf, gate_up, down, part, residual, out, ctr, E, ns,
+                          se.numel(), rows, gate_up.stride(0), down.stride(0), H=H, NI=inter, SG=gate_up.stride(1),
                           SD=down.stride(1), RS=tile["RS"], KC=tile["KC"], BO=tile["BO"], ST=tile["ST"],
-                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, EVL=bool(tile.get("EVL")),
+                          ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, EVL=bool(tile.get("EVL")), PP=pp,
                           num_warps=tile["num_warps"], **pdl.launch(down))
     if not tail:
         _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RC=rc, RB=tile["RB"],

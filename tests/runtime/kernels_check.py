@@ -410,14 +410,15 @@ def check_fused_step_moe_row() -> None:
 
 SPLIT_TEST_TILES = ({"RS": 16, "KC": 16, "BO": 16, "ST": 1, "RB": 8, "num_warps": 4, "sum_warps": 4},
                     {"RS": 4, "KC": 32, "BO": 8, "ST": 2, "ACC": 1, "RB": 16, "RC": 8, "num_warps": 2,
-                     "sum_warps": 1})
+                     "sum_warps": 1},
+                    {"RS": 8, "KC": 32, "BO": 16, "ST": 2, "PP": 2, "RB": 4, "num_warps": 4, "sum_warps": 8})
 
 
 def check_moe_split(dt: torch.dtype) -> None:
     """runtime/gpu/moe_split.py (the one-row expert MLP split over its intermediate) against the shipped two launches
     (gate/up, then down + top-k sum + residual) and float32 math: intermediates that the slice tiles (36 rows of 16:
-    a tail; of 4: none), a padding row (no expert: the residual as it is), tiles that do not divide the row
-    refused."""
+    a tail; of 4: none), 2 pairs a program over 3 pairs (the last group's second pair padding), a padding row (no
+    expert: the residual as it is), tiles that do not divide the row refused."""
     from runtime.gpu import moe_gemv, moe_split
 
     g = torch.Generator().manual_seed(12)
