@@ -28,7 +28,7 @@
 #      against the default and part 4's tiers4-64to1k+o-aware64 at 1k-16k on 40,960-position caches; on an H200,
 #      the context table with the winner if one beat the default (STRATA_MOE_SPLIT). H100 (h100_session39/split/):
 #      every tile slower (MoE half 34.7 us shipped, 38.6 best), the sum of the partials 11 us a layer; the tiles
-#      named now keep the partials in L2 (EVL) or give the sum more warps.
+#      named now keep the partials in L2 (EVL), give the sum more warps or make fewer partials (PP).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
