@@ -140,11 +140,7 @@ if HAVE_TRITON:
         wt = tl.load(wt_ptr + dst).to(tl.float32)
         ok = e < E                                   # a padding pair (never in a one-row step) adds zeros
         eb = tl.where(ok, e, 0).to(tl.int64)
-        r = s * RS + tl.arange(0, RS)
-        if NI % RS == 0:
-            rr = r                                   # contiguous: the down loads are vectors of RS values
-        else:
-            rr = tl.minimum(r, NI - 1)               # rows past NI read row NI - 1; their activation is 0
+        r, rr = _slice_rows(s, NI, RS)
         kk = tl.arange(0, KC)
         gp = gu_ptr + eb * stride_ge + (rr * SG)[:, None] + kk[None, :]
         if ACC:                                      # products summed lane by lane, one reduction at the end
@@ -170,10 +166,7 @@ if HAVE_TRITON:
         op = p_ptr + (dst * NS + s).to(tl.int64) * H + nn
         for n0 in tl.range(0, H, BO, num_stages=ST):
             wd = _wload(dp + n0 * SD, EVL).to(tl.float32)
-            if EVL:
-                tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt, eviction_policy="evict_last")
-            else:
-                tl.store(op + n0, tl.sum(wd * h[None, :], 1) * wt)
+            _pstore(op + n0, tl.sum(wd * h[None, :], 1) * wt, EVL)
 
     @triton.jit
     def _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, stride_ge, stride_de,
@@ -190,11 +183,7 @@ if HAVE_TRITON:
         wt = tl.load(wt_ptr + dst, mask=pi < NP, other=0.0).to(tl.float32)
         ok = e < E
         eb = tl.where(ok, e, 0).to(tl.int64)
-        r = s * RS + tl.arange(0, RS)
-        if NI % RS == 0:
-            rr = r
-        else:
-            rr = tl.minimum(r, NI - 1)
+        r, rr = _slice_rows(s, NI, RS)
         kk = tl.arange(0, KC)
         gp = gu_ptr + (eb * stride_ge)[:, None, None] + (rr * SG)[None, :, None] + kk[None, None, :]
         ag = tl.zeros((PP, RS), dtype=tl.float32)
@@ -210,11 +199,24 @@ if HAVE_TRITON:
         op = p_ptr + (g * NS + s).to(tl.int64) * H + nn
         for n0 in tl.range(0, H, BO, num_stages=ST):
             wd = _wload(dp + n0 * SD, EVL).to(tl.float32)
-            y = tl.sum(tl.sum(wd * h[:, None, :], 2), 0)
-            if EVL:
-                tl.store(op + n0, y, eviction_policy="evict_last")
-            else:
-                tl.store(op + n0, y)
+            _pstore(op + n0, tl.sum(tl.sum(wd * h[:, None, :], 2), 0), EVL)
+
+    @triton.jit
+    def _slice_rows(s, NI: tl.constexpr, RS: tl.constexpr):
+        """(rows s*RS.. of the intermediate, the rows to read): the same where RS divides NI (contiguous, so the
+        down loads are vectors of RS values), else rows past NI read row NI - 1 (their activation is 0)."""
+        r = s * RS + tl.arange(0, RS)
+        if NI % RS == 0:
+            return r, r
+        return r, tl.minimum(r, NI - 1)
+
+    @triton.jit
+    def _pstore(ptr, y, EVL: tl.constexpr):
+        """A partial row's store; EVL: its lines marked to stay in L2 for the sum."""
+        if EVL:
+            tl.store(ptr, y, eviction_policy="evict_last")
+        else:
+            tl.store(ptr, y)
 
     @triton.jit
     def _wload(ptr, EVL: tl.constexpr):
