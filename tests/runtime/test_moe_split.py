@@ -14,6 +14,9 @@ from runtime.gpu import moe_split
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(moe_split.TILE is None and not os.environ.get("STRATA_CHECK_OFF_PATHS"),
+                    reason="moe_split is off (timed slower than the shipped launches on an H100, docs/models.md): "
+                           "its 15 s interpreter check runs when it is on, or with STRATA_CHECK_OFF_PATHS=1")
 @pytest.mark.timeout(300)
 def test_moe_split_in_interpreter():
     script = Path(__file__).with_name("kernels_check.py")
