@@ -40,10 +40,10 @@ if HAVE_TRITON:
 # pipeline stages; ACC: gate/up products kept lane by lane and reduced once (else once a step); RB: output values a
 # summing program; RC: partial rows a summing pass (default all); TAIL: the last TAIL programs to finish sum the
 # partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; PP: sorted pairs
-# a program (their shares summed in it: PP times fewer partials); num_warps /
-# sum_warps: the two kernels' warps. H100, the MoE half alone (bench/moe_row.py, bench/results/h100_session39/):
-# shipped 34.7 us; s16p3 and s32w8p3 38.6, s16w8p2 40.9, s16p2t 42.5, s8p2t 43.6, the rest 44.3-53.7. Not yet
-# timed: the tiles after s8p2t
+# a program (their shares summed in it: PP times fewer partials); CB: partials stored by column blocks of RB
+# values (a summing program's reads contiguous); num_warps / sum_warps: the two kernels' warps. H100, the MoE half
+# alone (bench/moe_row.py, bench/results/h100_session39/): shipped 34.7 us; s16p3 and s32w8p3 38.6, s16w8p2 40.9,
+# s16p2t 42.5, s8p2t 43.6, the rest 44.3-53.7. Not yet timed: the tiles after s8p2t
 TILES: dict[str, dict[str, int]] = {
     "s16": {"RS": 16, "KC": 256, "BO": 128, "ST": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
@@ -72,6 +72,14 @@ TILES: dict[str, dict[str, int]] = {
     "s16p3g2r4w8": {"RS": 16, "KC": 256, "BO": 128, "ST": 3, "PP": 2, "RB": 4, "num_warps": 4, "sum_warps": 8},
     "s16p3g2w8r4w8": {"RS": 16, "KC": 256, "BO": 128, "ST": 3, "PP": 2, "RB": 4, "num_warps": 8, "sum_warps": 8},
     "s8p3g4r4w8": {"RS": 8, "KC": 256, "BO": 128, "ST": 3, "PP": 4, "RB": 4, "num_warps": 8, "sum_warps": 8},
+    # CB: the partials by column blocks, so a summing program reads one contiguous block (whole sectors)
+    "s16p3cr4w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "CB": 1, "RB": 4, "num_warps": 4, "sum_warps": 8},
+    "s16p3cr8w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "CB": 1, "RB": 8, "num_warps": 4, "sum_warps": 8},
+    "s16p3ecr4w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "CB": 1, "RB": 4, "num_warps": 4,
+                    "sum_warps": 8},
+    "s32w8p3cr4w8": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "CB": 1, "RB": 4, "num_warps": 8, "sum_warps": 8},
+    "s16p3g2cr4w8": {"RS": 16, "KC": 256, "BO": 128, "ST": 3, "PP": 2, "CB": 1, "RB": 4, "num_warps": 4,
+                     "sum_warps": 8},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
@@ -91,22 +99,24 @@ if HAVE_TRITON:
                      H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
                      KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr = False,
                      TAIL: tl.constexpr = 0, RC: tl.constexpr = 64, EVL: tl.constexpr = False,
-                     PP: tl.constexpr = 1, GDC: tl.constexpr = False):
+                     PP: tl.constexpr = 1, RB: tl.constexpr = 16, CB: tl.constexpr = False,
+                     GDC: tl.constexpr = False):
         """Program q: slice s = q % NS (intermediate rows s*RS..) of sorted pair q // NS (of PP pairs from
         PP * (q // NS) when PP > 1); writes the fp32 row wt * down[e][:, slice] @ h[slice] (summed over the PP
         pairs) at partial row (top-k slot) * NS + s (group * NS + s). The routing is the previous
         kernel's output, so the program waits before anything. EVL: the weights (read once a step) marked to
         leave L2 first and the partials to stay, so the sum reads them from L2. TAIL > 0 (a GPU only): the last
         TAIL programs to finish sum the R partial rows, H / TAIL output values each, once every program has
-        stored its row (an arrival counter), so no second launch is needed."""
+        stored its row (an arrival counter), so no second launch is needed. CB: the partials stored by column
+        blocks (`_prow`)."""
         pdl.start(GDC)
         q = tl.program_id(0)
         if PP == 1:
-            _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, stride_ge, stride_de, H, NI,
-                      SG, SD, RS, KC, BO, ST, ACC, EVL)
+            _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, R, stride_ge, stride_de, H,
+                      NI, SG, SD, RS, KC, BO, ST, ACC, EVL, RB, CB)
         else:
-            _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, stride_ge, stride_de,
-                        H, NI, SG, SD, RS, KC, BO, ST, PP, EVL)
+            _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, R, stride_ge,
+                        stride_de, H, NI, SG, SD, RS, KC, BO, ST, PP, EVL, RB, CB)
         if TAIL > 0:
             # the counter only grows (each launch adds NPROG), so a program's launch ends at the next multiple of
             # NPROG above its own arrival; the last TAIL arrivals wait for it. Every program is resident by then
@@ -126,12 +136,13 @@ if HAVE_TRITON:
                 tl.atomic_xchg(ctr_ptr + 1, 1, mask=cur < target)         # gave up: `gave_up` tells
                 tl.debug_barrier()                   # every thread's loads after the acquire
                 cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
-                _sum_cols(p_ptr, res_ptr, o_ptr, R, cols, H, RC, True)
+                _sum_cols(p_ptr + cols, H, res_ptr, o_ptr, R, cols, RC, True)
 
     @triton.jit
-    def _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, stride_ge, stride_de,
+    def _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, R, stride_ge, stride_de,
                   H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
-                  KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr, EVL: tl.constexpr):
+                  KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, ACC: tl.constexpr, EVL: tl.constexpr,
+                  RB: tl.constexpr, CB: tl.constexpr):
         """One pair's slice (`_part_kernel`, PP 1): partial row (top-k slot) * NS + s."""
         p = q // NS
         s = q - p * NS
@@ -163,15 +174,15 @@ if HAVE_TRITON:
         h = tl.where((r < NI) & ok, h, 0.0)
         nn = tl.arange(0, BO)
         dp = dw_ptr + eb * stride_de + (nn * SD)[:, None] + rr[None, :]
-        op = p_ptr + (dst * NS + s).to(tl.int64) * H + nn
         for n0 in tl.range(0, H, BO, num_stages=ST):
             wd = _wload(dp + n0 * SD, EVL).to(tl.float32)
-            _pstore(op + n0, tl.sum(wd * h[None, :], 1) * wt, EVL)
+            _pstore(_prow(p_ptr, dst * NS + s, n0 + nn, R, H, RB, CB), tl.sum(wd * h[None, :], 1) * wt, EVL)
 
     @triton.jit
-    def _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, stride_ge, stride_de,
+    def _part_group(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, NP, R, stride_ge, stride_de,
                     H: tl.constexpr, NI: tl.constexpr, SG: tl.constexpr, SD: tl.constexpr, RS: tl.constexpr,
-                    KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, PP: tl.constexpr, EVL: tl.constexpr):
+                    KC: tl.constexpr, BO: tl.constexpr, ST: tl.constexpr, PP: tl.constexpr, EVL: tl.constexpr,
+                    RB: tl.constexpr, CB: tl.constexpr):
         """The slice of PP sorted pairs at once (`_part_kernel`, PP > 1): their gate/up rows as one [PP, RS, KC]
         tile a step, their down shares summed over the pairs inside the tile reduction, one partial row
         (group * NS + s) for the PP pairs: PP times fewer partials to sum."""
@@ -196,10 +207,9 @@ if HAVE_TRITON:
         h = tl.where((r < NI)[None, :] & ok[:, None], h, 0.0) * wt[:, None]      # [PP, RS], weighted
         nn = tl.arange(0, BO)
         dp = dw_ptr + (eb * stride_de)[:, None, None] + (nn * SD)[None, :, None] + rr[None, None, :]
-        op = p_ptr + (g * NS + s).to(tl.int64) * H + nn
         for n0 in tl.range(0, H, BO, num_stages=ST):
             wd = _wload(dp + n0 * SD, EVL).to(tl.float32)
-            _pstore(op + n0, tl.sum(tl.sum(wd * h[:, None, :], 2), 0), EVL)
+            _pstore(_prow(p_ptr, g * NS + s, n0 + nn, R, H, RB, CB), tl.sum(tl.sum(wd * h[:, None, :], 2), 0), EVL)
 
     @triton.jit
     def _slice_rows(s, NI: tl.constexpr, RS: tl.constexpr):
@@ -209,6 +219,15 @@ if HAVE_TRITON:
         if NI % RS == 0:
             return r, r
         return r, tl.minimum(r, NI - 1)
+
+    @triton.jit
+    def _prow(p_ptr, row, n, R, H: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+        """Where partial row `row`'s values n lie: rows of H values one after another, or with CB by column
+        blocks ([H / RB, R, RB]: the R rows' RB values a summing program reads lie together, so its loads are
+        whole sectors, not RB values of each of R rows H values apart)."""
+        if CB:
+            return p_ptr + (n // RB).to(tl.int64) * R * RB + row * RB + n % RB
+        return p_ptr + row.to(tl.int64) * H + n
 
     @triton.jit
     def _pstore(ptr, y, EVL: tl.constexpr):
@@ -226,15 +245,16 @@ if HAVE_TRITON:
         return tl.load(ptr)
 
     @triton.jit
-    def _sum_cols(p_ptr, res_ptr, o_ptr, R, n, H: tl.constexpr, RC: tl.constexpr, CG: tl.constexpr):
+    def _sum_cols(pc, rstride, res_ptr, o_ptr, R, n, RC: tl.constexpr, CG: tl.constexpr):
         """Output values n: the residual plus the sum of the R partial rows (RC rows a tile reduction, the tiles
-        in order: a fixed order), rounded to the output dtype first, as `down_sum` rounds. CG: loads bypass L1
-        (rows other programs of this launch stored)."""
+        in order: a fixed order), rounded to the output dtype first, as `down_sum` rounds. pc: the values of
+        partial row 0, rows rstride values apart. CG: loads bypass L1 (rows other programs of this launch
+        stored)."""
         j = tl.arange(0, RC)
         acc = tl.zeros(n.shape, dtype=tl.float32)
         for j0 in range(0, R, RC):
             rows = j0 + j
-            ptr = p_ptr + (rows * H)[:, None] + n[None, :]
+            ptr = pc[None, :] + (rows * rstride)[:, None]
             if CG:
                 t = tl.load(ptr, mask=(rows < R)[:, None], other=0.0, cache_modifier=".cg")
             else:
@@ -246,10 +266,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _sum_kernel(p_ptr, res_ptr, o_ptr, R, H: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
-                    GDC: tl.constexpr = False):
-        """Output values nb*RB.. (`_sum_cols`), after the partials' launch."""
+                    CB: tl.constexpr = False, GDC: tl.constexpr = False):
+        """Output values nb*RB.. (`_sum_cols`), after the partials' launch; CB: from their column block."""
         pdl.start(GDC)
-        _sum_cols(p_ptr, res_ptr, o_ptr, R, tl.program_id(0) * RB + tl.arange(0, RB), H, RC, False)
+        nb = tl.program_id(0)
+        n = nb * RB + tl.arange(0, RB)
+        if CB:
+            _sum_cols(p_ptr + nb.to(tl.int64) * R * RB + tl.arange(0, RB), RB, res_ptr, o_ptr, R, n, RC, False)
+        else:
+            _sum_cols(p_ptr + n, H, res_ptr, o_ptr, R, n, RC, False)
 
 
 def fits(gate_up: Tensor, tile: dict[str, int]) -> bool:
@@ -278,6 +303,10 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
     if tail and (H % tail or tail > rows):
         raise ValueError(f"the split expert MLP's TAIL {tail} must divide the row's {H} values and be at most its "
                          f"{rows} programs.")
+    cb = bool(tile.get("CB"))
+    if cb and tile.get("TAIL"):
+        raise ValueError("the split expert MLP's tile cannot take both TAIL and CB: a TAIL program sums whole "
+                         "partial rows; drop one of the two keys.")
     part = torch.empty(rows, H, dtype=torch.float32, device=x.device)
     out = torch.empty_like(residual)
     ctr = _counter(x.device, rows) if tail else part
@@ -285,9 +314,9 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
                           se.numel(), rows, gate_up.stride(0), down.stride(0), H=H, NI=inter, SG=gate_up.stride(1),
                           SD=down.stride(1), RS=tile["RS"], KC=tile["KC"], BO=tile["BO"], ST=tile["ST"],
                           ACC=bool(tile.get("ACC")), TAIL=tail, RC=rc, EVL=bool(tile.get("EVL")), PP=pp,
-                          num_warps=tile["num_warps"], **pdl.launch(down))
+                          RB=tile["RB"], CB=cb, num_warps=tile["num_warps"], **pdl.launch(down))
     if not tail:
-        _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RC=rc, RB=tile["RB"],
+        _sum_kernel[(H // tile["RB"],)](part, residual, out, rows, H=H, RC=rc, RB=tile["RB"], CB=cb,
                                         num_warps=tile["sum_warps"], **pdl.launch(down))
     return out
 

@@ -408,10 +408,13 @@ def check_fused_step_moe_row() -> None:
     assert calls, "the one-row step did not take moe_row"
 
 
+# the partials row by row; by column blocks (CB) that a down step of 8 rows fills half at a time, summed in
+# passes of 8 rows; by column blocks from 2 pairs a program
 SPLIT_TEST_TILES = ({"RS": 16, "KC": 16, "BO": 16, "ST": 1, "RB": 8, "num_warps": 4, "sum_warps": 4},
-                    {"RS": 4, "KC": 32, "BO": 8, "ST": 2, "ACC": 1, "RB": 16, "RC": 8, "num_warps": 2,
+                    {"RS": 4, "KC": 32, "BO": 8, "ST": 2, "ACC": 1, "CB": 1, "RB": 16, "RC": 8, "num_warps": 2,
                      "sum_warps": 1},
-                    {"RS": 8, "KC": 32, "BO": 16, "ST": 2, "PP": 2, "RB": 4, "num_warps": 4, "sum_warps": 8})
+                    {"RS": 8, "KC": 32, "BO": 16, "ST": 2, "PP": 2, "CB": 1, "RB": 4, "num_warps": 4,
+                     "sum_warps": 8})
 
 
 def check_moe_split(dt: torch.dtype) -> None:
