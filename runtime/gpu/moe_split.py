@@ -77,9 +77,16 @@ TILES: dict[str, dict[str, int]] = {
     "s16p3cr8w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "CB": 1, "RB": 8, "num_warps": 4, "sum_warps": 8},
     "s16p3ecr4w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "CB": 1, "RB": 4, "num_warps": 4,
                     "sum_warps": 8},
+    "s16p3ecr8w8": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "CB": 1, "RB": 8, "num_warps": 4,
+                    "sum_warps": 8},
     "s32w8p3cr4w8": {"RS": 32, "KC": 256, "BO": 128, "ST": 3, "CB": 1, "RB": 4, "num_warps": 8, "sum_warps": 8},
     "s16p3g2cr4w8": {"RS": 16, "KC": 256, "BO": 128, "ST": 3, "PP": 2, "CB": 1, "RB": 4, "num_warps": 4,
                      "sum_warps": 8},
+    # the sum in the last programs of the partials' launch (TAIL) from column blocks: one launch a MoE half
+    "s16p3ect128": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "CB": 1, "TAIL": 128, "RB": 16, "RC": 128,
+                    "num_warps": 4, "sum_warps": 4},
+    "s16p3ect256": {"RS": 16, "KC": 256, "BO": 256, "ST": 3, "EVL": 1, "CB": 1, "TAIL": 256, "RB": 8, "RC": 128,
+                    "num_warps": 4, "sum_warps": 4},
 }
 # the tile the one-row step takes (runtime/gpu/moe_kernels.py `moe_routed`), or None: the shipped two launches.
 # Off until timed in the step (bench/step_ab.py arms ffn-*); STRATA_MOE_SPLIT=<a key of TILES> turns it on for a
@@ -136,7 +143,7 @@ if HAVE_TRITON:
                 tl.atomic_xchg(ctr_ptr + 1, 1, mask=cur < target)         # gave up: `gave_up` tells
                 tl.debug_barrier()                   # every thread's loads after the acquire
                 cols = (slot - (nprog - TAIL)) * (H // TAIL) + tl.arange(0, H // TAIL)
-                _sum_cols(p_ptr + cols, H, res_ptr, o_ptr, R, cols, RC, True)
+                _sum_from(p_ptr, res_ptr, o_ptr, R, cols, H, RC, RB, CB, True)
 
     @triton.jit
     def _part_one(q, x_ptr, se_ptr, ord_ptr, wt_ptr, gu_ptr, dw_ptr, p_ptr, E, NS, R, stride_ge, stride_de,
@@ -269,12 +276,16 @@ if HAVE_TRITON:
                     CB: tl.constexpr = False, GDC: tl.constexpr = False):
         """Output values nb*RB.. (`_sum_cols`), after the partials' launch; CB: from their column block."""
         pdl.start(GDC)
-        nb = tl.program_id(0)
-        n = nb * RB + tl.arange(0, RB)
+        _sum_from(p_ptr, res_ptr, o_ptr, R, tl.program_id(0) * RB + tl.arange(0, RB), H, RC, RB, CB, False)
+
+    @triton.jit
+    def _sum_from(p_ptr, res_ptr, o_ptr, R, n, H: tl.constexpr, RC: tl.constexpr, RB: tl.constexpr,
+                  CB: tl.constexpr, CG: tl.constexpr):
+        """`_sum_cols` of output values n from the partials laid out as `_prow` stores them."""
         if CB:
-            _sum_cols(p_ptr + nb.to(tl.int64) * R * RB + tl.arange(0, RB), RB, res_ptr, o_ptr, R, n, RC, False)
+            _sum_cols(p_ptr + (n // RB).to(tl.int64) * R * RB + n % RB, RB, res_ptr, o_ptr, R, n, RC, CG)
         else:
-            _sum_cols(p_ptr + n, H, res_ptr, o_ptr, R, n, RC, False)
+            _sum_cols(p_ptr + n, H, res_ptr, o_ptr, R, n, RC, CG)
 
 
 def fits(gate_up: Tensor, tile: dict[str, int]) -> bool:
@@ -304,9 +315,6 @@ def ffn_row(x: Tensor, se: Tensor, order: Tensor, wf: Tensor, gate_up: Tensor, d
         raise ValueError(f"the split expert MLP's TAIL {tail} must divide the row's {H} values and be at most its "
                          f"{rows} programs.")
     cb = bool(tile.get("CB"))
-    if cb and tile.get("TAIL"):
-        raise ValueError("the split expert MLP's tile cannot take both TAIL and CB: a TAIL program sums whole "
-                         "partial rows; drop one of the two keys.")
     part = torch.empty(rows, H, dtype=torch.float32, device=x.device)
     out = torch.empty_like(residual)
     ctr = _counter(x.device, rows) if tail else part

@@ -44,18 +44,3 @@ def test_the_environment_switch_names_a_tile():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.strip() == "None" and "names no tile" in r.stderr and "s16p3" in r.stderr, r.stderr[-2000:]
 
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_a_tile_with_both_tail_and_column_blocks_is_refused():
-    """A TAIL program sums whole partial rows, so a tile that also stores them by column blocks (CB) is refused in
-    one sentence before anything runs."""
-    import torch
-
-    from runtime.gpu import moe_kernels
-
-    E, H, NI = 4, 64, 32
-    r = moe_kernels.group(torch.tensor([[0, 2]], dtype=torch.int32), torch.ones(1, 2), E, None)
-    tile = {**moe_split.TILES["s16p2t"], "CB": 1, "KC": 64, "BO": 64, "TAIL": 64}
-    with pytest.raises(ValueError, match="cannot take both TAIL and CB"):
-        moe_split.ffn_row(torch.zeros(1, H), r.se, r.order, r.w.reshape(-1), torch.zeros(E, 2 * NI, H),
-                          torch.zeros(E, H, NI), torch.zeros(1, H), 2, tile)
