@@ -30,6 +30,10 @@
 #      every tile slower (MoE half 34.7 us shipped, 38.6 best), the sum of the partials 11 us a layer; the tiles
 #      named now store the partials by column blocks so the sum reads whole sectors (CB; 5 us a layer instead of 11
 #      on an H100), keep them in L2 (EVL) or sum them in the last programs of one launch (TAIL).
+#   6. On an H200: the open choices side by side in one run (the default, the split experts' two best H100 tiles,
+#      o-aware64, tiers4-64to1k and both, at 1k / 4k / 16k on 40,960-position caches), then the context table with
+#      the defaults, and with the fastest split tile too if it beat the default (H100: s16p3ecr8w8 3.05 / 3.06 /
+#      3.60 ms against 3.03 / 3.04 / 3.56, a wash: h100_session40/).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -89,6 +93,24 @@ print(b[4:] if b and ms(b) < ms('default') else '')" 2>/dev/null)
     echo "--- context table with the experts split (tile $win) ($(( $(date +%s) - start )) s)"
     STRATA_MOE_SPLIT=$win timeout 200 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 \
       --capacity 40960 > "$OUT/context_ffn.log" 2>&1; tail -16 "$OUT/context_ffn.log"
+  fi
+elif [ "$part" = 6 ]; then
+  echo "--- the open choices side by side ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/step_ab.py --contexts 1024,4096,16384 --widths 1 --capacity 40960 --rounds 5 \
+    --arms default,ffn-s16p3ecr8w8,ffn-s16p3ecr4w8,o-aware64,tiers4-64to1k,tiers4-64to1k+o-aware64 \
+    > "$OUT/step_ab_open.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_open.json"; grep -v "━" "$OUT/step_ab_open.log" | tail -24
+  echo "--- context table, defaults ($(( $(date +%s) - start )) s)"
+  timeout 180 python3 bench/context.py --no-hf --prefill 8192 --capacity 40960 > "$OUT/context.log" 2>&1
+  cp "$OUT/context.json" "$OUT/context_default.json" 2>/dev/null; tail -16 "$OUT/context.log"
+  win=$(python3 -c "import json; r = json.load(open('$OUT/step_ab_open.json'))['rows']
+ms = lambda a: sum(x.get('step_ms', 0) for x in r if x['arm'] == a) or 1e9
+b = min((a for a in {x['arm'] for x in r} if a.startswith('ffn-')), key=ms, default='')
+print(b[4:] if b and ms(b) < ms('default') else '')" 2>/dev/null)
+  if [ -n "$win" ] && [ $(( $(date +%s) - start )) -lt 400 ]; then
+    echo "--- context table with the experts split (tile $win) ($(( $(date +%s) - start )) s)"
+    STRATA_MOE_SPLIT=$win timeout 180 python3 bench/context.py --no-hf --prefill 8192 --capacity 40960 \
+      > "$OUT/context_ffn.log" 2>&1; tail -16 "$OUT/context_ffn.log"
   fi
 else
   echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
