@@ -9,9 +9,10 @@ before any down row can be summed, so the down kernel waits for the whole gate/u
 more than the down bytes themselves on an H200 (docs/models.md, the step's timeline). The down product is a sum over
 the intermediate, so each slice's share can be computed as soon as that slice's activations exist: the gate/up
 and down bytes stream through one grid with no wait between them, and the only new dependency is the sum of the
-partials (TOPK * I / RS rows of H fp32 values). Measured on an H100 the first grid keeps its promise and the sum
-does not: it costs more than the grid saves, so `TILE` is off (docs/models.md has the figures and the remedies
-built since).
+partials (TOPK * I / RS rows of H fp32 values). Measured on an H100 the first grid keeps its promise, and with the
+partials stored by column blocks the sum takes 5-7 us a layer, but the new boundary costs what the old one did:
+the best tile ties the shipped launches in the step, so `TILE` is off until an H200 says otherwise
+(docs/models.md has the figures).
 
 Arithmetic: gate and up rows summed in fp32, SiLU(gate) * up rounded to the compute dtype (as the up kernel stores
 h), each slice's down share in fp32 times the pair's routing weight, the partials summed in a fixed order (top-k
@@ -42,8 +43,9 @@ if HAVE_TRITON:
 # partials (no second launch; a GPU only); EVL: weights marked to leave L2 first, partials to stay; PP: sorted pairs
 # a program (their shares summed in it: PP times fewer partials); CB: partials stored by column blocks of RB
 # values (a summing program's reads contiguous); num_warps / sum_warps: the two kernels' warps. H100, the MoE half
-# alone (bench/moe_row.py, bench/results/h100_session39/): shipped 34.7 us; s16p3 and s32w8p3 38.6, s16w8p2 40.9,
-# s16p2t 42.5, s8p2t 43.6, the rest 44.3-53.7. Not yet timed: the tiles after s8p2t
+# alone (bench/moe_row.py, bench/results/h100_session39/ and h100_session40/): shipped 34.4-34.7 us; s16p3ecr8w8
+# 34.4, s16p3ecr4w8 35.3, s16p3ect128 35.4, s16p3cr8w8 36.2, s16p3r4w8 37.5, s16p3 and s32w8p3 38.6, PP tiles 38.8,
+# the rest 40.9-53.7; in the step none beats the shipped launches there (docs/models.md)
 TILES: dict[str, dict[str, int]] = {
     "s16": {"RS": 16, "KC": 256, "BO": 128, "ST": 1, "RB": 16, "num_warps": 4, "sum_warps": 4},
     "s16p2": {"RS": 16, "KC": 256, "BO": 128, "ST": 2, "RB": 16, "num_warps": 4, "sum_warps": 4},
