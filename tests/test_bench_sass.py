@@ -162,3 +162,30 @@ def test_sm_marks_are_written_and_read_before_the_waits():
     loads = [i for i, op in enumerate(ops) if op == "LDG"]
     assert len(waits) == 2 and loads[0] < waits[0] < loads[1] < waits[1]
     assert regs * 128 * 5 <= 65536
+
+
+def _q8(entry: dict) -> dict:
+    """The split kernel's launch over a q8_0 cache (int8 codes, fp16 scales: 4 blocks of 32 a 128-value row)."""
+    kinds = {"k_ptr": "i8", "v_ptr": "i8", "ks_ptr": "fp16", "vs_ptr": "fp16"}
+    value = {"stride_sh": {"int": 4096}, "stride_ss": {"int": 4}, "Q8": {"bool": True}, "NB": {"int": 4},
+             "QB": {"int": 32}, "Q8_PF": {"bool": True}}
+    params = [[n, {**d, "tensor": kinds[n]} if n in kinds else value.get(n, d)] for n, d in entry["params"]]
+    return {**entry, "params": params}
+
+
+def test_split_attention_over_a_q8_0_cache_compiles_with_its_l2_prefetch():
+    """The one-row split kernel over a q8_0 cache as a Hopper GPU launches it by default (the first chunk's K, V and
+    their scales asked into L2 before the PDL wait: attention_kernels.SPLIT_KV_PREFETCH; the SM marks of pdl too)
+    compiles for sm_90: four bulk prefetches before the wait, none without the prefetch. The interpreter runs no
+    type check across loop iterations, so only a compile finds a name the prefetch shares with a loop (a q8_0
+    cache once fell back to the unfused step, 38x slower, on every Hopper GPU)."""
+    pytest.importorskip("triton")
+    from runtime.gpu import attention_kernels
+
+    pf = int(attention_kernels.SPLIT_KV_PREFETCH) or 64
+    for extra, n_pf in (([["PF", {"int": 0}]], 0), ([["PF", {"int": pf}]], 4),
+                        ([["mark_ptr", {"tensor": "i32", "aligned": True}], ["PF", {"int": pf}],
+                          ["MARK", {"bool": True}]], 4)):
+        ops, _, _ = _ops(_with(_q8(_SPLIT), *extra))
+        pf_at = [i for i, op in enumerate(ops) if op == "UBLKPF"]
+        assert len(pf_at) == n_pf and all(i < ops.index("ACQBULK") for i in pf_at), (extra, pf_at)

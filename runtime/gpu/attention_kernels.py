@@ -290,10 +290,10 @@ if HAVE_TRITON:
                 _l2_prefetch(v_ptr + kv0, n_pf * stride_cs * eb, 4)
                 if Q8:
                     # 8 bytes a row: from an even position, whole 16-byte pieces
-                    s0 = kvh.to(tl.int64) * stride_sh + (lo0 // 2 * 2).to(tl.int64) * stride_ss
+                    sc0 = kvh.to(tl.int64) * stride_sh + (lo0 // 2 * 2).to(tl.int64) * stride_ss
                     n_sc = n_pf * stride_ss * 2 // 16 * 16
-                    _l2_prefetch(ks_ptr + s0, n_sc, 4)
-                    _l2_prefetch(vs_ptr + s0, n_sc, 4)
+                    _l2_prefetch(ks_ptr + sc0, n_sc, 4)
+                    _l2_prefetch(vs_ptr + sc0, n_sc, 4)
             if MARK and GDC:
                 working = tl.minimum(n_valid, step) * tl.num_programs(1) * tl.num_programs(0)
                 tl.store(mark_ptr + pdl.sm_id(GDC), 1, mask=(MARK_MAX == 0) | (working <= MARK_MAX))

@@ -25,6 +25,8 @@ target-only output bit for bit on the CPU too.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -556,8 +558,14 @@ class StaticStep:
         return capture(lambda: self._step(taps))
 
     def _degrade(self, e: Exception) -> None:
-        """Step down one level (fused -> unfused kernels -> plain torch, no graph) and remember why."""
+        """Step down one level (fused -> unfused kernels -> plain torch, no graph), remember why and say so: a
+        user would otherwise see only a step several times slower."""
         self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+        why = (str(e).strip().splitlines() or [""])[-1][:200]
+        warnings.warn(f"the {'fused' if self.fused else 'Triton'} decode step failed here ({type(e).__name__}: "
+                      f"{why}); falling back to {'the unfused kernels' if self.fused else 'plain torch'}, which "
+                      f"is slower: please report it with your GPU, torch and Triton versions.", RuntimeWarning,
+                      stacklevel=2)
         torch.cuda.synchronize() if self.kv.k.is_cuda else None
         if self.fused:
             self.fused = False

@@ -301,3 +301,18 @@ def test_cpu_window_attention_gives_a_row_the_same_bits_at_any_slot_start_and_fi
         assert all(torch.equal(o, got[0]) for o in got), p
         ref = torch.softmax(row.view(nkv, grp, hd) @ keys[:, :p + 1].transpose(1, 2), -1) @ vals[:, :p + 1]
         assert torch.allclose(got[0], ref.reshape(nkv * grp, hd), atol=1e-5)
+
+
+def test_a_step_that_falls_back_says_so(model):
+    """A kernel that fails on this machine sends the step down one level (fused -> unfused kernels -> plain torch)
+    with one warning naming the error's last line, so a user is not left with a slower step and no word why."""
+    step = StaticStep(model, _kv(model), width=1, graph=False)
+    step.fused, step.use_kernels = True, True
+    err = RuntimeError("at 62:4:\n    for c in range(first, n_valid, step):\n    ^\nAssertionError('Loop-carried variable')")
+    with pytest.warns(RuntimeWarning, match=r"fused decode step failed here \(RuntimeError: AssertionError\('Loop-"
+                                            r"carried variable'\)\); falling back to the unfused kernels"):
+        step._degrade(err)
+    assert not step.fused and step.use_kernels and "Loop-carried" in step.errors[0]
+    with pytest.warns(RuntimeWarning, match=r"Triton decode step failed here .* falling back to plain torch"):
+        step._degrade(ValueError("no"))
+    assert not step.use_kernels and len(step.errors) == 2
