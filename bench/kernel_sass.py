@@ -1,7 +1,7 @@
 """The machine code of the one-row decode step's Triton kernels, from any machine: instructions in each kernel's
 hot loop, per weight value, and what in them is not arithmetic (shared-memory round trips, barriers, shuffles).
 
-    python bench/kernel_sass.py [--formats bf16,q4_0,q8_0] [--arch 90] [--dump DIR]
+    python bench/kernel_sass.py [--formats bf16,q4_0,q8_0] [--kv bf16|q8_0] [--arch 90] [--dump DIR]
 
 Why: Triton picks each tile's thread layout itself, and the GEMV kernels are fast only where that layout keeps a
 program's weight rows in one thread (runtime/gpu/moe_gemv.py, module docstring). Which layout a Triton version
@@ -9,13 +9,16 @@ picks is visible in the SASS, and the SASS can be made without a GPU: Triton com
 own ptxas. So this (1) runs the A3B-shaped target (one layer, a 4,096-token vocabulary; `bench/quant_target.py`'s
 random weights) through the engine's one-row fused step in the Triton interpreter on the CPU, recording every
 kernel launch (function, argument types, alignment, constexprs, warps), in a child process; (2) compiles each
-recorded kernel for sm_`--arch` with this machine's Triton, as the launch would on that GPU (PDL on), and
-disassembles it (`cuobjdump`, shipped with Triton); (3) reports per kernel: registers, instructions, and for its
-loops (backward branches): instructions per pass, the weight values a thread takes per pass where the kernel is a
-GEMV (`_gemv_kernel`: from its tile constexprs) and so instructions per value, and the BAR / STS / LDS / SHFL in
-the loop. Run it under each Triton a user may have (the device's and the CI's differ) and compare.
+recorded kernel for sm_`--arch` with this machine's Triton, as the launch would on that GPU (PDL on, the split
+attention's L2 prefetch on sm_90+, a recorded register cap), and disassembles it (`cuobjdump`, shipped with
+Triton); (3) reports per kernel: registers, instructions, and for its loops (backward branches): instructions per
+pass, the weight values a thread takes per pass where the kernel is a GEMV (`_gemv_kernel`: from its tile
+constexprs) and so instructions per value, and the BAR / STS / LDS / SHFL in the loop; a kernel the compiler
+refuses is listed with its error (the interpreter checks no types, so this is where a GPU-only failure shows
+without a GPU). Run it under each Triton a user may have (the device's and the CI's differ) and compare; `--kv
+q8_0` records the step over a q8_0 cache.
 
-Writes `kernel_sass_<formats>_triton<version>.json` (and each kernel's SASS under `--dump`).
+Writes `kernel_sass_<formats>[_kvq8_0]_triton<version>.json` (and each kernel's SASS under `--dump`).
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "
 
 # ---------------------------------------------------------------------------------------------- 1. record (child)
 
-def record(formats: list[str], out: Path) -> None:
+def record(formats: list[str], out: Path, kv_kind: str = "bf16") -> None:
     """Interpreter child: one one-row step per format, every kernel launch written to `out` as JSON lines."""
     import torch
     import triton.runtime.interpreter as interp
 
+    import tests.runtime.kernels_check  # noqa: F401  (the interpreter's patches: loaded scalars as loop bounds)
     from bench.common import A3B_SHAPE
     from bench.quant_target import build_on_gpu
     from runtime.gpu.static_step import StaticStep
@@ -68,6 +72,8 @@ def record(formats: list[str], out: Path) -> None:
         opts = {k: v for k, v in kwargs.items() if k not in names}
         entry = {"format": fmt_now[0], "module": fn.__module__, "name": fn.__name__, "params": params,
                  "num_warps": int(opts.get("num_warps", 4)), "num_stages": int(opts.get("num_stages", 3))}
+        if opts.get("maxnreg"):
+            entry["maxnreg"] = int(opts["maxnreg"])
         key = json.dumps([entry["module"], entry["name"], params, entry["num_warps"]], default=str)
         if key not in seen:
             seen.add(key)
@@ -81,9 +87,16 @@ def record(formats: list[str], out: Path) -> None:
             fmt_now[0] = fmt
             model = build_on_gpu(cfg, fmt, device="cpu")
             c = model.cfg
-            kv = KVCache(1, c.num_key_value_heads, c.head_dim, 128, dtype=torch.bfloat16)
-            kv.k.normal_()
-            kv.v.normal_()
+            kv = KVCache(1, c.num_key_value_heads, c.head_dim, 128, dtype=torch.bfloat16,
+                         quant="q8_0" if kv_kind == "q8_0" else None)
+            if kv.k.is_floating_point():
+                kv.k.normal_()
+                kv.v.normal_()
+            else:                                   # q8_0 codes and their scales
+                kv.k.random_(-127, 128)
+                kv.v.random_(-127, 128)
+                kv.k_scale.fill_(0.01)
+                kv.v_scale.fill_(0.01)
             kv.length = 64
             step = StaticStep(model, kv, 1, graph=False)
             if not step.fused:
@@ -165,9 +178,18 @@ def compile_entry(e: dict[str, Any], arch: int):
         else:
             raise ValueError(f"{e['name']}: cannot type argument {n}: {d}")
     src = ASTSource(jf, sig, consts, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": e["num_warps"], "num_stages": e["num_stages"]})
+    opts = {"num_warps": e["num_warps"], "num_stages": e["num_stages"]}
+    if e.get("maxnreg"):
+        opts["maxnreg"] = e["maxnreg"]
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     return k, {names[i[0]]: v for i, v in consts.items()}
+
+
+def _split_prefetch() -> int:
+    """The split attention's L2 prefetch on a GPU of compute capability 9.0+ (the interpreter records 0)."""
+    from runtime.gpu import attention_kernels as ak
+
+    return int(ak.SPLIT_KV_PREFETCH) if ak.SPLIT_KV_PREFETCH and ak.SPLIT_EXIT_EARLY else 0
 
 
 def tool(name: str) -> str:
@@ -240,13 +262,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="bf16,q4_0,q8_0")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "q8_0"), help="the KV cache the step reads")
     ap.add_argument("--dump", default="")
     ap.add_argument("--launches", default="", help="a launches file to read (or, when it does not exist, to write): "
                     "record once, compile under several Tritons")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.record:
-        record(args.formats.split(","), Path(args.record))
+        record(args.formats.split(","), Path(args.record), args.kv)
         return {}
     import triton
 
@@ -256,11 +279,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log = Path(args.launches) if args.launches else Path(d) / "launches.jsonl"
         if not log.exists():
             env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-            p = subprocess.run([sys.executable, __file__, "--formats", args.formats, "--record", str(log)], env=env,
+            p = subprocess.run([sys.executable, __file__, "--formats", args.formats, "--kv", args.kv, "--record",
+                                str(log)], env=env,
                                capture_output=True, text=True, cwd=ROOT)
             if p.returncode != 0:
                 raise SystemExit("recording the step's launches failed:\n" + p.stderr[-3000:])
         entries = [json.loads(ln) for ln in log.read_text().splitlines() if ln]
+    if args.arch >= 90:                             # the split attention's prefetch, as `_kv_prefetch` sets it there
+        for e in entries:
+            if e["name"] == "_attn_split_kernel":
+                e["params"] = [[n, {"int": _split_prefetch()} if n == "PF" else d] for n, d in e["params"]]
     rows, res = [], {"machine": machine(), "triton": triton.__version__, "arch": args.arch, "kernels": []}
     for e in entries:
         try:
@@ -290,7 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in res["kernels"]:
         if "error" in r:
             print(f"{r['format']} {r['kernel']}: {r['error']}")
-    write_json(f"kernel_sass_{args.formats.replace(',', '_')}_triton{triton.__version__}.json", res)
+    kv = "" if args.kv == "bf16" else f"_kv{args.kv}"
+    write_json(f"kernel_sass_{args.formats.replace(',', '_')}{kv}_triton{triton.__version__}.json", res)
     return res
 
 
