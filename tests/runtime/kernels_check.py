@@ -658,6 +658,7 @@ def _fused_step_matches_forward(model, label: str) -> None:
                     got = step(wt, kv_b, (1,))
                     err = (got.logits - ref.logits).abs().max()
                     assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (label, width, err)
+                    assert step.fused and not step.errors, (label, width, step.errors)    # no fallback
         finally:
             dense_kernels.quant_one_row = one_row
     fmt = getattr(model.model.layers[0].self_attn.o_proj, "qtype", None)
@@ -858,6 +859,7 @@ def check_dense_step_q8() -> None:
             assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
             kv_a.rollback(kv_a.length - 1)
             kv_b.rollback(kv_b.length - 1)
+        assert step.use_kernels and not step.errors, step.errors     # the kernels ran, no fallback
         assert torch.equal(kv_a.k[:, :, :, :kv_a.length], kv_b.k[:, :, :, :kv_b.length]) or \
             (kv_a.k[:, :, :, :kv_a.length].int() - kv_b.k[:, :, :, :kv_b.length].int()).abs().max() <= 1
     from runtime.speculative import generate_ids
@@ -1111,6 +1113,8 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
             got = step(w, kv_b, (1,))
             assert torch.allclose(got.logits, ref.logits, atol=2e-4, rtol=0), (got.logits - ref.logits).abs().max()
             assert torch.allclose(got.taps, ref.taps, atol=2e-4, rtol=0)
+            # still the fused kernels: a step that fell back would match the plain forward and check nothing
+            assert step.fused and not step.errors, step.errors
             kv_a.rollback(kv_a.length - 1)
             kv_b.rollback(kv_b.length - 1)
         ka, kb = kv_a.committed()[0], kv_b.committed()[0]

@@ -166,6 +166,7 @@ def check_greedy_through_step() -> None:
         step = StaticStep(m, kv, 2, graph=False)
         assert step.use_kernels
         out[name] = generate_ids(m, kv, [5, 9, 11, 2, 7, 30, 3], max_new_tokens=10, step=step).token_ids
+        assert step.use_kernels and not step.errors, step.errors     # the kernels ran, no fallback
         if slots is not None:
             st = c.stats()
             assert st["misses"] > 0 and st["fetched"] > 0, st
