@@ -23,6 +23,7 @@ from torch import Tensor
 from runtime.drafters.base import Drafter
 from runtime.errors import UsageError
 from runtime.gpu import prefill_chunk
+from runtime.gpu.fallback import fell_back
 from runtime.kv import KVCache
 from runtime.sampling import (
     RULE_GRAPHS_KEPT,
@@ -316,7 +317,7 @@ class _SampledRule:
             try:
                 rule = _Rule(logits, draft, q, keep, sp)
             except Exception as e:  # a capture that fails: the eager ops from now on
-                self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+                fell_back(self.errors, e, "the sampled acceptance rule's CUDA graph", "its eager ops")
                 self.enabled = False
                 self.graphs.clear()
                 return None

@@ -14,6 +14,8 @@ import os
 import torch
 from torch import Tensor
 
+from runtime.gpu.fallback import fell_back
+
 _STREAM: torch.cuda.Stream | None = None
 
 
@@ -138,7 +140,7 @@ class GraphSet:
             try:
                 self.graphs[key] = capture(fn)
             except Exception as e:  # fall back to the eager path for good
-                self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
+                fell_back(self.errors, e, f"a CUDA graph of {type(self).__name__}", "its eager path")
                 self.enabled = False
                 self.graphs.clear()
                 self.settings.clear()

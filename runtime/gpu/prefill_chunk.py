@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from runtime.gpu import attention_kernels, dense_kernels, kernels
+from runtime.gpu.fallback import fell_back
 from runtime.kv import KVCache
 from runtime.models.layers import cached_attention
 from runtime.models.qwen3_moe import Qwen3MoeModel, TargetOutput
@@ -102,6 +103,6 @@ def run(model, kv: KVCache, input_ids: Tensor, taps: tuple[int, ...], logits_to_
             kv.length = start
             raise
         except Exception as e:  # a kernel that does not build here: the module forward rewrites the same slots
-            ERRORS.append(f"{type(e).__name__}: {str(e)[:300]}")
+            fell_back(ERRORS, e, "the fused prefill chunk", "the module forward")
             kv.length = start
     return model(input_ids, kv=kv, taps=taps, logits_to_keep=logits_to_keep)

@@ -25,14 +25,13 @@ target-only output bit for bit on the CPU too.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.gpu import attention_kernels, dense_kernels, kernels, moe_kernels, moe_row
 from runtime.gpu.capture import HostScalars
+from runtime.gpu.fallback import fell_back
 from runtime.kv import KVCache, dequantize_q8_0, quantize_q8_0
 from runtime.models import cpu_plan, cpu_rows
 from runtime.models.layers import DENSE_ROWS, SparseMoe, project_qkv, qkv_rows
@@ -560,12 +559,8 @@ class StaticStep:
     def _degrade(self, e: Exception) -> None:
         """Step down one level (fused -> unfused kernels -> plain torch, no graph), remember why and say so: a
         user would otherwise see only a step several times slower."""
-        self.errors.append(f"{type(e).__name__}: {str(e)[:300]}")
-        why = (str(e).strip().splitlines() or [""])[-1][:200]
-        warnings.warn(f"the {'fused' if self.fused else 'Triton'} decode step failed here ({type(e).__name__}: "
-                      f"{why}); falling back to {'the unfused kernels' if self.fused else 'plain torch'}, which "
-                      f"is slower: please report it with your GPU, torch and Triton versions.", RuntimeWarning,
-                      stacklevel=2)
+        fell_back(self.errors, e, f"the {'fused' if self.fused else 'Triton'} decode step",
+                  "the unfused kernels" if self.fused else "plain torch")
         torch.cuda.synchronize() if self.kv.k.is_cuda else None
         if self.fused:
             self.fused = False

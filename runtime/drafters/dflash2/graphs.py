@@ -14,6 +14,7 @@ from runtime.drafters.base import Proposal, floor_keep
 from runtime.drafters.dflash2.model import _floor_q, follow_lattice, lattice_scores, lattice_walk
 from runtime.gpu import attention_kernels, dense_kernels, dflash2_kernels, kernels
 from runtime.gpu.capture import GraphSet, QuantStack, capture, stack_linears, stack_quant_linears
+from runtime.gpu.fallback import fell_back
 from runtime.sampling import SamplingParams, gumbel_pick, probs, sampling_key
 
 
@@ -75,7 +76,8 @@ class DFlash2Graphs(GraphSet):
                 self._touch(key)
                 self.graphs[key] = capture(fn)
             except Exception as e:
-                self.errors.append(f"fast path off: {type(e).__name__}: {str(e)[:300]}")
+                fell_back(self.errors, e, "the DFlash2 drafter's fast path", "its plain graphs",
+                          prefix="fast path off: ")
                 self.fast = False
                 self.graphs.clear()
                 self.settings.clear()
