@@ -38,13 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_VOCAB = 4096
+# `--small`: the A3B's head size, head ratio and rows of 256-value multiples, at a fraction of its widths, so the
+# interpreter records the same kernels in seconds (a compile check without a GPU; the tiles of shape-picked
+# variants may differ from the A3B's)
+SMALL_SHAPE = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "num_experts": 16,
+               "num_experts_per_tok": 4, "moe_intermediate_size": 256, "intermediate_size": 1024, "vocab_size": 512}
 _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.int32": "i32",
            "torch.int64": "i64", "torch.int16": "i16", "torch.uint8": "u8", "torch.int8": "i8", "torch.bool": "i1"}
 
 
 # ---------------------------------------------------------------------------------------------- 1. record (child)
 
-def record(formats: list[str], out: Path, kv_kind: str = "bf16") -> None:
+def record(formats: list[str], out: Path, kv_kind: str = "bf16", small: bool = False) -> None:
     """Interpreter child: one one-row step per format, every kernel launch written to `out` as JSON lines."""
     import torch
     import triton.runtime.interpreter as interp
@@ -81,7 +86,7 @@ def record(formats: list[str], out: Path, kv_kind: str = "bf16") -> None:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interp.InterpretedFunction.run = rec
-    cfg = {**A3B_SHAPE, "num_hidden_layers": 1, "vocab_size": SMALL_VOCAB}
+    cfg = {**A3B_SHAPE, "num_hidden_layers": 1, "vocab_size": SMALL_VOCAB, **(SMALL_SHAPE if small else {})}
     with torch.no_grad():
         for fmt in formats:
             fmt_now[0] = fmt
@@ -263,13 +268,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--formats", default="bf16,q4_0,q8_0")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--kv", default="bf16", choices=("bf16", "q8_0"), help="the KV cache the step reads")
+    ap.add_argument("--small", action="store_true", help="a narrow model of the A3B's head shape (SMALL_SHAPE)")
     ap.add_argument("--dump", default="")
     ap.add_argument("--launches", default="", help="a launches file to read (or, when it does not exist, to write): "
                     "record once, compile under several Tritons")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.record:
-        record(args.formats.split(","), Path(args.record), args.kv)
+        record(args.formats.split(","), Path(args.record), args.kv, args.small)
         return {}
     import triton
 
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not log.exists():
             env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
             p = subprocess.run([sys.executable, __file__, "--formats", args.formats, "--kv", args.kv, "--record",
-                                str(log)], env=env,
+                                str(log)] + (["--small"] if args.small else []), env=env,
                                capture_output=True, text=True, cwd=ROOT)
             if p.returncode != 0:
                 raise SystemExit("recording the step's launches failed:\n" + p.stderr[-3000:])
@@ -294,7 +300,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             k, consts = compile_entry(e, args.arch)
         except Exception as ex:  # one kernel the compiler refuses must not hide the others
-            res["kernels"].append({"format": e["format"], "kernel": e["name"], "error": f"{type(ex).__name__}: {ex}"[:400]})
+            lines = str(ex).strip().splitlines() or [""]    # a compile error: its place first, its cause last
+            res["kernels"].append({"format": e["format"], "kernel": e["name"],
+                                   "error": f"{type(ex).__name__}: {lines[0][:100]} {lines[-1][:300]}"})
             continue
         sass, regs = sass_and_regs(k)
         if args.dump:

@@ -189,3 +189,27 @@ def test_split_attention_over_a_q8_0_cache_compiles_with_its_l2_prefetch():
         ops, _, _ = _ops(_with(_q8(_SPLIT), *extra))
         pf_at = [i for i, op in enumerate(ops) if op == "UBLKPF"]
         assert len(pf_at) == n_pf and all(i < ops.index("ACQBULK") for i in pf_at), (extra, pf_at)
+
+
+@pytest.mark.timeout(300)
+def test_every_kernel_of_the_one_row_step_compiles_for_sm90(tmp_path, monkeypatch):
+    """Every kernel the fused one-row step launches (a narrow model of the A3B's head shape, BF16 / Q4_0 / Q8_0
+    targets, a q8_0 cache), recorded in the interpreter and compiled for sm_90 as a Hopper launch sets it (PDL, the
+    split attention's L2 prefetch, register caps): the interpreter checks no types, so a kernel can pass every
+    interpreter check and still not build on a GPU, where the step then falls back to a path many times slower."""
+    pytest.importorskip("triton")
+    from bench import kernel_sass
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    res = kernel_sass.main(["--formats", "bf16,q4_0,q8_0", "--kv", "q8_0", "--small"])
+    errors = [k for k in res["kernels"] if "error" in k]
+    assert errors == [], errors
+    names = {(k["format"], k["kernel"]) for k in res["kernels"]}
+    for kernel in ("_qkv_post_kernel", "_attn_split_kernel", "_attn_reduce_kernel", "_route_kernel",
+                   "_down_sum_kernel", "_rmsnorm_kernel"):
+        assert ("bf16", kernel) in names, (kernel, names)
+    assert {"q4_0", "q8_0"} <= {f for f, k in names if k == "_gemv_kernel"}
+    from runtime.gpu import attention_kernels as ak
+
+    split = next(k for k in res["kernels"] if k["kernel"] == "_attn_split_kernel")
+    assert split["tile"].get("PF") == ak.SPLIT_KV_PREFETCH and split["registers"] <= ak.SPLIT_ONE_Q8_REGS
