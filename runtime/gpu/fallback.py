@@ -1,6 +1,6 @@
 """Giving up a fast path (a kernel that does not build on this GPU, a CUDA graph that does not capture) for a slower
 one that computes the same: record why for the benchmarks and say so once, since a user would otherwise see only
-a slower run (docs/models.md, "Why greedy output stays lossless")."""
+a slower run (docs/models.md, "Numerics": the fallback order)."""
 
 from __future__ import annotations
 
