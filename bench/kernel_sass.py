@@ -49,8 +49,9 @@ _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "
 
 # ---------------------------------------------------------------------------------------------- 1. record (child)
 
-def record(formats: list[str], out: Path, kv_kind: str = "bf16", small: bool = False) -> None:
-    """Interpreter child: one one-row step per format, every kernel launch written to `out` as JSON lines."""
+def record(formats: list[str], out: Path, kv_kind: str = "bf16", small: bool = False, width: int = 1) -> None:
+    """Interpreter child: one step of `width` rows per format, every kernel launch written to `out` as JSON
+    lines."""
     import torch
     import triton.runtime.interpreter as interp
 
@@ -103,10 +104,10 @@ def record(formats: list[str], out: Path, kv_kind: str = "bf16", small: bool = F
                 kv.k_scale.fill_(0.01)
                 kv.v_scale.fill_(0.01)
             kv.length = 64
-            step = StaticStep(model, kv, 1, graph=False)
+            step = StaticStep(model, kv, width, graph=False)
             if not step.fused:
-                raise SystemExit(f"the one-row step of {fmt} is not the fused one on this machine")
-            step(torch.tensor([[11]]), kv)
+                raise SystemExit(f"the {width}-row step of {fmt} is not the fused one on this machine")
+            step(torch.arange(11, 11 + width)[None], kv)
     f.close()
 
 
@@ -269,13 +270,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--kv", default="bf16", choices=("bf16", "q8_0"), help="the KV cache the step reads")
     ap.add_argument("--small", action="store_true", help="a narrow model of the A3B's head shape (SMALL_SHAPE)")
+    ap.add_argument("--width", type=int, default=1, help="the step's rows (1: decoding alone; 8: a verify window)")
     ap.add_argument("--dump", default="")
     ap.add_argument("--launches", default="", help="a launches file to read (or, when it does not exist, to write): "
                     "record once, compile under several Tritons")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.record:
-        record(args.formats.split(","), Path(args.record), args.kv, args.small)
+        record(args.formats.split(","), Path(args.record), args.kv, args.small, args.width)
         return {}
     import triton
 
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not log.exists():
             env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
             p = subprocess.run([sys.executable, __file__, "--formats", args.formats, "--kv", args.kv, "--record",
-                                str(log)] + (["--small"] if args.small else []), env=env,
+                                str(log), "--width", str(args.width)] + (["--small"] if args.small else []), env=env,
                                capture_output=True, text=True, cwd=ROOT)
             if p.returncode != 0:
                 raise SystemExit("recording the step's launches failed:\n" + p.stderr[-3000:])
@@ -320,13 +322,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      rec["instructions"], inner["instructions"] if inner else "-", vpp or "-",
                      rec["instr_per_value"] or "-",
                      " ".join(f"{a}:{b}" for a, b in inner["not_arithmetic"].items()) if inner else "-"])
-    print_table(f"SASS of the one-row step's kernels (Triton {triton.__version__}, sm_{args.arch})",
+    print_table(f"SASS of the {args.width}-row step's kernels (Triton {triton.__version__}, sm_{args.arch})",
                 ["format", "kernel", "tile", "warps", "regs", "instr", "loop instr", "values / pass",
                  "instr / value", "in the loop: smem, barriers, shuffles"], rows)
     for r in res["kernels"]:
         if "error" in r:
             print(f"{r['format']} {r['kernel']}: {r['error']}")
-    kv = "" if args.kv == "bf16" else f"_kv{args.kv}"
+    kv = ("" if args.kv == "bf16" else f"_kv{args.kv}") + ("" if args.width == 1 else f"_w{args.width}")
     write_json(f"kernel_sass_{args.formats.replace(',', '_')}{kv}_triton{triton.__version__}.json", res)
     return res
 
