@@ -1,7 +1,8 @@
 """The machine code of the one-row decode step's Triton kernels, from any machine: instructions in each kernel's
 hot loop, per weight value, and what in them is not arithmetic (shared-memory round trips, barriers, shuffles).
 
-    python bench/kernel_sass.py [--formats bf16,q4_0,q8_0] [--kv bf16|q8_0] [--arch 90] [--dump DIR]
+    python bench/kernel_sass.py [--formats bf16,q4_0,q8_0] [--kv bf16|q8_0] [--width N] [--small] [--arch 90]
+        [--dump DIR]
 
 Why: Triton picks each tile's thread layout itself, and the GEMV kernels are fast only where that layout keeps a
 program's weight rows in one thread (runtime/gpu/moe_gemv.py, module docstring). Which layout a Triton version
@@ -16,9 +17,9 @@ pass, the weight values a thread takes per pass where the kernel is a GEMV (`_ge
 constexprs) and so instructions per value, and the BAR / STS / LDS / SHFL in the loop; a kernel the compiler
 refuses is listed with its error (the interpreter checks no types, so this is where a GPU-only failure shows
 without a GPU). Run it under each Triton a user may have (the device's and the CI's differ) and compare; `--kv
-q8_0` records the step over a q8_0 cache.
+q8_0` records the step over a q8_0 cache, `--width 8` a verify window's step, `--small` a narrow model (seconds).
 
-Writes `kernel_sass_<formats>[_kvq8_0]_triton<version>.json` (and each kernel's SASS under `--dump`).
+Writes `kernel_sass_<formats>[_kvq8_0][_wN]_triton<version>.json` (and each kernel's SASS under `--dump`).
 """
 
 from __future__ import annotations

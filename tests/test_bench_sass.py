@@ -178,7 +178,7 @@ def test_split_attention_over_a_q8_0_cache_compiles_with_its_l2_prefetch():
     their scales asked into L2 before the PDL wait: attention_kernels.SPLIT_KV_PREFETCH; the SM marks of pdl too)
     compiles for sm_90: four bulk prefetches before the wait, none without the prefetch. The interpreter runs no
     type check across loop iterations, so only a compile finds a name the prefetch shares with a loop (a q8_0
-    cache once fell back to the unfused step, 38x slower, on every Hopper GPU)."""
+    cache once sent the step to plain torch, 38x slower, on every Hopper GPU)."""
     pytest.importorskip("triton")
     from runtime.gpu import attention_kernels
 
@@ -199,6 +199,7 @@ def test_every_kernel_of_the_one_row_step_compiles_for_sm90(tmp_path, monkeypatc
     interpreter check and still not build on a GPU, where the step then falls back to a path many times slower."""
     pytest.importorskip("triton")
     from bench import kernel_sass
+    from runtime.gpu import attention_kernels as ak
 
     monkeypatch.setenv("OUT", str(tmp_path))
     res = kernel_sass.main(["--formats", "bf16,q4_0,q8_0", "--kv", "q8_0", "--small"])
@@ -209,7 +210,5 @@ def test_every_kernel_of_the_one_row_step_compiles_for_sm90(tmp_path, monkeypatc
                    "_down_sum_kernel", "_rmsnorm_kernel"):
         assert ("bf16", kernel) in names, (kernel, names)
     assert {"q4_0", "q8_0"} <= {f for f, k in names if k == "_gemv_kernel"}
-    from runtime.gpu import attention_kernels as ak
-
     split = next(k for k in res["kernels"] if k["kernel"] == "_attn_split_kernel")
     assert split["tile"].get("PF") == ak.SPLIT_KV_PREFETCH and split["registers"] <= ak.SPLIT_ONE_Q8_REGS

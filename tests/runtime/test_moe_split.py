@@ -43,4 +43,3 @@ def test_the_environment_switch_names_a_tile():
     code = "import runtime.gpu.moe_split as m; print(m.TILE)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout.strip() == "None" and "names no tile" in r.stderr and "s16p3" in r.stderr, r.stderr[-2000:]
-
