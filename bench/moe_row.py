@@ -11,8 +11,8 @@ costs inside a graph-replayed one-row step. Next to it: the bytes at the copy ba
 and the check against the shipped path (the same experts picked, the output's largest difference relative to its
 largest |value|). Candidates: the shipped launches with the experts split over the intermediate
 (runtime/gpu/moe_split.py, `ffn-<tile>` for each of its TILES, BF16 only); the persistent kernel's tiles
-(`moe_row.TILE` keys), and "phases" (the same kernel as three launches, no grid barrier). Also an empty persistent launch with and without two grid barriers (what the
-barriers cost by themselves).
+(`moe_row.TILE` keys), and "phases" (the same kernel as three launches, no grid barrier). Also an empty
+persistent launch with and without two grid barriers (what the barriers cost by themselves).
 
 Writes `moe_row_<quant>.json`.
 """
