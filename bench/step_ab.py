@@ -117,6 +117,7 @@ from runtime.gpu.moe_gemv import DECODE_GEMV, DECODE_GEMV_ONE_ROW  # noqa: E402
 from runtime.gpu.moe_row import QTILE as _MOE_ROW_QTILE  # noqa: E402
 from runtime.gpu.moe_row import TILE as _MOE_ROW_TILE  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
+from runtime.kv import ONE_ROW_CHUNKS as ONE_ROW_CHUNKS_SHIPPED  # noqa: E402
 
 QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
 DENSE_ROWS_SHIPPED = dict(DENSE_GEMV_ROWS)
@@ -194,6 +195,16 @@ ARMS["o-aware64"] = {**ARMS["o-aware"], "mark_max": 64}
 ARMS["tiers4-64to1k"] = {**_DEFAULT, "wide": True, "tiers": (64, 1024, 128, 4096, 256, 32768, 1024)}
 ARMS["tiers4-64to2k"] = {**_DEFAULT, "wide": True, "tiers": (64, 2048, 128, 4096, 256, 32768, 1024)}
 ARMS["tiers4-64to1k+o-aware64"] = {**ARMS["o-aware64"], "tiers": (64, 1024, 128, 4096, 256, 32768, 1024)}
+# a one-row window's chunks from its row's length (runtime/kv.py ONE_ROW_CHUNKS = (T, CMIN, CMAX): about T chunks a
+# row, of CMIN to CMAX positions; other bits than the tiers)
+ARMS["one-row-tiers"] = {**_DEFAULT, "one_row_chunks": None}      # the runtime before: KV_TIERS for one row too
+for _t in (16, 32, 64, 96, 128):
+    ARMS[f"ad{_t}"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 1024)}
+    ARMS[f"ad{_t}x"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 4096)}
+    ARMS[f"ad{_t}k2"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 2048)}
+    ARMS[f"ad{_t}m32"] = {**_DEFAULT, "one_row_chunks": (_t, 32, 2048)}
+    ARMS[f"ad{_t}m16"] = {**_DEFAULT, "one_row_chunks": (_t, 16, 2048)}
+ARMS["ad64m32+o-aware64"] = {**ARMS["o-aware64"], "one_row_chunks": (64, 32, 2048)}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
 ARMS["o-regs128"] = {**_DEFAULT, "dense": {**ONE_DENSE, "o_proj": "one_d4r128"}}
@@ -274,6 +285,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, moe_row, moe_split, pdl
 
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
+    kv.ONE_ROW_CHUNKS = arm.get("one_row_chunks", ONE_ROW_CHUNKS_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)

@@ -32,6 +32,43 @@ KV_QUANTS = ("q8_0",)
 KV_TIERS: tuple[int, ...] = (128, 4096, 256, 32768, 1024)
 
 
+# A window of one row over a compute-dtype cache (a target decoding alone: its engine's one width is 1, docs/models.md
+# "Numerics") splits by a layout chosen from the row's own length n instead: ONE_ROW_CHUNKS = (T, CMIN, CMAX), chunks
+# of C positions, C the least of CMIN, 2 CMIN, 4 CMIN, ... up to CMAX with T * C >= n: between T / 2 and T chunks a
+# row at every length up to T * CMAX, where the fixed layout leaves short contexts few programs and long ones more
+# than a wave. Still a function of the row's position only (its bits never depend on the capacity or on other rows);
+# not the wider windows' layout (their rows share K/V tiles, so chunk boundaries). H100, A3B one-row step on
+# 40,960-position caches (bench/step_ab.py arms ad*, bench/results/h100_session41/one_row_chunks/): against KV_TIERS
+# 3.03 -> 2.92 ms at 1k, 3.04 -> 2.94 at 2k, 3.04 -> 3.02 at 4k (the same layout there), 3.23 -> 3.19 at 8k, 3.56
+# -> 3.49-3.51 at 16k, 4.13 -> 4.06 at 32k; 7.45 -> 7.14 at 131k (a 131k cache). None: KV_TIERS for one row too.
+ONE_ROW_CHUNKS: tuple[int, int, int] | None = (64, 32, 2048)
+
+
+def one_row_layout(layout: tuple[int, ...] | None = None) -> tuple[int, int, int]:
+    """(T, CMIN, CMAX) checked (None: ONE_ROW_CHUNKS as it is when called, which must be set)."""
+    t = tuple(int(x) for x in (ONE_ROW_CHUNKS if layout is None else layout))
+    if len(t) != 3 or t[0] < 1 or t[1] < 1 or t[2] < t[1] or t[2] % t[1] or (t[2] // t[1]) & (t[2] // t[1] - 1):
+        raise ValueError(f"one-row chunk layout {t}: (chunks, least chunk, largest chunk) with the largest a "
+                         "power-of-two multiple of the least; fix the layout.")
+    return t
+
+
+def one_row_chunk(n: int, layout: tuple[int, ...] | None = None) -> int:
+    """Positions a chunk of a one-row window whose row holds n positions (the kernels' `_row_chunk`)."""
+    t, c, cmax = one_row_layout(layout)
+    while c < cmax and t * c < n:
+        c *= 2
+    return c
+
+
+def one_row_chunks(capacity: int, layout: tuple[int, ...] | None = None) -> int:
+    """The most chunks a one-row window has at any length up to capacity: T while chunks can grow, then
+    capacity / CMAX."""
+    t, cmin, cmax = one_row_layout(layout)
+    n = max(1, int(capacity))
+    return max(min(t, -(-n // cmin)), -(-n // cmax))
+
+
 def tiers4(tiers: tuple[int, ...] | None = None) -> tuple[int, int, int, int, int, int, int]:
     """A layout as four tiers (C0, E0, C1, E1, C2, E2, C3), the kernels' form: three tiers get an empty third
     (E2 = E1, C3 = C2). None: KV_TIERS as it is when called."""
@@ -66,9 +103,16 @@ def split_chunks(capacity: int, tiers: tuple[int, ...] | None = None) -> int:
     return e0 // c0 + (e1 - e0) // c1 + (e2 - e1) // c2 + -(-(n - e2) // c3)
 
 
+def partial_chunks(rows: int, capacity: int) -> int:
+    """Chunk slots a (row, head) of a `rows`-row split attention needs at up to `capacity` positions: KV_TIERS',
+    and for one row ONE_ROW_CHUNKS' too when set."""
+    n = split_chunks(capacity)
+    return max(n, one_row_chunks(capacity)) if rows == 1 and ONE_ROW_CHUNKS else n
+
+
 def split_partials_bytes(rows: int, heads: int, capacity: int, head_dim: int) -> int:
     """Scratch of one split decode attention: `rows * heads * chunks * (head_dim + 2) * 4` bytes."""
-    return rows * heads * split_chunks(capacity) * (head_dim + 2) * 4
+    return rows * heads * partial_chunks(rows, capacity) * (head_dim + 2) * 4
 
 
 def kv_row_bytes(head_dim: int, elem_bytes: int, quant: str | None = None) -> int:

@@ -5,7 +5,8 @@ written or read. Every kernel takes the cache in the compute dtype or as q8_0 (r
 float16 scale per 32; `ks`/`vs` are the scales).
 
 `attention` splits the context (flash-decoding): a program per (block of window rows, KV head, chunk of positions;
-runtime/kv.py `KV_TIERS`: short chunks early in the context, longer ones later) leaves each row's chunk output
+runtime/kv.py `KV_TIERS`: short chunks early in the context, longer ones later; a one-row window over a BF16 cache
+splits by its row's length instead, `ONE_ROW_CHUNKS`) leaves each row's chunk output
 (unnormalised), max and sum; a second kernel combines a row's chunks in a fixed order. The rows of a block share
 each K/V tile they read, so a verify window of W rows reads the cache once, not W times. Chunk boundaries are
 absolute positions and every tile size is a constant of the model (the row block too, `row_block`: one for one-row
@@ -24,9 +25,18 @@ import os
 import torch
 from torch import Tensor
 
+from runtime import kv as kv_layout
 from runtime.gpu import pdl
 from runtime.gpu.kernels import HAVE_TRITON, pow2
-from runtime.kv import Q8_BLOCK, split_chunks, tiers4, uniform_tiers
+from runtime.kv import (
+    Q8_BLOCK,
+    one_row_chunks,
+    one_row_layout,
+    partial_chunks,
+    split_chunks,
+    tiers4,
+    uniform_tiers,
+)
 
 REDUCE_TILE = 64        # chunks combined per step of the reduction (a constant: it fixes the summation order)
 # positions per inner step (it fixes the order of the online softmax: a constant per head_dim) and launch settings
@@ -233,6 +243,15 @@ if HAVE_TRITON:
         return tl.where(n <= E0, a, tl.where(n <= E1, b, tl.where(n <= E2, c, e)))
 
     @triton.jit
+    def _row_chunk(n, T: tl.constexpr, CMIN: tl.constexpr, ND: tl.constexpr):
+        """A one-row window's chunk for a row of n positions: the least CMIN * 2^k (k <= ND) with T * it >= n
+        (runtime/kv.py `one_row_chunk`)."""
+        c = n * 0 + CMIN
+        for _ in tl.static_range(ND):
+            c = tl.where(c * T < n, c * 2, c)
+        return c
+
+    @triton.jit
     def _chunk_lo(c, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                   E2: tl.constexpr, C3: tl.constexpr):
         """(first position, length) of chunk c."""
@@ -250,8 +269,8 @@ if HAVE_TRITON:
                            G: tl.constexpr, GP: tl.constexpr, RB: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                            C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr, E1: tl.constexpr, C2: tl.constexpr,
                            E2: tl.constexpr, C3: tl.constexpr, Q8: tl.constexpr, NB: tl.constexpr, QB: tl.constexpr,
-                           Q8_PF: tl.constexpr = 0,
-                           CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, PF: tl.constexpr = 0,
+                           Q8_PF: tl.constexpr = 0, AT: tl.constexpr = 0, AMIN: tl.constexpr = 0,
+                           AND: tl.constexpr = 0, CVT: tl.constexpr = 0, EXIT: tl.constexpr = False, PF: tl.constexpr = 0,
                            mark_ptr=None, MARK: tl.constexpr = False, MARK_MAX: tl.constexpr = 0,
                            GDC: tl.constexpr = False):
         """Program (block of RB rows, kv head, first): chunks first, first + step, ... of positions 0..max pos
@@ -263,7 +282,9 @@ if HAVE_TRITON:
         of the step runs), so the programs of a grid sized for the whole cache cost little at short contexts.
         PF (with EXIT): the first PF positions of the program's first chunk asked into L2 before the wait. MARK
         (with EXIT and GDC): the program marks its SM in pdl's table (runtime/gpu/pdl.py MARK_SMS) before the wait;
-        with MARK_MAX > 0 only while at most MARK_MAX programs of the grid work (a short context)."""
+        with MARK_MAX > 0 only while at most MARK_MAX programs of the grid work (a short context). AT > 0 (a
+        one-row window, RB holding that one row): chunks of `_row_chunk(n, AT, AMIN, AND)` positions from 0, n the
+        row's length (runtime/kv.py ONE_ROW_CHUNKS), instead of the tiers."""
         if not EXIT:
             pdl.start(GDC)
         rb = tl.program_id(0)
@@ -276,13 +297,21 @@ if HAVE_TRITON:
         g = i % GP
         lm = (r < W) & (g < G)
         pos_r = tl.load(pos_ptr + r, mask=r < W, other=-1)
-        nv_r = _n_chunks(pos_r + 1, C0, E0, C1, E1, C2, E2, C3)   # chunks holding positions 0..pos; 0 for a padding row
+        if AT > 0:
+            csz = _row_chunk(tl.max(pos_r, 0) + 1, AT, AMIN, AND)
+            nv_r = (tl.maximum(pos_r + 1, 0) + csz - 1) // csz
+        else:
+            nv_r = _n_chunks(pos_r + 1, C0, E0, C1, E1, C2, E2, C3)   # chunks holding positions 0..pos; 0: padding
         n_valid = tl.max(nv_r, 0)
         if EXIT:
             if first >= n_valid:
                 return
             if PF > 0:
-                lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2, E2, C3)
+                if AT > 0:
+                    lo0 = first * csz
+                    size0 = csz
+                else:
+                    lo0, size0 = _chunk_lo(first, C0, E0, C1, E1, C2, E2, C3)
                 n_pf = tl.minimum(tl.minimum(lo0 + size0, tl.max(pos_r, 0) + 1) - lo0, PF).to(tl.int64)
                 kv0 = kvh.to(tl.int64) * stride_ch + lo0.to(tl.int64) * stride_cs
                 eb = k_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -307,7 +336,11 @@ if HAVE_TRITON:
         sbase = kvh.to(tl.int64) * stride_sh
         slot0 = (r * nh + heads).to(tl.int64) * NC
         for c in range(first, n_valid, step):
-            lo, size = _chunk_lo(c, C0, E0, C1, E1, C2, E2, C3)
+            if AT > 0:
+                lo = c * csz
+                size = csz
+            else:
+                lo, size = _chunk_lo(c, C0, E0, C1, E1, C2, E2, C3)
             hi_r = tl.minimum(lo + size, pos_r + 1)    # each line's end in this chunk
             hi = tl.max(hi_r, 0)
             m_i = tl.full((RB * GP,), float("-inf"), dtype=tl.float32)
@@ -350,7 +383,8 @@ if HAVE_TRITON:
     def _attn_reduce_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, NC, stride_ow, stride_oh,
                             HD: tl.constexpr, DB: tl.constexpr, C0: tl.constexpr, E0: tl.constexpr, C1: tl.constexpr,
                             E1: tl.constexpr, C2: tl.constexpr, E2: tl.constexpr, C3: tl.constexpr,
-                            NCB: tl.constexpr, GDC: tl.constexpr = False):
+                            NCB: tl.constexpr, AT: tl.constexpr = 0, AMIN: tl.constexpr = 0,
+                            AND: tl.constexpr = 0, GDC: tl.constexpr = False):
         """Program (row, head, column block): the row's chunk partials combined for DB output columns. Lane j of
         an NCB-wide tile takes chunks j, j + NCB, ... in order, then the lanes are summed: a fixed order for a
         given position (each column's arithmetic is the same whichever program does it)."""
@@ -359,7 +393,11 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         nh = tl.num_programs(1)
         pos = tl.load(pos_ptr + row)
-        n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2, E2, C3)
+        if AT > 0:                                     # the split's one-row layout (AT: its chunks a row)
+            csz = _row_chunk(pos + 1, AT, AMIN, AND)
+            n_valid = (tl.maximum(pos + 1, 0) + csz - 1) // csz
+        else:
+            n_valid = _n_chunks(pos + 1, C0, E0, C1, E1, C2, E2, C3)
         slot0 = (row * nh + h).to(tl.int64) * NC
         j = tl.arange(0, NCB)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
@@ -507,7 +545,7 @@ def kv_write(k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, ks: Tens
 
 def split_scratch(rows: int, heads: int, capacity: int, head_dim: int, device: torch.device | str) -> Tensor:
     """The fp32 partials of one `attention` call (runtime/kv.py `split_partials_bytes`), to allocate once."""
-    n = rows * heads * split_chunks(capacity)
+    n = rows * heads * partial_chunks(rows, capacity)
     return torch.empty(n * (head_dim + 2), dtype=torch.float32, device=device)
 
 
@@ -544,9 +582,18 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     nkv, S = kc.shape[0], kc.shape[1]
     G = nh // nkv
     q = q.contiguous()
+    q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
+    # a one-row window over a compute-dtype cache takes the layout of its row's length (runtime/kv.py
+    # ONE_ROW_CHUNKS) unless a check names a layout; over a q8_0 cache it keeps the tiers (its one-row programs
+    # dequantize: fewer, longer ones were slower, H100 A3B 4.36 -> 5.34 ms at 32k)
+    one = W == 1 and chunk is None and tiers is None and kv_layout.ONE_ROW_CHUNKS is not None and not q8
     tiers = tiers4(uniform_tiers(chunk) if chunk is not None else tiers)
     c0, e0, c1, e1, c2, e2, c3 = tiers
-    nc = split_chunks(S, tiers)
+    ad = {}
+    if one:
+        at, amin, amax = one_row_layout()
+        ad = {"AT": at, "AMIN": amin, "AND": (amax // amin).bit_length() - 1}
+    nc = one_row_chunks(S) if one else split_chunks(S, tiers)
     n_acc = W * nh * nc * hd
     need = n_acc + W * nh * nc * 2
     if part is None:
@@ -554,7 +601,6 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     elif part.numel() < need:
         raise ValueError(f"attention partials hold {part.numel()} floats, {need} needed.")
     acc, ml = part[:n_acc], part[n_acc:need]
-    q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
     t = SPLIT_TILE_Q8 if q8 else SPLIT_TILE
     BS = t["BS"] if hd <= 128 else min(t["BS"], 32)
     gp = pow2(G)
@@ -566,13 +612,13 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     _attn_split_kernel[(blocks, nkv, split_programs(blocks, nkv, nc, q.device))](
         q, kc, vc, ksx, vs if q8 else vc, pos, acc, ml, float(scale), q.stride(0), q.stride(1), kc.stride(0),
         kc.stride(1), ssh, sss, nc, W, G=G, GP=gp, RB=rb, HD=hd, BS=BS, C0=c0, E0=e0, C1=c1, E1=e1, C2=c2, E2=e2,
-        C3=c3, Q8=q8, NB=nb, QB=qb, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
+        C3=c3, Q8=q8, NB=nb, QB=qb, **ad, Q8_PF=Q8_PREFETCH if q8 else 0, CVT=Q8_CVT if q8 else 0, EXIT=SPLIT_EXIT_EARLY,
         PF=_kv_prefetch(kc, ks), **_marks(q, o_early), num_warps=t["num_warps"],
         num_stages=t["num_stages"], **regs, **pdl.launch(q, "attention:o_early" if o_early else "attention"))
     o = torch.empty_like(q)
     db = 32 if hd % 32 == 0 else hd
     _attn_reduce_kernel[(W, nh, hd // db)](acc, ml, pos, o, nc, o.stride(0), o.stride(1), HD=hd, DB=db, C0=c0, E0=e0,
-                                           C1=c1, E1=e1, C2=c2, E2=e2, C3=c3, NCB=REDUCE_TILE, num_warps=2,
+                                           C1=c1, E1=e1, C2=c2, E2=e2, C3=c3, NCB=REDUCE_TILE, **ad, num_warps=2,
                                            **pdl.launch(q, "attention_reduce:o_early" if o_early else
                                                         "attention_reduce"))
     return o

@@ -1357,10 +1357,48 @@ def check_lattice_walk() -> None:
         assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-7)
 
 
+def check_one_row_chunks(dt: torch.dtype) -> None:
+    """A one-row window over a compute-dtype cache splits by its row's length (runtime/kv.py ONE_ROW_CHUNKS, here a
+    small layout: about 4 chunks of 16 to 64 positions): the same bits as the same row under one chunk size
+    everywhere of `one_row_chunk(pos + 1)` (the same boundaries, the same walk and reduction), the reference up to
+    rounding, the same bits on a larger cache and in the step's preallocated scratch; a q8_0 cache's one-row window
+    keeps the tiers."""
+    from runtime import kv as kv_mod
+
+    g = torch.Generator().manual_seed(7)
+    nh, nkv, hd, S = 4, 2, 64, 300
+    saved = kv_mod.ONE_ROW_CHUNKS
+    kv_mod.ONE_ROW_CHUNKS = (4, 16, 64)
+    try:
+        for q8 in (False, True):
+            kc, vc, ks, vs, keys, vals = cache(nkv, S, hd, dt, q8, g)
+            extra = cache(nkv, 200, hd, dt, q8, g)
+            big = [torch.cat([a, b], 1) if a is not None else None for a, b in zip((kc, vc, ks, vs), extra[:4],
+                                                                                    strict=True)]
+            part = attention_kernels.split_scratch(1, nh, S, hd, "cpu")
+            for p in (0, 16, 65, 256, 299):
+                q = torch.randn(1, nh, hd, generator=g).to(dt)
+                pos = torch.tensor([p], dtype=torch.int32)
+                o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs)
+                lay = {"tiers": kv_mod.KV_TIERS} if q8 else {"chunk": kv_mod.one_row_chunk(p + 1)}
+                same = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs, **lay)
+                assert torch.equal(o, same), (q8, p)
+                ref = ref_attention(q, keys, vals, pos)
+                assert rel(o[0], ref[0]) < (1e-5 if dt == torch.float32 else 3e-3), (q8, p, rel(o[0], ref[0]))
+                assert torch.equal(attention_kernels.attention(q, *big[:2], pos, hd ** -0.5, ks=big[2], vs=big[3]), o)
+                assert torch.equal(attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs, part=part), o)
+            pad = attention_kernels.attention(torch.randn(1, nh, hd, generator=g).to(dt), kc, vc,
+                                              torch.tensor([-1], dtype=torch.int32), hd ** -0.5, ks=ks, vs=vs)
+            assert float(pad.abs().max()) == 0.0
+    finally:
+        kv_mod.ONE_ROW_CHUNKS = saved
+
+
 def check_attention_all() -> None:
     for dt in (torch.float32, torch.float16):
         check_attention(dt)
         check_split_attention(dt)
+        check_one_row_chunks(dt)
         check_kv_q8(dt)
         check_qkv_post_rows(dt)
         check_qkv_post_rope_off(dt)

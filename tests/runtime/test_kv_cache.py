@@ -12,6 +12,9 @@ from runtime.kv import (
     KVCache,
     dequantize_q8_0,
     kv_row_bytes,
+    one_row_chunk,
+    one_row_chunks,
+    one_row_layout,
     quantize_q8_0,
     split_chunks,
     split_partials_bytes,
@@ -94,6 +97,30 @@ def test_split_chunks_of_three_and_four_tier_layouts():
         tiers4((128, 4000, 256, 32768, 1024))
     with pytest.raises(ValueError, match="follow the one before"):
         tiers4((64, 1024, 128, 512, 256, 32768, 1024))
+
+
+def test_one_row_chunk_layout():
+    """runtime/kv.py one_row_chunk (the kernels' `_row_chunk`): the least CMIN * 2^k, at most CMAX, with T of them
+    covering the row; one_row_chunks the most chunks any length up to a capacity has (against every length); the
+    scratch of a one-row split holds both layouts' chunks; a bad layout is refused."""
+    for lay in ((64, 32, 2048), (4, 16, 64), (3, 64, 64), (64, 64, 1024)):
+        t, cmin, cmax = lay
+        most = 0
+        for n in range(1, 9000):
+            c = one_row_chunk(n, lay)
+            assert c % cmin == 0 and (c // cmin) & (c // cmin - 1) == 0 and c <= cmax, (lay, n, c)
+            assert (t * c >= n or c == cmax) and (c == cmin or t * (c // 2) < n), (lay, n, c)
+            most = max(most, -(-n // c))
+            if n in (1, 31, 32, 33, 2048, 2049, 4096, 4097, 8999):
+                assert one_row_chunks(n, lay) == most, (lay, n)
+    assert [one_row_chunk(n + 1, (64, 32, 2048)) for n in (1024, 2048, 4096, 16384, 131072)] == [32, 64, 128, 512, 2048]
+    assert one_row_chunks(40960, (64, 32, 2048)) == 64 and one_row_chunks(131136, (64, 32, 2048)) == 65
+    for ctx in (1, 200, 4097, 40960, 131136):
+        assert split_partials_bytes(1, 32, ctx, 128) == 32 * max(split_chunks(ctx), one_row_chunks(ctx)) * 130 * 4
+    with pytest.raises(ValueError, match="power-of-two multiple"):
+        one_row_layout((64, 32, 96))
+    with pytest.raises(ValueError, match="power-of-two multiple"):
+        one_row_layout((0, 32, 64))
 
 
 def test_layer_write_read_rollback():
