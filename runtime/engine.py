@@ -20,6 +20,7 @@ from runtime.detok import IncrementalDetokenizer
 from runtime.drafters.registry import KINDS, LoadRequest
 from runtime.errors import ConfigError, LoadError, UsageError
 from runtime.experts import ExpertCache
+from runtime.gpu import fallback
 from runtime.kv import KV_QUANTS, KVCache
 from runtime.loading import default_dtype, load_target, load_tokenizer
 from runtime.memory import NAMES, buffers_bytes, cap_device_memory, default_prefill_chunk, target_dense_bytes
@@ -345,7 +346,8 @@ class Engine:
         stats.update(drafter=self.drafter_kind if drafted else "none", device=self.device_name,
                      drafter_compiled=drafted and self.drafter_compiled,
                      target_compiled=isinstance(self.step, target_compiled.CompiledTargetStep),
-                     stop_reason=res.stop_reason, expert_cache=self.experts.stats())
+                     stop_reason=res.stop_reason, expert_cache=self.experts.stats(),
+                     fallbacks=list(fallback.SEEN))
         return GenerateResult(token_ids=res.token_ids, text=text, stats=stats)
 
     def use_routing_profile(self, profile: RoutingProfile) -> None:

@@ -174,6 +174,9 @@ class StrataStats(BaseModel):
     decode_tok_s: float
     queue_s: float
     stop_reason: str
+    fallbacks: list[str] = Field(default_factory=list, description="fast paths this server gave up for slower ones "
+                                 "computing the same (a kernel that did not build on this GPU, a CUDA graph that "
+                                 "did not capture), one line each: why a run is slower than it should be")
 
 
 class CompletionChoice(BaseModel):

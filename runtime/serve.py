@@ -84,7 +84,8 @@ def _strata_stats(outcome) -> dict[str, Any]:
             "prompt_tokens": int(st.get("prompt_tokens", 0)), "generated_tokens": gen,
             "prefill_s": float(st.get("prefill_s", 0.0)), "decode_s": float(st.get("decode_s", 0.0)),
             "decode_tok_s": float(st.get("decode_tok_s", 0.0)), "queue_s": float(outcome.queue_s),
-            "stop_reason": str(st.get("stop_reason", outcome.finish_reason))}
+            "stop_reason": str(st.get("stop_reason", outcome.finish_reason)),
+            "fallbacks": [str(x) for x in st.get("fallbacks", ())]}
 
 
 def request_log_line(method: str, path: str, status: int, seconds: float, outcome=None) -> str:

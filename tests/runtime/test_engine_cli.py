@@ -47,6 +47,27 @@ def test_generate_text_and_stats(engine):
     assert engine.generate(ids, max_new_tokens=12, stop_ids=set()).token_ids == res.token_ids
 
 
+def test_stats_carry_the_fast_paths_given_up(engine, monkeypatch):
+    """A fast path given up (runtime/gpu/fallback.py, as a kernel that does not build would) is named in every later
+    generation's stats, once however often it happens, so a slow run says why (`strata-run --json`, the server)."""
+    from types import SimpleNamespace
+
+    from runtime import openai_schema
+    from runtime.gpu import fallback
+    from runtime.serve import _strata_stats
+
+    monkeypatch.setattr(fallback, "SEEN", [])
+    assert engine.generate("hello", max_new_tokens=3, stop_ids=set()).stats["fallbacks"] == []
+    err = RuntimeError("at 12:3: in the split kernel\nout of resource: shared memory")
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="the fused decode step failed here .*shared memory.*the module"):
+            fallback.fell_back([], err, "the fused decode step", "the module forward")
+    res = engine.generate("hello", max_new_tokens=3, stop_ids=set())
+    assert res.stats["fallbacks"] == ["the fused decode step: RuntimeError: out of resource: shared memory"]
+    st = _strata_stats(SimpleNamespace(stats=res.stats, queue_s=0.0, finish_reason="length"))
+    assert openai_schema.StrataStats(**st).fallbacks == res.stats["fallbacks"]
+
+
 def test_memory_report_is_real(engine):
     rep = engine.memory_report()
     assert set(NAMES) <= rep.keys()
