@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.drafters.dflash2.contract import DFlash2Geometry
-from runtime.kv import split_chunks
+from runtime.kv import one_row_chunks, partial_chunks, split_chunks
 from runtime.models.target_config import TargetGeometry
 from runtime.sampling import RULE_GRAPHS_KEPT
 from setup_wizard.budget import (
@@ -107,13 +107,15 @@ def test_sampling_graphs_hold_the_rule_at_the_block_and_vocabulary():
 
 def test_flash_scratch_grows_with_context_only_by_the_split_partials_on_cuda():
     """The CUDA prefill attention keeps no [chunk x context] scores, so the transient grows with the context only by
-    the split decode attention's partials (one chunk more per runtime/kv.py KV_TIERS chunk, (hd + 2) floats per head); the
-    CPU path (math kernel) still counts the scores."""
+    the split decode attention's partials ((hd + 2) floats per head and chunk; one row: the more of runtime/kv.py
+    KV_TIERS' chunks and ONE_ROW_CHUNKS' most at that context); the CPU path (math kernel) still counts the scores."""
     t = TargetGeometry.from_config(TINY, has_mtp=False)
     a = compute_budget(t, "none", _cuda(context=1024, block=1, prefill_chunk=512)).items
     b = compute_budget(t, "none", _cuda(context=4096, block=1, prefill_chunk=512)).items
-    more = split_chunks(4096) - split_chunks(1024)
-    assert more == 4096 // 128 - 1024 // 128                      # 128-position chunks up to 4096
+    assert (split_chunks(1024), split_chunks(4096)) == (1024 // 128, 4096 // 128)   # 128-position chunks to 4096
+    assert (one_row_chunks(1024), one_row_chunks(4096)) == (1024 // 32, 64)   # 32-position chunks, then 64 of them
+    more = partial_chunks(1, 4096) - partial_chunks(1, 1024)
+    assert more == 64 - 32
     assert b["scratch"] - a["scratch"] == 1 * t.heads * more * (t.head_dim + 2) * 4
     cpu = dict(block=1, device_type="cpu", available_bytes=1 << 30, total_bytes=1 << 30)
     c1 = compute_budget(t, "none", BudgetInputs(context=1024, **cpu)).items["scratch"]
@@ -164,7 +166,7 @@ def test_nano_at_128k_budget_terms_from_their_definitions():
 
 
 def _partials(rows, heads, ctx, hd):
-    return rows * heads * split_chunks(ctx) * (hd + 2) * 4
+    return rows * heads * partial_chunks(rows, ctx) * (hd + 2) * 4
 
 
 @pytest.mark.parametrize("graphs", [True, False])
