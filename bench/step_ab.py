@@ -51,6 +51,7 @@ from runtime.gpu.attention_kernels import ROW_TILE_ONE as ROW_TILE_ONE_SHIPPED  
 from runtime.gpu.attention_kernels import ROW_TILE_ONE_Q8 as ROW_TILE_ONE_Q8_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import SPLIT_KV_PREFETCH as KV_PF_SHIPPED  # noqa: E402
 from runtime.gpu.attention_kernels import SPLIT_ONE_Q8_REGS as Q8_ONE_REGS_SHIPPED  # noqa: E402
+from runtime.gpu.attention_kernels import SPLIT_TILE as _SPLIT_TILE  # noqa: E402
 from runtime.gpu.attention_kernels import SPLIT_TILE_Q8 as _SPLIT_Q8  # noqa: E402
 
 Q8_STAGES_SHIPPED = _SPLIT_Q8["num_stages"]
@@ -118,6 +119,8 @@ from runtime.gpu.moe_row import QTILE as _MOE_ROW_QTILE  # noqa: E402
 from runtime.gpu.moe_row import TILE as _MOE_ROW_TILE  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 from runtime.kv import ONE_ROW_CHUNKS as ONE_ROW_CHUNKS_SHIPPED  # noqa: E402
+
+SPLIT_TILE_SHIPPED = dict(_SPLIT_TILE)
 
 QUANT_ONE_ROW_SHIPPED = dict(QUANT_ONE_ROW)
 DENSE_ROWS_SHIPPED = dict(DENSE_GEMV_ROWS)
@@ -204,6 +207,12 @@ for _t in (16, 32, 64, 96, 128):
     ARMS[f"ad{_t}k2"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 2048)}
     ARMS[f"ad{_t}m32"] = {**_DEFAULT, "one_row_chunks": (_t, 32, 2048)}
     ARMS[f"ad{_t}m16"] = {**_DEFAULT, "one_row_chunks": (_t, 16, 2048)}
+# the split kernel's tile over a BF16 cache (attention_kernels.SPLIT_TILE: BS positions a step, warps, pipeline
+# stages; BS other than 64 gives other bits), for the one-row layout's longer chunks
+ARMS["split-s4"] = {**_DEFAULT, "split_tile": {"num_stages": 4}}
+ARMS["split-w8"] = {**_DEFAULT, "split_tile": {"num_warps": 8}}
+ARMS["split-bs128w8"] = {**_DEFAULT, "split_tile": {"BS": 128, "num_warps": 8, "num_stages": 2}}
+ARMS["split-bs32s4"] = {**_DEFAULT, "split_tile": {"BS": 32, "num_stages": 4}}
 ARMS["ad64m32+o-aware64"] = {**ARMS["o-aware64"], "one_row_chunks": (64, 32, 2048)}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
@@ -295,6 +304,8 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
     attention_kernels.SPLIT_KV_PREFETCH = int(arm.get("kv_pf", 0))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
+    attention_kernels.SPLIT_TILE.clear()
+    attention_kernels.SPLIT_TILE.update(SPLIT_TILE_SHIPPED, **arm.get("split_tile", {}))
     for tile in (attention_kernels.SPLIT_TILE, attention_kernels.SPLIT_TILE_Q8):
         tile.pop("maxnreg", None)
         if arm.get("split_regs"):
