@@ -321,7 +321,8 @@ def hf_rows(model, cfg_json, args, bw: float, peak: float, dist, deadline: Deadl
 def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), tiles=None,
                    deadline: Deadline | None = None) -> list[dict[str, Any]]:
     """The split attention kernel alone (one layer's K/V per call, cycling over 8 layers' caches so nothing is
-    served from L2): effective bandwidth = unique cache bytes read / time, next to the copy bandwidth."""
+    served from L2; on a GPU the 8 calls replayed as one CUDA graph): effective bandwidth = unique cache bytes read
+    / time, next to the copy bandwidth."""
     from runtime.gpu import attention_kernels as ak
 
     c = model.cfg
@@ -359,16 +360,28 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
                         part = torch.empty((w * c.num_attention_heads * nch * (c.head_dim + 2)),
                                            device=DEV, dtype=torch.float32)
                         kw = dict(part=part, chunk=chunk)
-                        try:
+
+                        def calls(q=q, pos=pos, kw=kw, caches=caches) -> None:
                             for kc, vc, ks, vs in caches:
                                 ak.attention(q, kc, vc, pos, c.head_dim ** -0.5, ks=ks, vs=vs, **kw)
+                        try:
+                            calls()
                             sync()
-                            reps = 3 if DEV == "cuda" else 1
+                            # on a GPU the 8 calls as one CUDA graph: eager, the host's launch overhead (tens of
+                            # us a call) is as long as a call and the figure follows the host's speed
+                            run = calls
+                            if DEV == "cuda":
+                                graph = torch.cuda.CUDAGraph()
+                                with torch.cuda.graph(graph):
+                                    calls()
+                                graph.replay()
+                                sync()
+                                run = graph.replay
+                            reps = 5 if DEV == "cuda" else 1
                             timer = Timer()
                             timer.start()
                             for _ in range(reps):
-                                for kc, vc, ks, vs in caches:
-                                    ak.attention(q, kc, vc, pos, c.head_dim ** -0.5, ks=ks, vs=vs, **kw)
+                                run()
                             dt = timer.stop() / (reps * layers)
                             gbs = nbytes / dt / 1e9
                             err = None
