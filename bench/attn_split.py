@@ -80,7 +80,7 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
     cs = caches(ctx, q8, gen)
     q = torch.randn(width, NH, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     pos = torch.arange(ctx - width, ctx, device="cuda", dtype=torch.int32)
-    from runtime.kv import split_chunks
+    from runtime.kv import ONE_ROW_CHUNKS, one_row_chunk, split_chunks
 
     part = [ak.split_scratch(width, NH, ctx + 64, HD, "cuda") for _ in range(COPIES)]
     row_bytes = HD * 2 if not q8 else HD + HD // 32 * 2
@@ -116,7 +116,10 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
             ak.PROGRAMS_PER_SM, ak.ROW_TILE_ONE, ak.ROW_TILE_ONE_Q8, ak.Q8_CVT, ak.SPLIT_ONE_Q8_REGS = saved[3:]
         rows.append({"context": ctx, "width": width, "kv_dtype": kind, "candidate": label, "settings": cand, "us": us,
                      "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
-                     "same_bits_as_shipped": same, "chunks": split_chunks(ctx + 64)})
+                     "same_bits_as_shipped": same,
+                     # a row's chunks: a one-row window over a BF16 cache splits by its length (runtime/kv.py)
+                     "chunks": -(-ctx // one_row_chunk(ctx)) if width == 1 and not q8 and ONE_ROW_CHUNKS
+                     else split_chunks(ctx)})
     del cs, part
     torch.cuda.empty_cache()
     return rows

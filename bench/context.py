@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--smoke" in sys.argv:       # before any kernel module is imported: @triton.jit then builds interpreted kernels
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
@@ -43,7 +46,7 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from runtime.gpu import moe_split  # noqa: E402
-from runtime.kv import KV_TIERS, ONE_ROW_CHUNKS, KVCache, quantize_q8_0, split_chunks  # noqa: E402
+from runtime.kv import KV_TIERS, ONE_ROW_CHUNKS, KVCache, partial_chunks, quantize_q8_0  # noqa: E402
 from runtime.models.layers import SparseMoe  # noqa: E402
 
 KV_KINDS = ("bf16", "q8_0")
@@ -356,7 +359,7 @@ def attention_rows(model, bw: float, contexts=(32768, 131072), widths=(1, 8), ti
                         ak.SPLIT_TILE.update({k: v for k, v in tile.items() if k not in ("CHUNK", "PPS", "RT")})
                         q = torch.randn(w, c.num_attention_heads, c.head_dim, device=DEV, dtype=DT)
                         pos = torch.arange(ctx - w, ctx, device=DEV, dtype=torch.int32)
-                        nch = -(-(ctx + 16) // chunk) if chunk else split_chunks(ctx + 16)
+                        nch = -(-(ctx + 16) // chunk) if chunk else partial_chunks(w, ctx + 16)
                         part = torch.empty((w * c.num_attention_heads * nch * (c.head_dim + 2)),
                                            device=DEV, dtype=torch.float32)
                         kw = dict(part=part, chunk=chunk)
