@@ -747,6 +747,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         write_json("context.json", res)
     print(f"total {res['seconds']:.0f} s")
+    if args.smoke:      # the plumbing test (tests/test_bench_context.py): any kernel that failed or fell back fails it
+        bad = [f"attention {a['kv_dtype']} W={a['width']}: {a['error']}" for a in attn if a.get("error")]
+        bad += [f"decode {r['kv_dtype']} W={r['width']}: {r['errors']}" for r in rows if r.get("errors")]
+        for b in bad:
+            print(f"  FAIL {b}", flush=True)
+        return 1 if bad else 0
     return 0
 
 
