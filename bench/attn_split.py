@@ -80,7 +80,9 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
     cs = caches(ctx, q8, gen)
     q = torch.randn(width, NH, HD, device="cuda", dtype=torch.bfloat16, generator=gen)
     pos = torch.arange(ctx - width, ctx, device="cuda", dtype=torch.int32)
-    from runtime.kv import ONE_ROW_CHUNKS, one_row_chunk, split_chunks
+    from runtime.kv import ONE_ROW_CHUNKS, ONE_ROW_CHUNKS_Q8, one_row_chunk, split_chunks
+
+    lay = ONE_ROW_CHUNKS_Q8 if q8 else ONE_ROW_CHUNKS
 
     part = [ak.split_scratch(width, NH, ctx + 64, HD, "cuda") for _ in range(COPIES)]
     row_bytes = HD * 2 if not q8 else HD + HD // 32 * 2
@@ -117,9 +119,8 @@ def run(ctx: int, width: int, q8: bool, bw: float, deadline: Deadline) -> list[d
         rows.append({"context": ctx, "width": width, "kv_dtype": kind, "candidate": label, "settings": cand, "us": us,
                      "bytes": nbytes, "gb_s": nbytes / us / 1e3, "frac_of_copy": nbytes / us / 1e-6 / bw,
                      "same_bits_as_shipped": same,
-                     # a row's chunks: a one-row window over a BF16 cache splits by its length (runtime/kv.py)
-                     "chunks": -(-ctx // one_row_chunk(ctx)) if width == 1 and not q8 and ONE_ROW_CHUNKS
-                     else split_chunks(ctx)})
+                     # a row's chunks: a one-row window splits by its length where runtime/kv.py sets a layout
+                     "chunks": -(-ctx // one_row_chunk(ctx, lay)) if width == 1 and lay else split_chunks(ctx)})
     del cs, part
     torch.cuda.empty_cache()
     return rows

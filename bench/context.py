@@ -46,7 +46,14 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from runtime.gpu import moe_split  # noqa: E402
-from runtime.kv import KV_TIERS, ONE_ROW_CHUNKS, KVCache, partial_chunks, quantize_q8_0  # noqa: E402
+from runtime.kv import (  # noqa: E402
+    KV_TIERS,
+    ONE_ROW_CHUNKS,
+    ONE_ROW_CHUNKS_Q8,
+    KVCache,
+    partial_chunks,
+    quantize_q8_0,
+)
 from runtime.models.layers import SparseMoe  # noqa: E402
 
 KV_KINDS = ("bf16", "q8_0")
@@ -457,7 +464,8 @@ def checks(args) -> dict[str, Any]:
     from runtime.gpu.static_step import StaticStep
     from runtime.models.layers import cached_attention
 
-    out: dict[str, Any] = {"ok": True, "kv_tiers": KV_TIERS, "one_row_chunks": ONE_ROW_CHUNKS}
+    out: dict[str, Any] = {"ok": True, "kv_tiers": KV_TIERS, "one_row_chunks": ONE_ROW_CHUNKS,
+                           "one_row_chunks_q8": ONE_ROW_CHUNKS_Q8}
 
     def record(name: str, ok: bool, **info: Any) -> None:
         out[name] = {"ok": bool(ok), **info}
@@ -491,12 +499,12 @@ def checks(args) -> dict[str, Any]:
             mixed = att(torch.cat([q[3:4], torch.randn_like(q[:7])]),
                         torch.cat([pos[3:4], torch.randint(0, ctx, (7,), device=DEV, dtype=torch.int32)]))[0]
             # widths of 2+ rows share one tile: a row's bits are the same at 8 and 16 rows and whatever its
-            # neighbours; one row alone takes ROW_TILE_ONE's tile (ROW_TILE_ONE_Q8's over a q8_0 cache) and over a
-            # BF16 cache the chunks of its own length (runtime/kv.py ONE_ROW_CHUNKS), the same bits only where both
-            # are the wider windows'
+            # neighbours; one row alone takes ROW_TILE_ONE's tile (ROW_TILE_ONE_Q8's over a q8_0 cache) and the
+            # chunks of its own length (runtime/kv.py ONE_ROW_CHUNKS, ONE_ROW_CHUNKS_Q8 over a q8_0 cache, where
+            # set), the same bits only where both are the wider windows'
             one_tile, wide_tile = (ak.ROW_TILE_ONE, ak.ROW_TILE) if kv_kind == "bf16" else \
                 (ak.ROW_TILE_ONE_Q8, ak.ROW_TILE_Q8)
-            one_layout = kv_kind == "bf16" and kv_layout.ONE_ROW_CHUNKS is not None
+            one_layout = (kv_layout.ONE_ROW_CHUNKS if kv_kind == "bf16" else kv_layout.ONE_ROW_CHUNKS_Q8) is not None
             one_same = torch.equal(o16, o1) if one_tile == wide_tile and not one_layout else \
                 float((o1.float() - o16.float()).norm() / o16.float().norm()) < 1e-2
             same = torch.equal(o16[8:], o8) and torch.equal(mixed, o16[3]) and one_same
@@ -680,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = Deadline(args.max_seconds)
     t0 = time.perf_counter()
     res: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "kv_tiers": KV_TIERS,
-                           "one_row_chunks": ONE_ROW_CHUNKS,
+                           "one_row_chunks": ONE_ROW_CHUNKS, "one_row_chunks_q8": ONE_ROW_CHUNKS_Q8,
                            "moe_split_tile": moe_split.TILE}
     bw = copy_bandwidth() if DEV == "cuda" else 1e11
     peak = matmul_peak() if DEV == "cuda" else 1e12

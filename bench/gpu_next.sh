@@ -40,6 +40,10 @@
 #      for one row too) against the default and two other layouts at 1k-32k on 40,960-position caches. H100
 #      (bench/results/h100_session41/): 3.03 / 3.04 / 3.56 / 4.13 -> 2.92 / 3.02 / 3.49-3.51 / 4.06 ms at 1k / 4k /
 #      16k / 32k.
+#   8. A one-row window over a q8_0 cache with the chunks of its row's length too (runtime/kv.py ONE_ROW_CHUNKS_Q8,
+#      off: the tiers), layouts with more chunks than the BF16 one's (arms q8ad96, q8ad128, q8ad256), at 1k-32k on
+#      40,960-position caches and at 128k on a 131,136-position one. H100 before (h100_session41/part7/): the q8_0
+#      one-row step at 67 / 66 / 63 / 59 / 54% of its bound at 1k / 4k / 16k / 32k / 128k.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -129,6 +133,14 @@ elif [ "$part" = 7 ]; then
   timeout 170 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 --rounds 5 \
     --arms one-row-tiers,default,ad64,ad96m32 > "$OUT/step_ab_one_row.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_one_row.json"; grep -v "━" "$OUT/step_ab_one_row.log" | tail -20
+elif [ "$part" = 8 ]; then
+  echo "--- one-row layouts over a q8_0 cache ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 \
+    --rounds 5 --arms default,q8ad96,q8ad128,q8ad256 > "$OUT/step_ab_q8_one_row.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_q8_one_row.json"; grep -v "━" "$OUT/step_ab_q8_one_row.log" | tail -20
+  timeout 150 python3 bench/step_ab.py --kv q8_0 --contexts 131072 --widths 1 --rounds 5 \
+    --arms default,q8ad96,q8ad128,q8ad256 > "$OUT/step_ab_q8_one_row_131k.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_q8_one_row_131k.json"; grep -v "━" "$OUT/step_ab_q8_one_row_131k.log" | tail -8
 else
   echo "--- q8_0 windows of 8 rows ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 32768,131072 --widths 8 \

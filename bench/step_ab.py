@@ -119,6 +119,7 @@ from runtime.gpu.moe_row import QTILE as _MOE_ROW_QTILE  # noqa: E402
 from runtime.gpu.moe_row import TILE as _MOE_ROW_TILE  # noqa: E402
 from runtime.kv import KV_TIERS as TIERS_SHIPPED  # noqa: E402
 from runtime.kv import ONE_ROW_CHUNKS as ONE_ROW_CHUNKS_SHIPPED  # noqa: E402
+from runtime.kv import ONE_ROW_CHUNKS_Q8 as ONE_ROW_CHUNKS_Q8_SHIPPED  # noqa: E402
 
 SPLIT_TILE_SHIPPED = dict(_SPLIT_TILE)
 
@@ -213,6 +214,10 @@ ARMS["split-s4"] = {**_DEFAULT, "split_tile": {"num_stages": 4}}
 ARMS["split-w8"] = {**_DEFAULT, "split_tile": {"num_warps": 8}}
 ARMS["split-bs128w8"] = {**_DEFAULT, "split_tile": {"BS": 128, "num_warps": 8, "num_stages": 2}}
 ARMS["split-bs32s4"] = {**_DEFAULT, "split_tile": {"BS": 32, "num_stages": 4}}
+# the same over a q8_0 cache (ONE_ROW_CHUNKS_Q8; `--kv q8_0`): more chunks than the BF16 layout's, its dequantizing
+# programs wanting more of them (three an SM under SPLIT_ONE_Q8_REGS)
+for _t in (96, 128, 256):
+    ARMS[f"q8ad{_t}"] = {**_DEFAULT, "one_row_chunks_q8": (_t, 64, 1024)}
 ARMS["ad64m32+o-aware64"] = {**ARMS["o-aware64"], "one_row_chunks": (64, 32, 2048)}
 # the one-row o_proj product on its one-step tile under a register cap of 128 (moe_gemv "one_d4r128": 4 programs an
 # SM, so its 512 programs are resident at once and all load their weights before their wait; 168 registers uncapped)
@@ -295,6 +300,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
 
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     kv.ONE_ROW_CHUNKS = arm.get("one_row_chunks", ONE_ROW_CHUNKS_SHIPPED)
+    kv.ONE_ROW_CHUNKS_Q8 = arm.get("one_row_chunks_q8", ONE_ROW_CHUNKS_Q8_SHIPPED)
     attention_kernels.REDUCE_TILE = arm.get("reduce", REDUCE_SHIPPED)
     attention_kernels.ROW_TILE_ONE = arm.get("rt1", attention_kernels.ROW_TILE)
     attention_kernels.ROW_TILE_ONE_Q8 = arm.get("rt1q8", attention_kernels.ROW_TILE_ONE)

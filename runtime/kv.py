@@ -42,6 +42,10 @@ KV_TIERS: tuple[int, ...] = (128, 4096, 256, 32768, 1024)
 # 3.03 -> 2.92 ms at 1k, 3.04 -> 2.94 at 2k, 3.04 -> 3.02 at 4k (the same layout there), 3.23 -> 3.19 at 8k, 3.56
 # -> 3.49-3.51 at 16k, 4.13 -> 4.06 at 32k; 7.45 -> 7.14 at 131k (a 131k cache). None: KV_TIERS for one row too.
 ONE_ROW_CHUNKS: tuple[int, int, int] | None = (64, 32, 2048)
+# the same for a one-row window over a q8_0 cache, None: the tiers. Its programs dequantize every tile, so it wants
+# more of them than a BF16 cache's: ONE_ROW_CHUNKS itself made its step slower (H100, A3B, 4.36 -> 5.34 ms at 32k);
+# layouts with more chunks are benchmark arms (bench/step_ab.py q8ad*), not yet timed
+ONE_ROW_CHUNKS_Q8: tuple[int, int, int] | None = None
 
 
 def one_row_layout(layout: tuple[int, ...] | None = None) -> tuple[int, int, int]:
@@ -105,9 +109,11 @@ def split_chunks(capacity: int, tiers: tuple[int, ...] | None = None) -> int:
 
 def partial_chunks(rows: int, capacity: int) -> int:
     """Chunk slots a (row, head) of a `rows`-row split attention needs at up to `capacity` positions: KV_TIERS',
-    and for one row ONE_ROW_CHUNKS' too when set."""
+    and for one row ONE_ROW_CHUNKS' and ONE_ROW_CHUNKS_Q8's too where set (whichever cache the step reads)."""
     n = split_chunks(capacity)
-    return max(n, one_row_chunks(capacity)) if rows == 1 and ONE_ROW_CHUNKS else n
+    if rows == 1:
+        n = max([n] + [one_row_chunks(capacity, lay) for lay in (ONE_ROW_CHUNKS, ONE_ROW_CHUNKS_Q8) if lay])
+    return n
 
 
 def split_partials_bytes(rows: int, heads: int, capacity: int, head_dim: int) -> int:

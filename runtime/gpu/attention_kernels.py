@@ -6,7 +6,8 @@ float16 scale per 32; `ks`/`vs` are the scales).
 
 `attention` splits the context (flash-decoding): a program per (block of window rows, KV head, chunk of positions;
 runtime/kv.py `KV_TIERS`: short chunks early in the context, longer ones later; a one-row window over a BF16 cache
-splits by its row's length instead, `ONE_ROW_CHUNKS`) leaves each row's chunk output
+splits by its row's length instead, `ONE_ROW_CHUNKS`, over a q8_0 one `ONE_ROW_CHUNKS_Q8` when set) leaves each
+row's chunk output
 (unnormalised), max and sum; a second kernel combines a row's chunks in a fixed order. The rows of a block share
 each K/V tile they read, so a verify window of W rows reads the cache once, not W times. Chunk boundaries are
 absolute positions and every tile size is a constant of the model (the row block too, `row_block`: one for one-row
@@ -583,17 +584,17 @@ def attention(q: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, scale: float, *, k
     G = nh // nkv
     q = q.contiguous()
     q8, nb, qb, ksx, ssh, sss = _q8(kc, ks)
-    # a one-row window over a compute-dtype cache takes the layout of its row's length (runtime/kv.py
-    # ONE_ROW_CHUNKS) unless a check names a layout; over a q8_0 cache it keeps the tiers (its one-row programs
-    # dequantize: fewer, longer ones were slower, H100 A3B 4.36 -> 5.34 ms at 32k)
-    one = W == 1 and chunk is None and tiers is None and kv_layout.ONE_ROW_CHUNKS is not None and not q8
+    # a one-row window takes the layout of its row's length (runtime/kv.py ONE_ROW_CHUNKS; over a q8_0 cache
+    # ONE_ROW_CHUNKS_Q8, by default none: the tiers) unless a check names a layout
+    lay = kv_layout.ONE_ROW_CHUNKS_Q8 if q8 else kv_layout.ONE_ROW_CHUNKS
+    one = W == 1 and chunk is None and tiers is None and lay is not None
     tiers = tiers4(uniform_tiers(chunk) if chunk is not None else tiers)
     c0, e0, c1, e1, c2, e2, c3 = tiers
     ad = {}
     if one:
-        at, amin, amax = one_row_layout()
+        at, amin, amax = one_row_layout(lay)
         ad = {"AT": at, "AMIN": amin, "AND": (amax // amin).bit_length() - 1}
-    nc = one_row_chunks(S) if one else split_chunks(S, tiers)
+    nc = one_row_chunks(S, lay) if one else split_chunks(S, tiers)
     n_acc = W * nh * nc * hd
     need = n_acc + W * nh * nc * 2
     if part is None:

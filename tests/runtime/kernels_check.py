@@ -1361,15 +1361,21 @@ def check_one_row_chunks(dt: torch.dtype) -> None:
     """A one-row window over a compute-dtype cache splits by its row's length (runtime/kv.py ONE_ROW_CHUNKS, here a
     small layout: about 4 chunks of 16 to 64 positions): the same bits as the same row under one chunk size
     everywhere of `one_row_chunk(pos + 1)` (the same boundaries, the same walk and reduction), the reference up to
-    rounding, the same bits on a larger cache and in the step's preallocated scratch; a q8_0 cache's one-row window
-    keeps the tiers."""
+    rounding, the same bits on a larger cache and in the step's preallocated scratch. A q8_0 cache's one-row window
+    takes ONE_ROW_CHUNKS_Q8 where set (checked with the same small layout), else the tiers."""
     from runtime import kv as kv_mod
 
     g = torch.Generator().manual_seed(7)
     nh, nkv, hd, S = 4, 2, 64, 300
-    saved = kv_mod.ONE_ROW_CHUNKS
-    kv_mod.ONE_ROW_CHUNKS = (4, 16, 64)
+    saved = kv_mod.ONE_ROW_CHUNKS, kv_mod.ONE_ROW_CHUNKS_Q8
+    kv_mod.ONE_ROW_CHUNKS = kv_mod.ONE_ROW_CHUNKS_Q8 = (4, 16, 64)
     try:
+        kc, vc, ks, vs, _, _ = cache(nkv, S, hd, dt, True, g)         # no q8_0 layout: the tiers
+        q, pos = torch.randn(1, nh, hd, generator=g).to(dt), torch.tensor([299], dtype=torch.int32)
+        kv_mod.ONE_ROW_CHUNKS_Q8 = None
+        tiers = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs, tiers=kv_mod.KV_TIERS)
+        assert torch.equal(attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs), tiers)
+        kv_mod.ONE_ROW_CHUNKS_Q8 = (4, 16, 64)
         for q8 in (False, True):
             kc, vc, ks, vs, keys, vals = cache(nkv, S, hd, dt, q8, g)
             extra = cache(nkv, 200, hd, dt, q8, g)
@@ -1380,7 +1386,7 @@ def check_one_row_chunks(dt: torch.dtype) -> None:
                 q = torch.randn(1, nh, hd, generator=g).to(dt)
                 pos = torch.tensor([p], dtype=torch.int32)
                 o = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs)
-                lay = {"tiers": kv_mod.KV_TIERS} if q8 else {"chunk": kv_mod.one_row_chunk(p + 1)}
+                lay = {"chunk": kv_mod.one_row_chunk(p + 1)}
                 same = attention_kernels.attention(q, kc, vc, pos, hd ** -0.5, ks=ks, vs=vs, **lay)
                 assert torch.equal(o, same), (q8, p)
                 ref = ref_attention(q, keys, vals, pos)
@@ -1391,7 +1397,7 @@ def check_one_row_chunks(dt: torch.dtype) -> None:
                                               torch.tensor([-1], dtype=torch.int32), hd ** -0.5, ks=ks, vs=vs)
             assert float(pad.abs().max()) == 0.0
     finally:
-        kv_mod.ONE_ROW_CHUNKS = saved
+        kv_mod.ONE_ROW_CHUNKS, kv_mod.ONE_ROW_CHUNKS_Q8 = saved
 
 
 def check_attention_all() -> None:

@@ -99,10 +99,11 @@ def test_split_chunks_of_three_and_four_tier_layouts():
         tiers4((64, 1024, 128, 512, 256, 32768, 1024))
 
 
-def test_one_row_chunk_layout():
+def test_one_row_chunk_layout(monkeypatch):
     """runtime/kv.py one_row_chunk (the kernels' `_row_chunk`): the least CMIN * 2^k, at most CMAX, with T of them
     covering the row; one_row_chunks the most chunks any length up to a capacity has (against every length); the
-    scratch of a one-row split holds both layouts' chunks; a bad layout is refused."""
+    scratch of a one-row split holds every layout's chunks (the tiers, ONE_ROW_CHUNKS, ONE_ROW_CHUNKS_Q8 where set),
+    a wider one's the tiers'; a bad layout is refused."""
     for lay in ((64, 32, 2048), (4, 16, 64), (3, 64, 64), (64, 64, 1024)):
         t, cmin, cmax = lay
         most = 0
@@ -117,6 +118,11 @@ def test_one_row_chunk_layout():
     assert one_row_chunks(40960, (64, 32, 2048)) == 64 and one_row_chunks(131136, (64, 32, 2048)) == 65
     for ctx in (1, 200, 4097, 40960, 131136):
         assert split_partials_bytes(1, 32, ctx, 128) == 32 * max(split_chunks(ctx), one_row_chunks(ctx)) * 130 * 4
+        assert split_partials_bytes(8, 32, ctx, 128) == 8 * 32 * split_chunks(ctx) * 130 * 4   # wider: the tiers
+    import runtime.kv as kv_mod
+
+    monkeypatch.setattr(kv_mod, "ONE_ROW_CHUNKS_Q8", (256, 64, 1024))     # a q8_0 layout, when set, counts too
+    assert split_partials_bytes(1, 32, 40960, 128) == 32 * 256 * 130 * 4 > 32 * split_chunks(40960) * 130 * 4
     with pytest.raises(ValueError, match="power-of-two multiple"):
         one_row_layout((64, 32, 96))
     with pytest.raises(ValueError, match="power-of-two multiple"):
