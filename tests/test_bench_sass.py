@@ -191,6 +191,34 @@ def test_split_attention_over_a_q8_0_cache_compiles_with_its_l2_prefetch():
         assert len(pf_at) == n_pf and all(i < ops.index("ACQBULK") for i in pf_at), (extra, pf_at)
 
 
+_REDUCE = {"format": "bf16", "module": "runtime.gpu.attention_kernels", "name": "_attn_reduce_kernel", "num_warps": 2,
+           "num_stages": 3, "params": [
+               [n, {"tensor": t, "aligned": True}] for n, t in (
+                   ("acc_ptr", "fp32"), ("ml_ptr", "fp32"), ("pos_ptr", "i32"), ("o_ptr", "bf16"))] + [
+               ["NC", {"int": 64}], ["stride_ow", {"int": 4096}], ["stride_oh", {"int": 128}], ["HD", {"int": 128}],
+               ["DB", {"int": 32}], ["C0", {"int": 128}], ["E0", {"int": 4096}], ["C1", {"int": 256}],
+               ["E1", {"int": 32768}], ["C2", {"int": 1024}], ["E2", {"int": 32768}], ["C3", {"int": 1024}],
+               ["NCB", {"int": 64}]]}
+
+
+def test_one_row_chunk_layout_compiles_for_sm90():
+    """runtime/kv.py ONE_ROW_CHUNKS (and ONE_ROW_CHUNKS_Q8's form over a q8_0 cache): the split kernel and its
+    reduction with the chunk size computed from the row's length compile for sm_90, the split still asking its
+    first chunk's K/V into L2 before its PDL wait."""
+    pytest.importorskip("triton")
+    from runtime.kv import ONE_ROW_CHUNKS, one_row_layout
+
+    t, cmin, cmax = one_row_layout(ONE_ROW_CHUNKS or (64, 32, 2048))
+    lay = [["AT", {"int": t}], ["AMIN", {"int": cmin}], ["AND", {"int": (cmax // cmin).bit_length() - 1}]]
+    for entry, n_pf in ((_SPLIT, 2), (_q8(_SPLIT), 4)):
+        ops, sass, regs = _ops(_with(entry, ["PF", {"int": 64}], *lay))
+        pf_at = [i for i, op in enumerate(ops) if op == "UBLKPF"]
+        assert len(pf_at) == n_pf and max(pf_at) < ops.index("ACQBULK") and regs <= 255
+        assert sass != _ops(_with(entry, ["PF", {"int": 64}]))[1]          # the layout's code, not the tiers'
+    ops, _, _ = _ops(_with(_REDUCE, *lay))
+    assert "ACQBULK" in ops
+
+
 @pytest.mark.timeout(300)
 def test_every_kernel_of_the_one_row_step_compiles_for_sm90(tmp_path, monkeypatch):
     """Every kernel the fused one-row step launches (a narrow model of the A3B's head shape, BF16 / Q4_0 / Q8_0
