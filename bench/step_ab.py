@@ -202,12 +202,12 @@ ARMS["tiers4-64to1k+o-aware64"] = {**ARMS["o-aware64"], "tiers": (64, 1024, 128,
 # a one-row window's chunks from its row's length (runtime/kv.py ONE_ROW_CHUNKS = (T, CMIN, CMAX): about T chunks a
 # row, of CMIN to CMAX positions; other bits than the tiers)
 ARMS["one-row-tiers"] = {**_DEFAULT, "one_row_chunks": None}      # the runtime before: KV_TIERS for one row too
-for _t in (16, 32, 64, 96, 128):
-    ARMS[f"ad{_t}"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 1024)}
-    ARMS[f"ad{_t}x"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 4096)}
-    ARMS[f"ad{_t}k2"] = {**_DEFAULT, "one_row_chunks": (_t, 64, 2048)}
-    ARMS[f"ad{_t}m32"] = {**_DEFAULT, "one_row_chunks": (_t, 32, 2048)}
-    ARMS[f"ad{_t}m16"] = {**_DEFAULT, "one_row_chunks": (_t, 16, 2048)}
+# (the layouts bench/results/h100_session41/one_row_chunks/ timed; "x": CMAX 4096, "k2": 2048, "mN": CMIN N)
+for _name, _lay in {"ad16": (16, 64, 1024), "ad32": (32, 64, 1024), "ad64": (64, 64, 1024), "ad96": (96, 64, 1024),
+                    "ad128": (128, 64, 1024), "ad64x": (64, 64, 4096), "ad128x": (128, 64, 4096),
+                    "ad64k2": (64, 64, 2048), "ad64m32": (64, 32, 2048), "ad96m32": (96, 32, 2048),
+                    "ad64m16": (64, 16, 2048), "ad128m16": (128, 16, 2048)}.items():
+    ARMS[_name] = {**_DEFAULT, "one_row_chunks": _lay}
 # the split kernel's tile over a BF16 cache (attention_kernels.SPLIT_TILE: BS positions a step, warps, pipeline
 # stages; BS other than 64 gives other bits), for the one-row layout's longer chunks
 ARMS["split-s4"] = {**_DEFAULT, "split_tile": {"num_stages": 4}}
