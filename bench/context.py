@@ -459,7 +459,6 @@ def checks(args) -> dict[str, Any]:
     kernel (also over a q8_0 cache), greedy speculative = target-only on the bundled pack (BF16 and q8_0 KV)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from runtime import kv as kv_layout
     from runtime.gpu import attention_kernels as ak
     from runtime.gpu.static_step import StaticStep
     from runtime.models.layers import cached_attention
@@ -504,7 +503,7 @@ def checks(args) -> dict[str, Any]:
             # set), the same bits only where both are the wider windows'
             one_tile, wide_tile = (ak.ROW_TILE_ONE, ak.ROW_TILE) if kv_kind == "bf16" else \
                 (ak.ROW_TILE_ONE_Q8, ak.ROW_TILE_Q8)
-            one_layout = (kv_layout.ONE_ROW_CHUNKS if kv_kind == "bf16" else kv_layout.ONE_ROW_CHUNKS_Q8) is not None
+            one_layout = (ONE_ROW_CHUNKS if kv_kind == "bf16" else ONE_ROW_CHUNKS_Q8) is not None
             one_same = torch.equal(o16, o1) if one_tile == wide_tile and not one_layout else \
                 float((o1.float() - o16.float()).norm() / o16.float().norm()) < 1e-2
             same = torch.equal(o16[8:], o8) and torch.equal(mixed, o16[3]) and one_same
