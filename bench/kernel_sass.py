@@ -81,6 +81,8 @@ def record(formats: list[str], out: Path, kv_kind: str = "bf16", small: bool = F
                  "num_warps": int(opts.get("num_warps", 4)), "num_stages": int(opts.get("num_stages", 3))}
         if opts.get("maxnreg"):
             entry["maxnreg"] = int(opts["maxnreg"])
+        if "enable_fp_fusion" in opts:
+            entry["enable_fp_fusion"] = bool(opts["enable_fp_fusion"])
         key = json.dumps([entry["module"], entry["name"], params, entry["num_warps"]], default=str)
         if key not in seen:
             seen.add(key)
@@ -143,6 +145,8 @@ def compile_entry(e: dict[str, Any], arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from runtime.gpu.kernels import FMA
+
     jf = getattr(importlib.import_module(e["module"]), e["name"])
     names = list(jf.arg_names)
     given = dict((n, d) for n, d in e["params"])
@@ -188,6 +192,9 @@ def compile_entry(e: dict[str, Any], arch: int):
     opts = {"num_warps": e["num_warps"], "num_stages": e["num_stages"]}
     if e.get("maxnreg"):
         opts["maxnreg"] = e["maxnreg"]
+    # the runtime names Triton's FMA contraction on every launch (runtime/gpu/kernels.py FMA): an entry written by
+    # hand gets the runtime's
+    opts["enable_fp_fusion"] = e.get("enable_fp_fusion", FMA["enable_fp_fusion"])
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     return k, {names[i[0]]: v for i, v in consts.items()}
 
@@ -317,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tile = {n: consts.get(n) for n in ("QT", "UP", "BN", "NBC", "J", "ONE", "MB", "PF", "NORM") if n in consts}
         rec = {"format": e["format"], "kernel": e["name"], "num_warps": e["num_warps"], "registers": regs,
                "instructions": len(instructions(sass)), "tile": tile, "loops": lp, "values_per_pass": vpp,
-               "instr_per_value": (inner["instructions"] / vpp) if (inner and vpp) else None}
+               "instr_per_value": (inner["instructions"] / vpp) if (inner and vpp) else None,
+               "enable_fp_fusion": e.get("enable_fp_fusion")}
         res["kernels"].append(rec)
         rows.append([e["format"], e["name"], json.dumps(tile, separators=(",", ":"))[:48], e["num_warps"], regs,
                      rec["instructions"], inner["instructions"] if inner else "-", vpp or "-",

@@ -238,5 +238,7 @@ def test_every_kernel_of_the_one_row_step_compiles_for_sm90(tmp_path, monkeypatc
                    "_down_sum_kernel", "_rmsnorm_kernel"):
         assert ("bf16", kernel) in names, (kernel, names)
     assert {"q4_0", "q8_0"} <= {f for f, k in names if k == "_gemv_kernel"}
+    # each as the runtime launches it: Triton's FMA contraction named, not its default (runtime/gpu/kernels.py FMA)
+    assert [k["kernel"] for k in res["kernels"] if k["enable_fp_fusion"] is not True] == []
     split = next(k for k in res["kernels"] if k["kernel"] == "_attn_split_kernel")
     assert split["tile"].get("PF") == ak.SPLIT_KV_PREFETCH and split["registers"] <= ak.SPLIT_ONE_Q8_REGS

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from runtime import kv as kv_layout
 from runtime.gpu import pdl
-from runtime.gpu.kernels import HAVE_TRITON, pow2
+from runtime.gpu.kernels import FMA, HAVE_TRITON, pow2
 from runtime.kv import (
     Q8_BLOCK,
     one_row_chunks,
@@ -638,7 +638,7 @@ def qkv_post(qkv: Tensor, q_w: Tensor, k_w: Tensor, inv_freq: Tensor, rope_scale
         R = POST_ROWS
         _qkv_post_rows_kernel[(triton.cdiv(W, R), nh + nkv)](
             qkv, q_w, k_w, inv_freq, pos, q, kc, vc, W, float(eps), float(rope_scale), qkv.stride(0), q.stride(0),
-            kc.stride(0), kc.stride(1), NH=nh, NKV=nkv, HD=hd, R=R)
+            kc.stride(0), kc.stride(1), NH=nh, NKV=nkv, HD=hd, R=R, **FMA)
         return q
     _qkv_post_kernel[(W, nh + nkv)](qkv, q_w, k_w, inv_freq, pos, q, kc, vc, ksx, vs if q8 else vc, float(eps),
                                     float(rope_scale), qkv.stride(0), q.stride(0), kc.stride(0), kc.stride(1),
@@ -652,5 +652,6 @@ def dequant_q8(qc: Tensor, sc: Tensor, out: Tensor) -> Tensor:
     nkv, n, hd = out.shape
     BS = 64
     _dequant_kernel[(nkv, triton.cdiv(n, BS))](qc, sc, out, n, qc.stride(0), qc.stride(1), sc.stride(0), sc.stride(1),
-                                               out.stride(0), out.stride(1), NB=hd // Q8_BLOCK, QB=Q8_BLOCK, BS=BS)
+                                               out.stride(0), out.stride(1), NB=hd // Q8_BLOCK, QB=Q8_BLOCK, BS=BS,
+                                               **FMA)
     return out

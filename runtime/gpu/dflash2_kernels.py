@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from runtime.gpu.kernels import HAVE_TRITON
+from runtime.gpu.kernels import FMA, HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -47,7 +47,7 @@ def dyn_conv(h: Tensor, dyn: Tensor, half: int, base: Tensor, kernel_size: int, 
     d = dyn[:, half * kernel_size * ng:]
     out = torch.empty_like(h)
     _dyn_conv_kernel[(W,)](h, d, base, out, H, ng, h.stride(0), dyn.stride(0), out.stride(0), K=kernel_size,
-                           G=group_size, BH=triton.next_power_of_2(H))
+                           G=group_size, BH=triton.next_power_of_2(H), **FMA)
     return out
 
 
@@ -81,5 +81,5 @@ def lattice_walk(score: Tensor, best: Tensor, cand: Tensor) -> tuple[Tensor, Ten
     tok = torch.empty(R, dtype=torch.long, device=best.device)
     conf = torch.empty(R, dtype=torch.float32, device=best.device)
     _lattice_walk_kernel[(1,)](score.contiguous(), best.contiguous(), cand.contiguous(), tok, conf, R=R, K=k,
-                               KP=triton.next_power_of_2(k), num_warps=1)
+                               KP=triton.next_power_of_2(k), num_warps=1, **FMA)
     return tok, conf

@@ -26,7 +26,7 @@ import os
 import torch
 from torch import Tensor
 
-from runtime.gpu.kernels import HAVE_TRITON
+from runtime.gpu.kernels import FMA, HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -157,7 +157,8 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     q = torch.empty(T, nb * 8, dtype=torch.int32, device=x.device)
     d = torch.empty(T, nb, dtype=torch.float32, device=x.device)
     b = torch.empty(T, nb * 4, dtype=torch.int32, device=x.device)
-    _quantize_kernel[(T,)](x, q, d, b, x.stride(0), NB=nb, NBP=triton.next_power_of_2(nb), num_warps=4)
+    _quantize_kernel[(T,)](x, q, d, b, x.stride(0), NB=nb, NBP=triton.next_power_of_2(nb), num_warps=4,
+                           **FMA)
     return q, d, b
 
 
@@ -197,5 +198,5 @@ def gemv(act: tuple[Tensor, Tensor, Tensor], w: Tensor, experts: Tensor, fmt: st
     _int_gemv_kernel[grid](xq, xd, xb, experts, weights if weights is not None else xd, words, out, rows, nblk,
                            nblk if x_per_pair else 0, words.stride(0), out.stride(0), SWN=words.stride(1), UP=up,
                            WEIGHT=weights is not None, QT=qt, WPB=wpb, BN=bn, NBC=nbc,
-                           num_warps=max(1, min(num_warps, nbc * 4 // 32)))      # warps never split the rows
+                           num_warps=max(1, min(num_warps, nbc * 4 // 32)), **FMA)   # warps never split the rows
     return out

@@ -35,6 +35,11 @@ def triton_version() -> tuple[int, int]:
     m = re.match(r"(\d+)\.(\d+)", triton.__version__)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
+# every launch names Triton's contraction of a * b + c into one FMA instead of taking its default: on (the default
+# through Triton 3.9, which warns that 3.10 turns it off), the arithmetic every kernel was checked and timed with,
+# whichever Triton builds it (docs/models.md, "Numerics")
+FMA = {"enable_fp_fusion": True}
+
 ENABLED = True   # benchmarks switch the kernels off to measure the plain-torch path ("before")
 
 

@@ -57,7 +57,7 @@ from torch import Tensor
 from runtime.errors import QuantFormatError
 from runtime.formats.registry import block_format, cols_from_row_bytes
 from runtime.gpu import moe_gemv, moe_split, pdl
-from runtime.gpu.kernels import HAVE_TRITON, pow2
+from runtime.gpu.kernels import FMA, HAVE_TRITON, pow2
 
 if HAVE_TRITON:
     import triton
@@ -750,7 +750,7 @@ def dequantize(blocks: Tensor, fmt: str, out: Tensor | None = None, tile: dict[s
         G //= 2
     _dequant_kernel[(triton.cdiv(R, t["BN"]), cols // (16 * G))](blocks, out, R, blocks.stride(0), out.stride(0),
                                                                  QT=QCODE[name], BN=t["BN"], G=G,
-                                                                 num_warps=t["num_warps"])
+                                                                 num_warps=t["num_warps"], **FMA)
     return out
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from runtime.gpu import moe_kernels
-from runtime.gpu.kernels import HAVE_TRITON
+from runtime.gpu.kernels import FMA, HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -123,7 +123,7 @@ def fetch(src: Tensor, dst: Tensor, experts: Tensor, slots: Tensor, ok: Tensor) 
     n = s.shape[1]
     grid = (experts.numel(), triton.cdiv(n, FETCH_CHUNK))
     _fetch_kernel[grid](s, d, experts, slots, ok, n, s.stride(0), d.stride(0), CHUNK=FETCH_CHUNK, BLOCK=FETCH_BLOCK,
-                        num_warps=4)
+                        num_warps=4, **FMA)
 
 
 def pairs(x: Tensor, sidx: Tensor, w: Tensor, gate_up: Tensor, down: Tensor, y: Tensor) -> None:
@@ -158,5 +158,5 @@ def plan(flat: Tensor, table: Tensor, lb: int, dyn_pos: Tensor, dyn_stamp: Tenso
     _plan_kernel[(1,)](flat, table, dyn_pos, dyn_stamp, dyn_owner, dyn_slots, clock, counts, out, cand, vslot, ok,
                        NP, lb, E, D, P, M, BNP=triton.next_power_of_2(max(NP, 2)),
                        BE=triton.next_power_of_2(E + 1), BD=triton.next_power_of_2(max(D, 2)),
-                       BM=triton.next_power_of_2(max(M, 2)), COUNT=bool(count), num_warps=4)
+                       BM=triton.next_power_of_2(max(M, 2)), COUNT=bool(count), num_warps=4, **FMA)
     return out, cand, vslot, ok

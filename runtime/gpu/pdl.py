@@ -30,7 +30,7 @@ import os
 import torch
 from torch import Tensor
 
-from runtime.gpu.kernels import HAVE_TRITON
+from runtime.gpu.kernels import FMA, HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -69,9 +69,9 @@ MARK_MAX = 0
 _MARKS: dict[str, Tensor] = {}
 _PROBED: dict[int, bool] = {}
 PROBE_ERRORS: list[str] = []     # why a probe found no PDL (for the benchmarks' reports)
-_OFF = {"GDC": False}
-_ON = {"GDC": True, "launch_pdl": True}
-_ON_FIRST = {"GDC": 2, "launch_pdl": True}
+_OFF = {"GDC": False, **FMA}
+_ON = {"GDC": True, "launch_pdl": True, **FMA}
+_ON_FIRST = {"GDC": 2, "launch_pdl": True, **FMA}
 
 if HAVE_TRITON:
 
