@@ -35,8 +35,8 @@
 #      the defaults, and with the fastest split tile too if it beat the default (H100: s16p3ecr8w8 3.05 / 3.06 /
 #      3.60 ms against 3.03 / 3.04 / 3.56, a wash: h100_session40/).
 #   7. The one-row chunks of the row's own length (runtime/kv.py ONE_ROW_CHUNKS, default since this part was
-#      written): `bench/context.py --check` (row invariance, greedy speculative = target alone, on this GPU), the
-#      context table with the defaults (the issue's goal figures), then the step before (one-row-tiers: KV_TIERS
+#      written): the context table with the defaults (the issue's goal figures; context_table.json),
+#      `bench/context.py --check` (row invariance, greedy speculative = target alone, on this GPU), then the step before (one-row-tiers: KV_TIERS
 #      for one row too) against the default and two other layouts at 1k-32k on 40,960-position caches. H100
 #      (bench/results/h100_session41/): 3.03 / 3.04 / 3.56 / 4.13 -> 2.92 / 3.02 / 3.49-3.51 / 4.06 ms at 1k / 4k /
 #      16k / 32k.
@@ -123,12 +123,12 @@ print(b[4:] if b and ms(b) < ms('default') else '')" 2>/dev/null)
       > "$OUT/context_ffn.log" 2>&1; tail -16 "$OUT/context_ffn.log"
   fi
 elif [ "$part" = 7 ]; then
+  echo "--- context table, defaults ($(( $(date +%s) - start )) s)"
+  timeout 200 python3 bench/context.py --no-hf --prefill 8192 --capacity 40960 > "$OUT/context.log" 2>&1
+  mv "$OUT/context.json" "$OUT/context_table.json" 2>/dev/null; tail -16 "$OUT/context.log"
   echo "--- checks on the GPU ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/context.py --check > "$OUT/check.log" 2>&1; echo "rc=$?"
   mv "$OUT/context.json" "$OUT/check.json" 2>/dev/null; grep -E "^ *(ok|FAIL)" "$OUT/check.log" | cut -c1-200
-  echo "--- context table, defaults ($(( $(date +%s) - start )) s)"
-  timeout 200 python3 bench/context.py --no-hf --prefill 8192 --capacity 40960 > "$OUT/context.log" 2>&1
-  tail -16 "$OUT/context.log"
   echo "--- one-row chunk layouts ($(( $(date +%s) - start )) s)"
   timeout 170 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 --rounds 5 \
     --arms one-row-tiers,default,ad64,ad96m32 > "$OUT/step_ab_one_row.log" 2>&1
