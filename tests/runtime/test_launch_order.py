@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from runtime.gpu import dense_kernels, moe_gemv, pdl
+from runtime.gpu.kernels import FMA
 
 
 @pytest.fixture
@@ -19,19 +20,19 @@ def cuda_like(monkeypatch):
 
 
 def test_the_reduction_before_an_early_o_proj_lets_it_in_first(cuda_like):
-    assert pdl.launch(cuda_like, "attention_reduce:o_early") == {"GDC": 2, "launch_pdl": True}
-    assert pdl.launch(cuda_like, "attention:o_early") == {"GDC": True, "launch_pdl": True}      # split on PDL
-    assert pdl.launch(cuda_like, "attention_reduce") == {"GDC": True, "launch_pdl": True}      # waits first
-    assert pdl.launch(cuda_like, "attention") == {"GDC": False}                                # split apart
-    assert pdl.launch(cuda_like, "") == {"GDC": True, "launch_pdl": True}
+    assert pdl.launch(cuda_like, "attention_reduce:o_early") == {"GDC": 2, "launch_pdl": True, **FMA}
+    assert pdl.launch(cuda_like, "attention:o_early") == {"GDC": True, "launch_pdl": True, **FMA}      # split on PDL
+    assert pdl.launch(cuda_like, "attention_reduce") == {"GDC": True, "launch_pdl": True, **FMA}      # waits first
+    assert pdl.launch(cuda_like, "attention") == {"GDC": False, **FMA}                                # split apart
+    assert pdl.launch(cuda_like, "") == {"GDC": True, "launch_pdl": True, **FMA}
 
 
 def test_pdl_off_or_no_probe_means_plain_launches(cuda_like, monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch(cuda_like, "attention_reduce:o_early") == {"GDC": False}
+    assert pdl.launch(cuda_like, "attention_reduce:o_early") == {"GDC": False, **FMA}
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "_probe", lambda device: False)
-    assert pdl.launch(cuda_like, "attention_reduce:o_early") == {"GDC": False}
+    assert pdl.launch(cuda_like, "attention_reduce:o_early") == {"GDC": False, **FMA}
 
 
 def test_loads_early_follows_the_o_proj_tiles(monkeypatch):
