@@ -43,7 +43,8 @@
 #   8. A one-row window over a q8_0 cache with the chunks of its row's length too (runtime/kv.py ONE_ROW_CHUNKS_Q8,
 #      off: the tiers), layouts with more chunks than the BF16 one's (arms q8ad96, q8ad128, q8ad256), at 1k-32k on
 #      40,960-position caches and at 128k on a 131,136-position one. H100 before (h100_session41/part7/): the q8_0
-#      one-row step at 67 / 66 / 63 / 59 / 54% of its bound at 1k / 4k / 16k / 32k / 128k.
+#      one-row step at 67 / 66 / 63 / 59 / 54% of its bound at 1k / 4k / 16k / 32k / 128k. H100 (h100_session42/part8/):
+#      the arms 1-2% faster up to 4k, 1-3% slower at 16k-131k; on an H200 it may differ.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -44,7 +44,8 @@ KV_TIERS: tuple[int, ...] = (128, 4096, 256, 32768, 1024)
 ONE_ROW_CHUNKS: tuple[int, int, int] | None = (64, 32, 2048)
 # the same for a one-row window over a q8_0 cache, None: the tiers. Its programs dequantize every tile, so it wants
 # more of them than a BF16 cache's: ONE_ROW_CHUNKS itself made its step slower (H100, A3B, 4.36 -> 5.34 ms at 32k);
-# layouts with more chunks are benchmark arms (bench/step_ab.py q8ad*), not yet timed
+# layouts with more chunks (T 96 / 128 / 256, bench/step_ab.py arms q8ad*) were 1-2% faster up to 4k and 1-3% slower
+# at 16k-131k (H100, bench/results/h100_session42/part8/): none wins everywhere
 ONE_ROW_CHUNKS_Q8: tuple[int, int, int] | None = None
 
 
