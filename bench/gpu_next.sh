@@ -35,16 +35,16 @@
 #      the defaults, and with the fastest split tile too if it beat the default (H100: s16p3ecr8w8 3.05 / 3.06 /
 #      3.60 ms against 3.03 / 3.04 / 3.56, a wash: h100_session40/).
 #   7. The one-row chunks of the row's own length (runtime/kv.py ONE_ROW_CHUNKS, default since this part was
-#      written): the context table with the defaults (the goal figures; context_table.json),
-#      `bench/context.py --check` (row invariance, greedy speculative = target alone, on this GPU), then the step before (one-row-tiers: KV_TIERS
-#      for one row too) against the default and two other layouts at 1k-32k on 40,960-position caches. H100
+#      written): the context table with the defaults (the goal figures; context_table.json), then
+#      `bench/context.py --check` (row invariance, greedy speculative = target alone, on this GPU), then the step
+#      before (one-row-tiers: KV_TIERS for one row too) against the default and two other layouts at 1k-32k on 40,960-position caches. H100
 #      (bench/results/h100_session41/): 3.03 / 3.04 / 3.56 / 4.13 -> 2.92 / 3.02 / 3.49-3.51 / 4.06 ms at 1k / 4k /
 #      16k / 32k.
 #   8. A one-row window over a q8_0 cache with the chunks of its row's length too (runtime/kv.py ONE_ROW_CHUNKS_Q8,
 #      off: the tiers), layouts with more chunks than the BF16 one's (arms q8ad96, q8ad128, q8ad256), at 1k-32k on
 #      40,960-position caches and at 128k on a 131,136-position one. H100 before (h100_session41/part7/): the q8_0
-#      one-row step at 67 / 66 / 63 / 59 / 54% of its bound at 1k / 4k / 16k / 32k / 128k. H100 (h100_session42/part8/):
-#      the arms 1-2% faster up to 4k, 1-3% slower at 16k-131k; on an H200 it may differ.
+#      one-row step at 67 / 66 / 63 / 59 / 54% of its bound at 1k / 4k / 16k / 32k / 128k. H100
+#      (h100_session42/part8/): the arms 1-2% faster up to 4k, 1-3% slower at 16k-131k; an H200 may differ.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
