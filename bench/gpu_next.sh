@@ -38,8 +38,8 @@
 #      written): the context table with the defaults (the goal figures; context_table.json), then
 #      `bench/context.py --check` (row invariance, greedy speculative = target alone, on this GPU), then the step
 #      before (one-row-tiers: KV_TIERS for one row too) against the default and two other layouts at 1k-32k on
-#      40,960-position caches. H100 (bench/results/h100_session41/): 3.03 / 3.04 / 3.56 / 4.13 -> 2.92 / 3.02 / 3.49-3.51 / 4.06 ms at 1k / 4k /
-#      16k / 32k.
+#      40,960-position caches. H100 (bench/results/h100_session41/): 3.03 / 3.04 / 3.56 / 4.13 -> 2.92 / 3.02 /
+#      3.49-3.51 / 4.06 ms at 1k / 4k / 16k / 32k.
 #   8. A one-row window over a q8_0 cache with the chunks of its row's length too (runtime/kv.py ONE_ROW_CHUNKS_Q8,
 #      off: the tiers), layouts with more chunks than the BF16 one's (arms q8ad96, q8ad128, q8ad256), at 1k-32k on
 #      40,960-position caches and at 128k on a 131,136-position one. H100 before (h100_session41/part7/): the q8_0
