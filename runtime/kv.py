@@ -36,11 +36,12 @@ KV_TIERS: tuple[int, ...] = (128, 4096, 256, 32768, 1024)
 # "Numerics") splits by a layout chosen from the row's own length n instead: ONE_ROW_CHUNKS = (T, CMIN, CMAX), chunks
 # of C positions, C the least of CMIN, 2 CMIN, 4 CMIN, ... up to CMAX with T * C >= n: between T / 2 and T chunks a
 # row at every length from T * CMIN / 2 to T * CMAX (one or two programs an SM on the A3B's 4 KV heads), where the
-# fixed layout leaves short contexts few programs and long ones more than a wave. Still a function of the row's position only (its bits never depend on the capacity or on other rows);
-# not the wider windows' layout (their rows share K/V tiles, so chunk boundaries). H100, A3B one-row step on
-# 40,960-position caches (bench/step_ab.py arms ad*, bench/results/h100_session41/one_row_chunks/): against KV_TIERS
-# 3.03 -> 2.92 ms at 1k, 3.04 -> 2.94 at 2k, 3.04 -> 3.02 at 4k (the same layout there), 3.23 -> 3.19 at 8k, 3.56
-# -> 3.49-3.51 at 16k, 4.13 -> 4.06 at 32k; 7.45 -> 7.14 at 131k (a 131k cache). None: KV_TIERS for one row too.
+# fixed layout leaves short contexts few programs and long ones more than a wave. Still a function of the row's
+# position only (its bits never depend on the capacity or on other rows); not the wider windows' layout (their rows
+# share K/V tiles, so chunk boundaries). H100, A3B one-row step on 40,960-position caches (bench/step_ab.py arms ad*,
+# bench/results/h100_session41/one_row_chunks/): against KV_TIERS 3.03 -> 2.92 ms at 1k, 3.04 -> 2.94 at 2k, 3.04 ->
+# 3.02 at 4k (the same layout there), 3.23 -> 3.19 at 8k, 3.56 -> 3.49-3.51 at 16k, 4.13 -> 4.06 at 32k; 7.45 -> 7.14
+# at 131k (a 131k cache). None: KV_TIERS for one row too.
 ONE_ROW_CHUNKS: tuple[int, int, int] | None = (64, 32, 2048)
 # the same for a one-row window over a q8_0 cache, None: the tiers. Its programs dequantize every tile, so it wants
 # more of them than a BF16 cache's: ONE_ROW_CHUNKS itself made its step slower (H100, A3B, 4.36 -> 5.34 ms at 32k);

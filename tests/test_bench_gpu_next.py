@@ -1,6 +1,7 @@
 """bench/gpu_next.sh, the GPU measurements a session without a device leaves for the next lease: every arm its
 calls name is one of bench/step_ab.py's (a call that names a dropped arm would fail on the device, after its start
-was paid for; so is every tile of runtime/gpu/moe_split.py it times), and every arm's chunk layout is one the kernels take (runtime/kv.py `tiers4`, `one_row_layout`)."""
+was paid for; so is every tile of runtime/gpu/moe_split.py it times), and every arm's chunk layout is one the
+kernels take (runtime/kv.py `tiers4`, `one_row_layout`)."""
 
 import re
 from pathlib import Path
