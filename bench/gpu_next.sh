@@ -37,7 +37,8 @@
 #   7. The one-row chunks of the row's own length (runtime/kv.py ONE_ROW_CHUNKS, default since this part was
 #      written): the context table with the defaults (the goal figures; context_table.json), then
 #      `bench/context.py --check` (row invariance, greedy speculative = target alone, on this GPU), then the step
-#      before (one-row-tiers: KV_TIERS for one row too) against the default and two other layouts at 1k-32k on
+#      before (one-row-tiers: KV_TIERS for one row too) against the default, the step's inputs through torch's
+#      six launches (inputs-torch: static_step.STEP_INPUTS off) and another layout (ad64) at 1k-32k on
 #      40,960-position caches. H100 (bench/results/h100_session41/): 3.03 / 3.04 / 3.56 / 4.13 -> 2.92 / 3.02 /
 #      3.49-3.51 / 4.06 ms at 1k / 4k / 16k / 32k.
 #   8. A one-row window over a q8_0 cache with the chunks of its row's length too (runtime/kv.py ONE_ROW_CHUNKS_Q8,
@@ -132,7 +133,7 @@ elif [ "$part" = 7 ]; then
   mv "$OUT/context.json" "$OUT/check.json" 2>/dev/null; grep -E "^ *(ok|FAIL)" "$OUT/check.log" | cut -c1-200
   echo "--- one-row chunk layouts ($(( $(date +%s) - start )) s)"
   timeout 170 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 --rounds 5 \
-    --arms one-row-tiers,default,ad64,ad96m32 > "$OUT/step_ab_one_row.log" 2>&1
+    --arms one-row-tiers,default,inputs-torch,ad64 > "$OUT/step_ab_one_row.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_one_row.json"; grep -v "━" "$OUT/step_ab_one_row.log" | tail -20
 elif [ "$part" = 8 ]; then
   echo "--- one-row layouts over a q8_0 cache ($(( $(date +%s) - start )) s)"

@@ -65,8 +65,8 @@ OLD_SKIP = {"attention", "attention_reduce"}
 # "dense": dense_kernels.ONE_ROW_DENSE; "norm": FUSE_NORM; "sum": moe_gemv.DOWN_SUM; "route_warps":
 # moe_kernels.ROUTE_WARPS_ONE_ROW; "late": EARLY loads off; "pdl": pdl.ENABLED; "skip": pdl.SKIP; "rt1":
 # attention_kernels.ROW_TILE_ONE, "rt1q8": ROW_TILE_ONE_Q8 (else "rt1"), off: ROW_TILE's 64 lines; "q8_one_regs":
-# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH) and whether it
-# also runs wider steps ("wide": one-row options change nothing there)
+# SPLIT_ONE_Q8_REGS, off: no cap; "exit": SPLIT_EXIT_EARLY; "kv_pf": SPLIT_KV_PREFETCH; "inputs":
+# static_step.STEP_INPUTS) and whether it also runs wider steps ("wide": one-row options change nothing there)
 ARMS: dict[str, dict[str, Any]] = {
     "before": {"wide": True},                    # no PDL, one-row experts on the tl.dot tiles
     "moe1": {"moe1": "n16d32", "wide": True},
@@ -83,7 +83,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "default": {"moe1": "u1d32", "dense": ONE_DENSE_NOW, "norm": True, "sum": SUM, "pdl": True,
                 "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "qnorm": True, "qship": True,
                 "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED, "q8_one_regs": Q8_ONE_REGS_SHIPPED,
-                "exit": True, "kv_pf": KV_PF_SHIPPED},
+                "exit": True, "kv_pf": KV_PF_SHIPPED, "inputs": True},
     "default-late": {"moe1": "u1d32", "dense": ONE_DENSE_NOW, "norm": True, "sum": SUM, "pdl": True,
                      "skip": {"attention"}, "trig": {"attention_reduce:o_early"}, "route_warps": 2, "late": True,
                      "rt1": ROW_TILE_ONE_SHIPPED, "rt1q8": ROW_TILE_ONE_Q8_SHIPPED,
@@ -171,6 +171,8 @@ ARMS["q8-wide16"] = {**_DEFAULT, "wide": True, "rtq8": 16}
 # the split kernel's programs with nothing to compute waiting for the kernel before and loading their queries before
 # they end (attention_kernels.SPLIT_EXIT_EARLY off: the runtime before it; matters with --capacity above the context)
 ARMS["split-exit-late"] = {**_DEFAULT, "wide": True, "exit": False}
+# the step's positions and embedding rows through torch's six launches, as before static_step.STEP_INPUTS
+ARMS["inputs-torch"] = {**_DEFAULT, "wide": True, "inputs": False}
 # the split kernel's working programs asking the first N positions of their first chunk into L2 before their PDL
 # wait (attention_kernels.SPLIT_KV_PREFETCH; "kv-pf0": none), o_proj on the lean kernel as in h100_session36
 _LEAN = {**ONE_DENSE, "o_proj": "one_d4lean"}
@@ -297,6 +299,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     """The module switches of one arm (every switch it does not name off)."""
     from runtime import kv
     from runtime.gpu import attention_kernels, dense_kernels, moe_gemv, moe_kernels, moe_row, moe_split, pdl
+    from runtime.gpu import static_step as static_step_mod
 
     kv.KV_TIERS = arm.get("tiers", TIERS_SHIPPED)
     kv.ONE_ROW_CHUNKS = arm.get("one_row_chunks", ONE_ROW_CHUNKS_SHIPPED)
@@ -308,6 +311,7 @@ def set_arm(arm: dict[str, Any], one_row: dict[str, str | None]) -> None:
     attention_kernels.Q8_PREFETCH = Q8_PREFETCH_SHIPPED and not arm.get("q8_pipe")
     attention_kernels.SPLIT_ONE_Q8_REGS = arm.get("q8_one_regs", 0)
     attention_kernels.SPLIT_EXIT_EARLY = bool(arm.get("exit"))
+    static_step_mod.STEP_INPUTS = bool(arm.get("inputs"))
     attention_kernels.SPLIT_KV_PREFETCH = int(arm.get("kv_pf", 0))
     attention_kernels.SPLIT_TILE_Q8["num_stages"] = arm.get("q8_pipe", Q8_STAGES_SHIPPED)
     attention_kernels.SPLIT_TILE.clear()

@@ -40,6 +40,22 @@ if HAVE_TRITON:
         tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _step_inputs_kernel(t_ptr, ids_ptr, emb_ptr, pos_ptr, x_ptr, H, stride_e, EMB: tl.constexpr,
+                            BH: tl.constexpr, GDC: tl.constexpr = False):
+        """Row r of a window: its position (start + r, or -1 past the window's rows) and (EMB) its token's
+        embedding."""
+        pdl.start(GDC)
+        r = tl.program_id(0)
+        start = tl.load(t_ptr)
+        rows = tl.load(t_ptr + 1)
+        tl.store(pos_ptr + r, tl.where(r < rows, start + r, -1).to(pos_ptr.dtype.element_ty))
+        if EMB:
+            tok = tl.load(ids_ptr + r).to(tl.int64)
+            c = tl.arange(0, BH)
+            m = c < H
+            tl.store(x_ptr + r * H + c, tl.load(emb_ptr + tok * stride_e + c, mask=m), mask=m)
+
 GEMV_ROWS = 64   # rows per launch of the GEMV kernels (decode and verify windows are narrower)
 
 _ONE_EXPERT: dict[tuple[torch.device, int], tuple[Tensor, Tensor, Tensor]] = {}
@@ -301,3 +317,16 @@ def rmsnorm(x: Tensor, w: Tensor, eps: float, delta: Tensor | None = None) -> tu
     _rmsnorm_kernel[(M,)](x, delta if delta is not None else x, w, xo, y, H, float(eps), x.stride(0), y.stride(0),
                           HAS_D=delta is not None, BH=triton.next_power_of_2(H), **pdl.launch(x))
     return xo, y
+
+
+def step_inputs(t: Tensor, ids: Tensor, pos: Tensor, emb: Tensor | None) -> Tensor | None:
+    """A step's inputs in one launch where torch takes six (docs/models.md, "The one-row step"): pos[r] = t[0] + r
+    for the window's t[1] rows and -1 past them, and with a float embedding table `emb` the embedding rows
+    x [W, H] of ids [W] (a copy: the same bits; None: the positions alone, None returned)."""
+    W = ids.shape[0]
+    H = emb.shape[1] if emb is not None else 1
+    x = torch.empty(W, H, dtype=emb.dtype, device=emb.device) if emb is not None else None
+    _step_inputs_kernel[(W,)](t, ids, emb if emb is not None else pos, pos, x if x is not None else pos, H,
+                              emb.stride(0) if emb is not None else 0, EMB=emb is not None,
+                              BH=triton.next_power_of_2(H), **pdl.launch(pos))
+    return x

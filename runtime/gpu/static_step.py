@@ -155,6 +155,9 @@ CPU_ROW_BMM = True
 # the values product in chunks of this many positions fixed by absolute position (`StaticStep._attend_window`);
 # 0: each row alone (`_attend_bmm`)
 CPU_WINDOW_CHUNK = 512
+# the fused step's positions and embedding rows in one launch (`dense_kernels.step_inputs`) instead of torch's six
+# (docs/models.md, "The one-row step"); off: torch's ops (bench/step_ab.py arm inputs-torch)
+STEP_INPUTS = True
 
 
 class StaticStep:
@@ -365,7 +368,7 @@ class StaticStep:
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
         return out
 
-    def _forward_fused(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _forward_fused(self, taps: tuple[int, ...], x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """The same step through the fused kernels (runtime/kernels.py): 11 launches a layer, the Triton ones
         with programmatic dependent launch (runtime/gpu/pdl.py); a one-row BF16 step 10, all Triton, its norms
         folded into the products (docs/models.md, "The one-row step")."""
@@ -374,7 +377,6 @@ class StaticStep:
         eps = cfg.rms_norm_eps
         pos = self.pos
         inv, rscale = m.rotary.inv_freq, m.rotary.scale
-        x = m.model.embed_tokens(self.ids)[0]                    # [W, H]
         wanted = {t: j for j, t in enumerate(taps)}
         tap_out: list[Tensor | None] = [None] * len(taps)
         for i, layer in enumerate(m.model.layers):
@@ -388,14 +390,20 @@ class StaticStep:
         return logits, hidden, tap_t
 
     def _step(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The captured function: positions from the device scalars (rows past the window at -1), then the forward."""
+        """The captured function: positions from the device scalars (rows past the window at -1), then the forward
+        (the fused one gets its embedding rows from the same launch)."""
+        if self.fused and STEP_INPUTS:
+            emb = self.model.model.embed_tokens       # a GGUF target's may be blocks (QuantEmbedding): torch's lookup
+            x = dense_kernels.step_inputs(self.host.t, self.ids[0], self.pos,
+                                          emb.weight if isinstance(emb, torch.nn.Embedding) else None)
+            return self._forward_fused(taps, emb(self.ids)[0] if x is None else x)
         start, rows = self.host.t[0:1], self.host.t[1:2]
         self.pos.copy_(torch.where(self.ar < rows, start + self.ar, -1))
         return self._forward(taps)
 
     def _forward(self, taps: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.fused:
-            return self._forward_fused(taps)
+            return self._forward_fused(taps, self.model.model.embed_tokens(self.ids)[0])
         if self.cpu and CPU_FEWER_OPS:
             plans = self.plan.get() if CPU_PLAN and self.width <= DENSE_ROWS else None
             if plans is not None:

@@ -1121,6 +1121,27 @@ def check_fused_step(quant: str | None = None, width: int = 4) -> None:
         assert torch.allclose(ka, kb, atol=1e-5 if quant is None else 0.05), (ka - kb).abs().max()
 
 
+def check_step_inputs() -> None:
+    """`dense_kernels.step_inputs`: the window's positions (start + r for its rows, -1 past them, int32) and its
+    tokens' embedding rows, the same bits as torch's ops, for a full, a narrower and an empty window (without a
+    float table: the positions alone)."""
+    from runtime.gpu import dense_kernels
+
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(50, 24, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([7, 0, 49, 3, 12], dtype=torch.long)
+    ar = torch.arange(5)
+    for start, rows in ((0, 5), (37, 3), (9, 0)):
+        t = torch.tensor([start, rows], dtype=torch.long)
+        pos = torch.full((5,), 123, dtype=torch.int32)
+        x = dense_kernels.step_inputs(t, ids, pos, emb)
+        assert torch.equal(pos, torch.where(ar < rows, start + ar, -1).to(torch.int32)), (start, rows, pos)
+        assert x is not None and x.dtype == emb.dtype and torch.equal(x, emb[ids]), (start, rows)
+        pos.fill_(123)
+        assert dense_kernels.step_inputs(t, ids, pos, None) is None             # a block-format table: positions
+        assert torch.equal(pos, torch.where(ar < rows, start + ar, -1).to(torch.int32)), (start, rows, pos)
+
+
 def check_prefill_chunk(quant: str | None = None) -> None:
     """The fused prefill chunk (runtime/gpu/prefill_chunk.py) against the module forward, fp32: two chunks (the
     second attends to the first through the cache), its taps, hidden rows, logits and the K/V it leaves."""
@@ -1491,6 +1512,7 @@ if __name__ == "__main__":
         check_moe(dt)
         check_quant(dt)
         check_dyn_conv(dt)
+    check_step_inputs()
     check_fused_step()
     check_fused_step("q8_0")
     check_fused_step(width=1)
