@@ -39,7 +39,6 @@ if HAVE_TRITON:
         y = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(y_ptr + r * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
-
     @triton.jit
     def _step_inputs_kernel(t_ptr, ids_ptr, emb_ptr, pos_ptr, x_ptr, H, stride_e, EMB: tl.constexpr,
                             BH: tl.constexpr, GDC: tl.constexpr = False):
@@ -55,6 +54,7 @@ if HAVE_TRITON:
             c = tl.arange(0, BH)
             m = c < H
             tl.store(x_ptr + r * H + c, tl.load(emb_ptr + tok * stride_e + c, mask=m), mask=m)
+
 
 GEMV_ROWS = 64   # rows per launch of the GEMV kernels (decode and verify windows are narrower)
 
@@ -320,9 +320,9 @@ def rmsnorm(x: Tensor, w: Tensor, eps: float, delta: Tensor | None = None) -> tu
 
 
 def step_inputs(t: Tensor, ids: Tensor, pos: Tensor, emb: Tensor | None) -> Tensor | None:
-    """A step's inputs in one launch where torch takes six (docs/models.md, "The one-row step"): pos[r] = t[0] + r
-    for the window's t[1] rows and -1 past them, and with a float embedding table `emb` the embedding rows
-    x [W, H] of ids [W] (a copy: the same bits; None: the positions alone, None returned)."""
+    """A step's inputs in one launch where torch takes six (docs/models.md, "The captured step, kernel by kernel"):
+    pos[r] = t[0] + r for the window's t[1] rows and -1 past them, and with a float embedding table `emb` the
+    embedding rows x [W, H] of ids [W] (a copy: the same bits; None: the positions alone, None returned)."""
     W = ids.shape[0]
     H = emb.shape[1] if emb is not None else 1
     x = torch.empty(W, H, dtype=emb.dtype, device=emb.device) if emb is not None else None

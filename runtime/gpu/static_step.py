@@ -156,7 +156,7 @@ CPU_ROW_BMM = True
 # 0: each row alone (`_attend_bmm`)
 CPU_WINDOW_CHUNK = 512
 # the fused step's positions and embedding rows in one launch (`dense_kernels.step_inputs`) instead of torch's six
-# (docs/models.md, "The one-row step"); off: torch's ops (bench/step_ab.py arm inputs-torch)
+# (docs/models.md, "The captured step, kernel by kernel"); off: torch's ops (bench/step_ab.py arm inputs-torch)
 STEP_INPUTS = True
 
 
