@@ -324,9 +324,10 @@ def step_inputs(t: Tensor, ids: Tensor, pos: Tensor, emb: Tensor | None) -> Tens
     pos[r] = t[0] + r for the window's t[1] rows and -1 past them, and with a float embedding table `emb` the
     embedding rows x [W, H] of ids [W] (a copy: the same bits; None: the positions alone, None returned)."""
     W = ids.shape[0]
-    H = emb.shape[1] if emb is not None else 1
-    x = torch.empty(W, H, dtype=emb.dtype, device=emb.device) if emb is not None else None
-    _step_inputs_kernel[(W,)](t, ids, emb if emb is not None else pos, pos, x if x is not None else pos, H,
-                              emb.stride(0) if emb is not None else 0, EMB=emb is not None,
-                              BH=triton.next_power_of_2(H), **pdl.launch(pos))
+    if emb is None:                   # no table to read: pos stands in for the pointers the kernel never reads
+        _step_inputs_kernel[(W,)](t, ids, pos, pos, pos, 1, 0, EMB=False, BH=1, **pdl.launch(pos))
+        return None
+    x = torch.empty(W, emb.shape[1], dtype=emb.dtype, device=emb.device)
+    _step_inputs_kernel[(W,)](t, ids, emb, pos, x, emb.shape[1], emb.stride(0), EMB=True,
+                              BH=triton.next_power_of_2(emb.shape[1]), **pdl.launch(pos))
     return x
