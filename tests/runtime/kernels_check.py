@@ -502,7 +502,7 @@ def check_moe_gemv(half: int | None = None) -> None:
     moe_gemv.GEMV_VARIANTS["_one_blk"] = {**one, "BN_UP": 64, "BN_DOWN": 8, "J": 2, "num_warps": 4}
     moe_gemv.GEMV_VARIANTS["_one_blk1"] = {**one, "BN_UP": 4, "BN_DOWN": 16, "J": 1, "num_warps": 2}
     try:
-        E, k, T = 5, 2, 4
+        E, k, T4 = 5, 2, 4
         # the pairs decode uses, every other variant once (the format alternates), the odd one on every format
         cases = [(v, f) for f, v in saved.items() if v is not None and f in ("q4_0", "q8_0", "q5_0")]
         rest = [v for v in moe_gemv.GEMV_VARIANTS if not v.startswith("_") and v not in {c[0] for c in cases}
@@ -524,7 +524,9 @@ def check_moe_gemv(half: int | None = None) -> None:
         cases += [("n8j2np", "q5_k")]        # Q5_K's shipped tile (DECODE_GEMV), its qh words read on every row
         if every:
             cases += [("_odd", "q3_k"), ("_odd", "q2_k")]      # their own code (`_rows23`), then their shipped tiles
-        cases += [(saved["q3_k"], "q3_k"), (saved["q2_k"], "q2_k")]
+        # Q2_K gate/up and Q3_K down on their shipped tiles in one case (check_moe_quant has them the other way round):
+        # the format code of each in both roles
+        cases += [(None, ("q2_k", "q3_k"))]
         cases += [("_odd", "iq4_xs")] if every else [(saved["iq4_xs"], "iq4_xs")]   # the table lookup (`_rowsiq`)
         cases += [("_odd", "iq4_nl"), ("u4d8k2np", "iq4_nl")]     # Q4_0's blocks, levels looked up (`_dot32`)
         cases += [("_one_blk", "q4_0"), ("_one_blk1", "q8_0")]
@@ -532,28 +534,31 @@ def check_moe_gemv(half: int | None = None) -> None:
             if half is not None and n % 2 != half:
                 continue
             # a variant no table ships (a tuning candidate) runs at a smaller shape, without the slot checks: the
-            # interpreter runs every program in turn, and CI has two cores
-            shipped = var.startswith("_") or var in saved.values()
-            H, NI = (256, 256) if fmt in SB else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
+            # interpreter runs every program in turn, and CI has two cores; var None: the formats' shipped variants
+            shipped = var is None or var.startswith("_") or var in saved.values()
+            fg, fd = (fmt, fmt) if isinstance(fmt, str) else fmt
+            sb = fg in SB
+            H, NI = (256, 256) if sb else (40, 24) if fmt == "bf16" else (64, 96 if shipped else 32)
             g = torch.Generator().manual_seed(20 + n)
             if fmt == "bf16":             # rows of 40 and 24 values: steps of 16 with a masked tail
                 gub, dnb = (torch.randn(E, 2 * NI, H, generator=g) * 0.1), (torch.randn(E, H, NI, generator=g) * 0.1)
                 guf, dnf = gub, dnb
             else:
-                gub, guf = expert_blocks(fmt, E, 2 * NI, H, g)
-                dnb, dnf = expert_blocks(fmt, E, H, NI, g)
+                gub, guf = expert_blocks(fg, E, 2 * NI, H, g)
+                dnb, dnf = expert_blocks(fd, E, H, NI, g)
+            T = 3 if sb else T4           # super-block rows take the interpreter seconds a pair: three rows do
             x = torch.randn(T, H, generator=g)
             idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
             idx[2, 1] = idx[0, 0] if idx[2, 0] != idx[0, 0] else idx[0, 1]     # rows 0 and 2 share an expert
             w = torch.rand(T, k, generator=g)
             f = None if fmt == "bf16" else fmt
-            moe_gemv.DECODE_GEMV[fmt] = var
+            moe_gemv.DECODE_GEMV.update({fg: var or saved[fg], fd: var or saved[fd]})
             out = moe_kernels.moe_grouped(x, idx, w, gub, dnb, fmt=f)
             assert rel(out, ref_moe(x, idx, w, guf, dnf)) < 3e-3, (var, fmt, rel(out, ref_moe(x, idx, w, guf, dnf)))
-            for i in ((2,) if fmt in SB else (0, 2)):
+            for i in ((2,) if sb else (0, 2)):
                 one = moe_kernels.moe_grouped(x[i:i + 1], idx[i:i + 1], w[i:i + 1], gub, dnb, fmt=f)
                 assert torch.equal(one[0], out[i]), (var, fmt, i)
-            if fmt in SB or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
+            if sb or not shipped or (var not in ("_odd", "_one_blk") and fmt == "q8_0"):
                 continue
             res = [2, 0, 4]                              # slot -> expert; experts 1 and 3 missed
             slot = torch.full((E,), -1, dtype=torch.int32)
@@ -1031,12 +1036,15 @@ def check_r1_q4k() -> None:
     for name in ("r4d8k2w4j4", "r8d8k4w4j8"):
         got = dense_kernels.gemv(x, blk[0], "q4_k", moe_gemv.GEMV_VARIANTS[name])
         assert got.shape == (1, 36) and rel(got, ref) < 3e-5, (name, rel(got, ref))
-    E, k, T, H, NI = 4, 2, 2, 256, 256
+    # the interpreter runs every program of every (row, expert) pair in turn, and a row of 256-value super-blocks
+    # takes it seconds: the window has two rows of one expert each (the same one), the row alone one pair, the
+    # shipped one-row variant a row of two experts (its down products summed)
+    E, H, NI = 4, 256, 256
     gub, guf = expert_blocks("q4_k", E, 2 * NI, H, g)
     dnb, dnf = expert_blocks("q4_k", E, H, NI, g)
-    xs = torch.randn(T, H, generator=g)
-    idx = torch.tensor([[0, 2], [2, 1]])                  # both rows on expert 2
-    w = torch.rand(T, k, generator=g)
+    xs = torch.randn(2, H, generator=g)
+    idx = torch.tensor([[2], [2]])                          # both rows on expert 2
+    w = torch.rand(2, 1, generator=g)
     saved, saved_one = dict(moe_gemv.DECODE_GEMV), dict(moe_gemv.DECODE_GEMV_ONE_ROW)
     try:
         moe_gemv.DECODE_GEMV["q4_k"] = "r8d8k4w4j8"
@@ -1047,8 +1055,9 @@ def check_r1_q4k() -> None:
         assert torch.equal(one[0], out[1])
         moe_gemv.DECODE_GEMV_ONE_ROW.update(saved_one)        # the shipped one-row variant (R1 gate/up, looped down)
         assert moe_gemv.variant("q4_k", 1).get("R1_UP") == 8
-        one = moe_kernels.moe_grouped(xs[:1], idx[:1], w[:1], gub, dnb, fmt="q4_k")
-        ref1 = ref_moe(xs[:1], idx[:1], w[:1], guf, dnf)
+        idx1, w1 = torch.tensor([[0, 2]]), torch.rand(1, 2, generator=g)
+        one = moe_kernels.moe_grouped(xs[:1], idx1, w1, gub, dnb, fmt="q4_k")
+        ref1 = ref_moe(xs[:1], idx1, w1, guf, dnf)
         assert rel(one, ref1) < 3e-5, rel(one, ref1)
     finally:
         moe_gemv.DECODE_GEMV.update(saved)
@@ -1474,8 +1483,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["moe_gemv"]:   # its own runs (tests/runtime/test_moe_kernels.py): moe_gemv [0|1]
         half = int(sys.argv[2]) if len(sys.argv) > 2 else None
         check_moe_gemv(half)
-        if half != 1:         # half 1's formats take the interpreter longer
+        if half != 1:         # the halves take alike (CI's two cores): half 0's cases take the interpreter longer
             check_gemv_one_step(torch.float16)
+        if half != 0:
             check_r1_q4k()
         for dt in (torch.float32, torch.float16):
             if half is None or half == (dt == torch.float16):      # one dtype a half: the halves take alike
