@@ -46,6 +46,10 @@
 #      40,960-position caches and at 128k on a 131,136-position one. H100 before (h100_session41/part7/): the q8_0
 #      one-row step at 67 / 66 / 63 / 59 / 54% of its bound at 1k / 4k / 16k / 32k / 128k. H100
 #      (h100_session42/part8/): the arms 1-2% faster up to 4k, 1-3% slower at 16k-131k; an H200 may differ.
+#   goal. With little device time left (about 6 minutes): part 7 without its GPU checks (an H100 ran them with the
+#      same kernels, h100_session43/check/): the context table with the 8192-token prefill chunk too (what the wizard
+#      picks when every expert is resident), then the one-row layout against the tiers at 1k-32k. H100
+#      (h100_session44/table/): BF16 decode 69 / 70 / 72 / 75 / 87% of the bound at 1k / 4k / 16k / 32k / 128k (W=1).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -135,6 +139,15 @@ elif [ "$part" = 7 ]; then
   timeout 170 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 --rounds 5 \
     --arms one-row-tiers,default,inputs-torch,ad64 > "$OUT/step_ab_one_row.log" 2>&1
   mv "$OUT/step_ab.json" "$OUT/step_ab_one_row.json"; grep -v "━" "$OUT/step_ab_one_row.log" | tail -20
+elif [ "$part" = goal ]; then
+  echo "--- context table, defaults ($(( $(date +%s) - start )) s)"
+  timeout 230 python3 bench/context.py --no-hf --prefill 8192 --extra-chunks 8192 --capacity 40960 \
+    > "$OUT/context.log" 2>&1
+  mv "$OUT/context.json" "$OUT/context_table.json" 2>/dev/null; grep -E "^  (decode|prefill)" "$OUT/context.log"
+  echo "--- one-row chunk layout against the tiers ($(( $(date +%s) - start )) s)"
+  timeout 150 python3 bench/step_ab.py --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 --rounds 5 \
+    --arms one-row-tiers,default > "$OUT/step_ab_one_row.log" 2>&1
+  mv "$OUT/step_ab.json" "$OUT/step_ab_one_row.json"; grep -v "━" "$OUT/step_ab_one_row.log" | tail -14
 elif [ "$part" = 8 ]; then
   echo "--- one-row layouts over a q8_0 cache ($(( $(date +%s) - start )) s)"
   timeout 200 python3 bench/step_ab.py --kv q8_0 --contexts 1024,4096,16384,32768 --widths 1 --capacity 40960 \
