@@ -1485,7 +1485,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["moe_gemv"]:   # its own runs (tests/runtime/test_moe_kernels.py): moe_gemv [0|1]
         half = int(sys.argv[2]) if len(sys.argv) > 2 else None
         check_moe_gemv(half)
-        if half != 1:         # the halves take alike (CI's two cores): half 0's cases take the interpreter longer
+        if half != 1:         # one-step tiles with half 0, the R1 check with half 1: the halves take alike on two cores
             check_gemv_one_step(torch.float16)
         if half != 0:
             check_r1_q4k()
